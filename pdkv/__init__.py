@@ -1,0 +1,23 @@
+"""pdkv: prefill/decode KV-cache transfer through a pinned decode-side CPU buffer.
+
+``import pdkv`` needs neither CUDA nor pyverbs; GPU and RDMA features say what is
+missing when asked for.
+"""
+
+from . import errors, layout, shm
+from .errors import *  # noqa: F403
+from .layout import GIB, CacheSpec, KVLayout, Segment, tp_segments
+from .shm import SharedBuffer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "GIB",
+    "CacheSpec",
+    "KVLayout",
+    "Segment",
+    "SharedBuffer",
+    "tp_segments",
+    *errors.__all__,
+]

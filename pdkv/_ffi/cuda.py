@@ -1,0 +1,392 @@
+"""One funnel over ``cuda.bindings``: runtime, plus driver and NVRTC loaded lazily.
+
+Every call goes through :func:`_call`, which turns a non-success status into
+:class:`~pdkv.errors.CudaError` carrying the status name and description. Statuses that
+mean "absent" are values, not exceptions: :func:`device_count` is 0 without bindings,
+driver or device; :func:`event_query` is ``False`` while work is pending.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import CudaError, CudaUnavailableError
+
+__all__ = [
+    "bindings_available",
+    "compile_kernel",
+    "device_count",
+    "compute_capability",
+    "current_device",
+    "set_device",
+    "host_register",
+    "host_unregister",
+    "host_device_pointer",
+    "pointer_info",
+    "malloc",
+    "free",
+    "malloc_host",
+    "free_host",
+    "memcpy",
+    "memset",
+    "memcpy_async",
+    "memcpy_batch_async",
+    "stream_create",
+    "stream_destroy",
+    "stream_synchronize",
+    "event_create",
+    "event_record",
+    "event_query",
+    "event_synchronize",
+    "event_elapsed_ms",
+    "event_destroy",
+    "launch",
+    "mem_get_info",
+]
+
+_lock = threading.Lock()
+_mods: dict[str, Any] = {}
+
+# cudaError_t values that mean "there is no usable CUDA here"
+_ABSENT_STATUSES = {35, 100}  # cudaErrorInsufficientDriver, cudaErrorNoDevice
+
+
+def _rt() -> Any:
+    mod = _mods.get("rt")
+    if mod is None:
+        try:
+            from cuda.bindings import runtime as mod  # type: ignore[import-not-found]
+        except ImportError as exc:
+            raise CudaUnavailableError(
+                "CUDA support needs cuda-bindings: pip install 'pdkv[cuda]'"
+            ) from exc
+        _mods["rt"] = mod
+    return mod
+
+
+def _drv() -> Any:
+    mod = _mods.get("drv")
+    if mod is None:
+        _rt()
+        try:
+            from cuda.bindings import driver as mod  # type: ignore[import-not-found]
+
+            _check_drv(mod.cuInit(0), "cuInit")
+        except RuntimeError as exc:  # cuda.pathfinder: library not found
+            raise CudaUnavailableError(f"CUDA driver library not found: {exc}") from exc
+        _mods["drv"] = mod
+    return mod
+
+
+def _nvrtc() -> Any:
+    mod = _mods.get("nvrtc")
+    if mod is None:
+        _rt()
+        try:
+            from cuda.bindings import nvrtc as mod  # type: ignore[import-not-found]
+
+            mod.nvrtcVersion()
+        except RuntimeError as exc:
+            raise CudaUnavailableError(
+                f"NVRTC not found (pip install 'pdkv[cuda]' brings it): {exc}"
+            ) from exc
+        _mods["nvrtc"] = mod
+    return mod
+
+
+def bindings_available() -> bool:
+    """True when ``cuda.bindings`` imports (says nothing about a driver or device)."""
+    try:
+        _rt()
+    except CudaUnavailableError:
+        return False
+    return True
+
+
+def _raise(code: int, call: str) -> None:
+    rt = _rt()
+    try:
+        err = rt.cudaError_t(code)
+        name = rt.cudaGetErrorName(err)[1].decode()
+        desc = rt.cudaGetErrorString(err)[1].decode()
+    except Exception:  # an unknown code, or a driver-API status below
+        name, desc = f"status {code}", "unknown CUDA status"
+    raise CudaError(code, name, desc, call)
+
+
+def _call(res: Any, call: str) -> Any:
+    """Check a runtime-API ``(status, *values)`` tuple; return the values."""
+    status, *rest = res if isinstance(res, tuple) else (res,)
+    code = int(status)
+    if code != 0:
+        _raise(code, call)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def _check_drv(res: Any, call: str) -> Any:
+    status, *rest = res if isinstance(res, tuple) else (res,)
+    code = int(status)
+    if code != 0:
+        drv = _mods.get("drv")
+        name = desc = ""
+        if drv is not None:
+            try:
+                name = drv.cuGetErrorName(status)[1].decode()
+                desc = drv.cuGetErrorString(status)[1].decode()
+            except Exception:
+                pass
+        raise CudaError(code, name or f"CUresult {code}", desc or "driver API error", call)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def _check_nvrtc(res: Any, call: str, prog: Any = None) -> Any:
+    status, *rest = res if isinstance(res, tuple) else (res,)
+    code = int(status)
+    if code != 0:
+        nv = _nvrtc()
+        log = ""
+        if prog is not None:
+            try:
+                size = nv.nvrtcGetProgramLogSize(prog)[1]
+                buf = b" " * size
+                nv.nvrtcGetProgramLog(prog, buf)
+                log = buf.decode(errors="replace")
+            except Exception:
+                pass
+        name = nv.nvrtcGetErrorString(status)[1].decode()
+        raise CudaError(code, name, f"NVRTC failed{': ' + log if log else ''}", call)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+# ---------------------------------------------------------------- devices
+
+def device_count() -> int:
+    """Number of CUDA devices; 0 without bindings, driver or device. Raises on other errors."""
+    try:
+        rt = _rt()
+    except CudaUnavailableError:
+        return 0
+    status, n = rt.cudaGetDeviceCount()
+    if int(status) in _ABSENT_STATUSES:
+        return 0
+    _call((status,), "cudaGetDeviceCount")
+    return int(n)
+
+
+def set_device(device: int) -> None:
+    _call(_rt().cudaSetDevice(device), "cudaSetDevice")
+
+
+def current_device() -> int:
+    return int(_call(_rt().cudaGetDevice(), "cudaGetDevice"))
+
+
+def compute_capability(device: int) -> tuple[int, int]:
+    rt = _rt()
+    a = rt.cudaDeviceAttr
+    major = _call(rt.cudaDeviceGetAttribute(a.cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute")
+    minor = _call(rt.cudaDeviceGetAttribute(a.cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute")
+    return int(major), int(minor)
+
+
+def mem_get_info() -> tuple[int, int]:
+    free_b, total = _call(_rt().cudaMemGetInfo(), "cudaMemGetInfo")
+    return int(free_b), int(total)
+
+
+# ---------------------------------------------------------------- host memory
+
+def host_register(addr: int, size: int, *, mapped: bool = True, portable: bool = True) -> None:
+    """Page-lock ``[addr, addr+size)`` with ``cudaHostRegister``."""
+    rt = _rt()
+    flags = 0
+    if portable:
+        flags |= rt.cudaHostRegisterPortable
+    if mapped:
+        flags |= rt.cudaHostRegisterMapped
+    _call(rt.cudaHostRegister(addr, size, flags), "cudaHostRegister")
+
+
+def host_unregister(addr: int) -> None:
+    _call(_rt().cudaHostUnregister(addr), "cudaHostUnregister")
+
+
+def host_device_pointer(addr: int) -> int:
+    """Device address of a mapped, registered host pointer (equal to it under UVA)."""
+    return int(_call(_rt().cudaHostGetDevicePointer(addr, 0), "cudaHostGetDevicePointer"))
+
+
+def pointer_info(ptr: int) -> tuple[str, int]:
+    """``(kind, device)`` of a pointer: kind is 'device', 'host', 'managed' or 'unregistered'."""
+    rt = _rt()
+    attrs = _call(rt.cudaPointerGetAttributes(ptr), "cudaPointerGetAttributes")
+    t = int(attrs.type)
+    kind = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}.get(t, f"type{t}")
+    return kind, int(attrs.device)
+
+
+def malloc(size: int) -> int:
+    return int(_call(_rt().cudaMalloc(size), "cudaMalloc"))
+
+
+def free(ptr: int) -> None:
+    _call(_rt().cudaFree(ptr), "cudaFree")
+
+
+def malloc_host(size: int) -> int:
+    return int(_call(_rt().cudaMallocHost(size), "cudaMallocHost"))
+
+
+def free_host(ptr: int) -> None:
+    _call(_rt().cudaFreeHost(ptr), "cudaFreeHost")
+
+
+def memcpy(dst: int, src: int, size: int) -> None:
+    rt = _rt()
+    _call(rt.cudaMemcpy(dst, src, size, rt.cudaMemcpyKind.cudaMemcpyDefault), "cudaMemcpy")
+
+
+def memset(ptr: int, value: int, size: int) -> None:
+    _call(_rt().cudaMemset(ptr, value, size), "cudaMemset")
+
+
+# ---------------------------------------------------------------- streams and events
+
+def stream_create(nonblocking: bool = True) -> int:
+    rt = _rt()
+    flags = rt.cudaStreamNonBlocking if nonblocking else rt.cudaStreamDefault
+    return int(_call(rt.cudaStreamCreateWithFlags(flags), "cudaStreamCreateWithFlags"))
+
+
+def stream_destroy(stream: int) -> None:
+    _call(_rt().cudaStreamDestroy(stream), "cudaStreamDestroy")
+
+
+def stream_synchronize(stream: int) -> None:
+    _call(_rt().cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+
+def event_create(timing: bool = False) -> int:
+    rt = _rt()
+    flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
+    return int(_call(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags"))
+
+
+def event_record(event: int, stream: int) -> None:
+    _call(_rt().cudaEventRecord(event, stream), "cudaEventRecord")
+
+
+def event_query(event: int) -> bool:
+    """True when the event completed, False while pending; other statuses raise."""
+    (status,) = _rt().cudaEventQuery(event)
+    if int(status) == 600:  # cudaErrorNotReady
+        return False
+    _call((status,), "cudaEventQuery")
+    return True
+
+
+def event_synchronize(event: int) -> None:
+    _call(_rt().cudaEventSynchronize(event), "cudaEventSynchronize")
+
+
+def event_elapsed_ms(start: int, end: int) -> float:
+    return float(_call(_rt().cudaEventElapsedTime(start, end), "cudaEventElapsedTime"))
+
+
+def event_destroy(event: int) -> None:
+    _call(_rt().cudaEventDestroy(event), "cudaEventDestroy")
+
+
+# ---------------------------------------------------------------- copies
+
+def memcpy_async(dst: int, src: int, size: int, stream: int) -> None:
+    rt = _rt()
+    _call(
+        rt.cudaMemcpyAsync(dst, src, size, rt.cudaMemcpyKind.cudaMemcpyDefault, stream),
+        "cudaMemcpyAsync",
+    )
+
+
+def batch_copy_supported() -> bool:
+    return hasattr(_rt(), "cudaMemcpyBatchAsync")
+
+
+def memcpy_batch_async(
+    dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int
+) -> None:
+    """One ``cudaMemcpyBatchAsync`` call (CUDA 12.8+).
+
+    Returns ``(err, failIdx)`` on 12.x bindings and ``(err,)`` on 13.x; both are handled.
+    """
+    rt = _rt()
+    if not hasattr(rt, "cudaMemcpyBatchAsync"):
+        raise CudaUnavailableError("cudaMemcpyBatchAsync needs CUDA 12.8+ bindings")
+    n = len(sizes)
+    if n == 0:
+        return
+    attr = rt.cudaMemcpyAttributes()
+    attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+    attr.flags = getattr(rt, "cudaMemcpyFlagPreferOverlapWithCompute", 0)
+    res = rt.cudaMemcpyBatchAsync(list(dsts), list(srcs), list(sizes), n, [attr], [0], 1, stream)
+    status = res[0] if isinstance(res, tuple) else res
+    if int(status) != 0:
+        fail = f" (failed at copy {res[1]})" if isinstance(res, tuple) and len(res) > 1 else ""
+        _raise(int(status), "cudaMemcpyBatchAsync" + fail)
+
+
+# ---------------------------------------------------------------- NVRTC kernels
+
+_kernels: dict[tuple[str, str, tuple[int, int]], Any] = {}
+
+
+def compile_kernel(source: str, name: str, device: int | None = None) -> Any:
+    """Compile ``source`` with NVRTC for ``device``'s architecture and return the function.
+
+    Cached in-process by (source, name, architecture): a kernel compiles once per process.
+    """
+    dev = current_device() if device is None else device
+    arch = compute_capability(dev)
+    key = (source, name, arch)
+    with _lock:
+        fn = _kernels.get(key)
+        if fn is not None:
+            return fn
+        nv = _nvrtc()
+        drv = _drv()
+        _call(_rt().cudaFree(0), "cudaFree(0)")  # make the primary context current
+        prog = _check_nvrtc(nv.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []), "nvrtcCreateProgram")
+        try:
+            opts = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), b"-std=c++17", b"--use_fast_math"]
+            _check_nvrtc(nv.nvrtcCompileProgram(prog, len(opts), opts), "nvrtcCompileProgram", prog)
+            size = _check_nvrtc(nv.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            cubin = b" " * size
+            _check_nvrtc(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        finally:
+            nv.nvrtcDestroyProgram(prog)
+        module = _check_drv(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
+        fn = _check_drv(drv.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+        _kernels[key] = fn
+        return fn
+
+
+_CTYPES = {"ptr": ctypes.c_void_p, "u64": ctypes.c_uint64, "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "i32": ctypes.c_int32}
+
+
+def launch(fn: Any, grid: int, block: int, args: Sequence[tuple[str, int]], stream: int, shared_mem: int = 0) -> None:
+    """Launch a compiled kernel; ``args`` is a list of (type, value), type in ptr/u64/i64/u32/i32."""
+    drv = _drv()
+    vals = [_CTYPES[t](v) for t, v in args]
+    ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+    _check_drv(
+        drv.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared_mem, stream, ctypes.addressof(ptrs), 0),
+        "cuLaunchKernel",
+    )

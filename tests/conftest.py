@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")
+
+
+def _pdkv_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("pdkv")}
+    except FileNotFoundError:
+        return set()
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leaks_over_the_session():
+    """After the whole suite: no pdkv segment this run made is left behind."""
+    before = _pdkv_segments()
+    yield
+    leaked = _pdkv_segments() - before
+    assert not leaked, f"shared-memory segments leaked by the test suite: {sorted(leaked)}"
+
+
+@pytest.fixture
+def no_leaks():
+    """Per test: pdkv segments and open fds unchanged (STYLE.md D4)."""
+    import gc
+
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # its one pipe is process-wide, not a leak
+    before_segs, before_fds = _pdkv_segments(), _fd_count()
+    yield
+    gc.collect()
+    assert _pdkv_segments() - before_segs == set()
+    assert _fd_count() <= before_fds
+
+
+@pytest.fixture(scope="session")
+def cuda_device() -> int:
+    pytest.importorskip("cuda.bindings")
+    from pdkv import _ffi
+
+    if _ffi.cuda.device_count() == 0:  # absent statuses map to 0; all others raise
+        pytest.skip("no CUDA device")
+    _ffi.cuda.set_device(0)
+    return 0
+
+
+@pytest.fixture
+def shm_name(request) -> str:
+    import uuid
+
+    return f"pdkv-{os.getpid()}-t{uuid.uuid4().hex[:8]}"

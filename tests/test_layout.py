@@ -1,0 +1,247 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from pdkv import GIB, CacheSpec, KVLayout, LayoutError, LayoutMismatchError, tp_segments
+from pdkv.layout import DTYPE_BITS
+
+
+def llama8b(**kw):
+    base = dict(num_layers=32, kv_heads=8, head_dim=128, tokens_per_block=64, dtype="bfloat16")
+    base.update(kw)
+    return KVLayout(**base)
+
+
+def test_design_worked_example():
+    lay = llama8b()
+    assert lay.block_bytes == 8 << 20
+    assert lay.blocks_for_gib(10) == 1280
+    assert lay.tokens_for_blocks(1280) == 81920
+
+
+def test_tp_divides_per_rank_bytes_and_instance_counts_all_ranks():
+    lay = llama8b(tp_size=4)
+    assert lay.block_bytes == (8 << 20) // 4
+    assert lay.instance_block_bytes == 8 << 20
+    # replicated heads: 8 heads on 16 ranks, each rank stores one head
+    rep = llama8b(tp_size=16)
+    assert rep.heads_per_rank == 1
+    assert rep.instance_block_bytes == 16 * rep.block_bytes
+
+
+def test_mla_is_key_only_and_scales_add_tensors():
+    mla = KVLayout(num_layers=61, kv_heads=1, head_dim=576, tokens_per_block=64, dtype="bf16", mla=True, tp_size=8)
+    assert mla.tensors == ("k",)
+    assert mla.block_bytes == 61 * 64 * 576 * 2
+    sc = llama8b(dtype="fp8", scales=True)
+    assert sc.tensors == ("k", "v", "k_scale", "v_scale")
+    assert sc.tensor_block_bytes("k") == 8 * 64 * 128
+    assert sc.tensor_block_bytes("k_scale") == 8 * 64 * 2
+
+
+def test_int4_packs_two_per_byte():
+    lay = llama8b(dtype="int4")
+    assert lay.tensor_block_bytes("k") == 8 * 64 * 64
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(num_layers=0), "num_layers"),
+        (dict(kv_heads=-1), "kv_heads"),
+        (dict(head_dim=1.5), "head_dim"),
+        (dict(tokens_per_block=10**9), "tokens_per_block"),
+        (dict(dtype="float64"), "dtype"),
+        (dict(tp_size=3), "kv_heads=8 and tp_size=3"),
+        (dict(tp_size=2, tp_rank=2), "tp_rank"),
+        (dict(mla=True), "mla"),
+        (dict(dtype="int4", head_dim=3), "whole number of bytes"),
+        (dict(extra_layers=-1), "extra_layers"),
+    ],
+)
+def test_bad_layouts_name_the_field(kw, field):
+    with pytest.raises(LayoutError, match=field.split("=")[0]):
+        llama8b(**kw)
+
+
+def test_sizing_errors():
+    lay = llama8b()
+    for bad in (0, -5, 1.5):
+        with pytest.raises(LayoutError, match="nbytes"):
+            lay.blocks_for_bytes(bad)
+    with pytest.raises(LayoutError):
+        lay.blocks_for_gib(0)
+    with pytest.raises(LayoutError):
+        lay.blocks_for_tokens(-1)
+
+
+layouts = st.builds(
+    lambda nl, h_exp, hd, tpb, dt, sc, mla: KVLayout(
+        num_layers=nl, kv_heads=1 if mla else 2**h_exp, head_dim=hd, tokens_per_block=tpb,
+        dtype=dt, scales=sc, mla=mla),
+    st.integers(1, 80), st.integers(0, 6), st.sampled_from([64, 80, 128, 256, 576]),
+    st.sampled_from([1, 16, 32, 64, 128, 256]), st.sampled_from(sorted(DTYPE_BITS)),
+    st.booleans(), st.booleans(),
+)
+
+
+@given(layouts, st.integers(1, 1 << 42))
+def test_sizing_round_trips(lay, nbytes):
+    n = lay.blocks_for_bytes(nbytes)
+    assert lay.bytes_for_blocks(n) <= nbytes < lay.bytes_for_blocks(n + 1)
+    assert lay.blocks_for_tokens(lay.tokens_for_blocks(n)) == n
+
+
+@given(layouts)
+def test_descriptor_round_trips(lay):
+    assert KVLayout.from_descriptor(lay.descriptor()) == lay
+
+
+def test_descriptor_rejections_name_the_problem():
+    d = llama8b().descriptor()
+    with pytest.raises(LayoutMismatchError, match="version"):
+        KVLayout.from_descriptor({**d, "version": 99})
+    with pytest.raises(LayoutMismatchError, match="unknown fields"):
+        KVLayout.from_descriptor({**d, "evil": 1})
+    with pytest.raises(LayoutMismatchError, match="block_bytes"):
+        KVLayout.from_descriptor({**d, "block_bytes": 1})
+    with pytest.raises(LayoutMismatchError, match="format"):
+        KVLayout.from_descriptor({"x": 1})
+    with pytest.raises(LayoutMismatchError, match="head_dim is 128 here and 64"):
+        llama8b().check_compatible(llama8b(head_dim=64))
+    # TP and in-block order may differ
+    llama8b(tp_size=2).check_compatible(llama8b(tp_size=8, token_major=True))
+
+
+# ------------------------------------------------------------------ TP mapping
+
+def _fill(lay: KVLayout, rank: int, t: int) -> np.ndarray:
+    """A block of tensor t of `rank` whose every (head, token, byte) is a distinct code."""
+    unit = lay.unit_bytes(t)
+    H, T = lay.heads_per_rank, lay.tokens_per_block
+    h0, _ = lay.head_range(rank)
+    heads = np.arange(h0, h0 + H, dtype=np.int64)[:, None, None]
+    toks = np.arange(T, dtype=np.int64)[None, :, None]
+    byts = np.arange(unit, dtype=np.int64)[None, None, :]
+    code = (heads * 7919 + toks * 104729 + byts * 31 + t * 17) % 251 + 1  # never 0
+    if lay.token_major and not lay.is_scale(t):
+        code = code.transpose(1, 0, 2)
+    return np.ascontiguousarray(code.astype(np.uint8)).reshape(-1)
+
+
+def _apply(src: KVLayout, dst: KVLayout):
+    segs = tp_segments(src, dst)
+    out = {}
+    for s in range(dst.tp_size):
+        for t in range(len(dst.tensors)):
+            out[s, t] = (np.zeros(dst.tensor_block_bytes(t), np.uint8), np.zeros(dst.tensor_block_bytes(t), np.int32))
+    reads = {}
+    for g in segs:
+        srcbuf = _fill(src.with_rank(g.src_rank), g.src_rank, g.tensor)
+        dbuf, count = out[g.dst_rank, g.tensor]
+        for i in range(g.count):
+            so, do = g.src_offset + i * g.src_stride, g.dst_offset + i * g.dst_stride
+            assert 0 <= so and so + g.length <= src.tensor_block_bytes(g.tensor), "read outside the source block"
+            assert 0 <= do and do + g.length <= dst.tensor_block_bytes(g.tensor), "write outside the destination block"
+            dbuf[do:do + g.length] = srcbuf[so:so + g.length]
+            count[do:do + g.length] += 1
+            reads.setdefault((g.dst_rank, g.tensor), set()).add(g.src_rank)
+    return segs, out
+
+
+tp_cases = st.tuples(
+    st.sampled_from([1, 2, 4, 8, 16]),  # heads
+    st.sampled_from([1, 2, 4, 8, 16, 32]),  # P
+    st.sampled_from([1, 2, 4, 8, 16, 32]),  # D
+    st.sampled_from([8, 16, 64, 128]),  # head_dim
+    st.sampled_from(["bfloat16", "float8_e4m3", "int4"]),
+    st.booleans(),  # mla
+    st.booleans(),  # scales
+    st.booleans(),  # src token-major
+    st.booleans(),  # dst token-major
+    st.sampled_from([1, 4, 16]),  # tokens per block
+)
+
+
+@given(tp_cases)
+def test_tp_mapping_writes_every_destination_byte_once_with_the_right_data(case):
+    H, P, D, hd, dt, mla, sc, snhd, dnhd, T = case
+    if mla:
+        H = 1
+    assume((H % P == 0 or P % H == 0) and (H % D == 0 or D % H == 0))
+    mk = lambda tp, nhd: KVLayout(num_layers=1, kv_heads=H, head_dim=hd, tokens_per_block=T, dtype=dt,
+                                  mla=mla, scales=sc, tp_size=tp, token_major=nhd)
+    src, dst = mk(P, snhd), mk(D, dnhd)
+    segs, out = _apply(src, dst)
+    for (s, t), (buf, count) in out.items():
+        assert (count == 1).all(), f"dst rank {s} tensor {t}: bytes written {set(count.tolist())} times"
+        np.testing.assert_array_equal(buf, _fill(dst.with_rank(s), s, t))
+    # a head held by several prefill ranks is read from one of them only
+    for s in range(D):
+        for t in range(len(dst.tensors)):
+            srcs = {g.src_rank for g in segs if g.dst_rank == s and g.tensor == t}
+            d0, d1 = dst.head_range(s)
+            assert len(srcs) <= max(1, d1 - d0)
+
+
+def test_tp_mapping_segment_shapes():
+    # P=2 -> D=4, HND: each decode rank gets one contiguous half of a prefill rank's block
+    src, dst = llama8b(num_layers=1, tp_size=2), llama8b(num_layers=1, tp_size=4)
+    segs = [g for g in tp_segments(src, dst) if g.tensor == 0]
+    assert [(g.src_rank, g.dst_rank, g.src_offset, g.dst_offset, g.count) for g in segs] == [
+        (0, 0, 0, 0, 1), (0, 1, 2 * 64 * 256, 0, 1), (1, 2, 0, 0, 1), (1, 3, 2 * 64 * 256, 0, 1)]
+    # equal TP in NHD collapses to one whole-block copy
+    same = tp_segments(llama8b(token_major=True, tp_size=2), llama8b(token_major=True, tp_size=2))
+    assert all(g.count == 1 and g.length == src.tensor_block_bytes(0) for g in same)
+    # NHD with different TP is strided: one piece per token
+    strided = tp_segments(llama8b(token_major=True, tp_size=2), llama8b(token_major=True, tp_size=4))
+    assert all(g.count == 64 for g in strided)
+
+
+def test_tp_mapping_refuses_mismatched_models():
+    with pytest.raises(LayoutMismatchError, match="num_layers"):
+        tp_segments(llama8b(), llama8b(num_layers=31))
+
+
+# ------------------------------------------------------------------ cache specs
+
+def test_buffer_spec_regions_are_contiguous_per_layer_and_tensor():
+    lay = llama8b(num_layers=2, scales=True, dtype="fp8")
+    spec = CacheSpec.for_buffer(lay, 10, 4096)
+    tb = lay.tensor_block_bytes("k")
+    sb = lay.tensor_block_bytes("k_scale")
+    assert spec.address(0, "k", 0) == 4096
+    assert spec.address(0, "k", 3) == 4096 + 3 * tb
+    assert spec.address(0, "v", 0) == 4096 + 10 * tb
+    assert spec.address(0, "k_scale", 0) == 4096 + 20 * tb
+    assert spec.address(1, "k", 0) == 4096 + 20 * tb + 20 * sb
+    last = spec.address(1, "v_scale", 9) + sb
+    assert last - 4096 == CacheSpec.buffer_bytes(lay, 10)
+    with pytest.raises(LayoutError, match="block 10 out of range"):
+        spec.address(0, "k", 10)
+    with pytest.raises(LayoutError, match="tensor 'q'"):
+        spec.address(0, "q", 0)
+
+
+def test_engine_layouts():
+    lay = llama8b(num_layers=2, token_major=True)
+    bb = lay.tensor_block_bytes(0)
+    fa = CacheSpec.vllm_flash_attn(lay, 100, [1 << 20, 1 << 30])
+    assert fa.address(1, "v", 5) == (1 << 30) + 100 * bb + 5 * bb
+    fi = CacheSpec.flashinfer(lay, 100, [1 << 20, 1 << 30])
+    assert fi.address(0, "v", 2) == (1 << 20) + 2 * 2 * bb + bb
+    with pytest.raises(LayoutError, match="head-major"):
+        CacheSpec.fastdeploy(lay, 10, [[1, 2], [3, 4]])
+    with pytest.raises(LayoutError, match="stride"):
+        CacheSpec(lay, 10, [[(4096, 1), (8192, bb)]] * 2)
+    with pytest.raises(LayoutError, match="layers"):
+        CacheSpec(lay, 10, [[(4096, bb), (8192, bb)]])
+    with pytest.raises(LayoutError, match="base pointer"):
+        CacheSpec(lay, 10, [[(0, bb), (8192, bb)]] * 2)
+
+
+def test_gib_constant():
+    assert GIB == 1073741824

@@ -1,0 +1,252 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pdkv import BusyError, ClosedError, CudaUnavailableError, SharedBuffer, _ffi
+from pdkv.shm_clean import clean_segments, main as shm_main, scan_segments
+
+
+def test_create_is_0600_populated_and_named(no_leaks):
+    with SharedBuffer.create(1 << 20) as b:
+        assert b.name.startswith(f"pdkv-{os.getpid()}-")
+        st_ = os.stat(f"/dev/shm/{b.name}")
+        assert stat.S_IMODE(st_.st_mode) == 0o600
+        assert st_.st_size == 1 << 20
+        assert b.owner and not b.closed and not b.pinned
+        b.buf[:4] = b"abcd"
+        assert bytes(b.buf[:4]) == b"abcd"
+    assert b.closed
+    assert not os.path.exists(f"/dev/shm/{b.name}")
+
+
+def test_names_are_unique_per_instance(no_leaks):
+    with SharedBuffer.create(4096) as a, SharedBuffer.create(4096) as b:
+        assert a.name != b.name
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "/lead", "-x", "x" * 300, "sp ace", 5])
+def test_bad_names_rejected(bad, no_leaks):
+    with pytest.raises(ValueError, match="invalid"):
+        SharedBuffer.create(4096, bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_sizes_rejected(bad, no_leaks):
+    with pytest.raises(ValueError, match="size"):
+        SharedBuffer.create(bad)
+
+
+def test_existing_and_missing_names(shm_name, no_leaks):
+    with SharedBuffer.create(4096, shm_name):
+        with pytest.raises(FileExistsError):
+            SharedBuffer.create(4096, shm_name)
+    with pytest.raises(FileNotFoundError):
+        SharedBuffer.open(shm_name)
+
+
+def test_open_refuses_foreign_permissions(shm_name, no_leaks):
+    fd = _ffi.libc.shm_open("/" + shm_name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.ftruncate(fd, 4096)
+        with pytest.raises(PermissionError, match="0600"):
+            SharedBuffer.open(shm_name)
+    finally:
+        os.close(fd)
+        _ffi.libc.shm_unlink("/" + shm_name)
+
+
+def test_open_checks_expected_size(shm_name, no_leaks):
+    with SharedBuffer.create(8192, shm_name):
+        with pytest.raises(ValueError, match="expected 4096"):
+            SharedBuffer.open(shm_name, expect_size=4096)
+
+
+def test_close_unlink_semantics(shm_name, no_leaks):
+    a = SharedBuffer.create(8192, shm_name)
+    b = SharedBuffer.open(shm_name)
+    with pytest.raises(PermissionError, match="creator"):
+        b.unlink()
+    a.buf[0] = 7
+    assert b.buf[0] == 7
+    a.unlink()
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
+    assert b.buf[0] == 7  # mappings outlive the name
+    b.close()
+    b.close()  # idempotent
+    with pytest.raises(ClosedError):
+        b.buf
+    a.close()
+
+
+def test_close_with_live_view_is_busy_and_recoverable(no_leaks):
+    b = SharedBuffer.create(8192)
+    arr = np.frombuffer(b.buf, dtype=np.uint8)
+    with pytest.raises(BusyError, match="exported views"):
+        b.close()
+    assert not b.closed
+    arr[0] = 3
+    del arr
+    b.close()
+    b.unlink()
+
+
+def test_finalizer_unlinks_forgotten_owner(no_leaks):
+    import gc
+
+    b = SharedBuffer.create(4096)
+    name = b.name
+    del b
+    gc.collect()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_require_pinned_without_cuda_fails_cleanly(monkeypatch, shm_name, no_leaks):
+    monkeypatch.setattr(_ffi.cuda, "device_count", lambda: 0)
+    with pytest.raises(CudaUnavailableError, match="no CUDA device"):
+        SharedBuffer.create(4096, shm_name, require_pinned=True)
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
+
+
+def test_failure_after_shm_open_leaves_nothing(monkeypatch, shm_name, no_leaks):
+    def boom(*a, **k):
+        raise OSError(12, "injected")
+
+    monkeypatch.setattr("pdkv.shm._populate", boom)
+    with pytest.raises(OSError, match="injected"):
+        SharedBuffer.create(1 << 20, shm_name)
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
+
+
+def test_parallel_population_fills_every_page(no_leaks):
+    size = (64 << 20) * 3 + 4096
+    with SharedBuffer.create(size, populate_threads=4, huge_pages=True) as b:
+        arr = np.frombuffer(b.buf, dtype=np.uint8)
+        assert arr[::4096].sum() == 0 and arr[-1] == 0
+        del arr
+
+
+def _child_check(name: str, size: int, q) -> None:
+    b = SharedBuffer.open(name, expect_size=size)
+    arr = np.frombuffer(b.buf, dtype=np.uint8)
+    expect = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    ok = bool((arr == expect).all())
+    arr[:] = 255 - expect
+    del arr
+    b.close()
+    q.put(ok)
+
+
+def _child_pickled(buf: SharedBuffer, q) -> None:
+    buf.buf[0] = 42
+    q.put((buf.owner, buf.name))
+    buf.close()
+
+
+@pytest.mark.multiproc
+def test_two_processes_share_bytes_both_ways(no_leaks):
+    size = 3 << 20
+    ctx = mp.get_context("spawn")
+    with SharedBuffer.create(size) as b:
+        expect = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+        arr = np.frombuffer(b.buf, dtype=np.uint8)
+        arr[:] = expect
+        q = ctx.Queue()
+        p = ctx.Process(target=_child_check, args=(b.name, size, q))
+        p.start()
+        assert q.get(timeout=60) is True
+        p.join(30)
+        assert p.exitcode == 0
+        assert (arr == 255 - expect).all()
+        del arr
+        # pickling re-attaches by name in the child, never as owner
+        q2 = ctx.Queue()
+        p = ctx.Process(target=_child_pickled, args=(b, q2))
+        p.start()
+        assert q2.get(timeout=60) == (False, b.name)
+        p.join(30)
+        assert b.buf[0] == 42
+        for qq in (q, q2):
+            qq.close()
+            qq.join_thread()
+    assert pickle.loads(pickle.dumps(1)) == 1
+
+
+@pytest.mark.multiproc
+def test_killed_creator_segment_is_cleaned(no_leaks):
+    code = ("import sys, time; from pdkv import SharedBuffer; b = SharedBuffer.create(65536); "
+            "print(b.name, flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = p.stdout.readline().strip()
+        assert name.startswith(f"pdkv-{p.pid}-")
+        seg = {s.name: s for s in scan_segments()}[name]
+        assert seg.owner_pid == p.pid and seg.owner_alive and not seg.stale
+        assert name not in clean_segments(dry_run=False)  # owner alive: kept
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        p.stdout.close()
+    seg = {s.name: s for s in scan_segments()}[name]
+    assert seg.stale
+    assert name in clean_segments(dry_run=True)
+    assert os.path.exists(f"/dev/shm/{name}")  # dry run removes nothing
+    assert name in clean_segments(dry_run=False)
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_clean_keeps_segments_mapped_by_live_processes(no_leaks):
+    # a segment whose named owner is dead but which this process maps is not stale
+    name = "pdkv-999999999-mapped"
+    fd = _ffi.libc.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    try:
+        b = SharedBuffer.open(name)
+        try:
+            seg = {s.name: s for s in scan_segments()}[name]
+            assert not seg.owner_alive and os.getpid() in seg.mapped_by and not seg.stale
+        finally:
+            b.close()
+        assert name in clean_segments(dry_run=False)
+    finally:
+        if os.path.exists(f"/dev/shm/{name}"):
+            _ffi.libc.shm_unlink("/" + name)
+
+
+def test_cli_list_and_clean(capsys, no_leaks):
+    with SharedBuffer.create(4096) as b:
+        assert shm_main(["list"]) == 0
+        out = capsys.readouterr().out
+        assert b.name in out and "live" in out
+        assert shm_main(["clean"]) == 0
+
+
+@pytest.mark.cuda
+def test_pinned_buffer_and_cross_process_pin(cuda_device, no_leaks):
+    with SharedBuffer.create(64 << 20, require_pinned=True) as b:
+        assert b.pinned
+        assert b.device_address == b.address  # UVA
+        kind, _ = _ffi.cuda.pointer_info(b.address)
+        assert kind == "host"
+        d = _ffi.cuda.malloc(1 << 20)
+        try:
+            b.buf[: 1 << 20] = os.urandom(1 << 20)
+            _ffi.cuda.memcpy(d, b.address, 1 << 20)
+            with SharedBuffer.open(b.name, require_pinned=True) as o:
+                assert o.pinned
+                _ffi.cuda.memcpy(o.address + (2 << 20), d, 1 << 20)
+                assert bytes(o.buf[2 << 20: 3 << 20]) == bytes(b.buf[: 1 << 20])
+        finally:
+            _ffi.cuda.free(d)
+    assert not b.pinned
