@@ -4,9 +4,22 @@
 missing when asked for.
 """
 
-from . import errors, layout, shm
+from . import blocks, errors, layout, scheduler, shm
+from .blocks import BlockAllocator, BlockPool
 from .errors import *  # noqa: F403
 from .layout import GIB, CacheSpec, KVLayout, Segment, tp_segments
+from .scheduler import (
+    DecodeScheduler,
+    Event,
+    Grant,
+    ReadyRequest,
+    RequestInfo,
+    Reservation,
+    SchedulerOptions,
+    State,
+    SwapBackend,
+    SwapHandle,
+)
 from .shm import SharedBuffer
 
 __version__ = "0.1.0"
@@ -14,6 +27,18 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "GIB",
+    "BlockAllocator",
+    "BlockPool",
+    "DecodeScheduler",
+    "Event",
+    "Grant",
+    "ReadyRequest",
+    "RequestInfo",
+    "Reservation",
+    "SchedulerOptions",
+    "State",
+    "SwapBackend",
+    "SwapHandle",
     "CacheSpec",
     "KVLayout",
     "Segment",

@@ -1,0 +1,216 @@
+"""Block pools with exact accounting.
+
+A pool hands out block ids ``0..num_blocks-1``. Free blocks are kept as runs
+(``start -> end``), allocated lowest-first, so a request's blocks come out as few
+contiguous runs and copies downstream coalesce. Costs are proportional to the runs an
+operation touches, not to the pool size.
+
+Engines bring their own GPU block allocator: pdkv needs only :class:`BlockAllocator`
+from it, and :class:`BlockPool` is one implementation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from .errors import BlockError, OutOfBlocksError
+
+__all__ = ["BlockAllocator", "BlockPool", "runs_of"]
+
+
+@runtime_checkable
+class BlockAllocator(Protocol):
+    """What pdkv needs from an engine's block allocator.
+
+    ``try_allocate(n)`` returns ``n`` distinct block ids, or ``None`` when fewer than
+    ``n`` are free (allocating nothing). ``free(ids)`` returns them. ``num_free`` and
+    ``num_total`` count blocks. Implementations must be safe to call from several threads.
+    """
+
+    def try_allocate(self, n: int) -> list[int] | None: ...
+
+    def free(self, blocks: Sequence[int]) -> None: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def num_total(self) -> int: ...
+
+
+def runs_of(blocks: Sequence[int]) -> list[tuple[int, int]]:
+    """Split ids into maximal ``(start, stop)`` runs of consecutive ids, in the given order."""
+    n = len(blocks)
+    if n == 0:
+        return []
+    first = blocks[0]
+    if blocks[-1] - first == n - 1:
+        seq = blocks if type(blocks) is list else list(blocks)
+        if seq == list(range(first, first + n)):
+            return [(first, first + n)]
+    out = []
+    start = prev = blocks[0]
+    for b in blocks[1:]:
+        if b != prev + 1:
+            out.append((start, prev + 1))
+            start = b
+        prev = b
+    out.append((start, prev + 1))
+    return out
+
+
+class BlockPool:
+    """A thread-safe pool of ``num_blocks`` blocks.
+
+    Parameters
+    ----------
+    num_blocks:
+        Blocks in the pool; positive.
+    name:
+        Used in error messages and metrics.
+
+    Ownership: ids from :meth:`allocate` belong to the caller until passed to
+    :meth:`free`; a pool never frees on its own.
+    """
+
+    def __init__(self, num_blocks: int, name: str = "pool") -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
+        self.name = name
+        self._n = num_blocks
+        self._held = bytearray(num_blocks)  # 1 = held
+        self._ones = memoryview(b"\x01" * num_blocks)
+        self._zeros = memoryview(bytes(num_blocks))
+        self._starts: dict[int, int] = {0: num_blocks}  # free run start -> stop
+        self._ends: dict[int, int] = {num_blocks: 0}  # free run stop -> start
+        self._heap: list[int] = [0]  # run starts, lazily deleted
+        self._free = num_blocks
+        self._lock = threading.Lock()
+
+    @property
+    def num_total(self) -> int:
+        return self._n
+
+    @property
+    def num_free(self) -> int:
+        return self._free
+
+    @property
+    def num_held(self) -> int:
+        return self._n - self._free
+
+    def is_held(self, block: int) -> bool:
+        return bool(self._held[block])
+
+    def try_allocate(self, n: int) -> list[int] | None:
+        """Allocate ``n`` blocks, lowest ids first; ``None`` (nothing taken) if too few are free."""
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"{self.name}: cannot allocate n={n!r} blocks (must be a positive integer)")
+        with self._lock:
+            if n > self._free:
+                return None
+            heap, starts, ends, held = self._heap, self._starts, self._ends, self._held
+            s = heap[0]
+            e = starts.get(s)
+            while e is None:  # drop stale heap entries
+                heapq.heappop(heap)
+                s = heap[0]
+                e = starts.get(s)
+            if e - s >= n:  # common case: the lowest free run is long enough
+                del starts[s]
+                if s + n < e:
+                    starts[s + n] = e
+                    ends[e] = s + n
+                    heapq.heapreplace(heap, s + n)
+                else:
+                    del ends[e]
+                    heapq.heappop(heap)
+                held[s:s + n] = self._ones[:n]
+                self._free -= n
+                return list(range(s, s + n))
+            out: list[int] = []
+            need = n
+            while need:
+                s = heapq.heappop(heap)
+                e = starts.get(s)
+                if e is None:
+                    continue  # stale heap entry
+                take = min(need, e - s)
+                del starts[s]
+                if s + take < e:
+                    starts[s + take] = e
+                    ends[e] = s + take
+                    heapq.heappush(heap, s + take)
+                else:
+                    del ends[e]
+                held[s:s + take] = self._ones[:take]
+                out += range(s, s + take)
+                need -= take
+            self._free -= n
+            if len(heap) > 4 * len(starts) + 64:
+                self._heap = sorted(starts)
+            return out
+
+    def allocate(self, n: int) -> list[int]:
+        """Like :meth:`try_allocate`, but raise :class:`OutOfBlocksError` when too few are free."""
+        got = self.try_allocate(n)
+        if got is None:
+            raise OutOfBlocksError(f"{self.name}: asked for {n} blocks, {self._free} of {self._n} free")
+        return got
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Return blocks. All are validated first: on a foreign, duplicate or already-free
+        id, :class:`BlockError` is raised and nothing changes."""
+        if not blocks:
+            return
+        runs = runs_of(blocks)
+        if len(runs) > 1:
+            runs = runs_of(sorted(blocks))
+        with self._lock:
+            total = 0
+            last = -1
+            held = self._held
+            for s, e in runs:
+                if s < last:
+                    raise BlockError(f"{self.name}: duplicate block ids in one free() call")
+                last = e
+                if not (isinstance(s, int) and 0 <= s and e <= self._n):
+                    bad = [b for b in blocks if not (isinstance(b, int) and 0 <= b < self._n)]
+                    raise BlockError(f"{self.name}: block ids {bad[:8]} are not in this pool of {self._n}")
+                if held.count(0, s, e):
+                    bad = [b for b in range(s, e) if not held[b]]
+                    raise BlockError(f"{self.name}: blocks {bad[:8]} are already free (double free)")
+                total += e - s
+            if total != len(blocks):
+                raise BlockError(f"{self.name}: duplicate block ids in one free() call")
+            starts, ends = self._starts, self._ends
+            for s, e in runs:
+                held[s:e] = self._zeros[:e - s]
+                # merge with the free runs on either side
+                left = ends.pop(s, None)
+                if left is not None:
+                    del starts[left]
+                    s = left
+                right = starts.pop(e, None)
+                if right is not None:
+                    del ends[right]
+                    e = right
+                starts[s] = e
+                ends[e] = s
+                heapq.heappush(self._heap, s)
+            self._free += total
+
+    def check(self) -> None:
+        """Verify internal consistency (tests): runs cover exactly the free blocks."""
+        with self._lock:
+            covered = sum(e - s for s, e in self._starts.items())
+            assert covered == self._free, (covered, self._free)
+            assert self._held.count(0) == self._free
+            for s, e in self._starts.items():
+                assert self._ends[e] == s and not any(self._held[s:e])
+
+    def __repr__(self) -> str:
+        return f"<BlockPool {self.name!r} {self._free}/{self._n} free>"

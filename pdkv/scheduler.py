@@ -1,0 +1,826 @@
+"""The decode-side request lifecycle: reserve, receive, swap, hand off, finish, fail.
+
+Pure Python: no CUDA, no sockets. It talks to the swap engine through
+:class:`SwapBackend` and to the engine's GPU allocator through
+:class:`~pdkv.blocks.BlockAllocator`, so all of it runs on a CPU.
+
+States::
+
+    QUEUED -> RESERVED -> RECEIVING -> RECEIVED -> SWAPPING -> READY -> FINISHED
+                 (GPU-direct reservations go RECEIVED -> READY without a swap)
+    any non-terminal -> FAILED | EXPIRED | ABORTED;  QUEUED -> REJECTED
+
+Blocks a peer may still be writing (a reservation that expired, failed or was aborted
+while RESERVED or RECEIVING) are *quarantined*: held by nobody, counted as held, and
+returned to their pool after ``fence_grace_s`` or when :meth:`DecodeScheduler.fence`
+says the peer can no longer write. A buffer block read by a swap returns only when the
+swap has completed. Hence: a block is never handed out again while a write or a swap
+may still touch it.
+
+Threading: every public method may be called from any thread. Listeners and the swap
+backend are called with no lock held.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import secrets
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from .blocks import BlockAllocator, BlockPool
+from .errors import GrantViolation, LeaseExpiredError, RequestError
+
+__all__ = [
+    "State",
+    "SchedulerOptions",
+    "Grant",
+    "Reservation",
+    "RequestInfo",
+    "ReadyRequest",
+    "Event",
+    "SwapBackend",
+    "SwapHandle",
+    "DecodeScheduler",
+]
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    RECEIVED = "received"
+    SWAPPING = "swapping"
+    READY = "ready"
+    FINISHED = "finished"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+
+TERMINAL = frozenset({State.FINISHED, State.FAILED, State.EXPIRED, State.ABORTED, State.REJECTED})
+_WRITABLE = (State.RESERVED, State.RECEIVING)
+_COUNTER_OF = {State.FAILED: "requests_failed", State.EXPIRED: "requests_expired",
+               State.ABORTED: "requests_aborted", State.FINISHED: "requests_finished"}
+
+
+@runtime_checkable
+class SwapHandle(Protocol):
+    """An in-flight swap. ``done()`` never blocks; ``error`` is set if it failed."""
+
+    def done(self) -> bool: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+
+@runtime_checkable
+class SwapBackend(Protocol):
+    """Copies a request's buffer blocks into its GPU blocks, asynchronously."""
+
+    def submit(self, request_id: str, buffer_blocks: Sequence[int], gpu_blocks: Sequence[int]) -> SwapHandle: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerOptions:
+    """Policy of a :class:`DecodeScheduler`.
+
+    Parameters
+    ----------
+    lease_s:
+        Seconds a reservation lives without progress; each landed layer or
+        :meth:`~DecodeScheduler.renew` extends it by as much.
+    direct_to_gpu:
+        Reserve GPU blocks straight away when the GPU has room above ``gpu_reserve_blocks``.
+    gpu_reserve_blocks:
+        GPU blocks kept free for running requests; reservations and swaps leave them alone.
+    on_full:
+        ``reject`` answers "no room" at once; ``queue`` queues FIFO until room appears.
+    max_queue, queue_timeout_s:
+        Bound on queued reservations and on how long one may wait.
+    swap_order:
+        ``fifo`` by arrival of the last layer (strict: no overtaking), or ``shortest``
+        (fewest blocks first; a request waiting longer than ``starvation_s`` goes first).
+    fence_grace_s:
+        How long blocks a peer may still write stay quarantined after expiry or abort.
+    max_tombstones:
+        Terminal requests remembered so that late messages get a precise answer.
+    """
+
+    lease_s: float = 30.0
+    direct_to_gpu: bool = True
+    gpu_reserve_blocks: int = 0
+    on_full: Literal["reject", "queue"] = "reject"
+    max_queue: int = 4096
+    queue_timeout_s: float = 60.0
+    swap_order: Literal["fifo", "shortest"] = "fifo"
+    starvation_s: float = 5.0
+    fence_grace_s: float = 2.0
+    max_tombstones: int = 65536
+
+    def __post_init__(self) -> None:
+        for f in ("lease_s", "queue_timeout_s", "starvation_s"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{f}={v!r} must be a positive number of seconds")
+        if not isinstance(self.fence_grace_s, (int, float)) or self.fence_grace_s < 0:
+            raise ValueError(f"fence_grace_s={self.fence_grace_s!r} must be >= 0")
+        for f in ("gpu_reserve_blocks", "max_queue", "max_tombstones"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f}={v!r} must be a non-negative integer")
+        if self.on_full not in ("reject", "queue"):
+            raise ValueError(f"on_full={self.on_full!r} must be 'reject' or 'queue'")
+        if self.swap_order not in ("fifo", "shortest"):
+            raise ValueError(f"swap_order={self.swap_order!r} must be 'fifo' or 'shortest'")
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Destination blocks granted to prefill for one request.
+
+    Ownership: the blocks stay the scheduler's; the peer may write into them until the
+    lease expires or the request completes.
+    """
+
+    request_id: str
+    location: Literal["gpu", "buffer"]
+    blocks: tuple[int, ...]
+    token: int
+    lease_expires: float
+    lease_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """The answer to :meth:`DecodeScheduler.reserve`: outcome is ``gpu``, ``buffer``,
+    ``queued`` or ``rejected``; ``grant`` is set for the first two."""
+
+    request_id: str
+    outcome: Literal["gpu", "buffer", "queued", "rejected"]
+    grant: Grant | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyRequest:
+    """A request whose KV cache is in GPU blocks. Ownership: the GPU blocks are the
+    engine's to use until it calls :meth:`DecodeScheduler.finish`."""
+
+    request_id: str
+    gpu_blocks: tuple[int, ...]
+    num_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    request_id: str
+    state: State
+    location: str
+    num_blocks: int
+    layers_landed: int
+    buffer_blocks: tuple[int, ...]
+    gpu_blocks: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something the engine or the transport should hear about.
+
+    kind: ``granted`` (a queued reservation got blocks), ``rejected``, ``ready``,
+    ``failed``, ``expired``, ``aborted``.
+    """
+
+    kind: str
+    request_id: str
+    grant: Grant | None = None
+    reason: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class _Req:
+    rid: str
+    n: int
+    tokens: int | None
+    peer: str
+    arrival: float
+    state: State = State.QUEUED
+    location: str = ""
+    token: int = 0
+    expires: float = 0.0
+    queue_deadline: float = 0.0
+    buffer_blocks: list[int] | None = None
+    gpu_blocks: list[int] | None = None
+    landed: int = 0
+    nlanded: int = 0
+    reserved_at: float = 0.0
+    received_at: float = 0.0
+    swap_started: float = 0.0
+    handle: Any = None
+    cancel: tuple[State, str] | None = None
+    reason: str = ""
+    in_ready: bool = False
+
+
+@dataclass(slots=True)
+class _Quarantine:
+    release_at: float
+    peer: str
+    pool: Any
+    blocks: list[int]
+
+
+@dataclass
+class _Metrics:
+    counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys((
+        "reservations_gpu", "reservations_buffer", "reservations_queued", "reservations_rejected",
+        "grants_from_queue", "queue_timeouts", "layers_landed", "requests_received", "requests_ready",
+        "requests_finished", "requests_failed", "requests_expired", "requests_aborted",
+        "late_messages_rejected", "swaps_submitted", "swaps_completed", "swaps_failed", "swap_bytes",
+        "swap_seconds_sum", "swap_seconds_max", "prefill_wait_avoided_seconds_sum",
+        "prefill_wait_avoided_seconds_max", "quarantined_blocks_released"), 0))
+
+
+class DecodeScheduler:
+    """Decode-side block accounting and request lifecycle.
+
+    Parameters
+    ----------
+    num_layers:
+        Cache layers per request (``KVLayout.total_layers``).
+    gpu:
+        The engine's GPU block allocator (or a :class:`BlockPool`).
+    buffer:
+        The CPU buffer's pool; ``None`` disables the buffer path.
+    swap:
+        Moves buffer blocks into GPU blocks; required with a buffer.
+    tokens_per_block:
+        Lets :meth:`reserve` take ``num_tokens``.
+    block_bytes:
+        Bytes of one block (all layers, one rank), for swap byte counters.
+    options:
+        :class:`SchedulerOptions`.
+    clock:
+        Monotonic seconds; injectable for tests.
+    listener:
+        Called with each :class:`Event`, from whichever thread caused it, with no lock held.
+
+    Drive it by calling :meth:`tick` from the engine loop (every decode step): it expires
+    leases, grants queued reservations, polls swaps and admits new ones.
+    """
+
+    def __init__(self, *, num_layers: int, gpu: BlockAllocator, buffer: BlockPool | None = None,
+                 swap: SwapBackend | None = None, tokens_per_block: int | None = None,
+                 block_bytes: int = 0, options: SchedulerOptions | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 listener: Callable[[Event], None] | None = None) -> None:
+        if not isinstance(num_layers, int) or num_layers <= 0:
+            raise ValueError(f"num_layers={num_layers!r} must be a positive integer")
+        if num_layers > 4096:
+            raise ValueError(f"num_layers={num_layers} is absurd (more than 4096)")
+        if buffer is not None and swap is None:
+            raise ValueError("a buffer needs a swap backend (swap=...) to move blocks to the GPU")
+        self.num_layers = num_layers
+        self._all_layers = (1 << num_layers) - 1
+        self.gpu = gpu
+        self.buffer = buffer
+        self.swap = swap
+        self.tokens_per_block = tokens_per_block
+        self.block_bytes = block_bytes
+        self.options = options or SchedulerOptions()
+        self.clock = clock
+        self.listener = listener
+        self._lock = threading.Lock()
+        self._reqs: dict[str, _Req] = {}
+        self._tomb: OrderedDict[str, tuple[State, int, str]] = OrderedDict()
+        self._expiry: list[tuple[float, int, str]] = []
+        self._seq = 0
+        self._queue: deque[str] = deque()
+        self._swapq: dict[str, None] = {}
+        self._swapping: dict[str, _Req] = {}
+        self._ready: deque[_Req] = deque()
+        self._quarantine: list[_Quarantine] = []
+        self._events: list[Event] = []
+        self._m = _Metrics().counters
+
+    # ------------------------------------------------------------------ helpers
+    def _emit(self) -> list[Event]:
+        # called with the lock held: takes the events; the caller delivers them unlocked
+        ev, self._events = self._events, []
+        return ev
+
+    def _deliver(self, events: list[Event]) -> None:
+        if events and self.listener is not None:
+            for e in events:
+                self.listener(e)
+
+    def _get_live(self, rid: str) -> _Req:
+        req = self._reqs.get(rid)
+        if req is None:
+            tomb = self._tomb.get(rid)
+            self._m["late_messages_rejected"] += 1
+            if tomb is not None:
+                state, _, reason = tomb
+                if state is State.EXPIRED:
+                    raise LeaseExpiredError(f"request {rid!r}: its lease expired; the message is refused")
+                raise RequestError(f"request {rid!r} is already {state.value}" + (f" ({reason})" if reason else ""))
+            raise RequestError(f"unknown request {rid!r}")
+        return req
+
+    def _check_writable(self, req: _Req, token: int, now: float) -> None:
+        if req.token != token:
+            self._m["late_messages_rejected"] += 1
+            raise GrantViolation(f"request {req.rid!r}: grant token does not match (stale or forged)")
+        if req.state not in _WRITABLE:
+            self._m["late_messages_rejected"] += 1
+            raise RequestError(f"request {req.rid!r} is {req.state.value}; no more writes are accepted")
+        if now >= req.expires:
+            self._expire(req, now)
+            self._m["late_messages_rejected"] += 1
+            raise LeaseExpiredError(f"request {req.rid!r}: its lease expired; the message is refused")
+
+    def _push_expiry(self, req: _Req) -> None:
+        self._seq += 1
+        heapq.heappush(self._expiry, (req.expires, self._seq, req.rid))
+
+    def _grant(self, req: _Req, now: float) -> Grant | None:
+        """Try to give ``req`` destination blocks; return the grant or None."""
+        n, o = req.n, self.options
+        blocks = None
+        if o.direct_to_gpu and self.gpu.num_free - n >= o.gpu_reserve_blocks:
+            blocks = self.gpu.try_allocate(n)
+            if blocks is not None:
+                req.location, req.gpu_blocks = "gpu", blocks
+        if blocks is None and self.buffer is not None:
+            blocks = self.buffer.try_allocate(n)
+            if blocks is not None:
+                req.location, req.buffer_blocks = "buffer", blocks
+        if blocks is None:
+            return None
+        req.state = State.RESERVED
+        req.token = secrets.randbits(63)
+        req.reserved_at = now
+        req.expires = now + o.lease_s
+        self._push_expiry(req)
+        self._m["reservations_" + req.location] += 1
+        return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, o.lease_s)  # type: ignore[arg-type]
+
+    def _release_blocks(self, req: _Req, *, quarantine: bool, now: float) -> None:
+        for pool, attr in ((self.buffer, "buffer_blocks"), (self.gpu, "gpu_blocks")):
+            blocks = getattr(req, attr)
+            if blocks:
+                setattr(req, attr, None)
+                if quarantine and self.options.fence_grace_s > 0:
+                    self._quarantine.append(_Quarantine(now + self.options.fence_grace_s, req.peer, pool, blocks))
+                else:
+                    pool.free(blocks)
+
+    def _terminate(self, req: _Req, state: State, reason: str, now: float) -> None:
+        """Move ``req`` to a terminal state; every block returns (or is quarantined)."""
+        prev = req.state
+        if prev is State.SWAPPING:
+            # the swap still reads the buffer and writes the GPU blocks: finish it first
+            if req.cancel is None:
+                req.cancel = (state, reason)
+            return
+        self._release_blocks(req, quarantine=prev in _WRITABLE, now=now)
+        if prev is State.QUEUED:
+            try:
+                self._queue.remove(req.rid)
+            except ValueError:
+                pass
+        self._swapq.pop(req.rid, None)
+        if prev is State.READY and req.in_ready:
+            self._ready.remove(req)
+        req.state = state
+        req.reason = reason
+        del self._reqs[req.rid]
+        self._tomb[req.rid] = (state, req.token, reason)
+        if len(self._tomb) > self.options.max_tombstones:
+            self._tomb.popitem(last=False)
+        key = _COUNTER_OF.get(state)
+        if key:
+            self._m[key] += 1
+        if state is not State.FINISHED:
+            self._events.append(Event(state.value, req.rid, reason=reason))
+
+    def _expire(self, req: _Req, now: float) -> None:
+        self._terminate(req, State.EXPIRED, f"lease of {self.options.lease_s}s expired", now)
+
+    # ------------------------------------------------------------------ reservation
+    def reserve(self, request_id: str, *, num_blocks: int | None = None, num_tokens: int | None = None,
+                peer: str = "") -> Reservation:
+        """Reserve destination blocks for a request: GPU first (above the reserve), then
+        the buffer, then queue or reject by policy.
+
+        Raises
+        ------
+        RequestError
+            Duplicate live id, bad size, or a request larger than every pool.
+        """
+        if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
+            raise RequestError(f"request_id={request_id!r} must be a non-empty string of at most 256 characters")
+        if num_blocks is None:
+            if num_tokens is None or self.tokens_per_block is None:
+                raise RequestError("give num_blocks, or num_tokens with tokens_per_block set on the scheduler")
+            if not isinstance(num_tokens, int) or num_tokens <= 0:
+                raise RequestError(f"num_tokens={num_tokens!r} must be a positive integer")
+            num_blocks = -(-num_tokens // self.tokens_per_block)
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise RequestError(f"num_blocks={num_blocks!r} must be a positive integer")
+        gpu_cap = self.gpu.num_total - self.options.gpu_reserve_blocks
+        buf_cap = self.buffer.num_total if self.buffer is not None else 0
+        if num_blocks > gpu_cap or (not self.options.direct_to_gpu and num_blocks > buf_cap):
+            raise RequestError(
+                f"request {request_id!r} needs {num_blocks} blocks: more than the GPU pool can ever give "
+                f"({gpu_cap} above the reserve)" + ("" if self.options.direct_to_gpu else f" or the buffer holds ({buf_cap})")
+            )
+        now = self.clock()
+        with self._lock:
+            if request_id in self._reqs:
+                raise RequestError(f"request {request_id!r} is already live ({self._reqs[request_id].state.value})")
+            self._tomb.pop(request_id, None)
+            req = _Req(request_id, num_blocks, num_tokens, peer, now)
+            # queued requests go first: a new one may not overtake them
+            grant = None if self._queue else self._grant(req, now)
+            if grant is not None:
+                self._reqs[request_id] = req
+                res = Reservation(request_id, grant.location, grant)
+            elif self.options.on_full == "queue" and len(self._queue) < self.options.max_queue:
+                req.queue_deadline = now + self.options.queue_timeout_s
+                self._reqs[request_id] = req
+                self._queue.append(request_id)
+                self._m["reservations_queued"] += 1
+                res = Reservation(request_id, "queued", reason="no room; queued")
+            else:
+                self._m["reservations_rejected"] += 1
+                why = "queue full" if self.options.on_full == "queue" else "no free GPU or buffer blocks"
+                res = Reservation(request_id, "rejected", reason=why)
+            ev = self._emit()
+        self._deliver(ev)
+        return res
+
+    # ------------------------------------------------------------------ receiving
+    def check_write(self, request_id: str, token: int) -> Grant:
+        """Validate that a write for ``request_id`` with ``token`` may land now; return
+        the live grant (the transport must only write into its blocks).
+
+        Raises GrantViolation, LeaseExpiredError or RequestError; nothing changes then.
+        """
+        now = self.clock()
+        with self._lock:
+            req = self._get_live(request_id)
+            self._check_writable(req, token, now)
+            blocks = req.gpu_blocks if req.location == "gpu" else req.buffer_blocks
+            assert blocks is not None
+            return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, self.options.lease_s)  # type: ignore[arg-type]
+
+    def land_layers(self, request_id: str, token: int, layers: Iterable[int]) -> int:
+        """Record layers whose every block landed with success. Returns layers landed so far.
+
+        Each landing extends the lease. A layer out of range or landed twice raises
+        RequestError and changes nothing.
+        """
+        now = self.clock()
+        if type(layers) is range and layers.step == 1 and len(layers):
+            if not 0 <= layers.start < layers.stop <= self.num_layers:
+                raise RequestError(f"layers {layers} out of range [0, {self.num_layers})")
+            mask = ((1 << len(layers)) - 1) << layers.start
+        else:
+            mask = 0
+            for layer in layers:
+                if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+                    raise RequestError(f"layer {layer!r} out of range [0, {self.num_layers})")
+                bit = 1 << layer
+                if mask & bit:
+                    raise RequestError(f"request {request_id!r}: layer {layer} given twice")
+                mask |= bit
+        with self._lock:
+            req = self._get_live(request_id)
+            self._check_writable(req, token, now)
+            if req.landed & mask:
+                dup = [i for i in range(self.num_layers) if req.landed & mask & (1 << i)]
+                raise RequestError(f"request {request_id!r}: layers {dup[:8]} already landed")
+            req.landed |= mask
+            added = mask.bit_count() if hasattr(mask, "bit_count") else bin(mask).count("1")
+            req.nlanded += added
+            self._m["layers_landed"] += added
+            req.state = State.RECEIVING
+            req.expires = now + self.options.lease_s
+            # the expiry heap is refreshed lazily: the old entry is skipped when popped
+            return req.nlanded
+
+    def land_layer(self, request_id: str, token: int, layer: int) -> int:
+        """Record one landed layer; see :meth:`land_layers`."""
+        return self.land_layers(request_id, token, (layer,))
+
+    def renew(self, request_id: str, token: int) -> float:
+        """Extend a live lease (a prefill heartbeat). Returns the new expiry."""
+        now = self.clock()
+        with self._lock:
+            req = self._get_live(request_id)
+            self._check_writable(req, token, now)
+            req.expires = now + self.options.lease_s
+            return req.expires
+
+    def complete(self, request_id: str, token: int) -> State:
+        """Prefill says every write succeeded. Every layer must have landed.
+
+        GPU-direct requests become READY; buffer requests RECEIVED (awaiting a swap).
+        """
+        now = self.clock()
+        with self._lock:
+            req = self._get_live(request_id)
+            self._check_writable(req, token, now)
+            if req.landed != self._all_layers:
+                missing = [i for i in range(self.num_layers) if not req.landed & (1 << i)]
+                raise RequestError(f"request {request_id!r}: completion before layers {missing[:8]} landed")
+            req.received_at = now
+            self._m["requests_received"] += 1
+            if req.location == "gpu":
+                req.state = State.READY
+                req.in_ready = True
+                self._ready.append(req)
+                self._m["requests_ready"] += 1
+                self._events.append(Event("ready", req.rid))
+            else:
+                req.state = State.RECEIVED
+                self._swapq[req.rid] = None
+            state = req.state
+            ev = self._emit()
+        self._deliver(ev)
+        return state
+
+    def fail(self, request_id: str, reason: str, token: int | None = None) -> None:
+        """Fail a request (prefill reported an error, a write failed). Blocks a peer may
+        still write are quarantined. A wrong token raises GrantViolation."""
+        now = self.clock()
+        with self._lock:
+            req = self._get_live(request_id)
+            if token is not None and token != req.token:
+                self._m["late_messages_rejected"] += 1
+                raise GrantViolation(f"request {request_id!r}: grant token does not match (stale or forged)")
+            self._terminate(req, State.FAILED, reason, now)
+            ev = self._emit()
+        self._deliver(ev)
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Abort a request from the decode side (client cancelled), in any live state."""
+        now = self.clock()
+        with self._lock:
+            req = self._get_live(request_id)
+            self._terminate(req, State.ABORTED, reason, now)
+            ev = self._emit()
+        self._deliver(ev)
+
+    def fence(self, peer: str) -> int:
+        """The transport guarantees ``peer`` can no longer write (connection closed, QP in
+        error, process dead): release its quarantined blocks now. Returns blocks released."""
+        with self._lock:
+            keep, n = [], 0
+            for q in self._quarantine:
+                if q.peer == peer:
+                    q.pool.free(q.blocks)
+                    n += len(q.blocks)
+                else:
+                    keep.append(q)
+            self._quarantine = keep
+            self._m["quarantined_blocks_released"] += n
+            return n
+
+    # ------------------------------------------------------------------ hand-off
+    def take_ready(self) -> list[ReadyRequest]:
+        """Requests whose KV is in GPU blocks, handed to the engine once each, in order."""
+        with self._lock:
+            out = []
+            for r in self._ready:
+                r.in_ready = False
+                out.append(ReadyRequest(r.rid, tuple(r.gpu_blocks or ()), r.tokens))
+            self._ready.clear()
+            return out
+
+    def finish(self, request_id: str, *, free_gpu_blocks: bool = True) -> None:
+        """The engine is done with a READY request: its GPU blocks return to the allocator
+        (unless ``free_gpu_blocks=False``: the engine keeps and frees them itself)."""
+        now = self.clock()
+        with self._lock:
+            req = self._get_live(request_id)
+            if req.state is not State.READY:
+                raise RequestError(f"request {request_id!r} is {req.state.value}, not ready; cannot finish it")
+            if not free_gpu_blocks:
+                req.gpu_blocks = None
+            self._terminate(req, State.FINISHED, "", now)
+            ev = self._emit()
+        self._deliver(ev)
+
+    # ------------------------------------------------------------------ the loop
+    def tick(self) -> list[Event]:
+        """Expire leases, release quarantine, grant queued reservations, poll swaps, admit
+        swaps. Call it from the engine loop. Returns the events it produced."""
+        now = self.clock()
+        with self._lock:
+            self._expire_due(now)
+            self._release_quarantine(now)
+            self._grant_queued(now)
+            polls = [(r, r.handle) for r in self._swapping.values() if r.handle is not None]
+        done = [(r, h.error) for r, h in polls if h.done()]
+        with self._lock:
+            for req, err in done:
+                self._swap_finished(req, err, now)
+            to_submit = self._admit_swaps(now)
+            ev = self._emit()
+        self._deliver(ev)
+        if to_submit:
+            more = self._submit(to_submit)
+            self._deliver(more)
+            ev = ev + more
+        return ev
+
+    def _expire_due(self, now: float) -> None:
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, _, rid = heapq.heappop(heap)
+            req = self._reqs.get(rid)
+            if req is None or req.state not in _WRITABLE:
+                continue
+            if req.expires <= now:
+                self._expire(req, now)
+            else:
+                self._push_expiry(req)
+        while self._queue:
+            req = self._reqs[self._queue[0]]
+            if req.queue_deadline > now:
+                break
+            self._m["queue_timeouts"] += 1
+            self._terminate(req, State.REJECTED, "timed out in the reservation queue", now)
+
+    def _release_quarantine(self, now: float) -> None:
+        if not self._quarantine:
+            return
+        keep = []
+        for q in self._quarantine:
+            if q.release_at <= now:
+                q.pool.free(q.blocks)
+                self._m["quarantined_blocks_released"] += len(q.blocks)
+            else:
+                keep.append(q)
+        self._quarantine = keep
+
+    def _grant_queued(self, now: float) -> None:
+        while self._queue:
+            req = self._reqs[self._queue[0]]
+            grant = self._grant(req, now)
+            if grant is None:
+                return
+            self._queue.popleft()
+            self._m["grants_from_queue"] += 1
+            self._events.append(Event("granted", req.rid, grant=grant))
+
+    def _admit_swaps(self, now: float) -> list[_Req]:
+        out: list[_Req] = []
+        o = self.options
+        while self._swapq:
+            rid = next(iter(self._swapq))
+            if o.swap_order == "shortest":
+                head = self._reqs[rid]
+                if now - head.received_at < o.starvation_s:
+                    rid = min(self._swapq, key=lambda k: self._reqs[k].n)
+            req = self._reqs[rid]
+            if self.gpu.num_free - req.n < o.gpu_reserve_blocks:
+                break
+            blocks = self.gpu.try_allocate(req.n)
+            if blocks is None:
+                break
+            del self._swapq[rid]
+            req.gpu_blocks = blocks
+            req.state = State.SWAPPING
+            req.swap_started = now
+            wait = now - req.reserved_at
+            self._m["prefill_wait_avoided_seconds_sum"] += wait
+            self._m["prefill_wait_avoided_seconds_max"] = max(self._m["prefill_wait_avoided_seconds_max"], wait)
+            self._swapping[rid] = req
+            out.append(req)
+        return out
+
+    def _submit(self, reqs: list[_Req]) -> list[Event]:
+        assert self.swap is not None
+        results = []
+        for req in reqs:  # no lock held: the backend may launch kernels, take time
+            try:
+                assert req.buffer_blocks is not None and req.gpu_blocks is not None
+                results.append((req, self.swap.submit(req.rid, req.buffer_blocks, req.gpu_blocks), None))
+            except Exception as exc:  # a failed submit fails the request, never the loop
+                results.append((req, None, exc))
+        with self._lock:
+            now = self.clock()
+            for req, handle, exc in results:
+                self._m["swaps_submitted"] += 1
+                if exc is not None:
+                    self._swap_finished(req, exc, now)
+                else:
+                    req.handle = handle
+            return self._emit()
+
+    def _swap_finished(self, req: _Req, err: BaseException | None, now: float) -> None:
+        if self._swapping.pop(req.rid, None) is None:
+            return
+        dt = now - req.swap_started
+        m = self._m
+        m["swap_seconds_sum"] += dt
+        m["swap_seconds_max"] = max(m["swap_seconds_max"], dt)
+        req.handle = None
+        assert req.buffer_blocks is not None
+        self.buffer.free(req.buffer_blocks)  # type: ignore[union-attr]
+        req.buffer_blocks = None
+        if err is not None:
+            m["swaps_failed"] += 1
+            req.state = State.RECEIVED  # no writer, no swap: release at once
+            self._terminate(req, State.FAILED, f"swap failed: {err}", now)
+            return
+        m["swaps_completed"] += 1
+        m["swap_bytes"] += req.n * self.block_bytes
+        req.state = State.READY
+        if req.cancel is not None:
+            state, reason = req.cancel
+            self._terminate(req, state, reason, now)
+            return
+        req.in_ready = True
+        self._ready.append(req)
+        m["requests_ready"] += 1
+        self._events.append(Event("ready", req.rid))
+
+    # ------------------------------------------------------------------ observability
+    def request(self, request_id: str) -> RequestInfo:
+        """A snapshot of a live or recently terminated request."""
+        with self._lock:
+            req = self._reqs.get(request_id)
+            if req is None:
+                tomb = self._tomb.get(request_id)
+                if tomb is None:
+                    raise RequestError(f"unknown request {request_id!r}")
+                return RequestInfo(request_id, tomb[0], "", 0, 0, (), (), tomb[2])
+            return RequestInfo(req.rid, req.state, req.location, req.n, req.nlanded,
+                               tuple(req.buffer_blocks or ()), tuple(req.gpu_blocks or ()), req.reason)
+
+    def live_requests(self) -> list[str]:
+        with self._lock:
+            return list(self._reqs)
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges as a flat dict."""
+        with self._lock:
+            out = dict(self._m)
+            by_state = {s: 0 for s in State if s not in TERMINAL}
+            for r in self._reqs.values():
+                by_state[r.state] += 1
+            for s, n in by_state.items():
+                out[f"requests_{s.value}"] = n
+            out["gpu_blocks_free"] = self.gpu.num_free
+            out["gpu_blocks_total"] = self.gpu.num_total
+            if self.buffer is not None:
+                out["buffer_blocks_free"] = self.buffer.num_free
+                out["buffer_blocks_total"] = self.buffer.num_total
+            out["quarantined_blocks"] = sum(len(q.blocks) for q in self._quarantine)
+            out["queue_length"] = len(self._queue)
+            return out
+
+    def prometheus(self, prefix: str = "pdkv_") -> str:
+        """:meth:`metrics` in the Prometheus text exposition format."""
+        lines = []
+        for k, v in sorted(self.metrics().items()):
+            kind = "counter" if k in self._m and not k.endswith("_max") else "gauge"
+            lines.append(f"# TYPE {prefix}{k} {kind}")
+            lines.append(f"{prefix}{k} {float(v):.9g}")
+        return "\n".join(lines) + "\n"
+
+    def check_invariants(self) -> None:
+        """Assert the accounting invariants (tests): every pool's held blocks are exactly
+        those of live requests plus quarantine; no block has two owners."""
+        with self._lock:
+            owned: dict[int, dict[int, str]] = {id(self.gpu): {}, id(self.buffer): {}}
+            for r in self._reqs.values():
+                for pool, blocks in ((self.gpu, r.gpu_blocks), (self.buffer, r.buffer_blocks)):
+                    for b in blocks or ():
+                        assert b not in owned[id(pool)], f"block {b} held by {owned[id(pool)][b]} and {r.rid}"
+                        owned[id(pool)][b] = r.rid
+                if r.state in (State.QUEUED,):
+                    assert not r.gpu_blocks and not r.buffer_blocks
+                if r.state is State.READY:
+                    assert r.gpu_blocks and not r.buffer_blocks
+            for q in self._quarantine:
+                for b in q.blocks:
+                    assert b not in owned[id(q.pool)], f"quarantined block {b} also held by {owned[id(q.pool)][b]}"
+                    owned[id(q.pool)][b] = "<quarantine>"
+            for pool in (self.gpu, self.buffer):
+                if isinstance(pool, BlockPool):
+                    held = owned[id(pool)]
+                    assert pool.num_held == len(held), f"{pool.name}: pool holds {pool.num_held}, owners {len(held)}"
+                    assert all(pool.is_held(b) for b in held)
+                    assert pool.num_free + pool.num_held == pool.num_total

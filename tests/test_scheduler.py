@@ -1,0 +1,546 @@
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule, run_state_machine_as_test)
+
+from pdkv.blocks import BlockPool
+from pdkv.errors import GrantViolation, LeaseExpiredError, PdkvError, RequestError
+from pdkv.scheduler import DecodeScheduler, SchedulerOptions, State
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeHandle:
+    def __init__(self):
+        self._done = False
+        self.error = None
+
+    def done(self):
+        return self._done
+
+
+class FakeSwap:
+    def __init__(self):
+        self.handles: dict[str, FakeHandle] = {}
+        self.submitted = []
+        self.fail_submit = False
+
+    def submit(self, rid, buf, gpu):
+        if self.fail_submit:
+            raise RuntimeError("launch failed")
+        assert len(buf) == len(gpu)
+        h = FakeHandle()
+        self.handles[rid] = h
+        self.submitted.append((rid, tuple(buf), tuple(gpu)))
+        return h
+
+    def finish(self, rid, error=None):
+        h = self.handles.pop(rid)
+        h.error = error
+        h._done = True
+
+
+def make(gpu=16, buf=32, layers=4, **opt):
+    clock = Clock()
+    swap = FakeSwap()
+    events = []
+    s = DecodeScheduler(num_layers=layers, gpu=BlockPool(gpu, "gpu"), buffer=BlockPool(buf, "buffer"),
+                        swap=swap, tokens_per_block=16, block_bytes=100,
+                        options=SchedulerOptions(**{"lease_s": 10.0, "fence_grace_s": 1.0, **opt}),
+                        clock=clock, listener=events.append)
+    return s, clock, swap, events
+
+
+def test_gpu_direct_path():
+    s, clock, swap, ev = make()
+    r = s.reserve("a", num_tokens=40)
+    assert r.outcome == "gpu" and r.grant.blocks == (0, 1, 2)
+    assert s.land_layers("a", r.grant.token, range(4)) == 4
+    assert s.complete("a", r.grant.token) is State.READY
+    assert [e.kind for e in ev] == ["ready"]
+    (ready,) = s.take_ready()
+    assert ready.gpu_blocks == (0, 1, 2) and ready.num_tokens == 40
+    assert s.take_ready() == []
+    s.finish("a")
+    assert s.gpu.num_free == 16
+    assert s.request("a").state is State.FINISHED
+    s.check_invariants()
+
+
+def test_buffer_path_swaps_when_gpu_room_appears_and_frees_buffer_only_after_swap():
+    s, clock, swap, ev = make(gpu=8, gpu_reserve_blocks=2)
+    big = s.reserve("g", num_blocks=6)
+    assert big.outcome == "gpu"
+    r = s.reserve("b", num_blocks=4)
+    assert r.outcome == "buffer" and s.buffer.num_free == 28
+    s.land_layers("b", r.grant.token, range(4))
+    assert s.complete("b", r.grant.token) is State.RECEIVED
+    s.tick()
+    assert s.request("b").state is State.RECEIVED  # no GPU room above the reserve
+    # the engine finishes "g": room appears
+    s.land_layers("g", big.grant.token, range(4))
+    s.complete("g", big.grant.token)
+    s.take_ready()
+    s.finish("g")
+    clock.t += 3
+    s.tick()
+    assert s.request("b").state is State.SWAPPING
+    assert s.buffer.num_free == 28  # still read by the swap
+    swap.finish("b")
+    s.tick()
+    assert s.request("b").state is State.READY and s.buffer.num_free == 32
+    assert [x.request_id for x in s.take_ready()] == ["b"]
+    m = s.metrics()
+    assert m["swaps_completed"] == 1 and m["swap_bytes"] == 400
+    assert m["prefill_wait_avoided_seconds_sum"] == pytest.approx(3.0)
+    s.check_invariants()
+
+
+def test_lease_expiry_quarantines_then_releases_and_refuses_late_writes():
+    s, clock, swap, ev = make(direct_to_gpu=False)
+    r = s.reserve("a", num_blocks=5)
+    s.land_layer("a", r.grant.token, 0)
+    clock.t += 9  # progress extended the lease from t=0 to t=10
+    s.tick()
+    assert s.request("a").state is State.RECEIVING
+    clock.t += 2
+    s.tick()
+    assert s.request("a").state is State.EXPIRED
+    assert s.buffer.num_free == 27 and s.metrics()["quarantined_blocks"] == 5
+    with pytest.raises(LeaseExpiredError):
+        s.land_layer("a", r.grant.token, 1)
+    with pytest.raises(LeaseExpiredError):
+        s.complete("a", r.grant.token)
+    clock.t += 1
+    s.tick()
+    assert s.buffer.num_free == 32
+    assert [e.kind for e in ev] == ["expired"]
+    s.check_invariants()
+
+
+def test_expired_lease_detected_on_write_without_tick():
+    s, clock, swap, ev = make(direct_to_gpu=False)
+    r = s.reserve("a", num_blocks=1)
+    clock.t += 11
+    with pytest.raises(LeaseExpiredError):
+        s.check_write("a", r.grant.token)
+    assert s.request("a").state is State.EXPIRED
+
+
+def test_fence_releases_quarantine_at_once():
+    s, clock, swap, ev = make()
+    r = s.reserve("a", num_blocks=3, peer="p1")
+    s.fail("a", "prefill reported an error", token=r.grant.token)
+    assert s.gpu.num_free == 13
+    assert s.fence("p2") == 0
+    assert s.fence("p1") == 3 and s.gpu.num_free == 16
+
+
+def test_stale_token_and_reused_id():
+    s, clock, swap, ev = make()
+    r1 = s.reserve("a", num_blocks=2)
+    s.abort("a")
+    r2 = s.reserve("a", num_blocks=2)  # id reused after a terminal state
+    with pytest.raises(GrantViolation):
+        s.land_layer("a", r1.grant.token, 0)
+    with pytest.raises(GrantViolation):
+        s.fail("a", "x", token=r1.grant.token)
+    assert s.request("a").state is State.RESERVED
+    s.land_layer("a", r2.grant.token, 0)
+
+
+def test_bad_input_changes_nothing():
+    s, clock, swap, ev = make()
+    r = s.reserve("a", num_blocks=2)
+    before = s.metrics()
+    for kw in (dict(num_blocks=0), dict(num_blocks=-1), dict(num_tokens=0), dict()):
+        with pytest.raises(RequestError):
+            s.reserve("z", **kw)
+    with pytest.raises(RequestError, match="already live"):
+        s.reserve("a", num_blocks=1)
+    with pytest.raises(RequestError, match="more than the GPU pool"):
+        s.reserve("huge", num_blocks=17)
+    with pytest.raises(RequestError, match="non-empty"):
+        s.reserve("", num_blocks=1)
+    with pytest.raises(RequestError, match="unknown request"):
+        s.land_layer("nope", 1, 0)
+    with pytest.raises(RequestError, match="out of range"):
+        s.land_layer("a", r.grant.token, 4)
+    s.land_layer("a", r.grant.token, 1)
+    with pytest.raises(RequestError, match="already landed"):
+        s.land_layers("a", r.grant.token, [0, 1])
+    with pytest.raises(RequestError, match="given twice"):
+        s.land_layers("a", r.grant.token, [2, 2])
+    with pytest.raises(RequestError, match="before layers"):
+        s.complete("a", r.grant.token)
+    with pytest.raises(RequestError, match="not ready"):
+        s.finish("a")
+    after = s.metrics()
+    assert after["layers_landed"] == 1 and after["gpu_blocks_free"] == before["gpu_blocks_free"]
+    assert s.request("a").layers_landed == 1
+    with pytest.raises(ValueError, match="lease_s"):
+        SchedulerOptions(lease_s=0)
+    with pytest.raises(ValueError, match="on_full"):
+        SchedulerOptions(on_full="drop")
+    with pytest.raises(ValueError, match="swap backend"):
+        DecodeScheduler(num_layers=1, gpu=BlockPool(1), buffer=BlockPool(1))
+
+
+def test_queue_fifo_and_timeout():
+    s, clock, swap, ev = make(gpu=4, buf=4, on_full="queue", queue_timeout_s=5.0, max_queue=1)
+    a = s.reserve("a", num_blocks=4)
+    b = s.reserve("b", num_blocks=4)
+    assert (a.outcome, b.outcome) == ("gpu", "buffer")
+    assert s.reserve("c", num_blocks=1).outcome == "queued"
+    assert s.reserve("d", num_blocks=1).outcome == "rejected"  # queue full
+    s.abort("a")
+    s.fence("")
+    s.tick()
+    granted = [e for e in ev if e.kind == "granted"]
+    assert granted and granted[0].request_id == "c" and granted[0].grant.location == "gpu"
+    assert s.reserve("e", num_blocks=4).outcome == "queued"
+    clock.t += 6
+    s.tick()
+    assert s.request("e").state is State.REJECTED
+    s.check_invariants()
+
+
+def test_shortest_first_without_starvation():
+    s, clock, swap, ev = make(gpu=10, buf=30, direct_to_gpu=False, swap_order="shortest", starvation_s=5.0)
+    hog = s.gpu.allocate(10)
+    for rid, n in (("long", 8), ("short", 2)):
+        g = s.reserve(rid, num_blocks=n).grant
+        s.land_layers(rid, g.token, range(4))
+        s.complete(rid, g.token)
+    s.gpu.free(hog)
+    s.tick()
+    assert [x[0] for x in swap.submitted] == ["short", "long"]
+    # starvation: the oldest goes first once it waited long enough
+    s2, clock2, swap2, _ = make(gpu=10, buf=30, direct_to_gpu=False, swap_order="shortest", starvation_s=5.0)
+    hog = s2.gpu.allocate(10)
+    for rid, n in (("long", 8), ("short", 2)):
+        g = s2.reserve(rid, num_blocks=n).grant
+        s2.land_layers(rid, g.token, range(4))
+        s2.complete(rid, g.token)
+    clock2.t += 6
+    s2.gpu.free(hog[:8])
+    s2.tick()
+    assert [x[0] for x in swap2.submitted] == ["long"]
+
+
+def test_abort_during_swap_waits_for_the_swap():
+    s, clock, swap, ev = make(direct_to_gpu=False)
+    g = s.reserve("a", num_blocks=3).grant
+    s.land_layers("a", g.token, range(4))
+    s.complete("a", g.token)
+    s.tick()
+    s.abort("a")
+    assert s.request("a").state is State.SWAPPING and s.buffer.num_free == 29
+    swap.finish("a")
+    s.tick()
+    assert s.request("a").state is State.ABORTED
+    assert s.buffer.num_free == 32 and s.gpu.num_free == 16
+
+
+def test_swap_failure_and_submit_failure_fail_the_request_and_free_everything():
+    s, clock, swap, ev = make(direct_to_gpu=False)
+    for rid in ("a", "b"):
+        g = s.reserve(rid, num_blocks=3).grant
+        s.land_layers(rid, g.token, range(4))
+        s.complete(rid, g.token)
+    swap.fail_submit = True
+    s.tick()
+    assert s.request("a").state is State.FAILED and "launch failed" in s.request("a").reason
+    swap.fail_submit = False
+    g = s.reserve("c", num_blocks=3).grant
+    s.land_layers("c", g.token, range(4))
+    s.complete("c", g.token)
+    s.tick()
+    swap.finish("c", error=RuntimeError("copy error"))
+    s.tick()
+    assert s.request("c").state is State.FAILED
+    assert s.buffer.num_free == 32 and s.gpu.num_free == 16
+    assert s.metrics()["swaps_failed"] == 3  # two failed submits, one failed copy
+
+
+def test_listener_is_called_without_the_lock():
+    seen = []
+    s, clock, swap, _ = make()
+
+    def listener(e):
+        # would deadlock if the lock were held
+        seen.append((e.kind, s.metrics()["requests_ready"]))
+
+    s.listener = listener
+    g = s.reserve("a", num_blocks=1).grant
+    s.land_layers("a", g.token, range(4))
+    s.complete("a", g.token)
+    assert seen == [("ready", 1)]
+
+
+def test_prometheus_text():
+    s, *_ = make()
+    text = s.prometheus()
+    assert "# TYPE pdkv_reservations_gpu counter" in text
+    assert "pdkv_gpu_blocks_free 16" in text
+
+
+def test_threads_hammer_the_scheduler():
+    s, clock, swap, ev = make(gpu=64, buf=64)
+    errors = []
+
+    def worker(k):
+        try:
+            for i in range(300):
+                rid = f"{k}-{i}"
+                r = s.reserve(rid, num_blocks=1 + i % 4)
+                if r.grant is None:
+                    continue
+                s.land_layers(rid, r.grant.token, range(4))
+                s.complete(rid, r.grant.token)
+                s.tick()
+                for h in list(swap.handles):
+                    try:
+                        swap.finish(h)
+                    except KeyError:
+                        pass
+                s.tick()
+                for rr in s.take_ready():
+                    s.finish(rr.request_id)
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    for _ in range(3):
+        for h in list(swap.handles):
+            swap.finish(h)
+        s.tick()
+        for rr in s.take_ready():
+            s.finish(rr.request_id)
+    s.check_invariants()
+    assert s.gpu.num_free == 64 and s.buffer.num_free == 64
+
+
+# ---------------------------------------------------------------- stateful
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Every transition over the public API; accounting checked after every step."""
+
+    pool_cls = BlockPool
+    reserved = Bundle("reserved")
+    received = Bundle("received")
+
+    def __init__(self):
+        super().__init__()
+        self.clock = Clock()
+        self.swap = FakeSwap()
+        self.gpu = self.pool_cls(24, "gpu")
+        self.buf = self.pool_cls(40, "buffer")
+        self.s = DecodeScheduler(num_layers=3, gpu=self.gpu, buffer=self.buf, swap=self.swap,
+                                 options=SchedulerOptions(lease_s=5.0, fence_grace_s=1.0, gpu_reserve_blocks=4,
+                                                          on_full="queue", queue_timeout_s=8.0, max_queue=4),
+                                 clock=self.clock)
+        self.n = 0
+        self.tokens = {}
+
+    def _live(self, rid):
+        try:
+            return self.s.request(rid).state
+        except RequestError:
+            return None
+
+    @rule(target=reserved, n=st.integers(1, 20))
+    def reserve(self, n):
+        self.n += 1
+        rid = f"r{self.n}"
+        r = self.s.reserve(rid, num_blocks=n)
+        if r.grant:
+            self.tokens[rid] = r.grant.token
+        return rid
+
+    @rule(rid=reserved, k=st.integers(0, 2))
+    def land_some(self, rid, k):
+        tok = self.tokens.get(rid)
+        try:
+            self.s.land_layers(rid, tok if tok is not None else -1, [k])
+        except PdkvError:
+            pass
+
+    @rule(target=received, rid=consumes(reserved))
+    def land_all_and_complete(self, rid):
+        tok = self.tokens.get(rid, -1)
+        try:
+            st_ = self.s.request(rid)
+            missing = [i for i in range(3)]
+            if st_.layers_landed:
+                for i in range(3):
+                    try:
+                        self.s.land_layer(rid, tok, i)
+                    except RequestError:
+                        pass
+            else:
+                self.s.land_layers(rid, tok, missing)
+            self.s.complete(rid, tok)
+        except PdkvError:
+            pass
+        return rid
+
+    @rule(rid=reserved)
+    def forged_write(self, rid):
+        before = self._live(rid)
+        with pytest.raises(PdkvError):
+            self.s.land_layer(rid, 12345, 0)
+        after = self._live(rid)
+        assert before == after or after is State.EXPIRED
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
+    def advance_and_tick(self, dt):
+        self.clock.t += dt
+        self.s.tick()
+
+    @rule()
+    def tick(self):
+        self.s.tick()
+
+    @rule(ok=st.booleans())
+    def finish_a_swap(self, ok):
+        if self.swap.handles:
+            rid = sorted(self.swap.handles)[0]
+            self.swap.finish(rid, None if ok else RuntimeError("x"))
+
+    @rule()
+    def engine_step(self):
+        for r in self.s.take_ready():
+            assert self._live(r.request_id) is State.READY
+            self.s.finish(r.request_id)
+
+    @rule(rid=st.one_of(reserved, received))
+    def abort(self, rid):
+        try:
+            self.s.abort(rid)
+        except PdkvError:
+            pass
+
+    @rule(rid=received)
+    def fail(self, rid):
+        try:
+            self.s.fail(rid, "peer said so")
+        except PdkvError:
+            pass
+
+    @rule()
+    def fence(self):
+        self.s.fence("")
+
+    @invariant()
+    def accounting(self):
+        self.s.check_invariants()
+        for pool in (self.gpu, self.buf):
+            assert pool.num_free + pool.num_held == pool.num_total
+
+    def teardown(self):
+        # drain: every block must come home
+        for _ in range(4):
+            for rid in list(self.swap.handles):
+                self.swap.finish(rid)
+            self.clock.t += 100
+            self.s.tick()
+            for r in self.s.take_ready():
+                self.s.finish(r.request_id)
+        for rid in self.s.live_requests():
+            self.s.abort(rid)
+        self.s.fence("")
+        self.s.tick()
+        for rid in list(self.swap.handles):
+            self.swap.finish(rid)
+        self.clock.t += 100
+        self.s.tick()
+        assert self.gpu.num_free == 24 and self.buf.num_free == 40, (self.gpu, self.buf)
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestScheduler = SchedulerMachine.TestCase
+
+
+class LeakyPool(BlockPool):
+    """A planted bug: freeing several blocks at once loses the last one."""
+
+    def free(self, blocks):
+        super().free(list(blocks)[:-1] if len(blocks) > 1 else blocks)
+
+
+def test_machine_catches_a_planted_accounting_bug():
+    class Broken(SchedulerMachine):
+        pool_cls = LeakyPool
+
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(Broken, settings=settings(max_examples=200, stateful_step_count=40,
+                                                            deadline=None, database=None,
+                                                            report_multiple_bugs=False))
+
+
+@pytest.mark.slow
+def test_hundred_thousand_random_steps_leak_nothing():
+    import random
+
+    rng = random.Random(7)
+    s, clock, swap, ev = make(gpu=200, buf=400, layers=4, on_full="queue", gpu_reserve_blocks=10)
+    tokens = {}
+    for step in range(100_000):
+        op = rng.random()
+        live = s.live_requests()
+        try:
+            if op < 0.25:
+                rid = f"r{step}"
+                r = s.reserve(rid, num_blocks=rng.randint(1, 40))
+                if r.grant:
+                    tokens[rid] = r.grant.token
+            elif op < 0.5 and live:
+                rid = rng.choice(live)
+                s.land_layers(rid, tokens.get(rid, 0), range(4))
+                s.complete(rid, tokens.get(rid, 0))
+            elif op < 0.55 and live:
+                s.abort(rng.choice(live))
+            elif op < 0.6 and live:
+                s.fail(rng.choice(live), "random")
+            elif op < 0.75:
+                if swap.handles:
+                    swap.finish(rng.choice(sorted(swap.handles)), None if rng.random() < 0.95 else RuntimeError())
+            elif op < 0.85:
+                for r in s.take_ready():
+                    s.finish(r.request_id)
+            else:
+                clock.t += rng.choice([0.1, 1.0, 12.0])
+                s.tick()
+        except PdkvError:
+            pass
+        for granted in (e for e in ev if e.kind == "granted"):
+            tokens[granted.request_id] = granted.grant.token
+        ev.clear()
+        if step % 1000 == 0:
+            s.check_invariants()
+    for rid in s.live_requests():
+        s.abort(rid)
+    for _ in range(3):
+        for rid in list(swap.handles):
+            swap.finish(rid)
+        clock.t += 100
+        s.tick()
+    s.check_invariants()
+    assert s.gpu.num_free == 200 and s.buffer.num_free == 400
