@@ -4,7 +4,7 @@
 missing when asked for.
 """
 
-from . import blocks, errors, layout, scheduler, shm
+from . import blocks, errors, interop, layout, scheduler, shm, swap
 from .blocks import BlockAllocator, BlockPool
 from .errors import *  # noqa: F403
 from .layout import GIB, CacheSpec, KVLayout, Segment, tp_segments
@@ -21,6 +21,8 @@ from .scheduler import (
     SwapHandle,
 )
 from .shm import SharedBuffer
+from .interop import TensorInfo, cache_from_tensors, tensor_info
+from .swap import CopyHandle, CopyPlan, SwapEngine, plan_copy
 
 __version__ = "0.1.0"
 
@@ -43,6 +45,13 @@ __all__ = [
     "KVLayout",
     "Segment",
     "SharedBuffer",
+    "SwapEngine",
+    "CopyHandle",
+    "CopyPlan",
+    "plan_copy",
+    "TensorInfo",
+    "tensor_info",
+    "cache_from_tensors",
     "tp_segments",
     *errors.__all__,
 ]

@@ -163,7 +163,7 @@ class SharedBuffer:
         populate:
             Fault in every page now (the receive path must not pay first-touch costs).
         populate_threads:
-            Threads that populate in parallel; default ``min(8, cpu count)``.
+            Threads that populate in parallel; default ``min(16, cpu count)``.
         huge_pages:
             Ask for transparent huge pages (``MADV_HUGEPAGE``) before populating.
 
@@ -196,7 +196,7 @@ class SharedBuffer:
                 except OSError:
                     pass  # advisory: tmpfs without THP support ignores it
             if populate:
-                _populate(addr, size, populate_threads or min(8, os.cpu_count() or 1))
+                _populate(addr, size, populate_threads or min(16, os.cpu_count() or 1))
             pinned = _maybe_pin(addr, size, mode)
             if pinned:
                 undo.callback(_ffi.cuda.host_unregister, addr)

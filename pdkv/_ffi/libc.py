@@ -19,6 +19,8 @@ __all__ = [
     "MADV_HUGEPAGE",
     "MADV_POPULATE_WRITE",
     "buffer_address",
+    "host_view",
+    "memmove",
     "madvise",
     "memset",
     "shm_open",
@@ -101,3 +103,14 @@ def buffer_address(buf: mmap.mmap) -> int:
         return ctypes.addressof(obj)
     finally:
         del obj
+
+
+def memmove(dst: int, src: int, length: int) -> None:
+    """``memmove`` without the GIL."""
+    ctypes.memmove(dst, src, length)
+
+
+def host_view(addr: int, length: int) -> memoryview:
+    """A writable memoryview of ``length`` bytes at ``addr``. The caller keeps the
+    memory alive for as long as the view (and anything made from it) lives."""
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")

@@ -1,0 +1,509 @@
+"""The swap engine: scattered KV blocks between the pinned CPU buffer and GPU blocks.
+
+A copy is planned once (pure numpy: addresses of every (layer, tensor, block), runs of
+blocks contiguous on both sides merged into one piece) and then executed by a strategy:
+
+``kernel``  (default with a GPU) an NVRTC gather/scatter kernel that reads and writes
+            mapped pinned host memory directly; one launch per copy (or per layer).
+``batch``   one ``cudaMemcpyBatchAsync`` call (CUDA 12.8+).
+``memcpy``  one ``cudaMemcpyAsync`` per coalesced piece (the last fallback).
+``host``    ``memmove`` on a worker thread, for host-to-host copies (CPU-only hosts,
+            tests, the local transfer tool without a GPU).
+
+Every copy is asynchronous and returns a :class:`CopyHandle` with ``done()``,
+``wait(timeout)`` and ``error``; with ``layerwise=True`` it also has one completion per
+layer, so an engine can start on layer 0 before the last layer lands.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from . import _ffi
+from .errors import ClosedError, CudaUnavailableError, PdkvTimeoutError, SwapError
+from .layout import CacheSpec
+
+__all__ = ["CopyPlan", "plan_copy", "CopyHandle", "SwapEngine", "Strategy", "KERNEL_SOURCE"]
+
+Strategy = Literal["auto", "kernel", "batch", "memcpy", "host"]
+_CHUNK = 64 << 10  # bytes one kernel CTA copies
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """Coalesced pieces of one copy: ``src[i] -> dst[i]``, ``lengths[i]`` bytes;
+    ``layer_ends[l]`` is the end index of layer ``l``'s pieces (pieces are in layer order)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    lengths: np.ndarray
+    layer_ends: np.ndarray
+    nbytes: int
+
+    @property
+    def pieces(self) -> int:
+        return int(self.lengths.size)
+
+    def chunked(self, chunk: int = _CHUNK) -> CopyPlan:
+        """The same copy with every piece split into pieces of at most ``chunk`` bytes."""
+        ln = self.lengths.astype(np.int64)
+        if ln.size == 0 or int(ln.max()) <= chunk:
+            return self
+        n = (ln + chunk - 1) // chunk
+        total = int(n.sum())
+        idx = np.repeat(np.arange(ln.size), n)
+        first = np.cumsum(n) - n
+        k = np.arange(total, dtype=np.int64) - np.repeat(first, n)
+        off = k * chunk
+        lens = np.minimum(ln[idx] - off, chunk)
+        ends = np.cumsum(n)[self.layer_ends - 1] if self.layer_ends.size else self.layer_ends
+        ends = np.where(self.layer_ends == 0, 0, ends)
+        return CopyPlan(self.src[idx] + off.astype(np.uint64), self.dst[idx] + off.astype(np.uint64),
+                        lens.astype(np.uint64), ends.astype(np.int64), self.nbytes)
+
+
+def _as_ids(x: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x.astype(np.int64, copy=False).reshape(-1)
+    return np.fromiter(x, dtype=np.int64, count=len(x))
+
+
+def _check_blocks(name: str, blocks: np.ndarray, limit: int) -> None:
+    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= limit):
+        bad = blocks[(blocks < 0) | (blocks >= limit)]
+        raise SwapError(f"{name} block ids {bad[:8].tolist()} out of range [0, {limit})")
+
+
+def _regions(spec: CacheSpec, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    nt = len(spec.layout.tensors)
+    bases = np.array([[spec.region(int(li), t)[0] for t in range(nt)] for li in layers], dtype=np.int64)
+    strides = np.array([[spec.region(int(li), t)[1] for t in range(nt)] for li in layers], dtype=np.int64)
+    return bases, strides
+
+
+def plan_copy(src: CacheSpec, dst: CacheSpec, src_blocks: Sequence[int] | np.ndarray,
+              dst_blocks: Sequence[int] | np.ndarray, layers: Sequence[int] | None = None) -> CopyPlan:
+    """Plan copying ``src_blocks[i]`` of ``src`` into ``dst_blocks[i]`` of ``dst`` for every
+    layer (or ``layers``) and tensor. Runs contiguous in both memories become one piece.
+
+    Raises
+    ------
+    SwapError
+        Different layouts, mismatched lengths, ids out of range, duplicate destinations.
+    """
+    if src.layout.block_bytes != dst.layout.block_bytes or src.layout.tensors != dst.layout.tensors:
+        raise SwapError("source and destination caches have different layouts")
+    sb, db = _as_ids(src_blocks), _as_ids(dst_blocks)
+    if sb.size != db.size:
+        raise SwapError(f"{sb.size} source blocks but {db.size} destination blocks")
+    _check_blocks("source", sb, src.num_blocks)
+    _check_blocks("destination", db, dst.num_blocks)
+    if db.size > 1 and np.bincount(db, minlength=1).max() > 1:
+        raise SwapError("duplicate destination block ids (two copies would race into one block)")
+    lay = src.layout
+    L = np.arange(lay.total_layers) if layers is None else np.asarray(list(layers), dtype=np.int64)
+    if L.size and (L.min() < 0 or L.max() >= lay.total_layers):
+        raise SwapError(f"layers {L.tolist()[:8]} out of range [0, {lay.total_layers})")
+    nt = len(lay.tensors)
+    tb = np.array([lay.tensor_block_bytes(t) for t in range(nt)], dtype=np.int64)
+    sbase, sstr = _regions(src, L)
+    dbase, dstr = _regions(dst, L)
+    if sb.size == 0:
+        z = np.zeros(0, np.uint64)
+        return CopyPlan(z, z, z, np.zeros(L.size, np.int64), 0)
+    # runs of consecutive ids on both sides; they are contiguous memory only where the
+    # block stride equals the block's bytes (not for K/V-interleaved caches)
+    dense = bool((sstr == tb).all() and (dstr == tb).all())
+    if dense:
+        brk = np.empty(sb.size, dtype=bool)
+        brk[0] = True
+        np.not_equal(np.diff(sb), 1, out=brk[1:])
+        brk[1:] |= np.diff(db) != 1
+        starts = np.flatnonzero(brk)
+        run = np.diff(np.append(starts, sb.size))
+        s0, d0 = sb[starts], db[starts]
+    else:
+        s0, d0, run = sb, db, np.ones(sb.size, np.int64)
+    # [layer, tensor, piece]
+    sa = sbase[:, :, None] + sstr[:, :, None] * s0[None, None, :]
+    da = dbase[:, :, None] + dstr[:, :, None] * d0[None, None, :]
+    ln = np.broadcast_to(tb[None, :, None] * run[None, None, :], sa.shape)
+    per_layer = nt * s0.size
+    ends = np.arange(1, L.size + 1, dtype=np.int64) * per_layer
+    lengths = ln.reshape(-1).astype(np.uint64)
+    return CopyPlan(sa.reshape(-1).astype(np.uint64), da.reshape(-1).astype(np.uint64), lengths, ends,
+                    int(lengths.sum()))
+
+
+KERNEL_SOURCE = r"""
+extern "C" __global__ void __launch_bounds__(512)
+pdkv_copy(const unsigned long long* __restrict__ src, const unsigned long long* __restrict__ dst,
+          const unsigned long long* __restrict__ len, long long n)
+{
+    for (long long i = blockIdx.x; i < n; i += gridDim.x) {
+        const char* s = (const char*)src[i];
+        char* d = (char*)dst[i];
+        unsigned long long L = len[i];
+        if ((((unsigned long long)s | (unsigned long long)d | L) & 15ull) == 0) {
+            const uint4* s4 = (const uint4*)s;
+            uint4* d4 = (uint4*)d;
+            long long n4 = (long long)(L >> 4), bd = blockDim.x, j = threadIdx.x;
+            // four loads in flight per thread before any store: PCIe latency is long
+            for (; j + 3 * bd < n4; j += 4 * bd) {
+                uint4 a = s4[j], b = s4[j + bd], c = s4[j + 2 * bd], e = s4[j + 3 * bd];
+                d4[j] = a; d4[j + bd] = b; d4[j + 2 * bd] = c; d4[j + 3 * bd] = e;
+            }
+            for (; j < n4; j += bd) d4[j] = s4[j];
+        } else {
+            for (unsigned long long j = threadIdx.x; j < L; j += blockDim.x) d[j] = s[j];
+        }
+    }
+}
+"""
+
+
+class CopyHandle:
+    """An asynchronous copy. ``done()`` never blocks; ``wait(timeout)`` is bounded.
+
+    ``layer_done(l)`` / ``wait_layer(l, timeout)`` exist when the copy was layer-wise.
+    ``error`` is the exception if the copy failed (``done()`` is then True).
+    """
+
+    def __init__(self, nbytes: int, layers: int) -> None:
+        self.nbytes = nbytes
+        self.num_layers = layers
+        self._error: BaseException | None = None
+        self._t0 = time.perf_counter()
+        self._t1: float | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        self.done()
+        return self._error
+
+    def done(self) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def layer_done(self, layer: int) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _wait(self, pred, timeout: float | None, what: str) -> None:
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        while not pred():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise PdkvTimeoutError(f"{what} not finished within {timeout} s")
+            # poll finely for the first 20 ms (copies take ~1-50 ms), then back off
+            elapsed = now - start
+            if elapsed < 0.002:
+                time.sleep(0)
+            else:
+                time.sleep(2e-5 if elapsed < 0.02 else 1e-3)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done (at most ``timeout`` s); raise the copy's error if it failed."""
+        self._wait(self.done, timeout, "copy")
+        if self._error is not None:
+            raise SwapError(f"copy failed: {self._error}") from self._error
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        self._wait(lambda: self.layer_done(layer), timeout, f"layer {layer} of the copy")
+        if self._error is not None:
+            raise SwapError(f"copy failed: {self._error}") from self._error
+
+    @property
+    def seconds(self) -> float | None:
+        """Wall time from submission to the first ``done()`` that saw it complete."""
+        return None if self._t1 is None else self._t1 - self._t0
+
+
+class _CudaHandle(CopyHandle):
+    def __init__(self, nbytes: int, layers: int, events: list[int], keep: object) -> None:
+        super().__init__(nbytes, layers)
+        self._events = events  # one per layer when layer-wise, else one
+        self._keep = keep  # descriptor memory: freed when the copy is done
+        self._finished = False
+        self._fin = weakref.finalize(self, _destroy_events, list(events))
+
+    def done(self) -> bool:
+        if self._finished:
+            return True
+        try:
+            ok = _ffi.cuda.event_query(self._events[-1])
+        except Exception as exc:  # a CUDA error surfaces here: the copy failed
+            self._error = exc
+            ok = True
+        if ok:
+            self._finished = True
+            self._t1 = time.perf_counter()
+            self._keep = None
+            self._fin()
+        return ok
+
+    def layer_done(self, layer: int) -> bool:
+        if self._finished or len(self._events) == 1:
+            return self.done()
+        try:
+            return _ffi.cuda.event_query(self._events[layer])
+        except Exception as exc:
+            self._error = exc
+            return True
+
+
+def _destroy_events(events: list[int]) -> None:
+    for e in events:
+        try:
+            _ffi.cuda.event_destroy(e)
+        except Exception:
+            pass
+
+
+class _FutureHandle(CopyHandle):
+    def __init__(self, nbytes: int, layers: int, fut: Future, layer_flags: list[threading.Event]) -> None:
+        super().__init__(nbytes, layers)
+        self._fut = fut
+        self._flags = layer_flags
+
+    def done(self) -> bool:
+        if not self._fut.done():
+            return False
+        if self._t1 is None:
+            self._t1 = time.perf_counter()
+            self._error = self._fut.exception()
+        return True
+
+    def layer_done(self, layer: int) -> bool:
+        return self._flags[layer].is_set() or self.done()
+
+
+class _Busy:
+    def done(self) -> bool:
+        return False
+
+
+_BUSY = _Busy()
+
+
+class _PinnedStaging:
+    """Pinned host memory for kernel descriptors, reused once the copy that read it is done."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.addr = _ffi.cuda.malloc_host(nbytes)
+        self.nbytes = nbytes
+        self._fin = weakref.finalize(self, _ffi.cuda.free_host, self.addr)
+
+    def close(self) -> None:
+        self._fin()
+
+
+class SwapEngine:
+    """Copies blocks between two caches (a pinned buffer and a GPU cache, or two host
+    caches with ``strategy='host'``).
+
+    Parameters
+    ----------
+    buffer:
+        :class:`~pdkv.layout.CacheSpec` of the CPU buffer (pinned for GPU strategies).
+    gpu:
+        :class:`~pdkv.layout.CacheSpec` of the engine's GPU cache (or a host cache).
+    strategy:
+        ``auto`` (kernel, else batch, else memcpy; ``host`` without CUDA), or one forced.
+    stream:
+        CUDA stream for copies (default: one the engine creates, non-blocking).
+    device:
+        CUDA device of the GPU cache.
+    buffer_pinned:
+        Whether ``buffer`` is registered with CUDA; GPU strategies refuse otherwise.
+    layerwise:
+        Default for :meth:`submit`: one completion per layer.
+
+    The engine is a :class:`~pdkv.scheduler.SwapBackend`: :meth:`submit` copies buffer
+    blocks into GPU blocks. Ownership: the engine owns its stream, events and staging
+    memory and frees them on :meth:`close`; the caches belong to the caller.
+    """
+
+    def __init__(self, buffer: CacheSpec, gpu: CacheSpec, *, strategy: Strategy = "auto",
+                 stream: int | None = None, device: int = 0, buffer_pinned: bool = True,
+                 layerwise: bool = False, host_threads: int = 2) -> None:
+        if buffer.layout.block_bytes != gpu.layout.block_bytes or buffer.layout.tensors != gpu.layout.tensors:
+            raise SwapError("buffer and GPU cache have different layouts")
+        if strategy not in ("auto", "kernel", "batch", "memcpy", "host"):
+            raise ValueError(f"strategy={strategy!r} must be auto, kernel, batch, memcpy or host")
+        self.buffer, self.gpu = buffer, gpu
+        self.layerwise = layerwise
+        self.device = device
+        self._closed = False
+        self._lock = threading.Lock()
+        self._staging: list[tuple[_PinnedStaging, object]] = []
+        self._own_stream = False
+        self._stream = 0
+        self._pool: ThreadPoolExecutor | None = None
+        if strategy == "auto":
+            strategy = "host" if _ffi.cuda.device_count() == 0 else "kernel"
+        if strategy != "host":
+            if _ffi.cuda.device_count() == 0:
+                raise CudaUnavailableError(f"strategy={strategy!r} needs a CUDA device; none found")
+            if not buffer_pinned:
+                raise SwapError(
+                    "the CPU buffer is not pinned: GPU copies from pageable memory are synchronous and "
+                    "~7x slower; create it with SharedBuffer.create(..., require_pinned=True)")
+            _ffi.cuda.set_device(device)
+            if strategy == "kernel":
+                try:
+                    self._fn = _ffi.cuda.compile_kernel(KERNEL_SOURCE, "pdkv_copy", device)
+                except CudaUnavailableError:
+                    strategy = "batch"
+            if strategy == "batch" and not _ffi.cuda.batch_copy_supported():
+                strategy = "memcpy"
+            if stream is None:
+                self._stream = _ffi.cuda.stream_create(nonblocking=True)
+                self._own_stream = True
+            else:
+                self._stream = stream
+        else:
+            self._pool = ThreadPoolExecutor(max_workers=host_threads, thread_name_prefix="pdkv-swap")
+        self.strategy: Strategy = strategy
+
+    # ------------------------------------------------------------------ API
+    def submit(self, request_id: str, buffer_blocks: Sequence[int], gpu_blocks: Sequence[int]) -> CopyHandle:
+        """Buffer -> GPU copy of one request's blocks (the scheduler's swap)."""
+        return self.copy(buffer_blocks, gpu_blocks, direction="h2d")
+
+    def copy(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
+             direction: Literal["h2d", "d2h"] = "h2d", layerwise: bool | None = None,
+             stream: int | None = None) -> CopyHandle:
+        """Copy ``src_blocks[i] -> dst_blocks[i]`` for every layer and tensor.
+
+        ``h2d`` reads the buffer and writes the GPU cache; ``d2h`` the reverse. Everything
+        is validated before anything is launched.
+        """
+        if self._closed:
+            raise ClosedError("swap engine is closed")
+        src, dst = (self.buffer, self.gpu) if direction == "h2d" else (self.gpu, self.buffer)
+        if direction not in ("h2d", "d2h"):
+            raise ValueError(f"direction={direction!r} must be 'h2d' or 'd2h'")
+        plan = plan_copy(src, dst, src_blocks, dst_blocks)
+        lw = self.layerwise if layerwise is None else layerwise
+        if self.strategy == "host":
+            return self._run_host(plan, lw)
+        return self._run_cuda(plan, lw, self._stream if stream is None else stream)
+
+    def copy_plan(self, plan: CopyPlan, *, layerwise: bool = False, stream: int | None = None) -> CopyHandle:
+        """Execute a plan made by :func:`plan_copy` (e.g. with TP segments)."""
+        if self._closed:
+            raise ClosedError("swap engine is closed")
+        if self.strategy == "host":
+            return self._run_host(plan, layerwise)
+        return self._run_cuda(plan, layerwise, self._stream if stream is None else stream)
+
+    def close(self) -> None:
+        """Wait for nothing, free the engine's stream, staging and workers. Idempotent.
+        In-flight copies keep their own events; staging memory is freed after a sync."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.strategy != "host":
+            if self._stream:
+                _ffi.cuda.stream_synchronize(self._stream)
+            for st, _ in self._staging:
+                st.close()
+            self._staging.clear()
+            if self._own_stream:
+                _ffi.cuda.stream_destroy(self._stream)
+
+    def __enter__(self) -> SwapEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ strategies
+    def _run_host(self, plan: CopyPlan, layerwise: bool) -> CopyHandle:
+        assert self._pool is not None
+        nl = plan.layer_ends.size
+        flags = [threading.Event() for _ in range(nl)]
+        src, dst, lens, ends = plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist(), plan.layer_ends.tolist()
+
+        def work() -> None:
+            i = 0
+            for layer, end in enumerate(ends):
+                while i < end:
+                    _ffi.libc.memmove(dst[i], src[i], lens[i])
+                    i += 1
+                flags[layer].set()
+
+        return _FutureHandle(plan.nbytes, nl, self._pool.submit(work), flags)
+
+    def _staging_for(self, nbytes: int, handle_slot: list) -> _PinnedStaging:
+        with self._lock:
+            for i, (st, h) in enumerate(self._staging):
+                if st.nbytes >= nbytes and (h is None or h.done()):
+                    self._staging[i] = (st, _BUSY)
+                    handle_slot.append(i)
+                    return st
+            st = _PinnedStaging(max(1 << 16, 1 << (nbytes - 1).bit_length()))
+            self._staging.append((st, _BUSY))
+            handle_slot.append(len(self._staging) - 1)
+            return st
+
+    def _run_cuda(self, plan: CopyPlan, layerwise: bool, stream: int) -> CopyHandle:
+        nl = plan.layer_ends.size
+        events = [_ffi.cuda.event_create() for _ in range(nl if layerwise else 1)]
+        keep: object = None
+        slot: list[int] = []
+        try:
+            if self.strategy == "kernel":
+                cp = plan.chunked()
+                n = cp.pieces
+                desc = np.concatenate([cp.src, cp.dst, cp.lengths])
+                st = self._staging_for(desc.nbytes, slot)
+                _ffi.libc.host_view(st.addr, desc.nbytes)[:] = desc.view(np.uint8)
+                base = st.addr
+                groups = self._groups(cp.layer_ends, layerwise)
+                for (a, b), ev in zip(groups, events):
+                    if b > a:
+                        _ffi.cuda.launch(self._fn, min(b - a, 1 << 20), 512,
+                                         [("ptr", base + 8 * a), ("ptr", base + 8 * (n + a)),
+                                          ("ptr", base + 8 * (2 * n + a)), ("i64", b - a)], stream)
+                    _ffi.cuda.event_record(ev, stream)
+                keep = st
+            else:
+                groups = self._groups(plan.layer_ends, layerwise)
+                src, dst, lens = plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist()
+                for (a, b), ev in zip(groups, events):
+                    if b > a:
+                        if self.strategy == "batch":
+                            _ffi.cuda.memcpy_batch_async(dst[a:b], src[a:b], lens[a:b], stream)
+                        else:
+                            for i in range(a, b):
+                                _ffi.cuda.memcpy_async(dst[i], src[i], lens[i], stream)
+                    _ffi.cuda.event_record(ev, stream)
+        except BaseException:
+            _destroy_events(events)
+            if slot:
+                with self._lock:
+                    self._staging[slot[0]] = (self._staging[slot[0]][0], None)
+            raise
+        h = _CudaHandle(plan.nbytes, nl, events, keep)
+        if slot:
+            with self._lock:
+                self._staging[slot[0]] = (self._staging[slot[0]][0], h)
+        return h
+
+    @staticmethod
+    def _groups(ends: np.ndarray, layerwise: bool) -> list[tuple[int, int]]:
+        e = ends.tolist()
+        if not layerwise:
+            return [(0, e[-1] if e else 0)]
+        return list(zip([0] + e[:-1], e))

@@ -1,0 +1,190 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdkv import CacheSpec, KVLayout, SharedBuffer, _ffi
+from pdkv.errors import SwapError
+from pdkv.swap import SwapEngine, plan_copy
+
+
+def lay(**kw):
+    base = dict(num_layers=3, kv_heads=2, head_dim=16, tokens_per_block=4, dtype="bf16")
+    base.update(kw)
+    return KVLayout(**base)
+
+
+class HostCache:
+    """A numpy-backed cache (stands in for GPU memory on a CPU host)."""
+
+    def __init__(self, layout, nblocks, kind="buffer"):
+        self.arr = np.zeros(layout.block_bytes * nblocks + 64, np.uint8)
+        base = self.arr.ctypes.data
+        if kind == "buffer":
+            self.spec = CacheSpec.for_buffer(layout, nblocks, base)
+        else:  # flashinfer-like interleaving: K and V of one block side by side
+            bb = layout.tensor_block_bytes(0)
+            per_layer = 2 * bb * nblocks
+            self.spec = CacheSpec.flashinfer(layout, nblocks, [base + i * per_layer for i in range(layout.total_layers)])
+
+    def block(self, layer, t, b):
+        a = self.spec.address(layer, t, b) - self.arr.ctypes.data
+        return self.arr[a:a + self.spec.layout.tensor_block_bytes(t)]
+
+
+def test_plan_coalesces_contiguous_runs():
+    L = lay()
+    a, b = HostCache(L, 16), HostCache(L, 16)
+    p = plan_copy(a.spec, b.spec, [0, 1, 2, 7, 9, 10], [4, 5, 6, 8, 11, 12])
+    # per layer and tensor: runs (0-2 -> 4-6), (7 -> 8), (9-10 -> 11-12)
+    assert p.pieces == 3 * 2 * 3
+    assert p.layer_ends.tolist() == [6, 12, 18]
+    assert p.nbytes == 6 * L.block_bytes
+    tb = L.tensor_block_bytes(0)
+    assert p.lengths[:3].tolist() == [3 * tb, tb, 2 * tb]
+    c = p.chunked(tb // 2)
+    assert c.nbytes == p.nbytes and int(c.lengths.sum()) == p.nbytes and c.lengths.max() <= tb // 2
+    assert c.layer_ends[-1] == c.pieces
+
+
+def test_plan_validation():
+    L = lay()
+    a, b = HostCache(L, 8), HostCache(L, 8)
+    with pytest.raises(SwapError, match="3 source blocks but 2"):
+        plan_copy(a.spec, b.spec, [0, 1, 2], [0, 1])
+    with pytest.raises(SwapError, match=r"destination block ids \[8\]"):
+        plan_copy(a.spec, b.spec, [0], [8])
+    with pytest.raises(SwapError, match=r"source block ids \[-1\]"):
+        plan_copy(a.spec, b.spec, [-1], [0])
+    with pytest.raises(SwapError, match="duplicate destination"):
+        plan_copy(a.spec, b.spec, [0, 1], [3, 3])
+    with pytest.raises(SwapError, match="different layouts"):
+        plan_copy(a.spec, HostCache(lay(head_dim=32), 8).spec, [0], [0])
+
+
+@given(st.data())
+def test_host_engine_copies_every_pair_both_ways(data):
+    L = lay(scales=data.draw(st.booleans()), dtype="fp8") if data.draw(st.booleans()) else lay()
+    n = 12
+    buf, gpu = HostCache(L, n), HostCache(L, n, kind="fi" if not L.scales else "buffer")
+    buf.arr[:] = np.random.default_rng(0).integers(0, 256, buf.arr.size, dtype=np.uint8)
+    gpu.arr[:] = 0xEE  # poisoned
+    k = data.draw(st.integers(1, n))
+    src = data.draw(st.permutations(range(n)))[:k]
+    dst = data.draw(st.permutations(range(n)))[:k]
+    with SwapEngine(buf.spec, gpu.spec, strategy="host", buffer_pinned=False) as eng:
+        h = eng.copy(src, dst, layerwise=True)
+        h.wait(10)
+        assert h.error is None and h.done() and all(h.layer_done(i) for i in range(L.total_layers))
+        for layer in range(L.total_layers):
+            for t in range(len(L.tensors)):
+                for s_, d_ in zip(src, dst):
+                    np.testing.assert_array_equal(gpu.block(layer, t, d_), buf.block(layer, t, s_))
+        # untouched blocks stay poisoned
+        untouched = set(range(n)) - set(dst)
+        for d_ in untouched:
+            assert (gpu.block(0, 0, d_) == 0xEE).all()
+        # and back
+        buf.arr[:] = 0
+        eng.copy(dst, src, direction="d2h").wait(10)
+        for s_, d_ in zip(src, dst):
+            np.testing.assert_array_equal(buf.block(1, 0, s_), gpu.block(1, 0, d_))
+
+
+def test_engine_refusals(monkeypatch):
+    L = lay()
+    a, b = HostCache(L, 4), HostCache(L, 4)
+    with pytest.raises(ValueError, match="strategy"):
+        SwapEngine(a.spec, b.spec, strategy="magic")
+    monkeypatch.setattr(_ffi.cuda, "device_count", lambda: 0)
+    with pytest.raises(Exception, match="needs a CUDA device"):
+        SwapEngine(a.spec, b.spec, strategy="kernel")
+    eng = SwapEngine(a.spec, b.spec)  # auto: host without CUDA
+    assert eng.strategy == "host"
+    eng.close()
+    from pdkv.errors import ClosedError
+    with pytest.raises(ClosedError):
+        eng.copy([0], [0])
+
+
+def test_engine_is_a_swap_backend_for_the_scheduler():
+    from pdkv import BlockPool, DecodeScheduler, SchedulerOptions, State
+
+    L = lay()
+    buf, gpu = HostCache(L, 8), HostCache(L, 8)
+    buf.arr[:] = 7
+    with SwapEngine(buf.spec, gpu.spec, strategy="host", buffer_pinned=False) as eng:
+        s = DecodeScheduler(num_layers=L.total_layers, gpu=BlockPool(8), buffer=BlockPool(8), swap=eng,
+                            options=SchedulerOptions(direct_to_gpu=False))
+        g = s.reserve("a", num_blocks=3).grant
+        s.land_layers("a", g.token, range(L.total_layers))
+        s.complete("a", g.token)
+        s.tick()
+        for _ in range(1000):
+            if s.take_ready():
+                break
+            s.tick()
+        else:
+            raise AssertionError("swap never completed")
+        assert s.request("a").state is State.READY
+        assert (gpu.block(2, 1, 2) == 7).all()
+
+
+# ------------------------------------------------------------------ CUDA
+
+@pytest.fixture(params=["kernel", "batch", "memcpy"])
+def strategy(request, cuda_device):
+    if request.param == "batch" and not _ffi.cuda.batch_copy_supported():
+        pytest.skip("cudaMemcpyBatchAsync not in these bindings")
+    return request.param
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_cuda_swap_every_strategy_both_directions(strategy, layerwise, no_leaks):
+    L = lay(num_layers=4, kv_heads=8, head_dim=128, tokens_per_block=16)
+    n = 64
+    size = L.block_bytes * n
+    with SharedBuffer.create(size, require_pinned=True) as sb:
+        bspec = CacheSpec.for_buffer(L, n, sb.address)
+        dptr = _ffi.cuda.malloc(size)
+        try:
+            gspec = CacheSpec.for_buffer(L, n, dptr)
+            rng = np.random.default_rng(3)
+            host = np.frombuffer(sb.buf, np.uint8)
+            host[:] = rng.integers(0, 256, size, dtype=np.uint8)
+            ref = host.copy()
+            _ffi.cuda.memset(dptr, 0xEE, size)
+            src = rng.permutation(n)[:40].tolist()
+            dst = rng.permutation(n)[:40].tolist()
+            with SwapEngine(bspec, gspec, strategy=strategy) as eng:
+                h = eng.copy(src, dst, layerwise=layerwise)
+                if layerwise:
+                    h.wait_layer(0, 30)
+                h.wait(30)
+                assert h.error is None
+                back = np.empty(size, np.uint8)
+                _ffi.cuda.memcpy(back.ctypes.data, dptr, size)
+                tb = L.tensor_block_bytes(0)
+                for layer in range(L.total_layers):
+                    for t in range(2):
+                        for s_, d_ in zip(src, dst):
+                            so = bspec.address(layer, t, s_) - sb.address
+                            do = gspec.address(layer, t, d_) - dptr
+                            assert (back[do:do + tb] == ref[so:so + tb]).all(), (layer, t, s_, d_)
+                untouched = sorted(set(range(n)) - set(dst))
+                for d_ in untouched:
+                    do = gspec.address(0, 0, d_) - dptr
+                    assert (back[do:do + tb] == 0xEE).all()
+                # d2h into a poisoned buffer
+                host[:] = 0x55
+                eng.copy(dst, src, direction="d2h").wait(30)
+                for s_, d_ in zip(src, dst):
+                    so = bspec.address(2, 1, s_) - sb.address
+                    do = gspec.address(2, 1, d_) - dptr
+                    assert (host[so:so + tb] == back[do:do + tb]).all()
+            del host
+        finally:
+            _ffi.cuda.free(dptr)
