@@ -360,6 +360,8 @@ class SwapEngine:
             if strategy == "kernel":
                 try:
                     self._fn = _ffi.cuda.compile_kernel(KERNEL_SOURCE, "pdkv_copy", device)
+                    # persistent grid: 4 CTAs of 512 threads fill an SM; they loop over chunks
+                    self._max_grid = 4 * _ffi.cuda.multiprocessor_count(device)
                 except CudaUnavailableError:
                     strategy = "batch"
             if strategy == "batch" and not _ffi.cuda.batch_copy_supported():
@@ -469,14 +471,20 @@ class SwapEngine:
                 desc = np.concatenate([cp.src, cp.dst, cp.lengths])
                 st = self._staging_for(desc.nbytes, slot)
                 _ffi.libc.host_view(st.addr, desc.nbytes)[:] = desc.view(np.uint8)
-                base = st.addr
-                groups = self._groups(cp.layer_ends, layerwise)
-                for (a, b), ev in zip(groups, events):
-                    if b > a:
-                        _ffi.cuda.launch(self._fn, min(b - a, 1 << 20), 512,
-                                         [("ptr", base + 8 * a), ("ptr", base + 8 * (n + a)),
-                                          ("ptr", base + 8 * (2 * n + a)), ("i64", b - a)], stream)
-                    _ffi.cuda.event_record(ev, stream)
+                # descriptors go to device memory first (one small copy), so each CTA
+                # reads them from HBM instead of paying a PCIe round trip
+                dev = _ffi.cuda.malloc_async(desc.nbytes, stream)
+                try:
+                    _ffi.cuda.memcpy_async(dev, st.addr, desc.nbytes, stream)
+                    groups = self._groups(cp.layer_ends, layerwise)
+                    for (a, b), ev in zip(groups, events):
+                        if b > a:
+                            _ffi.cuda.launch(self._fn, min(b - a, self._max_grid), 512,
+                                             [("ptr", dev + 8 * a), ("ptr", dev + 8 * (n + a)),
+                                              ("ptr", dev + 8 * (2 * n + a)), ("i64", b - a)], stream)
+                        _ffi.cuda.event_record(ev, stream)
+                finally:
+                    _ffi.cuda.free_async(dev, stream)
                 keep = st
             else:
                 groups = self._groups(plan.layer_ends, layerwise)

@@ -29,6 +29,9 @@ __all__ = [
     "malloc",
     "free",
     "malloc_host",
+    "malloc_async",
+    "free_async",
+    "multiprocessor_count",
     "free_host",
     "memcpy",
     "memset",
@@ -248,6 +251,21 @@ def malloc_host(size: int) -> int:
 
 def free_host(ptr: int) -> None:
     _call(_rt().cudaFreeHost(ptr), "cudaFreeHost")
+
+
+def malloc_async(size: int, stream: int) -> int:
+    """Stream-ordered allocation (``cudaMallocAsync``)."""
+    return int(_call(_rt().cudaMallocAsync(size, stream), "cudaMallocAsync"))
+
+
+def free_async(ptr: int, stream: int) -> None:
+    _call(_rt().cudaFreeAsync(ptr, stream), "cudaFreeAsync")
+
+
+def multiprocessor_count(device: int) -> int:
+    rt = _rt()
+    return int(_call(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device),
+                     "cudaDeviceGetAttribute"))
 
 
 def memcpy(dst: int, src: int, size: int) -> None:
