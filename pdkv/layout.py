@@ -368,7 +368,7 @@ class CacheSpec:
     Ownership: a spec holds addresses only; whoever allocated the memory frees it.
     """
 
-    __slots__ = ("layout", "num_blocks", "_bases", "_strides", "device")
+    __slots__ = ("layout", "num_blocks", "_bases", "_strides", "device", "_arrays")
 
     def __init__(self, layout: KVLayout, num_blocks: int,
                  regions: Sequence[Sequence[tuple[int, int]]], *, device: int | None = None) -> None:
@@ -400,6 +400,7 @@ class CacheSpec:
         self._bases = bases
         self._strides = strides
         self.device = device
+        self._arrays: tuple[Any, Any] | None = None
 
     def address(self, layer: int, tensor: int | str, block: int) -> int:
         """Byte address of ``block`` of ``tensor`` in ``layer``."""
@@ -413,6 +414,14 @@ class CacheSpec:
     def region(self, layer: int, tensor: int) -> tuple[int, int]:
         """``(base, block_stride)`` of one layer's tensor."""
         return self._bases[layer][tensor], self._strides[layer][tensor]
+
+    def region_arrays(self) -> tuple[Any, Any]:
+        """``(bases, strides)`` as int64 numpy arrays of shape ``[layers, tensors]`` (cached)."""
+        if self._arrays is None:
+            import numpy as np
+
+            self._arrays = (np.array(self._bases, dtype=np.int64), np.array(self._strides, dtype=np.int64))
+        return self._arrays
 
     # ------------------------------------------------------ builders
     @staticmethod
