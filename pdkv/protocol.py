@@ -1,0 +1,231 @@
+"""Typed, validated control messages between prefill and decode.
+
+Messages are :mod:`msgspec` structs encoded as msgpack and decoded against the schema:
+nothing is unpickled, unknown message types and fields of the wrong type are refused with
+:class:`~pdkv.errors.ProtocolError`. With a shared secret every frame carries an HMAC-SHA256
+over ``session || seq || body`` under a per-session key, and sequence numbers must grow, so
+a peer without the secret is refused and a replayed frame is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from typing import Any, Union
+
+import msgspec
+
+from .errors import AuthenticationError, ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_MESSAGE_BYTES",
+    "Hello",
+    "Welcome",
+    "ReserveReq",
+    "GrantMsg",
+    "LayerDone",
+    "Complete",
+    "Outcome",
+    "Abort",
+    "Heartbeat",
+    "ErrorMsg",
+    "Message",
+    "Codec",
+    "session_key",
+]
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
+_MAX_ID = 256
+
+
+class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class Hello(_Base, tag="hello"):
+    """prefill -> decode, first message of a session."""
+
+    version: int
+    instance: str
+    tp_rank: int
+    tp_size: int
+    layout: dict[str, Any]
+    transports: list[str]
+    boot_id: str
+    pid: int
+    nonce: bytes
+
+
+class Welcome(_Base, tag="welcome"):
+    """decode -> prefill: the session is accepted; how to write into decode's memory."""
+
+    version: int
+    instance: str
+    tp_size: int
+    ranks: list[int]
+    layouts: list[dict[str, Any]]
+    transport: str
+    shm_names: list[str]
+    buffer_blocks: int
+    data_addr: str
+    data_token: bytes
+    nonce: bytes
+    rdma: dict[str, Any] = {}
+
+
+class ReserveReq(_Base, tag="reserve"):
+    request_id: str
+    num_tokens: int
+
+
+class GrantMsg(_Base, tag="grant"):
+    request_id: str
+    outcome: str  # gpu | buffer | queued | rejected
+    location: str = ""
+    blocks: list[int] = []
+    token: int = 0
+    lease_s: float = 0.0
+    reason: str = ""
+
+
+class LayerDone(_Base, tag="layer"):
+    """prefill -> decode: this rank's writes of ``layers`` for the request succeeded (shm)."""
+
+    request_id: str
+    token: int
+    layers: list[int]
+
+
+class Complete(_Base, tag="complete"):
+    """prefill -> decode: every write of this rank for the request finished (``ok``) or not."""
+
+    request_id: str
+    token: int
+    ok: bool
+    error: str = ""
+
+
+class Outcome(_Base, tag="outcome"):
+    """decode -> prefill: the definite outcome of a request (received, failed, expired, aborted)."""
+
+    request_id: str
+    state: str
+    reason: str = ""
+
+
+class Abort(_Base, tag="abort"):
+    request_id: str
+    reason: str = ""
+
+
+class Heartbeat(_Base, tag="hb"):
+    t: float
+
+
+class ErrorMsg(_Base, tag="error"):
+    code: str
+    message: str
+
+
+Message = Union[Hello, Welcome, ReserveReq, GrantMsg, LayerDone, Complete, Outcome, Abort, Heartbeat, ErrorMsg]
+
+
+class _Envelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True, array_like=True):
+    seq: int
+    msg: Message
+
+
+def session_key(secret: bytes, prefill_nonce: bytes, decode_nonce: bytes) -> bytes:
+    """Per-session MAC key: HMAC(secret, both nonces). Old sessions' frames do not verify."""
+    return hmac.new(secret, b"pdkv-session" + prefill_nonce + decode_nonce, hashlib.sha256).digest()
+
+
+def new_nonce() -> bytes:
+    return os.urandom(16)
+
+
+class Codec:
+    """Encodes and validates frames for one direction of one session.
+
+    Parameters
+    ----------
+    secret:
+        Shared secret, or ``None`` for unauthenticated operation.
+    """
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
+            raise ValueError("secret must be bytes of at least 16 bytes")
+        self.secret = secret
+        self.key: bytes | None = secret  # the handshake uses the secret; then the session key
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(_Envelope)
+        self._send_seq = 0
+        self._recv_seq = -1
+
+    def set_session(self, prefill_nonce: bytes, decode_nonce: bytes) -> None:
+        if self.secret is not None:
+            self.key = session_key(self.secret, prefill_nonce, decode_nonce)
+
+    def encode(self, msg: Message) -> list[bytes]:
+        """Return the frames ``[mac, body]`` to send."""
+        self._send_seq += 1
+        body = self._enc.encode(_Envelope(self._send_seq, msg))
+        if len(body) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        mac = hmac.new(self.key, body, hashlib.sha256).digest() if self.key is not None else b""
+        return [mac, body]
+
+    def decode(self, frames: list[bytes]) -> Message:
+        """Validate and decode frames; raise ProtocolError (AuthenticationError for MACs).
+
+        Nothing changes when a frame is refused, except that the sequence number of an
+        accepted frame is remembered.
+        """
+        if len(frames) != 2:
+            raise ProtocolError(f"expected 2 frames (mac, body), got {len(frames)}")
+        mac, body = bytes(frames[0]), bytes(frames[1])
+        if len(body) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        if self.key is not None:
+            want = hmac.new(self.key, body, hashlib.sha256).digest()
+            if not hmac.compare_digest(mac, want):
+                raise AuthenticationError("message authentication failed (wrong or missing shared secret)")
+        elif mac:
+            raise AuthenticationError("peer authenticates its messages, but no shared secret is configured here")
+        try:
+            env = self._dec.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ProtocolError(f"invalid message: {exc}") from None
+        if env.seq <= self._recv_seq:
+            raise ProtocolError(f"replayed or reordered message (seq {env.seq} after {self._recv_seq})")
+        _validate(env.msg)
+        self._recv_seq = env.seq
+        return env.msg
+
+
+def _validate(m: Message) -> None:
+    """Semantic checks msgspec's types cannot express."""
+    rid = getattr(m, "request_id", None)
+    if rid is not None and not (0 < len(rid) <= _MAX_ID):
+        raise ProtocolError(f"request_id of length {len(rid)} (must be 1-{_MAX_ID})")
+    if isinstance(m, (Hello, Welcome)) and m.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {m.version} is not supported (this pdkv speaks {PROTOCOL_VERSION})")
+    if isinstance(m, Hello):
+        if not (0 <= m.tp_rank < m.tp_size <= 4096):
+            raise ProtocolError(f"tp_rank={m.tp_rank} tp_size={m.tp_size} are inconsistent")
+        if len(m.nonce) != 16:
+            raise ProtocolError("hello nonce must be 16 bytes")
+    if isinstance(m, ReserveReq) and not (0 < m.num_tokens <= 1 << 26):
+        raise ProtocolError(f"num_tokens={m.num_tokens} out of range")
+    if isinstance(m, (LayerDone,)) and (not m.layers or len(m.layers) > 4096 or min(m.layers) < 0):
+        raise ProtocolError("layer list empty, too long or negative")
+    if isinstance(m, GrantMsg) and (len(m.blocks) > 1 << 22 or (m.blocks and min(m.blocks) < 0)):
+        raise ProtocolError("grant block list out of range")
+    for f in ("token",):
+        v = getattr(m, f, 0)
+        if not 0 <= v < 1 << 63:
+            raise ProtocolError(f"{f} out of range")

@@ -1,0 +1,1200 @@
+"""Moving KV cache from prefill ranks into the blocks decode granted, layer by layer.
+
+Decode runs a :class:`DecodeReceiver` (control plane on a ZeroMQ ROUTER socket, TCP data
+listener, the :class:`~pdkv.scheduler.DecodeScheduler` behind them). Each prefill rank runs
+a :class:`PrefillSender` (DEALER socket, a data thread that writes layer after layer while
+the engine computes the next one).
+
+Transports, chosen per peer (``auto``: shm on the same host, else tcp; rdma when asked for
+and both sides have a device):
+
+``shm``  prefill opens decode's shared buffers by name and writes into them directly,
+         then reports each layer (``LayerDone``).
+``tcp``  prefill streams framed payloads over several connections; decode ``recv_into``s
+         each payload straight into the granted blocks after checking the frame against
+         the live grant (token, lease, block range, offsets). Layers land when all their
+         bytes arrived.
+
+Every request ends in a definite outcome on both sides in bounded time: decode sends
+``Outcome`` (received, failed, expired, aborted); prefill fails a request locally when
+decode stops answering heartbeats.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import select
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from . import _ffi
+from .errors import (
+    ClosedError, GrantViolation, LayoutError, LeaseExpiredError, PdkvError, PdkvTimeoutError, PeerError,
+    ProtocolError, RequestError, TransferError)
+from .layout import CacheSpec, KVLayout, Segment, tp_segments
+from .protocol import (
+    PROTOCOL_VERSION, Abort, Codec, Complete, ErrorMsg, GrantMsg, Heartbeat, Hello, LayerDone, Message,
+    Outcome, ReserveReq, Welcome, new_nonce)
+from .scheduler import DecodeScheduler, Event
+from .shm import SharedBuffer
+
+__all__ = ["DecodeReceiver", "PrefillSender", "SendGrant", "RequestOutcome", "boot_id", "FRAME_HEADER"]
+
+# TCP data frame header: magic, version, kind, dst_rank, token, layer, tensor, pad,
+# block_idx, nblocks, offset, length, count, dst_stride
+FRAME_HEADER = struct.Struct("<4sBBHQIHHIIIIII")
+_MAGIC = b"PDKV"
+_K_AUTH, _K_DATA = 1, 2
+MAX_FRAME_PAYLOAD = 256 << 20
+
+
+def boot_id() -> str:
+    """Identifies this host's boot: two processes share shm only when these are equal."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+# ---------------------------------------------------------------------- pieces
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """One write: grant blocks ``gi..gi+nb`` of ``tensor`` in ``layer`` on decode rank
+    ``dst_rank``, segment ``seg`` inside each block."""
+
+    dst_rank: int
+    layer: int
+    tensor: int
+    gi: int
+    nb: int
+    seg: Segment
+
+
+def _pieces(segs: Sequence[Segment], layout: KVLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+            layers: Sequence[int]) -> list[_Piece]:
+    out = []
+    n = len(dst_blocks)
+    # runs of grant indices whose source and destination ids both advance by one
+    runs = []
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and src_blocks[j] == src_blocks[j - 1] + 1 and dst_blocks[j] == dst_blocks[j - 1] + 1:
+            j += 1
+        runs.append((i, j - i))
+        i = j
+    for layer in layers:
+        for g in segs:
+            whole = g.count == 1 and g.src_offset == 0 and g.dst_offset == 0 and g.length == layout.tensor_block_bytes(g.tensor)
+            if whole:
+                out.extend(_Piece(g.dst_rank, layer, g.tensor, a, k, g) for a, k in runs)
+            else:
+                out.extend(_Piece(g.dst_rank, layer, g.tensor, b, 1, g) for b in range(n))
+    return out
+
+
+def _layer_bytes(segs: Sequence[Segment], nblocks: int) -> int:
+    return sum(g.nbytes for g in segs) * nblocks
+
+
+# ---------------------------------------------------------------------- decode side
+
+@dataclass
+class _Peer:
+    ident: bytes
+    codec: Codec
+    instance: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    pid: int = 0
+    same_host: bool = False
+    transport: str = ""
+    data_token: bytes = b""
+    last_seen: float = 0.0
+    layout: KVLayout | None = None
+    segs_by_src: dict[int, list[Segment]] = field(default_factory=dict)
+
+
+@dataclass
+class _Inflight:
+    request_id: str
+    instance: str
+    token: int
+    blocks: list[int]
+    remaining: list[int]
+    src_tp: int
+    per_src_layer_bytes: dict[int, int]
+    completes: set[int] = field(default_factory=set)
+    failed_completes: list[str] = field(default_factory=list)
+    peers: set[bytes] = field(default_factory=set)
+    landed: int = 0
+    done: bool = False
+
+
+class DecodeReceiver:
+    """Decode side of the transfer path: serves grants, receives writes, feeds the scheduler.
+
+    Parameters
+    ----------
+    scheduler:
+        The decode scheduler (``direct_to_gpu`` must be off: shm and tcp write host memory).
+    layouts:
+        The layout of each decode rank hosted by this receiver (``tp_rank`` set).
+    buffers:
+        One :class:`~pdkv.shm.SharedBuffer` per rank, each holding ``buffer_blocks`` blocks.
+    control:
+        ZeroMQ endpoint to bind, e.g. ``tcp://127.0.0.1:0`` (port chosen) or ``ipc://...``.
+    data_host:
+        Address for the TCP data listener (port chosen by the kernel).
+    secret:
+        Shared secret (>= 16 bytes); peers without it are refused.
+    transports:
+        Transports offered, in order of preference.
+    peer_timeout_s:
+        A prefill peer silent this long is considered dead and fenced.
+    io_timeout_s:
+        Bound on a stalled TCP payload.
+    auto_tick:
+        Call ``scheduler.tick()`` from the receiver loop (every ~2 ms), for engines that
+        do not tick themselves.
+
+    Ownership: the receiver owns its sockets and threads (:meth:`close`); buffers and the
+    scheduler stay the caller's.
+    """
+
+    def __init__(self, scheduler: DecodeScheduler, layouts: Sequence[KVLayout], buffers: Sequence[SharedBuffer],
+                 buffer_blocks: int, *, control: str = "tcp://127.0.0.1:0", data_host: str = "127.0.0.1",
+                 secret: bytes | None = None, transports: Sequence[str] = ("shm", "tcp"),
+                 peer_timeout_s: float = 10.0, io_timeout_s: float = 5.0, auto_tick: bool = False) -> None:
+        if scheduler.options.direct_to_gpu:
+            raise ValueError("DecodeReceiver writes into the CPU buffer: create the scheduler with "
+                             "SchedulerOptions(direct_to_gpu=False)")
+        if len(layouts) != len(buffers) or not layouts:
+            raise ValueError("give one buffer per decode rank layout")
+        for t in transports:
+            if t not in ("shm", "tcp"):
+                raise ValueError(f"transport {t!r} is not served by DecodeReceiver (shm, tcp)")
+        self.scheduler = scheduler
+        self.layouts = list(layouts)
+        self.ranks = [lay.tp_rank for lay in layouts]
+        self.tp_size = layouts[0].tp_size
+        self.buffers = list(buffers)
+        self.buffer_blocks = buffer_blocks
+        self.specs = {lay.tp_rank: CacheSpec.for_buffer(lay, buffer_blocks, b.address)
+                      for lay, b in zip(layouts, buffers)}
+        for lay, b in zip(layouts, buffers):
+            if b.size < CacheSpec.buffer_bytes(lay, buffer_blocks):
+                raise ValueError(f"buffer {b.name} holds {b.size} bytes; rank {lay.tp_rank} needs "
+                                 f"{CacheSpec.buffer_bytes(lay, buffer_blocks)} for {buffer_blocks} blocks")
+        self.secret = secret
+        self.transports = list(transports)
+        self.peer_timeout_s = peer_timeout_s
+        self.io_timeout_s = io_timeout_s
+        self.auto_tick = auto_tick
+        self.instance = f"decode-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.stats = {"frames": 0, "bytes": 0, "frames_rejected": 0, "messages_rejected": 0, "peers_dead": 0}
+        self._lock = threading.RLock()
+        self._peers: dict[bytes, _Peer] = {}
+        self._data_tokens: dict[bytes, bytes] = {}
+        self._inflight: dict[str, _Inflight] = {}
+        self._by_token: dict[int, _Inflight] = {}
+        self._grants: dict[tuple[str, str], GrantMsg] = {}
+        self._outbox: queue.SimpleQueue[tuple[bytes, Message]] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._router.bind(control)
+        self.control_address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._lsock = socket.create_server((data_host, 0), backlog=64)
+        self._lsock.settimeout(0.2)
+        self.data_address = f"{data_host}:{self._lsock.getsockname()[1]}"
+        self._conns: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._user_listener = scheduler.listener
+        scheduler.listener = self._on_event
+        self._start(self._control_loop, "pdkv-decode-control")
+        self._start(self._accept_loop, "pdkv-decode-accept")
+
+    def _start(self, fn: Callable[..., None], name: str, *args: Any) -> threading.Thread:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop threads, close sockets, restore the scheduler's listener. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._wake()
+        try:
+            self._lsock.close()
+        except OSError:
+            pass
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout)
+        self._router.close(0)
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self.scheduler.listener = self._user_listener
+
+    def __enter__(self) -> DecodeReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _send(self, ident: bytes, msg: Message) -> None:
+        self._outbox.put((ident, msg))
+        self._wake()
+
+    # ------------------------------------------------------------------ control loop
+    def _control_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        last_check = time.monotonic()
+        while not self._closed.is_set():
+            try:
+                ready = dict(poller.poll(2 if self.auto_tick else 50))
+            except zmq.ZMQError:
+                break
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if self._router in ready:
+                for _ in range(256):
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._on_frames(frames)
+            while True:
+                try:
+                    ident, msg = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                peer = self._peers.get(ident)
+                if peer is not None:
+                    try:
+                        self._router.send_multipart([ident, *peer.codec.encode(msg)], zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+            now = time.monotonic()
+            if self.auto_tick:
+                self.scheduler.tick()
+            if now - last_check > 0.1:
+                last_check = now
+                self._check_peers(now)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self.stats["messages_rejected"] += 1
+            return
+        ident, rest = frames[0], frames[1:]
+        peer = self._peers.get(ident)
+        codec = peer.codec if peer is not None else Codec(self.secret)
+        try:
+            msg = codec.decode(rest)
+        except ProtocolError as exc:
+            self.stats["messages_rejected"] += 1
+            if peer is None:  # answer once, unauthenticated, so the operator sees why
+                try:
+                    self._router.send_multipart([ident, *Codec(None).encode(ErrorMsg("refused", str(exc)))], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            return
+        if peer is None:
+            if not isinstance(msg, Hello):
+                self.stats["messages_rejected"] += 1
+                return
+            self._on_hello(ident, codec, msg)
+            return
+        peer.last_seen = time.monotonic()
+        try:
+            self._dispatch(peer, msg)
+        except PdkvError as exc:
+            self.stats["messages_rejected"] += 1
+            rid = getattr(msg, "request_id", "")
+            self._send(ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}" if rid else str(exc)))
+
+    def _on_hello(self, ident: bytes, codec: Codec, h: Hello) -> None:
+        def refuse(why: str) -> None:
+            try:
+                self._router.send_multipart([ident, *codec.encode(ErrorMsg("refused", why))], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+        try:
+            lay = KVLayout.from_descriptor(h.layout)
+            lay.check_compatible(self.layouts[0])
+            if lay.tp_size != h.tp_size or lay.tp_rank != h.tp_rank:
+                raise LayoutError(f"hello says rank {h.tp_rank}/{h.tp_size}, layout says {lay.tp_rank}/{lay.tp_size}")
+            segs = [g for g in tp_segments(lay, self.layouts[0]) if g.dst_rank in self.specs]
+        except PdkvError as exc:
+            refuse(str(exc))
+            return
+        same = h.boot_id == boot_id()
+        transport = next((t for t in h.transports if t in self.transports and (t != "shm" or same)), None)
+        if transport is None:
+            refuse(f"no common transport: prefill offers {h.transports}, decode serves {self.transports}"
+                   + ("" if same else " (shm needs the same host)"))
+            return
+        nonce = new_nonce()
+        peer = _Peer(ident, codec, h.instance, h.tp_rank, h.tp_size, h.pid, same, transport,
+                     os.urandom(16), time.monotonic(), lay)
+        for g in segs:
+            peer.segs_by_src.setdefault(g.src_rank, []).append(g)
+        welcome = Welcome(PROTOCOL_VERSION, self.instance, self.tp_size, self.ranks,
+                          [x.descriptor() for x in self.layouts], transport,
+                          [b.name for b in self.buffers] if transport == "shm" else [], self.buffer_blocks,
+                          self.data_address if transport == "tcp" else "", peer.data_token, nonce)
+        frames = codec.encode(welcome)  # under the handshake key
+        codec.set_session(h.nonce, nonce)
+        with self._lock:
+            self._peers[ident] = peer
+            self._data_tokens[peer.data_token] = ident
+        try:
+            self._router.send_multipart([ident, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _dispatch(self, peer: _Peer, msg: Message) -> None:
+        if isinstance(msg, Heartbeat):
+            self._send(peer.ident, Heartbeat(time.time()))
+        elif isinstance(msg, ReserveReq):
+            self._on_reserve(peer, msg)
+        elif isinstance(msg, LayerDone):
+            if peer.transport != "shm":
+                raise ProtocolError("LayerDone is for the shm transport only")
+            inf = self._live(msg.request_id, msg.token)
+            nbytes = _layer_bytes(peer.segs_by_src.get(peer.tp_rank, []), len(inf.blocks))
+            for layer in msg.layers:
+                self._credit(inf, layer, nbytes)
+        elif isinstance(msg, Complete):
+            inf = self._live(msg.request_id, msg.token)
+            with self._lock:
+                if not msg.ok:
+                    inf.failed_completes.append(msg.error or "prefill reported a failed write")
+                inf.completes.add(peer.tp_rank)
+            self._maybe_complete(inf)
+        elif isinstance(msg, Abort):
+            with self._lock:
+                inf = self._inflight.get(msg.request_id)
+            if inf is not None and peer.ident in inf.peers:
+                self._finish(inf, None)
+                try:
+                    self.scheduler.fail(msg.request_id, f"prefill aborted: {msg.reason}")
+                except PdkvError:
+                    pass
+        else:
+            raise ProtocolError(f"unexpected message {type(msg).__name__} from prefill")
+
+    def _live(self, rid: str, token: int) -> _Inflight:
+        with self._lock:
+            inf = self._inflight.get(rid)
+        if inf is None or inf.token != token:
+            self.scheduler.check_write(rid, token)  # raises the precise error
+            raise GrantViolation(f"request {rid!r}: no such grant here")
+        return inf
+
+    def _on_reserve(self, peer: _Peer, m: ReserveReq) -> None:
+        key = (peer.instance, m.request_id)
+        with self._lock:
+            g = self._grants.get(key)
+            if g is not None:  # another rank of the same prefill instance: same grant
+                inf = self._inflight.get(m.request_id)
+                if inf is not None:
+                    inf.peers.add(peer.ident)
+                self._send(peer.ident, g)
+                return
+        res = self.scheduler.reserve(m.request_id, num_blocks=self.layouts[0].blocks_for_tokens(m.num_tokens),
+                                     peer=peer.instance)
+        if res.grant is None:
+            g = GrantMsg(m.request_id, res.outcome, reason=res.reason)
+            if res.outcome == "queued":
+                with self._lock:
+                    self._grants[key] = g
+                    self._inflight[m.request_id] = _Inflight(m.request_id, peer.instance, 0, [], [], peer.tp_size, {},
+                                                             peers={peer.ident})
+            self._send(peer.ident, g)
+            return
+        self._register_grant(peer, key, res.grant)
+
+    def _register_grant(self, peer: _Peer, key: tuple[str, str], grant: Any) -> None:
+        blocks = list(grant.blocks)
+        nl = self.layouts[0].total_layers
+        # bytes each layer must receive on this receiver's ranks, from every prefill rank
+        assert peer.layout is not None
+        segs_all = [g for g in tp_segments(peer.layout, self.layouts[0]) if g.dst_rank in self.specs]
+        per_layer = _layer_bytes(segs_all, len(blocks))
+        per_src = {r: _layer_bytes([g for g in segs_all if g.src_rank == r], len(blocks)) for r in range(peer.tp_size)}
+        g = GrantMsg(grant.request_id, grant.location, grant.location, blocks, grant.token, grant.lease_s)
+        with self._lock:
+            old = self._inflight.get(grant.request_id)
+            inf = _Inflight(grant.request_id, peer.instance, grant.token, blocks, [per_layer] * nl, peer.tp_size, per_src,
+                            peers=set(old.peers) if old else {peer.ident})
+            inf.peers.add(peer.ident)
+            self._inflight[grant.request_id] = inf
+            self._by_token[grant.token] = inf
+            self._grants[key] = g
+        for ident in inf.peers:
+            self._send(ident, g)
+
+    def _credit(self, inf: _Inflight, layer: int, nbytes: int) -> None:
+        land = False
+        with self._lock:
+            if inf.done:
+                raise RequestError(f"request {inf.request_id!r} is finished")
+            if not 0 <= layer < len(inf.remaining):
+                raise ProtocolError(f"layer {layer} out of range")
+            left = inf.remaining[layer] - nbytes
+            if left < 0:
+                raise GrantViolation(f"request {inf.request_id!r}: more bytes than granted for layer {layer}")
+            inf.remaining[layer] = left
+            land = left == 0
+        if land:
+            self.scheduler.land_layer(inf.request_id, inf.token, layer)
+            with self._lock:
+                inf.landed += 1
+            self._maybe_complete(inf)
+
+    def _maybe_complete(self, inf: _Inflight) -> None:
+        with self._lock:
+            if inf.done or len(inf.completes) < inf.src_tp:
+                return
+            failed = list(inf.failed_completes)
+            if not failed and inf.landed < len(inf.remaining):
+                return  # data still arriving on the TCP streams
+            inf.done = True
+        if failed:
+            try:
+                self.scheduler.fail(inf.request_id, "; ".join(failed), token=inf.token)
+            except PdkvError:
+                pass
+            return  # the scheduler's 'failed' event sends the outcome
+        try:
+            self.scheduler.complete(inf.request_id, inf.token)
+        except PdkvError as exc:
+            self._finish(inf, Outcome(inf.request_id, "failed", str(exc)))
+            return
+        self._finish(inf, Outcome(inf.request_id, "received"))
+
+    def _finish(self, inf: _Inflight, outcome: Outcome | None) -> None:
+        with self._lock:
+            inf.done = True
+            if self._inflight.get(inf.request_id) is inf:
+                del self._inflight[inf.request_id]
+            self._by_token.pop(inf.token, None)
+            self._grants.pop((inf.instance, inf.request_id), None)
+            peers = list(inf.peers)
+        if outcome is not None:
+            for ident in peers:
+                self._send(ident, outcome)
+
+    def _on_event(self, ev: Event) -> None:
+        if ev.kind in ("failed", "expired", "aborted", "rejected"):
+            with self._lock:
+                inf = self._inflight.get(ev.request_id)
+            if inf is not None:
+                self._finish(inf, Outcome(ev.request_id, ev.kind, ev.reason))
+        elif ev.kind == "granted" and ev.grant is not None:
+            with self._lock:
+                inf = self._inflight.get(ev.request_id)
+                peer = self._peers.get(next(iter(inf.peers))) if inf else None
+            if inf is not None and peer is not None:
+                self._register_grant(peer, (inf.instance, ev.request_id), ev.grant)
+        if self._user_listener is not None:
+            self._user_listener(ev)
+
+    def _check_peers(self, now: float) -> None:
+        with self._lock:
+            dead = [p for p in self._peers.values() if now - p.last_seen > self.peer_timeout_s
+                    or (p.same_host and p.pid and not _pid_alive(p.pid))]
+            for p in dead:
+                del self._peers[p.ident]
+                self._data_tokens.pop(p.data_token, None)
+        for p in dead:
+            self.stats["peers_dead"] += 1
+            with self._lock:
+                mine = [inf for inf in self._inflight.values() if p.ident in inf.peers]
+            for inf in mine:
+                try:
+                    self.scheduler.fail(inf.request_id, f"prefill {p.instance} rank {p.tp_rank} died")
+                except PdkvError:
+                    pass
+            # it can no longer write: quarantined blocks go back now
+            if not any(q.instance == p.instance for q in self._peers.values()):
+                self.scheduler.fence(p.instance)
+
+    # ------------------------------------------------------------------ TCP data
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._lsock.accept()
+            except (socket.timeout, TimeoutError):
+                continue
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            with self._lock:
+                self._conns.add(conn)
+            self._start(self._conn_loop, "pdkv-decode-data", conn)
+
+    def _recv_exact(self, conn: socket.socket, view: memoryview, idle_ok: bool) -> bool:
+        """Fill ``view``; False on a clean EOF before the first byte. Bounded when not idle."""
+        got, n = 0, len(view)
+        deadline = None if idle_ok else time.monotonic() + self.io_timeout_s
+        while got < n:
+            if self._closed.is_set():
+                raise ClosedError("receiver closed")
+            r, _, _ = select.select([conn], [], [], 0.2)
+            if not r:
+                if got or not idle_ok:
+                    if deadline is None:
+                        deadline = time.monotonic() + self.io_timeout_s
+                    if time.monotonic() > deadline:
+                        raise PdkvTimeoutError(f"peer stalled for {self.io_timeout_s}s mid-frame")
+                continue
+            k = conn.recv_into(view[got:], n - got)
+            if k == 0:
+                if got == 0 and idle_ok:
+                    return False
+                raise PeerError("connection closed mid-frame")
+            got += k
+            if deadline is None:
+                deadline = time.monotonic() + self.io_timeout_s
+        return True
+
+    def _conn_loop(self, conn: socket.socket) -> None:
+        hdr = bytearray(FRAME_HEADER.size)
+        hv = memoryview(hdr)
+        scratch = bytearray(1 << 20)
+        peer_ident = None
+        try:
+            if not self._recv_exact(conn, hv, idle_ok=True):
+                return
+            magic, ver, kind, *_ = FRAME_HEADER.unpack(hdr)
+            if magic != _MAGIC or ver != 1 or kind != _K_AUTH:
+                raise ProtocolError("data connection must start with an AUTH frame")
+            tok = bytearray(16)
+            self._recv_exact(conn, memoryview(tok), idle_ok=False)
+            with self._lock:
+                peer_ident = self._data_tokens.get(bytes(tok))
+            if peer_ident is None:
+                raise ProtocolError("unknown data token")
+            while self._recv_exact(conn, hv, idle_ok=True):
+                self._on_data_frame(conn, hdr, scratch)
+        except (PdkvError, OSError) as exc:
+            self.stats["frames_rejected"] += isinstance(exc, ProtocolError)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _on_data_frame(self, conn: socket.socket, hdr: bytearray, scratch: bytearray) -> None:
+        magic, ver, kind, rank, token, layer, tensor, _, gi, nb, off, length, count, dstride = FRAME_HEADER.unpack(hdr)
+        if magic != _MAGIC or ver != 1 or kind != _K_DATA:
+            raise ProtocolError("bad frame header")
+        payload = nb * count * length
+        if payload > MAX_FRAME_PAYLOAD or nb == 0 or count == 0 or length == 0:
+            raise ProtocolError(f"frame payload of {payload} bytes is out of bounds")
+        with self._lock:
+            inf = self._by_token.get(token)
+        spec = self.specs.get(rank)
+        try:
+            if inf is None or spec is None:
+                raise GrantViolation("frame for an unknown grant or a rank not hosted here")
+            self.scheduler.check_write(inf.request_id, token)  # live grant, lease not expired
+            lay = spec.layout
+            if not (layer < lay.total_layers and tensor < len(lay.tensors)):
+                raise GrantViolation("layer or tensor out of range")
+            tb = lay.tensor_block_bytes(tensor)
+            if gi + nb > len(inf.blocks) or off + (count - 1) * dstride + length > tb or (count > 1 and dstride < length):
+                raise GrantViolation("write outside the granted blocks")
+            blocks = inf.blocks[gi:gi + nb]
+            if nb > 1 and (count != 1 or off != 0 or length != tb or blocks != list(range(blocks[0], blocks[0] + nb))):
+                raise GrantViolation("multi-block frame over non-contiguous destination blocks")
+        except PdkvError:
+            # stale or forged: read and drop the payload, never into the buffer
+            self.stats["frames_rejected"] += 1
+            left = payload
+            sv = memoryview(scratch)
+            while left:
+                k = min(left, len(scratch))
+                self._recv_exact(conn, sv[:k], idle_ok=False)
+                left -= k
+            return
+        base = spec.address(layer, tensor, blocks[0]) - self.buffers[self.ranks.index(rank)].address
+        buf = self.buffers[self.ranks.index(rank)].buf
+        if nb > 1:
+            self._recv_exact(conn, buf[base:base + nb * tb], idle_ok=False)
+        else:
+            for i in range(count):
+                a = base + off + i * dstride
+                self._recv_exact(conn, buf[a:a + length], idle_ok=False)
+        self.stats["frames"] += 1
+        self.stats["bytes"] += payload
+        try:
+            self._credit(inf, layer, payload)
+        except PdkvError:
+            self.stats["frames_rejected"] += 1
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------- prefill side
+
+@dataclass(frozen=True, slots=True)
+class SendGrant:
+    """What prefill may write for one request: decode block ids and the grant token."""
+
+    request_id: str
+    location: str
+    blocks: tuple[int, ...]
+    token: int
+    lease_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """The definite end of a request on the prefill side: ``state`` is ``received`` (prefill
+    may free its blocks, decode has the data) or ``failed``/``expired``/``aborted``/``rejected``
+    (prefill frees its blocks; the request must be retried or dropped)."""
+
+    request_id: str
+    state: str
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "received"
+
+
+class _Waiter:
+    __slots__ = ("event", "value")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.value: Any = None
+
+    def set(self, v: Any) -> None:
+        self.value = v
+        self.event.set()
+
+
+class PrefillSender:
+    """Prefill side of the transfer path, one per prefill TP rank.
+
+    Parameters
+    ----------
+    layout:
+        This rank's layout (``tp_rank``/``tp_size`` of the prefill instance).
+    cache:
+        This rank's KV cache as a :class:`~pdkv.layout.CacheSpec` (host memory for tcp;
+        host or GPU memory for shm, GPU through the swap engine's kernel).
+    control:
+        Decode's control endpoint (``DecodeReceiver.control_address``).
+    instance:
+        Name of the prefill instance; all its ranks must use the same one.
+    transport:
+        ``auto``, ``shm`` or ``tcp``.
+    streams:
+        TCP data connections.
+    timeout_s:
+        Bound on the handshake, a reservation, and decode's silence before its requests fail.
+    on_outcome:
+        Called (from the sender's I/O thread) with each :class:`RequestOutcome`.
+
+    Ownership: the engine keeps its source blocks until the request's outcome is known;
+    the sender never frees engine memory.
+    """
+
+    def __init__(self, layout: KVLayout, cache: CacheSpec, control: str, *, instance: str = "prefill",
+                 secret: bytes | None = None, transport: str = "auto", streams: int = 2, timeout_s: float = 10.0,
+                 heartbeat_s: float = 1.0, on_outcome: Callable[[RequestOutcome], None] | None = None) -> None:
+        if transport not in ("auto", "shm", "tcp"):
+            raise ValueError(f"transport={transport!r} must be auto, shm or tcp (rdma: see pdkv.rdma)")
+        if not 1 <= streams <= 64:
+            raise ValueError(f"streams={streams} must be in 1..64")
+        self.layout, self.cache = layout, cache
+        self.instance = instance
+        self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
+        self.on_outcome = on_outcome
+        self.stats = {"bytes": 0, "frames": 0, "layers": 0}
+        self._codec = Codec(secret)
+        self._lock = threading.Lock()
+        self._grants: dict[str, SendGrant] = {}
+        self._reserve_waiters: dict[str, _Waiter] = {}
+        self._outcomes: dict[str, _Waiter] = {}
+        self._failed: dict[str, str] = {}
+        self._closed = threading.Event()
+        self._broken: str | None = None
+        self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._jobs: queue.Queue[tuple | None] = queue.Queue()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(control)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._data_socks: list[socket.socket] = []
+        self._shm: dict[int, SharedBuffer] = {}
+        self._dst_specs: dict[int, CacheSpec] = {}
+        self._engine: Any = None
+        self._streams = streams
+        try:
+            self._handshake(transport, timeout_s)
+        except BaseException:
+            self._teardown()
+            raise
+        self._threads = [threading.Thread(target=self._io_loop, name="pdkv-prefill-io", daemon=True),
+                         threading.Thread(target=self._data_loop, name="pdkv-prefill-data", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ handshake
+    def _handshake(self, transport: str, timeout_s: float) -> None:
+        offer = ["shm", "tcp"] if transport == "auto" else [transport]
+        nonce = new_nonce()
+        self._sock.send_multipart(self._codec.encode(Hello(
+            PROTOCOL_VERSION, self.instance, self.layout.tp_rank, self.layout.tp_size, self.layout.descriptor(),
+            offer, boot_id(), os.getpid(), nonce)))
+        if not self._sock.poll(int(timeout_s * 1000)):
+            raise PdkvTimeoutError(f"decode did not answer the handshake within {timeout_s}s (is it running?)")
+        frames = self._sock.recv_multipart()
+        try:
+            msg = self._codec.decode(frames)
+        except ProtocolError:
+            msg = Codec(None).decode(frames) if not frames[0] else None  # a refusal is sent unauthenticated
+            if not isinstance(msg, ErrorMsg):
+                raise
+        if isinstance(msg, ErrorMsg):
+            raise PeerError(f"decode refused the session: {msg.message}")
+        if not isinstance(msg, Welcome):
+            raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
+        self._codec.set_session(nonce, msg.nonce)
+        self.transport = msg.transport
+        layouts = [KVLayout.from_descriptor(d) for d in msg.layouts]
+        for lay in layouts:
+            lay.check_compatible(self.layout)
+        self.segments = [g for g in tp_segments(self.layout, layouts[0]) if g.src_rank == self.layout.tp_rank
+                         and g.dst_rank in msg.ranks]
+        if msg.transport == "shm":
+            for rank, name, lay in zip(msg.ranks, msg.shm_names, layouts):
+                b = SharedBuffer.open(name, pin="auto" if self.cache.device is not None else "never")
+                self._shm[rank] = b
+                self._dst_specs[rank] = CacheSpec.for_buffer(lay, msg.buffer_blocks, b.address)
+            if self.cache.device is not None:
+                from .swap import SwapEngine
+
+                any_spec = next(iter(self._dst_specs.values()))
+                self._engine = SwapEngine(any_spec, self.cache, device=self.cache.device)
+        else:
+            host, port = msg.data_addr.rsplit(":", 1)
+            if self.cache.device is not None:
+                raise LayoutError("the tcp transport sends from host caches; stage GPU caches or use shm")
+            for _ in range(self._nstreams()):
+                s = socket.create_connection((host, int(port)), timeout=timeout_s)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+                s.sendall(FRAME_HEADER.pack(_MAGIC, 1, _K_AUTH, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) + msg.data_token)
+                s.settimeout(timeout_s)
+                self._data_socks.append(s)
+        self._last_heard = time.monotonic()
+
+    def _nstreams(self) -> int:
+        return self._streams
+
+    # ------------------------------------------------------------------ API
+    def reserve(self, request_id: str, num_tokens: int, timeout: float | None = None) -> SendGrant:
+        """Ask decode for destination blocks. Returns the grant; raises TransferError if
+        decode rejected the request, PdkvTimeoutError if no grant came in time."""
+        self._check()
+        w = _Waiter()
+        with self._lock:
+            if request_id in self._reserve_waiters or request_id in self._grants:
+                raise RequestError(f"request {request_id!r} is already reserved or being reserved")
+            self._reserve_waiters[request_id] = w
+            self._outcomes[request_id] = _Waiter()
+        self._post(ReserveReq(request_id, num_tokens))
+        if not w.event.wait(self.timeout_s if timeout is None else timeout):
+            with self._lock:
+                self._reserve_waiters.pop(request_id, None)
+                self._outcomes.pop(request_id, None)
+            self._post(Abort(request_id, "prefill gave up waiting for a grant"))
+            raise PdkvTimeoutError(f"no grant for {request_id!r} within {self.timeout_s if timeout is None else timeout}s")
+        g = w.value
+        if isinstance(g, BaseException):
+            with self._lock:
+                self._outcomes.pop(request_id, None)
+            raise g
+        return g
+
+    def send_layer(self, layer: int, items: Sequence[tuple[str, Sequence[int]]], event: int | None = None) -> None:
+        """Layer ``layer`` of these requests is in the cache: write it to decode.
+
+        ``items`` are ``(request_id, source block ids)`` for every request of the batch,
+        posted together. ``event`` is a CUDA event to wait on first. Returns at once: the
+        data thread writes while the engine computes the next layer. Chunked prefill: pass
+        only the full blocks of an intermediate chunk (the grant index follows the order
+        in which blocks are sent, see ``first_block``)."""
+        self._check()
+        if not 0 <= layer < self.layout.total_layers:
+            raise RequestError(f"layer {layer} out of range [0, {self.layout.total_layers})")
+        self._jobs.put(("layer", layer, [(rid, list(b), 0) for rid, b in items], event))
+
+    def send_chunk(self, layer: int, request_id: str, src_blocks: Sequence[int], first_block: int,
+                   event: int | None = None) -> None:
+        """Chunked prefill: write full blocks ``first_block..`` of the grant for one layer."""
+        self._check()
+        self._jobs.put(("layer", layer, [(request_id, list(src_blocks), first_block)], event))
+
+    def finish(self, request_id: str, ok: bool = True, error: str = "") -> None:
+        """Every layer of ``request_id`` was handed to :meth:`send_layer`: confirm it to decode
+        once all its writes succeeded (``ok=False`` reports a failure instead)."""
+        self._check()
+        self._jobs.put(("complete", request_id, ok, error))
+
+    def wait_outcome(self, request_id: str, timeout: float | None = None) -> RequestOutcome:
+        """Block until the request's definite outcome (bounded by ``timeout``)."""
+        with self._lock:
+            w = self._outcomes.get(request_id)
+        if w is None:
+            raise RequestError(f"unknown request {request_id!r}")
+        if not w.event.wait(timeout if timeout is not None else self.timeout_s * 3):
+            raise PdkvTimeoutError(f"no outcome for {request_id!r} yet")
+        with self._lock:
+            self._outcomes.pop(request_id, None)
+        return w.value
+
+    def close(self) -> None:
+        """Stop threads, close sockets and shm mappings. Pending requests fail. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._jobs.put(None)
+        self._wake()
+        for t in self._threads:
+            t.join(5)
+        self._fail_all("sender closed")
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for s in self._data_socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._data_socks.clear()
+        if self._engine is not None:
+            self._engine.close()
+        for b in self._shm.values():
+            try:
+                b.close()
+            except PdkvError:
+                pass
+        self._shm.clear()
+        self._sock.close(0)
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __enter__(self) -> PrefillSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _check(self) -> None:
+        if self._closed.is_set():
+            raise ClosedError("sender is closed")
+        if self._broken:
+            raise PeerError(self._broken)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _post(self, msg: Message) -> None:
+        self._outbox.put(msg)
+        self._wake()
+
+    def _resolve(self, rid: str, state: str, reason: str = "") -> None:
+        with self._lock:
+            w = self._outcomes.get(rid)
+            self._grants.pop(rid, None)
+            rw = self._reserve_waiters.pop(rid, None)
+        if rw is not None:
+            rw.set(TransferError(f"request {rid!r} {state}: {reason}"))
+        if w is not None and not w.event.is_set():
+            out = RequestOutcome(rid, state, reason)
+            w.set(out)
+            if self.on_outcome is not None:
+                self.on_outcome(out)
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            rids = set(self._outcomes) | set(self._reserve_waiters)
+        for rid in rids:
+            self._resolve(rid, "failed", why)
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        last_hb = 0.0
+        while not self._closed.is_set():
+            try:
+                ready = dict(poller.poll(50))
+            except zmq.ZMQError:
+                break
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if self._sock in ready:
+                for _ in range(256):
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        msg = self._codec.decode(frames)
+                    except ProtocolError:
+                        continue  # refused: never acted upon
+                    self._last_heard = time.monotonic()
+                    self._on_msg(msg)
+            while True:
+                try:
+                    m = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    self._sock.send_multipart(self._codec.encode(m), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            now = time.monotonic()
+            if now - last_hb >= self.heartbeat_s:
+                last_hb = now
+                try:
+                    self._sock.send_multipart(self._codec.encode(Heartbeat(time.time())), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            if now - self._last_heard > self.timeout_s and not self._broken:
+                self._broken = f"decode silent for {self.timeout_s}s: considered dead"
+                self._fail_all(self._broken)
+
+    def _on_msg(self, msg: Message) -> None:
+        if isinstance(msg, GrantMsg):
+            with self._lock:
+                w = self._reserve_waiters.get(msg.request_id)
+            if msg.outcome in ("buffer", "gpu"):
+                g = SendGrant(msg.request_id, msg.location, tuple(msg.blocks), msg.token, msg.lease_s)
+                with self._lock:
+                    self._grants[msg.request_id] = g
+                    self._reserve_waiters.pop(msg.request_id, None)
+                if w is not None:
+                    w.set(g)
+            elif msg.outcome == "rejected":
+                self._resolve(msg.request_id, "rejected", msg.reason)
+            # queued: keep waiting for the grant
+        elif isinstance(msg, Outcome):
+            self._resolve(msg.request_id, msg.state, msg.reason)
+        elif isinstance(msg, ErrorMsg):
+            rid = msg.message.split(":", 1)[0]
+            with self._lock:
+                known = rid in self._outcomes
+            if known:
+                self._resolve(rid, "failed", msg.message)
+
+    # ------------------------------------------------------------------ data
+    def _data_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job[0] == "complete":
+                _, rid, ok, error = job
+                with self._lock:
+                    g = self._grants.get(rid)
+                    err = self._failed.pop(rid, None)
+                if g is None:
+                    continue  # already resolved (failed, expired)
+                self._post(Complete(rid, g.token, ok and err is None, error or (err or "")))
+                continue
+            _, layer, items, event = job
+            try:
+                if event is not None:
+                    deadline = time.monotonic() + self.timeout_s
+                    while not _ffi.cuda.event_query(event):
+                        if time.monotonic() > deadline:
+                            raise PdkvTimeoutError(f"layer {layer}: the engine's event did not complete")
+                        time.sleep(20e-6)
+                self._write_layer(layer, items)
+            except Exception as exc:  # every request of the layer failed: report it
+                with self._lock:
+                    for rid, _, _ in items:
+                        self._failed.setdefault(rid, f"layer {layer}: {exc}")
+
+    def _write_layer(self, layer: int, items: list[tuple[str, list[int], int]]) -> None:
+        work = []
+        for rid, src_blocks, first in items:
+            with self._lock:
+                g = self._grants.get(rid)
+            if g is None:
+                continue  # resolved meanwhile (expired, aborted): nothing to write
+            dst = list(g.blocks[first:first + len(src_blocks)])
+            if len(dst) != len(src_blocks):
+                with self._lock:
+                    self._failed.setdefault(rid, f"{len(src_blocks)} source blocks but the grant has {len(g.blocks) - first} left")
+                continue
+            work.append((rid, g, src_blocks, dst, first))
+        if not work:
+            return
+        if self.transport == "shm":
+            self._write_shm(layer, work)
+        else:
+            self._write_tcp(layer, work)
+        self.stats["layers"] += 1
+
+    def _write_shm(self, layer: int, work: list) -> None:
+        import numpy as np
+
+        from .swap import CopyPlan
+
+        srcs, dsts, lens = [], [], []
+        for rid, g, sb, db, first in work:
+            for p in _pieces(self.segments, self.layout, sb, db, [layer]):
+                sspec, dspec = self.cache, self._dst_specs[p.dst_rank]
+                seg = p.seg
+                for k in range(p.nb):
+                    s0 = sspec.address(layer, p.tensor, sb[p.gi + k]) + seg.src_offset
+                    d0 = dspec.address(layer, p.tensor, db[p.gi + k]) + seg.dst_offset
+                    if p.nb > 1:  # contiguous run of whole blocks: one piece
+                        srcs.append(s0)
+                        dsts.append(d0)
+                        lens.append(seg.length * p.nb)
+                        break
+                    for c in range(seg.count):
+                        srcs.append(s0 + c * seg.src_stride)
+                        dsts.append(d0 + c * seg.dst_stride)
+                        lens.append(seg.length)
+        if self._engine is not None:
+            lengths = np.asarray(lens, dtype=np.uint64)
+            plan = CopyPlan(np.asarray(srcs, np.uint64), np.asarray(dsts, np.uint64), lengths,
+                            np.asarray([len(lens)], np.int64), int(lengths.sum()))
+            self._engine.copy_plan(plan).wait(self.timeout_s)
+        else:
+            for s, d, n in zip(srcs, dsts, lens):
+                _ffi.libc.memmove(d, s, n)
+        self.stats["bytes"] += sum(lens)
+        for rid, g, *_ in work:
+            self._post(LayerDone(rid, g.token, [layer]))
+
+    def _write_tcp(self, layer: int, work: list) -> None:
+        frames: list[tuple[bytes, list[tuple[int, int]]]] = []
+        for rid, g, sb, db, first in work:
+            for p in _pieces(self.segments, self.layout, sb, db, [layer]):
+                seg = p.seg
+                s0 = self.cache.address(layer, p.tensor, sb[p.gi]) + seg.src_offset
+                hdr = FRAME_HEADER.pack(_MAGIC, 1, _K_DATA, p.dst_rank, g.token, layer, p.tensor, 0, first + p.gi,
+                                        p.nb, seg.dst_offset, seg.length, seg.count, seg.dst_stride)
+                if p.nb > 1:
+                    iov = [(s0, seg.length * p.nb)]
+                else:
+                    iov = [(s0 + c * seg.src_stride, seg.length) for c in range(seg.count)]
+                frames.append((hdr, iov))
+        socks = self._data_socks
+        parts: list[list] = [[] for _ in socks]
+        for i, f in enumerate(frames):
+            parts[i % len(socks)].append(f)
+        errors: list[BaseException] = []
+
+        def push(sock: socket.socket, fs: list) -> None:
+            try:
+                for hdr, iov in fs:
+                    bufs = [hdr] + [_ffi.libc.host_view(a, n) for a, n in iov]
+                    _sendmsg_all(sock, bufs)
+                    self.stats["bytes"] += sum(n for _, n in iov)
+                    self.stats["frames"] += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        if len(socks) == 1:
+            push(socks[0], parts[0])
+        else:
+            ts = [threading.Thread(target=push, args=(s, p)) for s, p in zip(socks, parts) if p]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        if errors:
+            raise TransferError(f"tcp send failed: {errors[0]}")
+
+
+def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        n = sock.sendmsg(views[:512])
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
