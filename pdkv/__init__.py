@@ -4,7 +4,7 @@
 missing when asked for.
 """
 
-from . import blocks, errors, interop, layout, scheduler, shm, swap
+from . import blocks, errors, interop, layout, protocol, rdma, scheduler, shm, swap, transfer
 from .blocks import BlockAllocator, BlockPool
 from .errors import *  # noqa: F403
 from .layout import GIB, CacheSpec, KVLayout, Segment, tp_segments
@@ -23,6 +23,7 @@ from .scheduler import (
 from .shm import SharedBuffer
 from .interop import TensorInfo, cache_from_tensors, tensor_info
 from .swap import CopyHandle, CopyPlan, SwapEngine, plan_copy
+from .transfer import DecodeReceiver, PrefillSender, RequestOutcome, SendGrant
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,10 @@ __all__ = [
     "Segment",
     "SharedBuffer",
     "SwapEngine",
+    "DecodeReceiver",
+    "PrefillSender",
+    "RequestOutcome",
+    "SendGrant",
     "CopyHandle",
     "CopyPlan",
     "plan_copy",

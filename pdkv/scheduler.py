@@ -51,6 +51,8 @@ __all__ = [
 
 
 class State(enum.Enum):
+    """Where a request is in its decode-side lifecycle (see the module docstring)."""
+
     QUEUED = "queued"
     RESERVED = "reserved"
     RECEIVING = "receiving"

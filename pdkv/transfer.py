@@ -81,8 +81,8 @@ class _Piece:
     seg: Segment
 
 
-def _pieces(segs: Sequence[Segment], layout: KVLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-            layers: Sequence[int]) -> list[_Piece]:
+def _pieces(segs: Sequence[Segment], layout: KVLayout, dst_layout: KVLayout, src_blocks: Sequence[int],
+            dst_blocks: Sequence[int], layers: Sequence[int]) -> list[_Piece]:
     out = []
     n = len(dst_blocks)
     # runs of grant indices whose source and destination ids both advance by one
@@ -96,7 +96,10 @@ def _pieces(segs: Sequence[Segment], layout: KVLayout, src_blocks: Sequence[int]
         i = j
     for layer in layers:
         for g in segs:
-            whole = g.count == 1 and g.src_offset == 0 and g.dst_offset == 0 and g.length == layout.tensor_block_bytes(g.tensor)
+            # a run of blocks is one contiguous piece only if the segment is the whole
+            # block on both sides
+            whole = (g.count == 1 and g.src_offset == 0 and g.dst_offset == 0
+                     and g.length == layout.tensor_block_bytes(g.tensor) == dst_layout.tensor_block_bytes(g.tensor))
             if whole:
                 out.extend(_Piece(g.dst_rank, layer, g.tensor, a, k, g) for a, k in runs)
             else:
@@ -828,6 +831,7 @@ class PrefillSender:
         layouts = [KVLayout.from_descriptor(d) for d in msg.layouts]
         for lay in layouts:
             lay.check_compatible(self.layout)
+        self._dst_layout = layouts[0]
         self.segments = [g for g in tp_segments(self.layout, layouts[0]) if g.src_rank == self.layout.tp_rank
                          and g.dst_rank in msg.ranks]
         if msg.transport == "shm":
@@ -1119,7 +1123,7 @@ class PrefillSender:
 
         srcs, dsts, lens = [], [], []
         for rid, g, sb, db, first in work:
-            for p in _pieces(self.segments, self.layout, sb, db, [layer]):
+            for p in _pieces(self.segments, self.layout, self._dst_layout, sb, db, [layer]):
                 sspec, dspec = self.cache, self._dst_specs[p.dst_rank]
                 seg = p.seg
                 for k in range(p.nb):
@@ -1149,7 +1153,7 @@ class PrefillSender:
     def _write_tcp(self, layer: int, work: list) -> None:
         frames: list[tuple[bytes, list[tuple[int, int]]]] = []
         for rid, g, sb, db, first in work:
-            for p in _pieces(self.segments, self.layout, sb, db, [layer]):
+            for p in _pieces(self.segments, self.layout, self._dst_layout, sb, db, [layer]):
                 seg = p.seg
                 s0 = self.cache.address(layer, p.tensor, sb[p.gi]) + seg.src_offset
                 hdr = FRAME_HEADER.pack(_MAGIC, 1, _K_DATA, p.dst_rank, g.token, layer, p.tensor, 0, first + p.gi,

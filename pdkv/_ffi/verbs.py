@@ -12,7 +12,8 @@ from typing import Any
 
 from ..errors import RdmaError, RdmaUnavailableError
 
-__all__ = ["available", "import_pyverbs", "rdma_devices", "require_device"]
+__all__ = ["available", "import_pyverbs", "rdma_devices", "require_device", "open_device", "register",
+           "create_rc_qp", "connect_qp", "post_writes", "poll"]
 
 # errnos with which rdma-core reports "no devices / no driver" from ibv_get_device_list
 _ABSENT = {errno.ENOSYS, errno.ENODEV, errno.ENOENT, 0}
@@ -69,3 +70,101 @@ def require_device(name: str | None = None) -> str:
     if name not in devs:
         raise RdmaUnavailableError(f"RDMA device {name!r} not found; present: {devs}")
     return name
+
+
+# ---------------------------------------------------------------- resources
+# Written against pyverbs' documented API (rdma-core/pyverbs: device.Context, pd.PD,
+# mr.MR, cq.CQ, qp.QP/QPInitAttr/QPCap/QPAttr, addr.AHAttr/GlobalRoute, wr.SGE/SendWR).
+# NOT RUN ON HARDWARE: no RDMA device exists on the machines this was written on.
+
+def _wrap(what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    pv = import_pyverbs()
+    from pyverbs.pyverbs_error import PyverbsError  # type: ignore[import-not-found]
+
+    try:
+        return fn(*args, **kw)
+    except PyverbsError as exc:
+        raise RdmaError(f"{what} failed: {exc}") from exc
+    finally:
+        del pv
+
+
+def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> dict[str, Any]:
+    """Open a device, a protection domain and a completion queue; query port and GID."""
+    dev = require_device(name)
+    import pyverbs.cq as cq
+    import pyverbs.device as d
+    import pyverbs.pd as pd
+
+    ctx = _wrap("ibv_open_device", d.Context, name=dev)
+    pdom = _wrap("ibv_alloc_pd", pd.PD, ctx)
+    cqo = _wrap("ibv_create_cq", cq.CQ, ctx, 4096, None, None, 0)
+    pattr = _wrap("ibv_query_port", ctx.query_port, port)
+    gid = _wrap("ibv_query_gid", ctx.query_gid, port, gid_index)
+    return {"ctx": ctx, "pd": pdom, "cq": cqo, "port": port, "gid_index": gid_index,
+            "lid": int(pattr.lid), "gid": str(gid), "mtu": int(pattr.active_mtu)}
+
+
+def register(res: dict[str, Any], addr: int, length: int, remote_write: bool) -> tuple[Any, int, int]:
+    """One memory region over ``[addr, addr+length)``; returns (mr, lkey, rkey)."""
+    import pyverbs.enums as e
+    import pyverbs.mr as mr
+
+    access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_WRITE if remote_write else 0)
+    m = _wrap("ibv_reg_mr", mr.MR, res["pd"], length, access, address=addr)
+    return m, int(m.lkey), int(m.rkey)
+
+
+def create_rc_qp(res: dict[str, Any], max_send_wr: int) -> Any:
+    import pyverbs.enums as e
+    from pyverbs.qp import QP, QPCap, QPInitAttr
+
+    cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+    init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=res["cq"], rcq=res["cq"], cap=cap, sq_sig_all=0)
+    return _wrap("ibv_create_qp", QP, res["pd"], init)
+
+
+def connect_qp(res: dict[str, Any], qp: Any, remote: dict[str, Any]) -> None:
+    """RESET -> INIT -> RTR -> RTS towards ``remote`` (qpn, psn, lid, gid)."""
+    import pyverbs.enums as e
+    from pyverbs.addr import AHAttr, GlobalRoute
+    from pyverbs.qp import QPAttr
+
+    a = QPAttr()
+    a.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+    a.port_num = res["port"]
+    _wrap("modify_qp(INIT)", qp.to_init, a)
+    gr = GlobalRoute(dgid=remote["gid"], sgid_index=res["gid_index"])
+    a.ah_attr = AHAttr(port_num=res["port"], is_global=1, gr=gr, dlid=remote["lid"])
+    a.dest_qp_num = remote["qpn"]
+    a.rq_psn = remote["psn"]
+    a.path_mtu = min(res["mtu"], remote.get("mtu", res["mtu"]))
+    a.max_dest_rd_atomic = 1
+    a.min_rnr_timer = 12
+    _wrap("modify_qp(RTR)", qp.to_rtr, a)
+    a.sq_psn = remote.get("local_psn", 0)
+    a.timeout, a.retry_cnt, a.rnr_retry, a.max_rd_atomic = 14, 7, 7, 1
+    _wrap("modify_qp(RTS)", qp.to_rts, a)
+
+
+def post_writes(qp: Any, wrs: list[tuple[int, int, int, int, int, int, bool]]) -> None:
+    """Post a chain of RDMA writes: (wr_id, local_addr, length, lkey, remote_addr, rkey, signaled)."""
+    import pyverbs.enums as e
+    from pyverbs.wr import SGE, SendWR
+
+    objs = []
+    for wr_id, la, n, lkey, ra, rkey, sig in wrs:
+        w = SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[SGE(la, n, lkey)],
+                   send_flags=e.IBV_SEND_SIGNALED if sig else 0)
+        w.set_wr_rdma(rkey, ra)
+        objs.append(w)
+    for a, b in zip(objs, objs[1:]):
+        a.next_wr = b
+    if objs:
+        _wrap("ibv_post_send", qp.post_send, objs[0], None)
+
+
+def poll(cq: Any, n: int) -> list[tuple[int, int]]:
+    """Up to ``n`` completions as (wr_id, status); never blocks."""
+    got, wcs = _wrap("ibv_poll_cq", cq.poll, n)
+    return [(int(w.wr_id), int(w.status)) for w in wcs[:got]]

@@ -1,0 +1,74 @@
+"""Peer processes for the multi-process transfer tests (run as a script)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from pdkv import (BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, SwapEngine)
+from pdkv.transfer import DecodeReceiver, PrefillSender
+
+LAYOUT = dict(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf16")
+
+
+def prefill(a: argparse.Namespace) -> None:
+    lay = KVLayout(**LAYOUT, tp_size=a.tp, tp_rank=a.rank)
+    src = np.random.default_rng(a.seed + a.rank).integers(0, 256, lay.block_bytes * 64, dtype=np.uint8)
+    spec = CacheSpec.for_buffer(lay, 64, src.ctypes.data)
+    secret = bytes.fromhex(a.secret) if a.secret else None
+    with PrefillSender(lay, spec, a.control, transport=a.transport, secret=secret, timeout_s=a.timeout,
+                       heartbeat_s=0.2, instance=a.instance) as tx:
+        print(json.dumps({"ready": True}), flush=True)
+        for i in range(a.requests):
+            rid = f"{a.instance}-{i}"
+            g = tx.reserve(rid, a.blocks * lay.tokens_per_block)
+            for layer in range(lay.total_layers):
+                tx.send_layer(layer, [(rid, list(range(a.blocks)))])
+                print(json.dumps({"request": rid, "layer": layer}), flush=True)
+                time.sleep(a.layer_sleep)
+            tx.finish(rid)
+            try:
+                out = tx.wait_outcome(rid, a.timeout * 2)
+                print(json.dumps({"request": rid, "state": out.state, "reason": out.reason, "blocks": g.blocks}), flush=True)
+            except Exception as exc:
+                print(json.dumps({"request": rid, "state": "error", "reason": str(exc)}), flush=True)
+
+
+def decode(a: argparse.Namespace) -> None:
+    lay = KVLayout(**LAYOUT)
+    nb = 64
+    buf = SharedBuffer.create(CacheSpec.buffer_bytes(lay, nb))
+    gpu = np.zeros(lay.block_bytes * nb, np.uint8)
+    eng = SwapEngine(CacheSpec.for_buffer(lay, nb, buf.address), CacheSpec.for_buffer(lay, nb, gpu.ctypes.data),
+                     strategy="host", buffer_pinned=False)
+    sched = DecodeScheduler(num_layers=lay.total_layers, gpu=BlockPool(nb), buffer=BlockPool(nb), swap=eng,
+                            options=SchedulerOptions(direct_to_gpu=False, lease_s=a.timeout))
+    rx = DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, peer_timeout_s=a.timeout)
+    print(json.dumps({"control": rx.control_address, "shm": buf.name}), flush=True)
+    while True:
+        time.sleep(0.05)
+        for r in sched.take_ready():
+            sched.finish(r.request_id)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role")
+    ap.add_argument("--control", default="")
+    ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=1)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--layer-sleep", type=float, default=0.0)
+    ap.add_argument("--secret", default="")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=3.0)
+    ap.add_argument("--instance", default="p")
+    a = ap.parse_args()
+    {"prefill": prefill, "decode": decode}[a.role](a)
+    sys.exit(0)

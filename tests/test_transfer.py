@@ -1,0 +1,322 @@
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pdkv import (BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, State, SwapEngine,
+                  tp_segments)
+from pdkv.errors import PdkvTimeoutError, PeerError, TransferError
+from pdkv.transfer import FRAME_HEADER, DecodeReceiver, PrefillSender
+
+HERE = os.path.dirname(__file__)
+BASE = dict(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf16")
+
+
+class Decode:
+    """An in-process decode instance: D ranks, one receiver, host 'GPU' caches."""
+
+    def __init__(self, D=1, nb=64, token_major=False, lease_s=5.0, **rx):
+        self.lays = [KVLayout(**BASE, tp_size=D, tp_rank=r, token_major=token_major) for r in range(D)]
+        self.nb = nb
+        self.bufs = [SharedBuffer.create(CacheSpec.buffer_bytes(lay, nb)) for lay in self.lays]
+        self.gpu = np.zeros(self.lays[0].block_bytes * nb, np.uint8)
+        eng = SwapEngine(CacheSpec.for_buffer(self.lays[0], nb, self.bufs[0].address),
+                         CacheSpec.for_buffer(self.lays[0], nb, self.gpu.ctypes.data), strategy="host", buffer_pinned=False)
+        self.engine = eng
+        self.sched = DecodeScheduler(num_layers=self.lays[0].total_layers, gpu=BlockPool(nb), buffer=BlockPool(nb), swap=eng,
+                                     options=SchedulerOptions(direct_to_gpu=False, lease_s=lease_s, fence_grace_s=0.5))
+        rx.setdefault("auto_tick", True)
+        rx.setdefault("peer_timeout_s", 3.0)
+        self.rx = DecodeReceiver(self.sched, self.lays, self.bufs, nb, **rx)
+
+    def block(self, rank, layer, t, b):
+        spec = CacheSpec.for_buffer(self.lays[rank], self.nb, self.bufs[rank].address)
+        a = spec.address(layer, t, b) - self.bufs[rank].address
+        return bytes(self.bufs[rank].buf[a:a + self.lays[rank].tensor_block_bytes(t)])
+
+    def close(self):
+        self.rx.close()
+        self.engine.close()
+        for b in self.bufs:
+            b.close()
+            b.unlink()
+
+
+def prefill_cache(P, r, nb=64, token_major=False, seed=0):
+    lay = KVLayout(**BASE, tp_size=P, tp_rank=r, token_major=token_major)
+    arr = np.random.default_rng(seed + r).integers(0, 256, lay.block_bytes * nb, dtype=np.uint8)
+    return lay, arr, CacheSpec.for_buffer(lay, nb, arr.ctypes.data)
+
+
+def expected_block(src_lays, src_specs, src_blocks_of, dst_lay, layer, t, gi):
+    """Reassemble decode rank dst_lay.tp_rank's block from the prefill ranks' sources."""
+    out = bytearray(dst_lay.tensor_block_bytes(t))
+    for g in tp_segments(src_lays[0], dst_lay):
+        if g.dst_rank != dst_lay.tp_rank or g.tensor != t:
+            continue
+        spec = src_specs[g.src_rank]
+        base = spec.address(layer, t, src_blocks_of[gi])
+        mem = (np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * src_lays[0].tensor_block_bytes(t)).from_address(base)))
+        for c in range(g.count):
+            s, d = g.src_offset + c * g.src_stride, g.dst_offset + c * g.dst_stride
+            out[d:d + g.length] = mem[s:s + g.length].tobytes()
+    return bytes(out)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("P,D,nhd", [(1, 1, False), (2, 4, False), (4, 2, False), (2, 1, True), (8, 2, False)])
+def test_layerwise_transfer_every_byte(transport, P, D, nhd, no_leaks):
+    dec = Decode(D=D, token_major=nhd)
+    try:
+        caches = [prefill_cache(P, r, token_major=nhd) for r in range(P)]
+        txs = [PrefillSender(lay, spec, dec.rx.control_address, transport=transport, instance="pf", timeout_s=5)
+               for lay, _, spec in caches]
+        src_blocks = {"a": [3, 4, 5, 9, 10], "b": [20, 21, 22, 23, 30, 31]}
+        grants = {}
+        for rid, sb in src_blocks.items():
+            for tx in txs:  # every rank asks; the same grant comes back
+                g = tx.reserve(rid, len(sb) * 8 - 3)
+                assert grants.setdefault(rid, g).blocks == g.blocks and g.token == grants[rid].token
+        for layer in range(4):
+            for tx in txs:
+                tx.send_layer(layer, list(src_blocks.items()))
+        for tx in txs:
+            for rid in src_blocks:
+                tx.finish(rid)
+        for tx in txs:
+            for rid in src_blocks:
+                assert tx.wait_outcome(rid, 10).state == "received"
+        for rid, sb in src_blocks.items():
+            assert dec.sched.request(rid).state in (State.RECEIVED, State.SWAPPING, State.READY)
+            for dst in dec.lays:
+                for layer in range(4):
+                    for t in range(2):
+                        for gi, b in enumerate(grants[rid].blocks):
+                            want = expected_block([c[0] for c in caches], [c[2] for c in caches], sb, dst, layer, t, gi)
+                            assert dec.block(dst.tp_rank, layer, t, b) == want, (rid, dst.tp_rank, layer, t, gi)
+        for tx in txs:
+            tx.close()
+    finally:
+        dec.close()
+
+
+@pytest.mark.multiproc
+def test_secret_required_and_checked(no_leaks):
+    dec = Decode(secret=b"s" * 32)
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        with pytest.raises(PeerError, match="authentication"):
+            PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=3)
+        with pytest.raises(PeerError, match="authentication"):
+            PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", secret=b"x" * 32, timeout_s=3)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", secret=b"s" * 32, timeout_s=3) as tx:
+            tx.reserve("a", 8)
+            for layer in range(4):
+                tx.send_layer(layer, [("a", [0])])
+            tx.finish("a")
+            assert tx.wait_outcome("a", 5).ok
+    finally:
+        dec.close()
+
+
+def test_layout_mismatch_is_refused_with_the_field(no_leaks):
+    dec = Decode()
+    try:
+        lay = KVLayout(**{**BASE, "head_dim": 64})
+        arr = np.zeros(lay.block_bytes * 4, np.uint8)
+        with pytest.raises(PeerError, match="head_dim"):
+            PrefillSender(lay, CacheSpec.for_buffer(lay, 4, arr.ctypes.data), dec.rx.control_address, timeout_s=3)
+    finally:
+        dec.close()
+
+
+def test_unreachable_decode_times_out():
+    lay, arr, spec = prefill_cache(1, 0)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    t0 = time.monotonic()
+    with pytest.raises(PdkvTimeoutError, match="handshake"):
+        PrefillSender(lay, spec, f"tcp://127.0.0.1:{port}", timeout_s=1)
+    assert time.monotonic() - t0 < 5
+
+
+def test_lease_expiry_reaches_prefill_and_frees_blocks(no_leaks):
+    dec = Decode(lease_s=0.5)
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5) as tx:
+            tx.reserve("slow", 16)
+            tx.send_layer(0, [("slow", [0, 1])])
+            out = tx.wait_outcome("slow", 5)
+            assert out.state == "expired"
+            deadline = time.monotonic() + 5
+            while dec.sched.buffer.num_free != 64:
+                assert time.monotonic() < deadline, "expired blocks never came back"
+                time.sleep(0.05)
+            # the surviving pair keeps serving
+            tx.reserve("next", 8)
+            for layer in range(4):
+                tx.send_layer(layer, [("next", [5])])
+            tx.finish("next")
+            assert tx.wait_outcome("next", 5).ok
+    finally:
+        dec.close()
+
+
+@pytest.mark.multiproc
+def test_hostile_tcp_frames_never_land(no_leaks):
+    dec = Decode()
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5) as tx:
+            g = tx.reserve("a", 16)
+            peer = next(iter(dec.rx._peers.values()))  # white box: the data token the peer got
+            host, port = dec.rx.data_address.split(":")
+            before = [dec.block(0, 0, 0, b) for b in range(64)]
+
+            def conn(token=peer.data_token):
+                s = socket.create_connection((host, int(port)), timeout=5)
+                s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) + token)
+                return s
+
+            tb = lay.tensor_block_bytes(0)
+            bad = [
+                (0, g.token + 1, 0, 0, 0, 1, 0, tb, 1, 0),  # forged token
+                (0, g.token, 0, 0, 5, 1, 0, tb, 1, 0),  # grant index past the grant
+                (0, g.token, 0, 0, 0, 1, tb - 8, 16, 1, 0),  # past the end of the block
+                (3, g.token, 0, 0, 0, 1, 0, tb, 1, 0),  # a rank not hosted here
+                (0, g.token, 9, 0, 0, 1, 0, tb, 1, 0),  # layer out of range
+            ]
+            for f in bad:
+                s = conn()
+                rank, token, layer, t, gi, nb, off, ln, cnt, ds = f
+                s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, rank, token, layer, t, 0, gi, nb, off, ln, cnt, ds))
+                s.sendall(b"\xAB" * (nb * cnt * ln))
+                s.close()
+            s = conn(b"\0" * 16)  # unknown data token: connection dropped
+            s.sendall(b"x" * 100)
+            s.close()
+            s = conn()  # oversized frame: connection dropped
+            s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, 0, g.token, 0, 0, 0, 0, 1, 0, 1 << 30, 1, 0))
+            s.close()
+            deadline = time.monotonic() + 5
+            while dec.rx.stats["frames_rejected"] < 5:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert [dec.block(0, 0, 0, b) for b in range(64)] == before
+            # the legitimate transfer still works
+            for layer in range(4):
+                tx.send_layer(layer, [("a", [1, 2])])
+            tx.finish("a")
+            assert tx.wait_outcome("a", 5).ok
+    finally:
+        dec.close()
+
+
+def _spawn(*args):
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "peers.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _lines(p, n, timeout=20):
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        assert time.monotonic() < deadline, f"peer said only {out}"
+        line = p.stdout.readline()
+        if not line:
+            break
+        out.append(json.loads(line))
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_prefill_killed_mid_transfer_decode_reclaims_and_serves_on(transport, no_leaks):
+    dec = Decode()
+    try:
+        p = _spawn("prefill", "--control", dec.rx.control_address, "--transport", transport, "--blocks", "6",
+                   "--layer-sleep", "0.3", "--instance", "victim")
+        try:
+            _lines(p, 3)  # ready, layer 0, layer 1
+            assert dec.sched.buffer.num_free == 58
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+        finally:
+            p.stdout.close()
+            p.stderr.close()
+        t0 = time.monotonic()
+        while dec.sched.buffer.num_free != 64:
+            assert time.monotonic() - t0 < 10, "blocks of the dead prefill never came back"
+            time.sleep(0.05)
+        recovery = time.monotonic() - t0
+        assert dec.sched.request("victim-0").state is State.FAILED
+        assert recovery < 10
+        # a new prefill is served
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport=transport, timeout_s=5) as tx:
+            tx.reserve("after", 8)
+            for layer in range(4):
+                tx.send_layer(layer, [("after", [0])])
+            tx.finish("after")
+            assert tx.wait_outcome("after", 5).ok
+    finally:
+        dec.close()
+
+
+@pytest.mark.multiproc
+def test_decode_killed_prefill_fails_in_bounded_time(no_leaks):
+    d = _spawn("decode", "--timeout", "2")
+    try:
+        info = _lines(d, 1)[0]
+        lay, arr, spec = prefill_cache(1, 0)
+        outcomes = []
+        tx = PrefillSender(lay, spec, info["control"], transport="tcp", timeout_s=1.5, heartbeat_s=0.2,
+                           on_outcome=outcomes.append)
+        try:
+            tx.reserve("r", 16)
+            tx.send_layer(0, [("r", [0, 1])])
+            d.send_signal(signal.SIGKILL)
+            d.wait(10)
+            t0 = time.monotonic()
+            out = tx.wait_outcome("r", 10)
+            assert out.state == "failed" and "decode" in out.reason
+            assert time.monotonic() - t0 < 5
+            with pytest.raises(PeerError):
+                tx.reserve("x", 8)
+        finally:
+            tx.close()
+        assert [o.request_id for o in outcomes] == ["r"]
+    finally:
+        if d.poll() is None:
+            d.kill()
+            d.wait(10)
+        d.stdout.close()
+        d.stderr.close()
+        # the killed decode's segment is left for pdkv-shm clean
+        from pdkv.shm_clean import clean_segments
+
+        assert info["shm"] in clean_segments(dry_run=False)
+
+
+def test_rejected_when_full(no_leaks):
+    dec = Decode(nb=4)
+    try:
+        lay, arr, spec = prefill_cache(1, 0, nb=8)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=3) as tx:
+            tx.reserve("a", 32)
+            with pytest.raises(TransferError, match="rejected"):
+                tx.reserve("b", 8)
+    finally:
+        dec.close()
