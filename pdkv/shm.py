@@ -206,7 +206,8 @@ class SharedBuffer:
 
     @classmethod
     def open(cls, name: str, *, pin: PinMode = "auto", require_pinned: bool = False,
-             expect_size: int | None = None) -> SharedBuffer:
+             expect_size: int | None = None, populate: bool = False,
+             populate_threads: int | None = None) -> SharedBuffer:
         """Attach to an existing segment by name.
 
         The segment must belong to this user and have no group/other permissions.
@@ -219,6 +220,9 @@ class SharedBuffer:
             Owned by another user, or readable by group/others.
         ValueError
             Bad name, or ``expect_size`` differs from the segment's size.
+
+        ``populate=True`` maps every page into this process now, so the first writes
+        through it do not pay page faults (a writer that fills the buffer wants this).
         """
         name = validate_name(name)
         mode = _pin_mode(pin, require_pinned)
@@ -241,6 +245,8 @@ class SharedBuffer:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             undo.callback(mm.close)
             addr = _ffi.libc.buffer_address(mm)
+            if populate:
+                _populate(addr, size, populate_threads or min(16, os.cpu_count() or 1))
             pinned = _maybe_pin(addr, size, mode)
             self._finish(name, size, fd, mm, addr, pinned, owner=False, pin_mode=mode)
             undo.pop_all()

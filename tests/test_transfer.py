@@ -14,7 +14,7 @@ import pytest
 from pdkv import (BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, State, SwapEngine,
                   tp_segments)
 from pdkv.errors import PdkvTimeoutError, PeerError, TransferError
-from pdkv.transfer import FRAME_HEADER, DecodeReceiver, PrefillSender
+from pdkv.transfer import FRAME_HEADER, FRAME_ITEM, DecodeReceiver, PrefillSender
 
 HERE = os.path.dirname(__file__)
 BASE = dict(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf16")
@@ -201,14 +201,15 @@ def test_hostile_tcp_frames_never_land(no_leaks):
             for f in bad:
                 s = conn()
                 rank, token, layer, t, gi, nb, off, ln, cnt, ds = f
-                s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, rank, token, layer, t, 0, gi, nb, off, ln, cnt, ds))
+                s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, rank, token, layer, t, 0, 0, 1, off, ln, cnt, ds)
+                          + FRAME_ITEM.pack(gi, nb))
                 s.sendall(b"\xAB" * (nb * cnt * ln))
                 s.close()
             s = conn(b"\0" * 16)  # unknown data token: connection dropped
             s.sendall(b"x" * 100)
             s.close()
             s = conn()  # oversized frame: connection dropped
-            s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, 0, g.token, 0, 0, 0, 0, 1, 0, 1 << 30, 1, 0))
+            s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, 0, g.token, 0, 0, 0, 0, 1, 0, 1 << 30, 1, 0) + FRAME_ITEM.pack(0, 1))
             s.close()
             deadline = time.monotonic() + 5
             while dec.rx.stats["frames_rejected"] < 5:
@@ -320,3 +321,4 @@ def test_rejected_when_full(no_leaks):
                 tx.reserve("b", 8)
     finally:
         dec.close()
+

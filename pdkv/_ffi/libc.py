@@ -113,4 +113,13 @@ def memmove(dst: int, src: int, length: int) -> None:
 def host_view(addr: int, length: int) -> memoryview:
     """A writable memoryview of ``length`` bytes at ``addr``. The caller keeps the
     memory alive for as long as the view (and anything made from it) lives."""
-    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+    t = _ARRAY_TYPES.get(length)
+    if t is None:
+        if len(_ARRAY_TYPES) > 4096:
+            _ARRAY_TYPES.clear()
+        t = _ARRAY_TYPES[length] = ctypes.c_ubyte * length
+    return memoryview(t.from_address(addr)).cast("B")
+
+
+_ARRAY_TYPES: dict[int, type] = {}  # building a ctypes array type costs microseconds
+
