@@ -22,7 +22,7 @@ from .scheduler import (
 )
 from .shm import SharedBuffer
 from .interop import TensorInfo, cache_from_tensors, tensor_info
-from .swap import CopyHandle, CopyPlan, SwapEngine, plan_copy
+from .swap import CopyHandle, CopyPlan, SwapEngine, SwapGroup, plan_copy
 from .transfer import DecodeReceiver, PrefillSender, RequestOutcome, SendGrant
 
 __version__ = "0.1.0"
@@ -47,6 +47,7 @@ __all__ = [
     "Segment",
     "SharedBuffer",
     "SwapEngine",
+    "SwapGroup",
     "DecodeReceiver",
     "PrefillSender",
     "RequestOutcome",

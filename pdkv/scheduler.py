@@ -196,14 +196,17 @@ class RequestInfo:
 class Event:
     """Something the engine or the transport should hear about.
 
-    kind: ``granted`` (a queued reservation got blocks), ``rejected``, ``ready``,
-    ``failed``, ``expired``, ``aborted``.
+    kind: ``reserved`` (blocks granted at once), ``granted`` (a queued reservation got
+    blocks), ``received`` (every layer landed; a buffer request now waits for its swap),
+    ``ready``, ``failed``, ``expired``, ``aborted``, ``rejected``. ``t`` is the
+    scheduler's clock when it happened. Events are made only while a listener is set.
     """
 
     kind: str
     request_id: str
     grant: Grant | None = None
     reason: str = ""
+    t: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -246,7 +249,7 @@ class _Metrics:
         "grants_from_queue", "queue_timeouts", "layers_landed", "requests_received", "requests_ready",
         "requests_finished", "requests_failed", "requests_expired", "requests_aborted",
         "late_messages_rejected", "swaps_submitted", "swaps_completed", "swaps_failed", "swap_bytes",
-        "swap_seconds_sum", "swap_seconds_max", "prefill_wait_avoided_seconds_sum",
+        "swap_seconds_sum", "swap_seconds_max", "swap_busy_seconds", "prefill_wait_avoided_seconds_sum",
         "prefill_wait_avoided_seconds_max", "quarantined_blocks_released"), 0))
 
 
@@ -308,6 +311,7 @@ class DecodeScheduler:
         self._swapq: dict[str, None] = {}
         self._swapping: dict[str, _Req] = {}
         self._ready: deque[_Req] = deque()
+        self._busy_since = 0.0
         self._quarantine: list[_Quarantine] = []
         self._events: list[Event] = []
         self._m = _Metrics().counters
@@ -317,6 +321,10 @@ class DecodeScheduler:
         # called with the lock held: takes the events; the caller delivers them unlocked
         ev, self._events = self._events, []
         return ev
+
+    def _event(self, kind: str, rid: str, grant: Grant | None = None, reason: str = "", t: float = 0.0) -> None:
+        if self.listener is not None:
+            self._events.append(Event(kind, rid, grant, reason, t))
 
     def _deliver(self, events: list[Event]) -> None:
         if events and self.listener is not None:
@@ -411,7 +419,7 @@ class DecodeScheduler:
         if key:
             self._m[key] += 1
         if state is not State.FINISHED:
-            self._events.append(Event(state.value, req.rid, reason=reason))
+            self._event(state.value, req.rid, reason=reason, t=now)
 
     def _expire(self, req: _Req, now: float) -> None:
         self._terminate(req, State.EXPIRED, f"lease of {self.options.lease_s}s expired", now)
@@ -455,6 +463,7 @@ class DecodeScheduler:
             if grant is not None:
                 self._reqs[request_id] = req
                 res = Reservation(request_id, grant.location, grant)
+                self._event("reserved", request_id, grant=grant, t=now)
             elif self.options.on_full == "queue" and len(self._queue) < self.options.max_queue:
                 req.queue_deadline = now + self.options.queue_timeout_s
                 self._reqs[request_id] = req
@@ -551,10 +560,11 @@ class DecodeScheduler:
                 req.in_ready = True
                 self._ready.append(req)
                 self._m["requests_ready"] += 1
-                self._events.append(Event("ready", req.rid))
+                self._event("ready", req.rid, t=now)
             else:
                 req.state = State.RECEIVED
                 self._swapq[req.rid] = None
+                self._event("received", req.rid, t=now)
             state = req.state
             ev = self._emit()
         self._deliver(ev)
@@ -683,7 +693,7 @@ class DecodeScheduler:
                 return
             self._queue.popleft()
             self._m["grants_from_queue"] += 1
-            self._events.append(Event("granted", req.rid, grant=grant))
+            self._event("granted", req.rid, grant=grant, t=now)
 
     def _admit_swaps(self, now: float) -> list[_Req]:
         out: list[_Req] = []
@@ -707,6 +717,8 @@ class DecodeScheduler:
             wait = now - req.reserved_at
             self._m["prefill_wait_avoided_seconds_sum"] += wait
             self._m["prefill_wait_avoided_seconds_max"] = max(self._m["prefill_wait_avoided_seconds_max"], wait)
+            if not self._swapping:
+                self._busy_since = now
             self._swapping[rid] = req
             out.append(req)
         return out
@@ -733,6 +745,8 @@ class DecodeScheduler:
     def _swap_finished(self, req: _Req, err: BaseException | None, now: float) -> None:
         if self._swapping.pop(req.rid, None) is None:
             return
+        if not self._swapping:  # time with at least one swap in flight: swap_bytes / this = swap throughput
+            self._m["swap_busy_seconds"] += now - self._busy_since
         dt = now - req.swap_started
         m = self._m
         m["swap_seconds_sum"] += dt
@@ -756,7 +770,7 @@ class DecodeScheduler:
         req.in_ready = True
         self._ready.append(req)
         m["requests_ready"] += 1
-        self._events.append(Event("ready", req.rid))
+        self._event("ready", req.rid, t=now)
 
     # ------------------------------------------------------------------ observability
     def request(self, request_id: str) -> RequestInfo:

@@ -31,7 +31,7 @@ from . import _ffi
 from .errors import ClosedError, CudaUnavailableError, PdkvTimeoutError, SwapError
 from .layout import CacheSpec
 
-__all__ = ["CopyPlan", "plan_copy", "CopyHandle", "SwapEngine", "Strategy", "KERNEL_SOURCE"]
+__all__ = ["CopyPlan", "plan_copy", "CopyHandle", "SwapEngine", "SwapGroup", "Strategy", "KERNEL_SOURCE"]
 
 Strategy = Literal["auto", "kernel", "batch", "memcpy", "host"]
 _CHUNK = 64 << 10  # bytes one kernel CTA copies
@@ -526,3 +526,36 @@ class SwapEngine:
         if not layerwise:
             return [(0, e[-1] if e else 0)]
         return list(zip([0] + e[:-1], e))
+
+
+class _GroupHandle(CopyHandle):
+    def __init__(self, handles: list[CopyHandle]) -> None:
+        super().__init__(sum(h.nbytes for h in handles), handles[0].num_layers if handles else 0)
+        self._hs = handles
+
+    def done(self) -> bool:
+        if all(h.done() for h in self._hs):
+            if self._t1 is None:
+                self._t1 = time.perf_counter()
+                self._error = next((h.error for h in self._hs if h.error is not None), None)
+            return True
+        return False
+
+    def layer_done(self, layer: int) -> bool:
+        return all(h.layer_done(layer) for h in self._hs)
+
+
+class SwapGroup:
+    """One swap backend over several engines (the TP ranks a decode process hosts):
+    a request's swap is done when every rank's copy is done.
+
+    Ownership: the engines stay the caller's.
+    """
+
+    def __init__(self, engines: Sequence[SwapEngine]) -> None:
+        if not engines:
+            raise ValueError("SwapGroup needs at least one engine")
+        self.engines = list(engines)
+
+    def submit(self, request_id: str, buffer_blocks: Sequence[int], gpu_blocks: Sequence[int]) -> CopyHandle:
+        return _GroupHandle([e.submit(request_id, buffer_blocks, gpu_blocks) for e in self.engines])

@@ -22,9 +22,9 @@ decode stops answering heartbeats.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
-import select
 import socket
 import struct
 import threading
@@ -861,6 +861,8 @@ class PrefillSender:
         self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
         self.on_outcome = on_outcome
         self.stats = {"bytes": 0, "frames": 0, "layers": 0}
+        # (layer, seconds from send_layer() to its writes done, bytes): per-layer latency
+        self.layer_log: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=1 << 16)
         self._codec = Codec(secret)
         self._lock = threading.Lock()
         self._grants: dict[str, SendGrant] = {}
@@ -983,13 +985,13 @@ class PrefillSender:
         self._check()
         if not 0 <= layer < self.layout.total_layers:
             raise RequestError(f"layer {layer} out of range [0, {self.layout.total_layers})")
-        self._jobs.put(("layer", layer, [(rid, list(b), 0) for rid, b in items], event))
+        self._jobs.put(("layer", layer, [(rid, list(b), 0) for rid, b in items], event, time.monotonic()))
 
     def send_chunk(self, layer: int, request_id: str, src_blocks: Sequence[int], first_block: int,
                    event: int | None = None) -> None:
         """Chunked prefill: write full blocks ``first_block..`` of the grant for one layer."""
         self._check()
-        self._jobs.put(("layer", layer, [(request_id, list(src_blocks), first_block)], event))
+        self._jobs.put(("layer", layer, [(request_id, list(src_blocks), first_block)], event, time.monotonic()))
 
     def finish(self, request_id: str, ok: bool = True, error: str = "") -> None:
         """Every layer of ``request_id`` was handed to :meth:`send_layer`: confirm it to decode
@@ -1168,7 +1170,8 @@ class PrefillSender:
                     continue  # already resolved (failed, expired)
                 self._post(Complete(rid, g.token, ok and err is None, error or (err or "")))
                 continue
-            _, layer, items, event = job
+            _, layer, items, event, t_enq = job
+            b0 = self.stats["bytes"]
             try:
                 if event is not None:
                     deadline = time.monotonic() + self.timeout_s
@@ -1177,6 +1180,7 @@ class PrefillSender:
                             raise PdkvTimeoutError(f"layer {layer}: the engine's event did not complete")
                         time.sleep(20e-6)
                 self._write_layer(layer, items)
+                self.layer_log.append((layer, time.monotonic() - t_enq, self.stats["bytes"] - b0))
             except Exception as exc:  # every request of the layer failed: report it
                 with self._lock:
                     for rid, _, _ in items:

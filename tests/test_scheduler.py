@@ -68,7 +68,8 @@ def test_gpu_direct_path():
     assert r.outcome == "gpu" and r.grant.blocks == (0, 1, 2)
     assert s.land_layers("a", r.grant.token, range(4)) == 4
     assert s.complete("a", r.grant.token) is State.READY
-    assert [e.kind for e in ev] == ["ready"]
+    assert [e.kind for e in ev] == ["reserved", "ready"]
+    assert ev[0].grant.blocks == (0, 1, 2) and ev[1].t == clock.t
     (ready,) = s.take_ready()
     assert ready.gpu_blocks == (0, 1, 2) and ready.num_tokens == 40
     assert s.take_ready() == []
@@ -125,7 +126,7 @@ def test_lease_expiry_quarantines_then_releases_and_refuses_late_writes():
     clock.t += 1
     s.tick()
     assert s.buffer.num_free == 32
-    assert [e.kind for e in ev] == ["expired"]
+    assert [e.kind for e in ev] == ["reserved", "expired"]
     s.check_invariants()
 
 
@@ -286,7 +287,7 @@ def test_listener_is_called_without_the_lock():
     g = s.reserve("a", num_blocks=1).grant
     s.land_layers("a", g.token, range(4))
     s.complete("a", g.token)
-    assert seen == [("ready", 1)]
+    assert seen == [("reserved", 0), ("ready", 1)]
 
 
 def test_prometheus_text():

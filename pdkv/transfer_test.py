@@ -1,0 +1,764 @@
+"""``pdkv-transfer-test``: validate and size a prefill/decode pair.
+
+With no arguments it runs ``local`` mode: a decode instance in this process (CPU buffer,
+swap into GPU blocks, or host memory standing in for them without a GPU) and prefill
+ranks in child processes, a stream of requests sent layer by layer through the buffer,
+every byte verified in the decode's (GPU) blocks, and a summary.
+
+``decode --listen ADDR`` and ``prefill --connect ADDR`` run the two sides on two hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _ffi
+from .blocks import BlockPool
+from .errors import PdkvError
+from .layout import CacheSpec, KVLayout
+from .scheduler import DecodeScheduler, Event, SchedulerOptions
+from .shm import SharedBuffer
+from .swap import SwapEngine, SwapGroup
+from .transfer import DecodeReceiver, PrefillSender, RequestOutcome
+
+__all__ = ["main", "PRESETS"]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(num_layers=32, kv_heads=8, head_dim=128, tokens_per_block=64, dtype="bfloat16"),
+    "llama3-70b": dict(num_layers=80, kv_heads=8, head_dim=128, tokens_per_block=64, dtype="bfloat16"),
+    "qwen2.5-7b": dict(num_layers=28, kv_heads=4, head_dim=128, tokens_per_block=64, dtype="bfloat16"),
+    "qwen2.5-72b": dict(num_layers=80, kv_heads=8, head_dim=128, tokens_per_block=64, dtype="bfloat16"),
+    "deepseek-v3": dict(num_layers=61, kv_heads=1, head_dim=576, tokens_per_block=64, dtype="bfloat16", mla=True),
+    "tiny": dict(num_layers=4, kv_heads=4, head_dim=64, tokens_per_block=16, dtype="bfloat16"),
+}
+MiB = 1 << 20
+
+
+class UsageError(Exception):
+    """Bad flags or configuration: one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one clear line, no usage dump
+        raise UsageError(message)
+
+
+# ---------------------------------------------------------------------- data pattern
+
+def _keys(rkey: int, layer: int, t: int, gis: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """uint32 key per (block index in the request, global head)."""
+    with np.errstate(over="ignore"):
+        k = (np.uint32(rkey) * np.uint32(0x9E3779B1) + np.uint32(layer) * np.uint32(0x85EBCA77)
+             + np.uint32(t) * np.uint32(0xC2B2AE3D))
+        return (k + gis.astype(np.uint32)[:, None] * np.uint32(0x27D4EB2F)
+                + heads.astype(np.uint32)[None, :] * np.uint32(0x165667B1))
+
+
+def _pattern(lay: KVLayout, rkey: int, layer: int, t: int, gis: np.ndarray) -> np.ndarray:
+    """Expected content of blocks ``gis`` (indices within the request) of one rank:
+    uint8 array [len(gis), tensor_block_bytes]. Head-major: head h's slice holds
+    arange + key(h), so any misplaced head, token or block shows."""
+    h0, h1 = lay.head_range()
+    tb = lay.tensor_block_bytes(t)
+    words = tb // lay.heads_per_rank // 4
+    keys = _keys(rkey, layer, t, gis, np.arange(h0, h1))
+    with np.errstate(over="ignore"):
+        v = np.arange(words, dtype=np.uint32)[None, None, :] + keys[:, :, None]
+    return v.reshape(len(gis), -1).view(np.uint8)
+
+
+def request_key(rid: str) -> int:
+    return zlib.crc32(rid.encode())
+
+
+# ---------------------------------------------------------------------- workload
+
+@dataclass(frozen=True, slots=True)
+class Req:
+    rid: str
+    arrival: float
+    tokens: int
+    output: int
+
+
+def make_workload(a: argparse.Namespace) -> list[Req]:
+    rng = np.random.default_rng(a.seed)
+    if a.trace:
+        out = []
+        try:
+            with open(a.trace) as f:
+                for i, line in enumerate(f):
+                    if a.trace_limit and len(out) >= a.trace_limit:
+                        break
+                    d = json.loads(line)
+                    out.append(Req(f"t{i}", d["timestamp"] / 1000.0 * a.time_scale, int(d["input_length"]),
+                                   int(d.get("output_length", 1))))
+        except (OSError, ValueError, KeyError) as exc:
+            raise UsageError(f"--trace {a.trace}: {exc}") from None
+        if not out:
+            raise UsageError(f"--trace {a.trace}: no requests")
+        return out
+    n = a.requests
+    dist = a.prompt_len
+    try:
+        if ":" not in dist:
+            lens = np.full(n, int(dist))
+        else:
+            kind, *ps = dist.split(":")
+            ps = [float(x) for x in ps]
+            if kind == "uniform":
+                lens = rng.integers(int(ps[0]), int(ps[1]) + 1, n)
+            elif kind == "lognormal":
+                lens = np.maximum(1, rng.lognormal(math.log(ps[0]), ps[1], n)).astype(int)
+            else:
+                raise ValueError(kind)
+    except (ValueError, IndexError):
+        raise UsageError(f"--prompt-len {dist!r}: use N, uniform:MIN:MAX or lognormal:MEDIAN:SIGMA") from None
+    if (lens <= 0).any():
+        raise UsageError("--prompt-len must be positive")
+    gaps = rng.exponential(1.0 / a.rate, n) if a.rate > 0 else np.zeros(n)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    return [Req(f"r{i}", float(arrivals[i]), int(lens[i]), 1) for i in range(n)]
+
+
+def _layout_kw(a: argparse.Namespace) -> dict[str, Any]:
+    if a.model not in PRESETS:
+        raise UsageError(f"--model {a.model!r}: choose one of {', '.join(PRESETS)}")
+    kw = dict(PRESETS[a.model])
+    for f, attr in (("num_layers", "layers"), ("kv_heads", "kv_heads"), ("head_dim", "head_dim"),
+                    ("tokens_per_block", "tokens_per_block"), ("dtype", "dtype")):
+        v = getattr(a, attr)
+        if v is not None:
+            kw[f] = v
+    return kw
+
+
+# ---------------------------------------------------------------------- decode side
+
+@dataclass
+class _Track:
+    reserved: float = 0.0
+    received: float = 0.0
+    ready: float = 0.0
+    state: str = ""
+    reason: str = ""
+    blocks: int = 0
+
+
+@dataclass
+class DecodeSide:
+    a: argparse.Namespace
+    lay_kw: dict[str, Any]
+    tracks: dict[str, _Track] = field(default_factory=dict)
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
+    verify_errors: int = 0
+    bytes_verified: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def start(self, listen: str) -> None:
+        a = self.a
+        D = a.decode_tp
+        self.lays = [KVLayout(**self.lay_kw, tp_size=D, tp_rank=r) for r in range(D)]
+        lay = self.lays[0]
+        nb = a.buffer_blocks or lay.blocks_for_bytes(int(a.buffer_gib * (1 << 30)))
+        if nb <= 0:
+            raise UsageError(f"--buffer-gib {a.buffer_gib} holds no block of {lay.block_bytes} bytes")
+        gpu_blocks = a.gpu_blocks or nb
+        self.nb, self.gpu_blocks = nb, gpu_blocks
+        self.cuda = _ffi.cuda.device_count() > 0 and not a.no_gpu
+        self.bufs = []
+        self.gpu_mem: list[Any] = []
+        engines = []
+        try:
+            for L in self.lays:
+                b = SharedBuffer.create(CacheSpec.buffer_bytes(L, nb), pin="always" if self.cuda else "never")
+                self.bufs.append(b)
+                size = L.block_bytes * gpu_blocks
+                if self.cuda:
+                    _ffi.cuda.set_device(0)
+                    ptr = _ffi.cuda.malloc(size)
+                    self.gpu_mem.append(ptr)
+                else:
+                    arr = np.zeros(size, np.uint8)
+                    self.gpu_mem.append(arr)
+                    ptr = arr.ctypes.data
+                engines.append(SwapEngine(CacheSpec.for_buffer(L, nb, b.address), CacheSpec.for_buffer(L, gpu_blocks, ptr),
+                                          strategy="auto" if self.cuda else "host", buffer_pinned=self.cuda))
+            self.engines = engines
+            self.sched = DecodeScheduler(
+                num_layers=lay.total_layers, gpu=BlockPool(gpu_blocks, "gpu"), buffer=BlockPool(nb, "buffer"),
+                swap=SwapGroup(engines), block_bytes=lay.block_bytes * D,
+                options=SchedulerOptions(direct_to_gpu=False, lease_s=a.lease_s, on_full="queue",
+                                         queue_timeout_s=a.timeout * 4),
+                listener=self._on_event)
+            self.rx = DecodeReceiver(self.sched, self.lays, self.bufs, nb, control=listen, data_host=a.data_host,
+                                     secret=a.secret.encode() if a.secret else None, auto_tick=True,
+                                     transports=["shm", "tcp"] if a.transport == "auto" else [a.transport],
+                                     peer_timeout_s=a.timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._engine = threading.Thread(target=self._engine_loop, name="decode-engine", daemon=True)
+        self._engine.start()
+
+    def _on_event(self, ev: Event) -> None:
+        tr = self.tracks.setdefault(ev.request_id, _Track())
+        if ev.kind in ("reserved", "granted"):
+            tr.reserved = ev.t
+            tr.blocks = len(ev.grant.blocks) if ev.grant else 0
+        elif ev.kind == "received":
+            tr.received = ev.t
+        elif ev.kind in ("failed", "expired", "aborted", "rejected"):
+            tr.state, tr.reason = ev.kind, ev.reason
+
+    def _gpu_block(self, rank: int, layer: int, t: int, blocks: Sequence[int]) -> np.ndarray:
+        L = self.lays[rank]
+        tb = L.tensor_block_bytes(t)
+        mem = self.gpu_mem[rank]
+        spec_base = (mem if isinstance(mem, int) else mem.ctypes.data)
+        spec = CacheSpec.for_buffer(L, self.gpu_blocks, spec_base)
+        out = np.empty((len(blocks), tb), np.uint8)
+        if isinstance(mem, int):
+            for i, b in enumerate(blocks):
+                _ffi.cuda.memcpy(out[i].ctypes.data, spec.address(layer, t, b), tb)
+        else:
+            base, stride = spec.region(layer, t)
+            region = mem[base - spec_base: base - spec_base + stride * self.gpu_blocks].reshape(self.gpu_blocks, stride)
+            out[:] = region[np.asarray(blocks)][:, :tb]
+        return out
+
+    def verify(self, rid: str, blocks: Sequence[int]) -> None:
+        rk = request_key(rid)
+        gis = np.arange(len(blocks))
+        bad = 0
+        for r, L in enumerate(self.lays):
+            for layer in range(L.total_layers):
+                for t in range(len(L.tensors)):
+                    got = self._gpu_block(r, layer, t, blocks)
+                    want = _pattern(L, rk, layer, t, gis)
+                    nbad = int((got != want).any(axis=1).sum())
+                    bad += nbad
+                    self.bytes_verified += got.size
+        if bad:
+            self.verify_errors += bad
+            self.failures.append(f"{rid}: {bad} blocks differ")
+
+    def _engine_loop(self) -> None:
+        last = 0.0
+        while not self._stop.is_set():
+            ready = self.sched.take_ready()
+            for r in ready:
+                tr = self.tracks.setdefault(r.request_id, _Track())
+                tr.ready = self.sched.clock()
+                if not self.a.no_verify:
+                    self.verify(r.request_id, r.gpu_blocks)
+                tr.state = "ready"
+                self.sched.finish(r.request_id)
+            now = time.monotonic()
+            if now - last >= 0.05:
+                last = now
+                m = self.sched.metrics()
+                self.timeline.append((now - self.t0, int(m["buffer_blocks_total"] - m["buffer_blocks_free"]),
+                                      int(m["gpu_blocks_total"] - m["gpu_blocks_free"]), int(self.rx.stats["bytes"])))
+            if not ready:
+                time.sleep(0.001)
+
+    def close(self) -> None:
+        if getattr(self, "_engine", None) is not None:
+            self._stop.set()
+            self._engine.join(5)
+        if getattr(self, "rx", None) is not None:
+            self.rx.close()
+        for e in getattr(self, "engines", []):
+            e.close()
+        for m in self.gpu_mem:
+            if isinstance(m, int):
+                _ffi.cuda.free(m)
+        self.gpu_mem = []
+        for b in self.bufs:
+            try:
+                b.close()
+            except PdkvError:
+                pass
+            b.unlink()
+        self.bufs = []
+
+
+# ---------------------------------------------------------------------- prefill side
+
+def run_prefill(a: argparse.Namespace, emit: Any) -> int:
+    """One prefill rank: generate the workload's KV, send it, report every request."""
+    lay = KVLayout(**_layout_kw(a), tp_size=a.prefill_tp, tp_rank=a.rank)
+    work = make_workload(a)
+    need = max(lay.blocks_for_tokens(r.tokens) for r in work)
+    nb = max(a.prefill_blocks, need)
+    cache = np.zeros(lay.block_bytes * nb, np.uint8)
+    spec = CacheSpec.for_buffer(lay, nb, cache.ctypes.data)
+    pool = BlockPool(nb, "prefill")
+    sem = threading.Semaphore(a.concurrency)
+    cv = threading.Condition()
+    held: dict[str, list[int]] = {}
+    t0 = time.monotonic()
+    failed = 0
+
+    def on_outcome(o: RequestOutcome) -> None:
+        nonlocal failed
+        with cv:
+            blocks = held.pop(o.request_id, None)
+            if blocks:
+                pool.free(blocks)
+            failed += not o.ok
+            cv.notify_all()
+        emit({"type": "outcome", "rid": o.request_id, "state": o.state, "reason": o.reason, "t": time.monotonic() - t0})
+        sem.release()
+
+    tx = PrefillSender(lay, spec, a.connect, instance=a.instance, secret=a.secret.encode() if a.secret else None,
+                       transport=a.transport, streams=a.streams, timeout_s=a.timeout, on_outcome=on_outcome)
+    emit({"type": "hello", "rank": a.rank, "transport": tx.transport})
+    regions = {(layer, t): spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))}
+    base = cache.ctypes.data
+    try:
+        for r in work:
+            if a.duration and time.monotonic() - t0 > a.duration:
+                break
+            delay = r.arrival - (time.monotonic() - t0)
+            if delay > 0:
+                time.sleep(delay)
+            if not sem.acquire(timeout=a.timeout * 4):
+                emit({"type": "outcome", "rid": r.rid, "state": "failed", "reason": "no outcome slot in time"})
+                failed += 1
+                continue
+            n = lay.blocks_for_tokens(r.tokens)
+            with cv:
+                blocks = pool.try_allocate(n)
+                deadline = time.monotonic() + a.timeout * 4
+                while blocks is None and time.monotonic() < deadline:
+                    cv.wait(0.1)
+                    blocks = pool.try_allocate(n)
+            if blocks is None:
+                emit({"type": "outcome", "rid": r.rid, "state": "failed", "reason": "prefill cache full"})
+                failed += 1
+                sem.release()
+                continue
+            ts = time.monotonic()
+            try:
+                g = tx.reserve(r.rid, r.tokens)
+            except PdkvError as exc:
+                pool.free(blocks)
+                failed += 1
+                emit({"type": "outcome", "rid": r.rid, "state": "failed", "reason": str(exc)})
+                sem.release()
+                continue
+            with cv:
+                held[r.rid] = blocks
+            emit({"type": "grant", "rid": r.rid, "blocks": len(g.blocks), "wait": time.monotonic() - ts,
+                  "tokens": r.tokens})
+            rk = request_key(r.rid)
+            gis = np.arange(n)
+            idx = np.asarray(blocks)
+            for layer in range(lay.total_layers):
+                for t in range(len(lay.tensors)):  # "compute" layer L: write its KV
+                    rb, stride = regions[(layer, t)]
+                    region = cache[rb - base: rb - base + stride * nb].reshape(nb, stride)
+                    region[idx, :lay.tensor_block_bytes(t)] = _pattern(lay, rk, layer, t, gis)
+                if a.layer_ms:
+                    time.sleep(a.layer_ms / 1000)
+                tx.send_layer(layer, [(r.rid, blocks)])
+            tx.finish(r.rid)
+        # wait for the outstanding outcomes (bounded)
+        deadline = time.monotonic() + a.timeout * 6
+        with cv:
+            while held and time.monotonic() < deadline:
+                cv.wait(0.1)
+        lost = list(held)
+    finally:
+        layers = list(tx.layer_log)
+        stats = dict(tx.stats)
+        tx.close()
+    emit({"type": "summary", "rank": a.rank, "failed": failed + len(lost), "layer_s": [x[1] for x in layers],
+          "bytes": stats["bytes"], "elapsed": time.monotonic() - t0})
+    return 1 if failed or lost else 0
+
+
+# ---------------------------------------------------------------------- report
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def build_report(dec: DecodeSide, prefill: list[dict[str, Any]], outcomes: dict[str, str], elapsed: float,
+                 lay: KVLayout, D: int) -> dict[str, Any]:
+    ready = [t for t in dec.tracks.values() if t.state == "ready"]
+    inst_block = lay.block_bytes * D
+    per_req_gbps = [t.blocks * inst_block / (t.received - t.reserved) / 1e9 for t in ready if t.received > t.reserved]
+    ttr = [t.received - t.reserved for t in ready if t.received]
+    tready = [t.ready - t.reserved for t in ready if t.ready]
+    layer_s = [x for p in prefill for x in p.get("layer_s", [])]
+    total_bytes = sum(t.blocks for t in ready) * inst_block
+    m = dec.sched.metrics()
+    failed_ids = {rid for rid, st in outcomes.items() if st != "received"}
+    failed_ids |= {rid for rid, t in dec.tracks.items() if t.state not in ("ready", "")}
+    peak_buf = max((x[1] for x in dec.timeline), default=0)
+    return {
+        "requests": len(set(outcomes) | set(dec.tracks)),
+        "requests_ready": len(ready),
+        "requests_failed": len(failed_ids),
+        "bytes_verified": dec.bytes_verified,
+        "verify_errors": dec.verify_errors,
+        "bytes_transferred": total_bytes,
+        "elapsed_s": elapsed,
+        "throughput_GBps_mean": total_bytes / elapsed / 1e9 if elapsed > 0 else 0.0,
+        "request_GBps_p50": _pct(per_req_gbps, 50),
+        "request_GBps_p99": _pct(per_req_gbps, 1),  # the rate 99% of requests beat (slow tail)
+        "layer_latency_ms_p50": _pct(layer_s, 50) * 1e3,
+        "layer_latency_ms_p99": _pct(layer_s, 99) * 1e3,
+        "time_to_received_ms_p50": _pct(ttr, 50) * 1e3,
+        "time_to_received_ms_p99": _pct(ttr, 99) * 1e3,
+        "time_to_ready_ms_p50": _pct(tready, 50) * 1e3,
+        "time_to_ready_ms_p99": _pct(tready, 99) * 1e3,
+        "peak_buffer_blocks": peak_buf,
+        "buffer_blocks": dec.nb,
+        "peak_buffer_occupancy": peak_buf / dec.nb if dec.nb else 0.0,
+        "swap_GBps": m["swap_bytes"] / m["swap_busy_seconds"] / 1e9 if m["swap_busy_seconds"] else 0.0,
+        "prefill_wait_avoided_s_total": m["prefill_wait_avoided_seconds_sum"],
+        "prefill_wait_avoided_s_max": m["prefill_wait_avoided_seconds_max"],
+        "gpu": dec.cuda,
+        "failures": sorted(dec.failures)[:20] + sorted(f"{r}: {outcomes.get(r, dec.tracks.get(r, _Track()).state)}"
+                                                      for r in list(failed_ids)[:20]),
+    }
+
+
+def print_report(rep: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title="pdkv transfer test", show_header=True)
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    fmt = {
+        "requests": "{:d}", "requests_ready": "{:d}", "requests_failed": "{:d}", "verify_errors": "{:d}",
+        "bytes_verified": "{:,d}", "bytes_transferred": "{:,d}", "elapsed_s": "{:.2f}",
+        "throughput_GBps_mean": "{:.2f}", "request_GBps_p50": "{:.2f}", "request_GBps_p99": "{:.2f}",
+        "layer_latency_ms_p50": "{:.2f}", "layer_latency_ms_p99": "{:.2f}", "time_to_received_ms_p50": "{:.1f}",
+        "time_to_received_ms_p99": "{:.1f}", "time_to_ready_ms_p50": "{:.1f}", "time_to_ready_ms_p99": "{:.1f}",
+        "peak_buffer_blocks": "{:d}", "peak_buffer_occupancy": "{:.0%}", "swap_GBps": "{:.2f}",
+        "prefill_wait_avoided_s_total": "{:.2f}", "prefill_wait_avoided_s_max": "{:.3f}",
+    }
+    for k, f in fmt.items():
+        v = rep[k]
+        t.add_row(k, "n/a" if isinstance(v, float) and math.isnan(v) else f.format(v))
+    console.print(t)
+    for line in rep["failures"]:
+        console.print(f"[red]{line}[/red]")
+
+
+def write_plot(path: str, dec: DecodeSide) -> None:
+    tl = dec.timeline
+    if path.endswith(".html"):
+        if not tl:
+            tl = [(0.0, 0, 0, 0)]
+        W, H = 800, 300
+        tmax = max(x[0] for x in tl) or 1.0
+        thr = [0.0] + [(tl[i][3] - tl[i - 1][3]) / max(1e-9, tl[i][0] - tl[i - 1][0]) / 1e9 for i in range(1, len(tl))]
+        ymax = max(thr) or 1.0
+
+        def poly(ys: Sequence[float], top: float, color: str) -> str:
+            pts = " ".join(f"{40 + x[0] / tmax * (W - 60):.1f},{H - 30 - y / top * (H - 60):.1f}" for x, y in zip(tl, ys))
+            return f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{pts}"/>'
+
+        occ = [x[1] / dec.nb for x in tl]
+        svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}">'
+               f'<rect width="{W}" height="{H}" fill="white"/>'
+               f'{poly(thr, ymax, "#1f77b4")}{poly(occ, 1.0, "#d62728")}'
+               f'<text x="40" y="20" font-size="12">throughput into the buffer (blue, max {ymax:.2f} GB/s) and '
+               f'buffer occupancy (red, 0-100%) over {tmax:.1f} s</text></svg>')
+        with open(path, "w") as f:
+            f.write(f"<!doctype html><meta charset=utf-8><title>pdkv transfer test</title>{svg}")
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot with a .png file needs matplotlib (pip install 'pdkv[plot]'); .html needs nothing") from None
+    ts = [x[0] for x in tl]
+    thr = [0.0] + [(tl[i][3] - tl[i - 1][3]) / max(1e-9, tl[i][0] - tl[i - 1][0]) / 1e9 for i in range(1, len(tl))]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(ts, thr, label="throughput into buffer (GB/s)")
+    ax2 = ax.twinx()
+    ax2.plot(ts, [x[1] / dec.nb * 100 for x in tl], color="tab:red", label="buffer occupancy (%)")
+    ax.set_xlabel("s")
+    ax.set_ylabel("GB/s")
+    ax2.set_ylabel("%")
+    fig.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+# ---------------------------------------------------------------------- modes
+
+def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
+    argv = [sys.executable, "-m", "pdkv.transfer_test", "prefill", "--connect", addr, "--rank", str(rank),
+            "--prefill-tp", str(a.prefill_tp), "--model", a.model, "--transport", a.transport,
+            "--requests", str(a.requests), "--prompt-len", a.prompt_len, "--rate", str(a.rate),
+            "--concurrency", str(a.concurrency), "--seed", str(a.seed), "--timeout", str(a.timeout),
+            "--streams", str(a.streams), "--layer-ms", str(a.layer_ms), "--prefill-blocks", str(a.prefill_blocks),
+            "--instance", a.instance, "--time-scale", str(a.time_scale), "--duration", str(a.duration)]
+    for opt, attr in (("--layers", "layers"), ("--kv-heads", "kv_heads"), ("--head-dim", "head_dim"),
+                      ("--tokens-per-block", "tokens_per_block"), ("--dtype", "dtype"), ("--trace", "trace"),
+                      ("--trace-limit", "trace_limit")):
+        v = getattr(a, attr)
+        if v is not None and v != 0:
+            argv += [opt, str(v)]
+    if a.secret:
+        argv += ["--secret", a.secret]
+    return argv
+
+
+def run_local(a: argparse.Namespace, console: Any) -> int:
+    from rich.live import Live
+    from rich.table import Table
+
+    lay_kw = _layout_kw(a)
+    KVLayout(**lay_kw, tp_size=a.prefill_tp).check_compatible(KVLayout(**lay_kw, tp_size=a.decode_tp))
+    make_workload(a)  # validate before starting anything
+    dec = DecodeSide(a, lay_kw)
+    dec.start(a.listen or "tcp://127.0.0.1:0")
+    procs: list[subprocess.Popen] = []
+    outcomes: dict[str, str] = {}
+    prefill_reports: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    try:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for r in range(a.prefill_tp):
+            procs.append(subprocess.Popen(_prefill_argv(a, dec.rx.control_address, r), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env))
+
+        def reader(p: subprocess.Popen) -> None:
+            assert p.stdout is not None
+            for line in p.stdout:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                with lock:
+                    if ev.get("type") == "outcome":
+                        prev = outcomes.get(ev["rid"])
+                        outcomes[ev["rid"]] = ev["state"] if prev in (None, "received") else prev
+                    elif ev.get("type") == "summary":
+                        prefill_reports.append(ev)
+
+        readers = [threading.Thread(target=reader, args=(p,), daemon=True) for p in procs]
+        for t in readers:
+            t.start()
+
+        def table() -> Table:
+            m = dec.sched.metrics()
+            tb = Table(show_header=False, box=None)
+            done = sum(1 for t in dec.tracks.values() if t.state == "ready")
+            tb.add_row("elapsed", f"{time.monotonic() - t0:.1f} s")
+            tb.add_row("requests ready / failed", f"{done} / {sum(1 for s in outcomes.values() if s != 'received')}")
+            tb.add_row("received", f"{dec.rx.stats['bytes'] / MiB:,.0f} MiB (tcp) ")
+            tb.add_row("buffer blocks in use", f"{int(m['buffer_blocks_total'] - m['buffer_blocks_free'])} / {dec.nb}")
+            tb.add_row("GPU blocks in use", f"{int(m['gpu_blocks_total'] - m['gpu_blocks_free'])} / {dec.gpu_blocks}")
+            return tb
+
+        limit = (a.duration or 0) + a.timeout * 20
+        with Live(table(), console=console, refresh_per_second=4, transient=True) as live:
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() - t0 > limit:
+                    for p in procs:
+                        p.kill()
+                    dec.failures.append(f"run exceeded its bound of {limit:.0f}s; prefill killed")
+                    break
+                live.update(table())
+                time.sleep(0.25)
+            for t in readers:
+                t.join(5)
+        # let the last swaps and verifications finish (bounded)
+        deadline = time.monotonic() + a.timeout * 2
+        while time.monotonic() < deadline:
+            pending = [r for r, s in outcomes.items() if s == "received" and dec.tracks.get(r, _Track()).state != "ready"]
+            if not pending:
+                break
+            time.sleep(0.02)
+        elapsed = time.monotonic() - t0
+        errs = [p.stderr.read() for p in procs if p.returncode not in (0, 1) and p.stderr]  # type: ignore[union-attr]
+        for e in errs:
+            last = e.strip().splitlines()[-1] if e.strip() else "prefill process died"
+            dec.failures.append(f"prefill: {last}")
+        lay = dec.lays[0]
+        rep = build_report(dec, prefill_reports, outcomes, elapsed, lay, a.decode_tp)
+        rep["transport"] = a.transport
+        rep["layout"] = KVLayout(**lay_kw).descriptor()
+        rep["prefill_tp"], rep["decode_tp"] = a.prefill_tp, a.decode_tp
+        if errs and rep["requests_failed"] == 0:
+            rep["requests_failed"] = len(errs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+            for s in (p.stdout, p.stderr):
+                if s:
+                    s.close()
+        dec.close()
+    return _finish(a, rep, console, dec)
+
+
+def _finish(a: argparse.Namespace, rep: dict[str, Any], console: Any, dec: DecodeSide) -> int:
+    print_report(rep, console)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rep, f, indent=2, default=float)
+    if a.plot:
+        write_plot(a.plot, dec)
+    ok = rep["verify_errors"] == 0 and rep["requests_failed"] == 0 and rep["requests_ready"] > 0
+    console.print("[green]PASS[/green]" if ok else "[red]FAIL[/red]",
+                  f"{rep['requests_ready']} requests ready, {rep['bytes_verified']:,} bytes verified, "
+                  f"{rep['verify_errors']} verify errors, {rep['requests_failed']} failed")
+    return 0 if ok else 1
+
+
+def run_decode(a: argparse.Namespace, console: Any) -> int:
+    lay_kw = _layout_kw(a)
+    dec = DecodeSide(a, lay_kw)
+    dec.start(a.listen)
+    console.print(f"decode listening on {dec.rx.control_address} (data {dec.rx.data_address}); Ctrl-C to stop")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    t0 = time.monotonic()
+    try:
+        while not stop.is_set():
+            if a.duration and time.monotonic() - t0 > a.duration:
+                break
+            if a.expect_requests and sum(1 for t in dec.tracks.values() if t.state) >= a.expect_requests:
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        pass
+    try:
+        rep = build_report(dec, [], {}, time.monotonic() - t0, dec.lays[0], a.decode_tp)
+    finally:
+        dec.close()
+    return _finish(a, rep, console, dec)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pdkv-transfer-test", description=__doc__.splitlines()[0])
+    p.add_argument("mode", nargs="?", default="local", choices=["local", "decode", "prefill"],
+                   help="local (default): both sides on this host; decode/prefill: one side of a two-host test")
+    g = p.add_argument_group("endpoints")
+    g.add_argument("--listen", default="", help="decode: ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555")
+    g.add_argument("--connect", default="", help="prefill: decode's endpoint, e.g. tcp://decode-host:5555")
+    g.add_argument("--data-host", default="127.0.0.1", help="decode: address of the TCP data listener")
+    g.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
+    g.add_argument("--streams", type=int, default=1, help="TCP data connections per prefill rank")
+    g.add_argument("--secret", default="", help="shared secret (>= 16 characters) to authenticate the pair")
+    g = p.add_argument_group("layout")
+    g.add_argument("--model", default="llama3-8b", help=f"layout preset: {', '.join(PRESETS)}")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--kv-heads", type=int)
+    g.add_argument("--head-dim", type=int)
+    g.add_argument("--tokens-per-block", type=int)
+    g.add_argument("--dtype")
+    g.add_argument("--prefill-tp", type=int, default=1)
+    g.add_argument("--decode-tp", type=int, default=1)
+    g = p.add_argument_group("workload")
+    g.add_argument("--requests", type=int, default=24)
+    g.add_argument("--prompt-len", default="512", help="N, uniform:MIN:MAX or lognormal:MEDIAN:SIGMA (tokens)")
+    g.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
+    g.add_argument("--concurrency", type=int, default=8, help="requests in flight per prefill rank")
+    g.add_argument("--trace", help="replay a Mooncake-format JSONL trace (timestamp ms, input_length)")
+    g.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
+    g.add_argument("--trace-limit", type=int, default=0, help="replay at most this many trace requests")
+    g.add_argument("--layer-ms", type=float, default=0.0, help="simulated prefill compute time per layer")
+    g.add_argument("--duration", type=float, default=0.0, help="stop issuing requests after this many seconds")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("decode")
+    g.add_argument("--buffer-gib", type=float, default=1.0, help="CPU buffer per decode rank")
+    g.add_argument("--buffer-blocks", type=int, default=0, help="CPU buffer in blocks (overrides --buffer-gib)")
+    g.add_argument("--gpu-blocks", type=int, default=0, help="decode GPU block budget (small forces the buffer path)")
+    g.add_argument("--lease-s", type=float, default=30.0)
+    g.add_argument("--no-gpu", action="store_true", help="use host memory for decode blocks even with a GPU")
+    g.add_argument("--no-verify", action="store_true")
+    g.add_argument("--expect-requests", type=int, default=0, help="decode: stop after this many requests ended")
+    g = p.add_argument_group("prefill")
+    g.add_argument("--rank", type=int, default=0)
+    g.add_argument("--instance", default="pdkv-test-prefill")
+    g.add_argument("--prefill-blocks", type=int, default=64, help="prefill cache blocks per rank")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", help="write every figure to this JSON file")
+    g.add_argument("--plot", help="throughput and buffer occupancy over time (.png or .html)")
+    g.add_argument("--timeout", type=float, default=10.0, help="bound on handshakes, grants and silence")
+    return p
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    for name in ("requests", "concurrency", "prefill_tp", "decode_tp", "streams", "prefill_blocks"):
+        if getattr(a, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if a.buffer_gib <= 0 or a.timeout <= 0 or a.time_scale <= 0:
+        raise UsageError("--buffer-gib, --timeout and --time-scale must be positive")
+    if a.secret and len(a.secret) < 16:
+        raise UsageError("--secret must be at least 16 characters")
+    if a.mode == "prefill" and not a.connect:
+        raise UsageError("prefill mode needs --connect ADDR (decode's endpoint)")
+    if a.mode == "decode" and not a.listen:
+        raise UsageError("decode mode needs --listen ADDR, e.g. tcp://0.0.0.0:5555")
+    if a.plot and not a.plot.endswith((".png", ".html")):
+        raise UsageError("--plot needs a .png or .html file name")
+    if a.trace and not os.path.exists(a.trace):
+        raise UsageError(f"--trace {a.trace}: no such file")
+    try:
+        lay_kw = _layout_kw(a)
+        KVLayout(**lay_kw, tp_size=a.prefill_tp)
+        KVLayout(**lay_kw, tp_size=a.decode_tp)
+    except PdkvError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=False)
+    try:
+        a = build_parser().parse_args(argv)
+        _check_args(a)
+        if a.mode == "prefill":
+            def emit(d: dict[str, Any]) -> None:
+                print(json.dumps(d), flush=True)
+
+            return run_prefill(a, emit)
+        if a.mode == "decode":
+            return run_decode(a, console)
+        return run_local(a, console)
+    except UsageError as exc:
+        print(f"pdkv-transfer-test: error: {exc}", file=sys.stderr)
+        return 2
+    except PdkvError as exc:
+        print(f"pdkv-transfer-test: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The transfer tool in CI: local mode with small sizes, asserting on its JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "synthetic_trace.jsonl")
+SMALL = ["--model", "tiny", "--requests", "10", "--prompt-len", "uniform:20:200", "--buffer-blocks", "24",
+         "--gpu-blocks", "16", "--timeout", "10"]
+
+
+def run(args, tmp_path, timeout=120):
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "pdkv.transfer_test", *args, "--json", str(out)], capture_output=True,
+                       text=True, timeout=timeout)
+    rep = json.loads(out.read_text()) if out.exists() else None
+    return p, rep
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("extra", [["--transport", "shm"], ["--transport", "tcp"],
+                                   ["--transport", "tcp", "--prefill-tp", "2", "--decode-tp", "4", "--streams", "2"],
+                                   ["--transport", "shm", "--prefill-tp", "4", "--decode-tp", "2"]])
+def test_local_mode_verifies_every_byte(extra, tmp_path, no_leaks):
+    p, rep = run(SMALL + extra, tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert rep["requests"] == 10 and rep["requests_ready"] == 10 and rep["requests_failed"] == 0
+    assert rep["verify_errors"] == 0 and rep["bytes_verified"] == rep["bytes_transferred"] > 0
+    assert rep["peak_buffer_blocks"] > 0  # the buffer path was used
+    for k in ("throughput_GBps_mean", "time_to_received_ms_p50", "time_to_ready_ms_p99", "layer_latency_ms_p50",
+              "swap_GBps", "prefill_wait_avoided_s_total"):
+        assert k in rep
+
+
+@pytest.mark.multiproc
+def test_trace_replay_and_plot(tmp_path, no_leaks):
+    if not os.path.exists(TRACE):
+        pytest.skip("shared/traces is not beside this checkout")
+    plot = tmp_path / "p.html"
+    p, rep = run(["--model", "tiny", "--trace", TRACE, "--trace-limit", "6", "--time-scale", "0.001",
+                  "--buffer-blocks", "4096", "--gpu-blocks", "4096", "--plot", str(plot), "--prefill-blocks", "4096"],
+                 tmp_path, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert rep["requests_ready"] == 6 and rep["verify_errors"] == 0
+    assert "<svg" in plot.read_text()
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--requests", "0"], "--requests must be positive"),
+    (["--model", "gpt-9"], "--model 'gpt-9'"),
+    (["--prompt-len", "banana:1"], "--prompt-len"),
+    (["--decode-tp", "3"], "kv_heads=8 and tp_size=3"),
+    (["prefill"], "needs --connect"),
+    (["--bogus"], "unrecognized arguments"),
+    (["--secret", "short"], "at least 16"),
+    (["--trace", "/nonexistent"], "no such file"),
+])
+def test_bad_flags_get_one_line(args, msg, tmp_path):
+    p, rep = run(args, tmp_path, timeout=60)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and msg in lines[0], p.stderr
+
+
+def test_unreachable_decode_is_one_line(tmp_path):
+    p, _ = run(["prefill", "--connect", "tcp://127.0.0.1:9", "--timeout", "1", "--model", "tiny", "--requests", "1"],
+               tmp_path, timeout=60)
+    assert p.returncode == 3
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "did not answer" in lines[0]
+
+
+@pytest.mark.multiproc
+def test_layout_mismatch_between_two_hosts_is_one_line(tmp_path):
+    import time
+
+    d = subprocess.Popen([sys.executable, "-m", "pdkv.transfer_test", "decode", "--listen", "tcp://127.0.0.1:0",
+                          "--model", "tiny", "--buffer-blocks", "16", "--duration", "20"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = d.stdout.readline()
+        addr = line.split("listening on ")[1].split(" ")[0]
+        p, _ = run(["prefill", "--connect", addr, "--model", "tiny", "--head-dim", "32", "--requests", "1",
+                    "--timeout", "3"], tmp_path, timeout=60)
+        assert p.returncode == 3
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and "head_dim is 32 here and 64" in lines[0], p.stderr
+    finally:
+        d.terminate()
+        d.wait(30)
+        d.stdout.close()
+        d.stderr.close()
+    time.sleep(0.1)
