@@ -250,7 +250,7 @@ class _Metrics:
         "requests_finished", "requests_failed", "requests_expired", "requests_aborted",
         "late_messages_rejected", "swaps_submitted", "swaps_completed", "swaps_failed", "swap_bytes",
         "swap_seconds_sum", "swap_seconds_max", "swap_busy_seconds", "prefill_wait_avoided_seconds_sum",
-        "prefill_wait_avoided_seconds_max", "quarantined_blocks_released"), 0))
+        "prefill_wait_avoided_seconds_max", "quarantined_blocks_released", "buffer_blocks_peak"), 0))
 
 
 class DecodeScheduler:
@@ -372,6 +372,9 @@ class DecodeScheduler:
             blocks = self.buffer.try_allocate(n)
             if blocks is not None:
                 req.location, req.buffer_blocks = "buffer", blocks
+                held = self.buffer.num_total - self.buffer.num_free
+                if held > self._m["buffer_blocks_peak"]:
+                    self._m["buffer_blocks_peak"] = held
         if blocks is None:
             return None
         req.state = State.RESERVED
@@ -811,7 +814,7 @@ class DecodeScheduler:
         """:meth:`metrics` in the Prometheus text exposition format."""
         lines = []
         for k, v in sorted(self.metrics().items()):
-            kind = "counter" if k in self._m and not k.endswith("_max") else "gauge"
+            kind = "counter" if k in self._m and not k.endswith(("_max", "_peak")) else "gauge"
             lines.append(f"# TYPE {prefix}{k} {kind}")
             lines.append(f"{prefix}{k} {float(v):.9g}")
         return "\n".join(lines) + "\n"

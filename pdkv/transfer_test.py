@@ -414,7 +414,7 @@ def build_report(dec: DecodeSide, prefill: list[dict[str, Any]], outcomes: dict[
     m = dec.sched.metrics()
     failed_ids = {rid for rid, st in outcomes.items() if st != "received"}
     failed_ids |= {rid for rid, t in dec.tracks.items() if t.state not in ("ready", "")}
-    peak_buf = max((x[1] for x in dec.timeline), default=0)
+    peak_buf = int(m["buffer_blocks_peak"])
     return {
         "requests": len(set(outcomes) | set(dec.tracks)),
         "requests_ready": len(ready),
