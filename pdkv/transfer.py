@@ -197,6 +197,9 @@ class DecodeReceiver:
     auto_tick:
         Call ``scheduler.tick()`` from the receiver loop (every ~2 ms), for engines that
         do not tick themselves.
+    data_advertise:
+        ``host:port`` prefill should connect to for data, when it differs from the
+        listener (NAT, port forwarding).
 
     Ownership: the receiver owns its sockets and threads (:meth:`close`); buffers and the
     scheduler stay the caller's.
@@ -205,7 +208,8 @@ class DecodeReceiver:
     def __init__(self, scheduler: DecodeScheduler, layouts: Sequence[KVLayout], buffers: Sequence[SharedBuffer],
                  buffer_blocks: int, *, control: str = "tcp://127.0.0.1:0", data_host: str = "127.0.0.1",
                  secret: bytes | None = None, transports: Sequence[str] = ("shm", "tcp"),
-                 peer_timeout_s: float = 10.0, io_timeout_s: float = 5.0, auto_tick: bool = False) -> None:
+                 peer_timeout_s: float = 10.0, io_timeout_s: float = 5.0, auto_tick: bool = False,
+                 data_advertise: str | None = None) -> None:
         if scheduler.options.direct_to_gpu:
             raise ValueError("DecodeReceiver writes into the CPU buffer: create the scheduler with "
                              "SchedulerOptions(direct_to_gpu=False)")
@@ -255,6 +259,8 @@ class DecodeReceiver:
         self._lsock = socket.create_server((data_host, 0), backlog=64)
         self._lsock.settimeout(0.2)
         self.data_address = f"{data_host}:{self._lsock.getsockname()[1]}"
+        # what prefill is told to connect to (differs behind NAT, port forwarding, a proxy)
+        self.data_advertise = data_advertise or self.data_address
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self._user_listener = scheduler.listener
@@ -417,7 +423,7 @@ class DecodeReceiver:
         welcome = Welcome(PROTOCOL_VERSION, self.instance, self.tp_size, self.ranks,
                           [x.descriptor() for x in self.layouts], transport,
                           [b.name for b in self.buffers] if transport == "shm" else [], self.buffer_blocks,
-                          self.data_address if transport == "tcp" else "", peer.data_token, nonce)
+                          self.data_advertise if transport == "tcp" else "", peer.data_token, nonce)
         frames = codec.encode(welcome)  # under the handshake key
         codec.set_session(h.nonce, nonce)
         with self._lock:
