@@ -47,12 +47,29 @@ def decode(a: argparse.Namespace) -> None:
                      strategy="host", buffer_pinned=False)
     sched = DecodeScheduler(num_layers=lay.total_layers, gpu=BlockPool(nb), buffer=BlockPool(nb), swap=eng,
                             options=SchedulerOptions(direct_to_gpu=False, lease_s=a.timeout))
-    rx = DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, peer_timeout_s=a.timeout)
+    rx = DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, peer_timeout_s=a.timeout,
+                        control=f"tcp://{a.host}:0", data_host=a.host)
     print(json.dumps({"control": rx.control_address, "shm": buf.name}), flush=True)
-    while True:
-        time.sleep(0.05)
-        for r in sched.take_ready():
-            sched.finish(r.request_id)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        n = 0
+        while True:
+            time.sleep(0.05)
+            for r in sched.take_ready():
+                sched.finish(r.request_id)
+            n += 1
+            if a.status and n % 4 == 0:
+                m = sched.metrics()
+                print(json.dumps({"buffer_free": m["buffer_blocks_free"], "gpu_free": m["gpu_blocks_free"],
+                                  "live": len(sched.live_requests()), "failed": m["requests_failed"],
+                                  "expired": m["requests_expired"], "ready": m["requests_ready"]}), flush=True)
+    finally:
+        rx.close()
+        eng.close()
+        buf.close()
+        buf.unlink()
 
 
 if __name__ == "__main__":
@@ -69,6 +86,8 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--instance", default="p")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--status", action="store_true")
     a = ap.parse_args()
     {"prefill": prefill, "decode": decode}[a.role](a)
     sys.exit(0)
