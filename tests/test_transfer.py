@@ -335,3 +335,47 @@ def test_rejected_when_full(no_leaks):
     finally:
         dec.close()
 
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+@pytest.mark.parametrize("P,D", [(1, 1), (2, 4)])
+def test_shm_from_gpu_caches_uses_the_swap_kernel(cuda_device, P, D, no_leaks):
+    from pdkv import _ffi
+
+    dec = Decode(D=D)
+    ptrs = []
+    try:
+        txs, hosts, specs, lays = [], [], [], []
+        for r in range(P):
+            lay, arr, _ = prefill_cache(P, r)
+            ptr = _ffi.cuda.malloc(arr.nbytes)
+            ptrs.append(ptr)
+            _ffi.cuda.memcpy(ptr, arr.ctypes.data, arr.nbytes)
+            gspec = CacheSpec.for_buffer(lay, 64, ptr, )
+            gspec.device = 0
+            hosts.append(arr)
+            specs.append(CacheSpec.for_buffer(lay, 64, arr.ctypes.data))  # same bytes, host copy for checking
+            lays.append(lay)
+            txs.append(PrefillSender(lay, gspec, dec.rx.control_address, transport="shm", instance="gpu-pf", timeout_s=10))
+        sb = [5, 6, 7, 30, 2]
+        g = None
+        for tx in txs:
+            g = tx.reserve("g", len(sb) * 8)
+        for layer in range(4):
+            for tx in txs:
+                tx.send_layer(layer, [("g", sb)])
+        for tx in txs:
+            tx.finish("g")
+            assert tx.wait_outcome("g", 20).ok
+        for dst in dec.lays:
+            for layer in range(4):
+                for t in range(2):
+                    for gi, b in enumerate(g.blocks):
+                        assert dec.block(dst.tp_rank, layer, t, b) == expected_block(lays, specs, sb, dst, layer, t, gi)
+        for tx in txs:
+            tx.close()
+    finally:
+        for p in ptrs:
+            _ffi.cuda.free(p)
+        dec.close()
