@@ -29,8 +29,15 @@ PinMode = Literal["auto", "always", "never"]
 
 
 def default_name() -> str:
-    """A name unique per instance, carrying the owner's pid: ``pdkv-<pid>-<random>``."""
-    return f"{NAME_PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    """A name unique per instance, carrying the owner's pid: ``pdkv-<pid>-<tag><random>``.
+
+    ``<tag>`` is ``$PDKV_SHM_TAG`` (letters and digits, at most 16), empty by default: it
+    lets a deployment or a test run tell its segments from others on the same host.
+    """
+    tag = os.environ.get("PDKV_SHM_TAG", "")
+    if not (tag.isalnum() and len(tag) <= 16):
+        tag = ""
+    return f"{NAME_PREFIX}-{os.getpid()}-{tag}{uuid.uuid4().hex[:12]}"
 
 
 def validate_name(name: str) -> str:

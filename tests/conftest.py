@@ -9,9 +9,15 @@ settings.register_profile("ci", deadline=None, suppress_health_check=[HealthChec
 settings.load_profile("ci")
 
 
+# segments made by this test run (and the processes it starts) carry this tag, so the
+# leak checks ignore whatever else runs on the host
+TAG = f"t{os.getpid()}"
+os.environ["PDKV_SHM_TAG"] = TAG
+
+
 def _pdkv_segments() -> set[str]:
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("pdkv")}
+        return {n for n in os.listdir("/dev/shm") if n.startswith("pdkv") and f"-{TAG}" in n}
     except FileNotFoundError:
         return set()
 
@@ -69,4 +75,4 @@ def cuda_device() -> int:
 def shm_name(request) -> str:
     import uuid
 
-    return f"pdkv-{os.getpid()}-t{uuid.uuid4().hex[:8]}"
+    return f"pdkv-{os.getpid()}-{TAG}{uuid.uuid4().hex[:8]}"
