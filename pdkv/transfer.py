@@ -938,8 +938,9 @@ class PrefillSender:
             if self.cache.device is not None:
                 from .swap import SwapEngine
 
-                any_spec = next(iter(self._dst_specs.values()))
-                self._engine = SwapEngine(any_spec, self.cache, device=self.cache.device)
+                # only copy_plan() is used: explicit GPU -> mapped-host addresses, so the
+                # engine's own pair of caches is this rank's cache on both sides
+                self._engine = SwapEngine(self.cache, self.cache, device=self.cache.device)
         else:
             host, port = msg.data_addr.rsplit(":", 1)
             if self.cache.device is not None:

@@ -71,6 +71,14 @@ def main() -> int:
     except OSError:
         thp = "unknown"
 
+    sweep = {}
+    for th in (1, 4, 8, 16):  # population alone, by thread count (unpinned)
+        t0 = time.perf_counter()
+        sb = pdkv.SharedBuffer.create(size, pin="never", populate_threads=th)
+        sweep[th] = time.perf_counter() - t0
+        sb.close()
+        sb.unlink()
+
     t0 = time.perf_counter()
     buf = pdkv.SharedBuffer.create(size, require_pinned=True, populate_threads=a.threads)
     pd_total = time.perf_counter() - t0
@@ -106,6 +114,7 @@ def main() -> int:
     print(f"{'baseline total':<44}{base_total:>10.2f}")
     print(f"{'pdkv SharedBuffer.create (populate + pin)':<44}{pd_total:>10.2f}   {base_total / pd_total:.2f}x faster")
     print(f"{'pdkv, huge_pages=True (shmem THP: ' + thp + ')':<44}{pd_huge:>10.2f}   {base_total / pd_huge:.2f}x faster")
+    print("population alone (unpinned), by threads: " + ", ".join(f"{k}: {v:.2f} s" for k, v in sweep.items()))
     print(f"host->GPU {a.copy_gib:g} GiB: pdkv buffer {bw_pd:.1f} GB/s, cudaMallocHost {bw_mh:.1f} GB/s ({bw_pd / bw_mh:.3f})")
     print(json.dumps({"speedup_vs_baseline": round(base_total / pd_total, 2),
                       "h2d_vs_cudamallochost": round(bw_pd / bw_mh, 3),
