@@ -7,6 +7,7 @@ the swap engine's kernels read it directly; on a CPU-only host it works unpinned
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -170,7 +171,8 @@ class SharedBuffer:
         populate:
             Fault in every page now (the receive path must not pay first-touch costs).
         populate_threads:
-            Threads that populate in parallel; default ``min(16, cpu count)``.
+            Threads that map the pages in parallel; default ``min(8, cpu count)`` (on an
+            H200 host 4, 8 and 16 threads took the same time: the kernel serialises).
         huge_pages:
             Ask for transparent huge pages (``MADV_HUGEPAGE``) before populating.
 
@@ -194,6 +196,19 @@ class SharedBuffer:
             undo.callback(os.close, fd)
             os.fchmod(fd, 0o600)  # the umask may only clear bits; be explicit anyway
             os.ftruncate(fd, size)
+            if populate:
+                # allocate (and zero) every page now: a full /dev/shm fails here with ENOSPC
+                # instead of SIGBUS on first touch, and one fallocate beats faulting pages
+                # in (8 GiB on an H200 host: 0.94 s, then 0.45 s to map them, vs 1.9 s)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno == errno.ENOSPC:
+                        st = os.statvfs("/dev/shm")
+                        raise OSError(errno.ENOSPC, f"not enough shared memory for {size} bytes: "
+                                      f"/dev/shm has {st.f_bavail * st.f_frsize} bytes free", name) from None
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             undo.callback(mm.close)
             addr = _ffi.libc.buffer_address(mm)
@@ -203,7 +218,7 @@ class SharedBuffer:
                 except OSError:
                     pass  # advisory: tmpfs without THP support ignores it
             if populate:
-                _populate(addr, size, populate_threads or min(16, os.cpu_count() or 1))
+                _populate(addr, size, populate_threads or min(8, os.cpu_count() or 1))
             pinned = _maybe_pin(addr, size, mode)
             if pinned:
                 undo.callback(_ffi.cuda.host_unregister, addr)
@@ -253,7 +268,7 @@ class SharedBuffer:
             undo.callback(mm.close)
             addr = _ffi.libc.buffer_address(mm)
             if populate:
-                _populate(addr, size, populate_threads or min(16, os.cpu_count() or 1))
+                _populate(addr, size, populate_threads or min(8, os.cpu_count() or 1))
             pinned = _maybe_pin(addr, size, mode)
             self._finish(name, size, fd, mm, addr, pinned, owner=False, pin_mode=mode)
             undo.pop_all()

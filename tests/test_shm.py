@@ -250,3 +250,15 @@ def test_pinned_buffer_and_cross_process_pin(cuda_device, no_leaks):
         finally:
             _ffi.cuda.free(d)
     assert not b.pinned
+
+
+def test_full_dev_shm_fails_cleanly(monkeypatch, shm_name, no_leaks):
+    import errno as _errno
+
+    def enospc(fd, off, n):
+        raise OSError(_errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", enospc)
+    with pytest.raises(OSError, match="not enough shared memory"):
+        SharedBuffer.create(1 << 20, shm_name)
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
