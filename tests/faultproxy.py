@@ -32,9 +32,9 @@ class FaultProxy:
         while not self._stop.is_set():
             try:
                 c, _ = self.lsock.accept()
+                s = socket.create_connection(self.target, timeout=5)
             except OSError:
                 continue
-            s = socket.create_connection(self.target, timeout=5)
             self._socks += [c, s]
             for src, dst, faulty in ((c, s, True), (s, c, False)):
                 t = threading.Thread(target=self._pump, args=(src, dst, faulty), daemon=True)
@@ -42,9 +42,9 @@ class FaultProxy:
                 self._threads.append(t)
 
     def _pump(self, src: socket.socket, dst: socket.socket, faulty: bool) -> None:
-        src.settimeout(0.2)
         sent = 0
         try:
+            src.settimeout(0.2)
             while not self._stop.is_set():
                 try:
                     data = src.recv(65536)

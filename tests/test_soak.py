@@ -27,10 +27,14 @@ def rss_mib() -> float:
     return 0.0
 
 
+SOAK_S = float(os.environ.get("PDKV_SOAK_S", "600"))
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.timeout(SOAK_S + 600)
 def test_soak(no_leaks):
-    duration = float(os.environ.get("PDKV_SOAK_S", "600"))
+    duration = SOAK_S
     rng = random.Random(7)
     dec = Decode(lease_s=2.0, peer_timeout_s=2.0, io_timeout_s=1.0)
     c: Counter = Counter()
