@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from . import _ffi
 from .shm import NAME_PREFIX
 
-__all__ = ["SegmentInfo", "scan_segments", "clean_segments", "main"]
+__all__ = ["SegmentInfo", "scan_segments", "clean_segments", "pid_alive", "main"]
 
 SHM_DIR = "/dev/shm"
 _PID_RE = re.compile(rf"^{NAME_PREFIX}[-_](\d+)[-_]")
@@ -37,7 +37,8 @@ class SegmentInfo:
         return self.owner_pid is not None and not self.owner_alive and not self.mapped_by
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as dead; another user's process as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -86,7 +87,7 @@ def scan_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
         m = _PID_RE.match(n)
         pid = int(m.group(1)) if m else None
         out.append(SegmentInfo(n, st.st_size, st.st_mode & 0o777, st.st_uid, pid,
-                               _pid_alive(pid) if pid is not None else False,
+                               pid_alive(pid) if pid is not None else False,
                                tuple(sorted(maps.get(n, ())))))
     return out
 

@@ -46,6 +46,7 @@ from .protocol import (
     Outcome, ReserveReq, Welcome, new_nonce)
 from .scheduler import DecodeScheduler, Event
 from .shm import SharedBuffer
+from .shm_clean import pid_alive
 
 __all__ = ["DecodeReceiver", "PrefillSender", "SendGrant", "RequestOutcome", "boot_id", "FRAME_HEADER"]
 
@@ -61,6 +62,27 @@ _K_AUTH, _K_DATA = 1, 2
 MAX_FRAME_PAYLOAD = 256 << 20
 _ITEMS_PER_FRAME = 64  # blocks per frame: one syscall each side moves them all
 _POLL_S = 0.25  # receive-side socket timeout: how often a blocked receive checks for close
+
+
+def _poll(poller: zmq.Poller, wake_r: int, sock: zmq.Socket, timeout_ms: int) -> list[list[bytes]] | None:
+    """Wait for messages or a wake-up; return the frames received (None: socket closed)."""
+    try:
+        ready = dict(poller.poll(timeout_ms))
+    except zmq.ZMQError:
+        return None
+    if wake_r in ready:
+        try:
+            os.read(wake_r, 4096)
+        except BlockingIOError:
+            pass
+    out: list[list[bytes]] = []
+    if sock in ready:
+        for _ in range(256):
+            try:
+                out.append(sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+    return out
 
 
 def boot_id() -> str:
@@ -327,22 +349,11 @@ class DecodeReceiver:
         poller.register(self._wake_r, zmq.POLLIN)
         last_check = time.monotonic()
         while not self._closed.is_set():
-            try:
-                ready = dict(poller.poll(2 if self.auto_tick else 50))
-            except zmq.ZMQError:
+            got = _poll(poller, self._wake_r, self._router, 2 if self.auto_tick else 50)
+            if got is None:
                 break
-            if self._wake_r in ready:
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            if self._router in ready:
-                for _ in range(256):
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    self._on_frames(frames)
+            for frames in got:
+                self._on_frames(frames)
             while True:
                 try:
                     ident, msg = self._outbox.get_nowait()
@@ -586,7 +597,7 @@ class DecodeReceiver:
     def _check_peers(self, now: float) -> None:
         with self._lock:
             dead = [p for p in self._peers.values() if now - p.last_seen > self.peer_timeout_s
-                    or (p.same_host and p.pid and not _pid_alive(p.pid))]
+                    or (p.same_host and p.pid and not pid_alive(p.pid))]
             for p in dead:
                 del self._peers[p.ident]
                 self._data_tokens.pop(p.data_token, None)
@@ -776,16 +787,6 @@ def _run_lengths(blocks: Sequence[int]) -> list[int]:
         if blocks[i + 1] == blocks[i] + 1:
             r[i] = r[i + 1] + 1
     return r
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------- prefill side
@@ -1098,27 +1099,16 @@ class PrefillSender:
         poller.register(self._wake_r, zmq.POLLIN)
         last_hb = 0.0
         while not self._closed.is_set():
-            try:
-                ready = dict(poller.poll(50))
-            except zmq.ZMQError:
+            got = _poll(poller, self._wake_r, self._sock, 50)
+            if got is None:
                 break
-            if self._wake_r in ready:
+            for frames in got:
                 try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            if self._sock in ready:
-                for _ in range(256):
-                    try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        msg = self._codec.decode(frames)
-                    except ProtocolError:
-                        continue  # refused: never acted upon
-                    self._last_heard = time.monotonic()
-                    self._on_msg(msg)
+                    msg = self._codec.decode(frames)
+                except ProtocolError:
+                    continue  # refused: never acted upon
+                self._last_heard = time.monotonic()
+                self._on_msg(msg)
             while True:
                 try:
                     m = self._outbox.get_nowait()
