@@ -45,7 +45,26 @@ def decode(a: argparse.Namespace) -> None:
     gpu = np.zeros(lay.block_bytes * nb, np.uint8)
     eng = SwapEngine(CacheSpec.for_buffer(lay, nb, buf.address), CacheSpec.for_buffer(lay, nb, gpu.ctypes.data),
                      strategy="host", buffer_pinned=False)
-    sched = DecodeScheduler(num_layers=lay.total_layers, gpu=BlockPool(nb), buffer=BlockPool(nb), swap=eng,
+    swap = eng
+    if a.slow_swap:
+        class _Slow:  # a swap that takes a.slow_swap seconds: a window to die in
+            def __init__(self, h):
+                self.h, self.t = h, time.monotonic() + a.slow_swap
+
+            def done(self):
+                return time.monotonic() > self.t and self.h.done()
+
+            @property
+            def error(self):
+                return self.h.error
+
+        class _SlowSwap:
+            def submit(self, *args):
+                print(json.dumps({"swapping": args[0]}), flush=True)
+                return _Slow(eng.submit(*args))
+
+        swap = _SlowSwap()
+    sched = DecodeScheduler(num_layers=lay.total_layers, gpu=BlockPool(nb), buffer=BlockPool(nb), swap=swap,
                             options=SchedulerOptions(direct_to_gpu=False, lease_s=a.timeout))
     rx = DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, peer_timeout_s=a.timeout,
                         control=f"tcp://{a.host}:0", data_host=a.host)
@@ -88,6 +107,7 @@ if __name__ == "__main__":
     ap.add_argument("--instance", default="p")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--status", action="store_true")
+    ap.add_argument("--slow-swap", type=float, default=0.0)
     a = ap.parse_args()
     {"prefill": prefill, "decode": decode}[a.role](a)
     sys.exit(0)

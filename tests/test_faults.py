@@ -248,3 +248,51 @@ def shared_decode():
     yield dec, token, g.token
     tx.close()
     dec.close()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("point", ["handshake", "mid-layer", "during-swap"])
+def test_decode_kill_points(point, no_leaks):
+    from pdkv.errors import PdkvTimeoutError, PeerError
+    from pdkv.shm_clean import clean_segments
+
+    d = _spawn("decode", "--timeout", "2", "--slow-swap", "30" if point == "during-swap" else "0")
+    info = None
+    try:
+        info = _lines(d, 1)[0]
+        lay, arr, spec = prefill_cache(1, 0)
+        if point == "handshake":
+            os.kill(d.pid, 9)
+            d.wait(10)
+            t0 = time.monotonic()
+            with pytest.raises((PdkvTimeoutError, PeerError)):
+                PrefillSender(lay, spec, info["control"], transport="tcp", timeout_s=1.5)
+            assert time.monotonic() - t0 < 5
+            return
+        with PrefillSender(lay, spec, info["control"], transport="tcp", timeout_s=1.5, heartbeat_s=0.2) as tx:
+            tx.reserve("r", 16)
+            tx.send_layer(0, [("r", [0, 1])])
+            if point == "mid-layer":
+                os.kill(d.pid, 9)
+                d.wait(10)
+                out = tx.wait_outcome("r", 10)
+                assert out.state == "failed"
+            else:
+                for layer in range(1, 4):
+                    tx.send_layer(layer, [("r", [0, 1])])
+                tx.finish("r")
+                assert tx.wait_outcome("r", 10).ok  # prefill's part is done: it may free its blocks
+                assert _lines(d, 1)[0] == {"swapping": "r"}
+                os.kill(d.pid, 9)
+                d.wait(10)
+                t0 = time.monotonic()
+                wait_until(lambda: tx._broken is not None, 10, "prefill notices the dead decode")
+                assert time.monotonic() - t0 < 5
+    finally:
+        if d.poll() is None:
+            d.kill()
+            d.wait(10)
+        d.stdout.close()
+        d.stderr.close()
+        if info is not None:  # the killed decode left its segment: the clean command removes it
+            assert info["shm"] in clean_segments(dry_run=False)
