@@ -892,6 +892,7 @@ class PrefillSender:
         self._dst_specs: dict[int, CacheSpec] = {}
         self._engine: Any = None
         self._views: dict[tuple[int, int, int], tuple[memoryview, int]] = {}
+        self._pending_jobs = 0
         self._streams = streams
         try:
             self._handshake(transport, timeout_s)
@@ -993,19 +994,24 @@ class PrefillSender:
         self._check()
         if not 0 <= layer < self.layout.total_layers:
             raise RequestError(f"layer {layer} out of range [0, {self.layout.total_layers})")
-        self._jobs.put(("layer", layer, [(rid, list(b), 0) for rid, b in items], event, time.monotonic()))
+        self._submit(("layer", layer, [(rid, list(b), 0) for rid, b in items], event, time.monotonic()))
 
     def send_chunk(self, layer: int, request_id: str, src_blocks: Sequence[int], first_block: int,
                    event: int | None = None) -> None:
         """Chunked prefill: write full blocks ``first_block..`` of the grant for one layer."""
         self._check()
-        self._jobs.put(("layer", layer, [(request_id, list(src_blocks), first_block)], event, time.monotonic()))
+        self._submit(("layer", layer, [(request_id, list(src_blocks), first_block)], event, time.monotonic()))
 
     def finish(self, request_id: str, ok: bool = True, error: str = "") -> None:
         """Every layer of ``request_id`` was handed to :meth:`send_layer`: confirm it to decode
         once all its writes succeeded (``ok=False`` reports a failure instead)."""
         self._check()
-        self._jobs.put(("complete", request_id, ok, error))
+        with self._lock:
+            idle = self._pending_jobs == 0
+        if idle:  # every write already finished: confirm now, without a hop through the data thread
+            self._complete(request_id, ok, error)
+        else:
+            self._submit(("complete", request_id, ok, error))
 
     def wait_outcome(self, request_id: str, timeout: float | None = None) -> RequestOutcome:
         """Block until the request's definite outcome (bounded by ``timeout``)."""
@@ -1153,35 +1159,48 @@ class PrefillSender:
                 self._resolve(rid, "failed", msg.message)
 
     # ------------------------------------------------------------------ data
+    def _submit(self, job: tuple) -> None:
+        with self._lock:
+            self._pending_jobs += 1
+        self._jobs.put(job)
+
+    def _complete(self, rid: str, ok: bool, error: str) -> None:
+        with self._lock:
+            g = self._grants.get(rid)
+            err = self._failed.pop(rid, None)
+        if g is not None:  # else already resolved (failed, expired)
+            self._post(Complete(rid, g.token, ok and err is None, error or (err or "")))
+
     def _data_loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            if job[0] == "complete":
-                _, rid, ok, error = job
-                with self._lock:
-                    g = self._grants.get(rid)
-                    err = self._failed.pop(rid, None)
-                if g is None:
-                    continue  # already resolved (failed, expired)
-                self._post(Complete(rid, g.token, ok and err is None, error or (err or "")))
-                continue
-            _, layer, items, event, t_enq = job
-            b0 = self.stats["bytes"]
             try:
-                if event is not None:
-                    deadline = time.monotonic() + self.timeout_s
-                    while not _ffi.cuda.event_query(event):
-                        if time.monotonic() > deadline:
-                            raise PdkvTimeoutError(f"layer {layer}: the engine's event did not complete")
-                        time.sleep(20e-6)
-                self._write_layer(layer, items)
-                self.layer_log.append((layer, time.monotonic() - t_enq, self.stats["bytes"] - b0))
-            except Exception as exc:  # every request of the layer failed: report it
+                self._run_job(job)
+            finally:
                 with self._lock:
-                    for rid, _, _ in items:
-                        self._failed.setdefault(rid, f"layer {layer}: {exc}")
+                    self._pending_jobs -= 1
+
+    def _run_job(self, job: tuple) -> None:
+        if job[0] == "complete":
+            self._complete(*job[1:])
+            return
+        _, layer, items, event, t_enq = job
+        b0 = self.stats["bytes"]
+        try:
+            if event is not None:
+                deadline = time.monotonic() + self.timeout_s
+                while not _ffi.cuda.event_query(event):
+                    if time.monotonic() > deadline:
+                        raise PdkvTimeoutError(f"layer {layer}: the engine's event did not complete")
+                    time.sleep(20e-6)
+            self._write_layer(layer, items)
+            self.layer_log.append((layer, time.monotonic() - t_enq, self.stats["bytes"] - b0))
+        except Exception as exc:  # every request of the layer failed: report it
+            with self._lock:
+                for rid, _, _ in items:
+                    self._failed.setdefault(rid, f"layer {layer}: {exc}")
 
     def _write_layer(self, layer: int, items: list[tuple[str, list[int], int]]) -> None:
         work = []
