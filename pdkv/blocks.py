@@ -82,6 +82,7 @@ class BlockPool:
         self.name = name
         self._n = num_blocks
         self._held = bytearray(num_blocks)  # 1 = held
+        self._ids = list(range(num_blocks))  # slices of it are the id lists handed out
         self._ones = memoryview(b"\x01" * num_blocks)
         self._zeros = memoryview(bytes(num_blocks))
         self._starts: dict[int, int] = {0: num_blocks}  # free run start -> stop
@@ -130,7 +131,7 @@ class BlockPool:
                     heapq.heappop(heap)
                 held[s:s + n] = self._ones[:n]
                 self._free -= n
-                return list(range(s, s + n))
+                return self._ids[s:s + n]
             out: list[int] = []
             need = n
             while need:
@@ -166,9 +167,15 @@ class BlockPool:
         id, :class:`BlockError` is raised and nothing changes."""
         if not blocks:
             return
-        runs = runs_of(blocks)
-        if len(runs) > 1:
-            runs = runs_of(sorted(blocks))
+        n = len(blocks)
+        first = blocks[0]
+        if (type(blocks) is list and type(first) is int and 0 <= first and blocks[-1] - first == n - 1
+                and blocks == self._ids[first:first + n]):
+            runs = [(first, first + n)]  # the common case: one run, as handed out
+        else:
+            runs = runs_of(blocks)
+            if len(runs) > 1:
+                runs = runs_of(sorted(blocks))
         with self._lock:
             total = 0
             last = -1

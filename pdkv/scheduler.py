@@ -477,8 +477,9 @@ class DecodeScheduler:
                 self._m["reservations_rejected"] += 1
                 why = "queue full" if self.options.on_full == "queue" else "no free GPU or buffer blocks"
                 res = Reservation(request_id, "rejected", reason=why)
-            ev = self._emit()
-        self._deliver(ev)
+            ev = self._emit() if self._events else None
+        if ev:
+            self._deliver(ev)
         return res
 
     # ------------------------------------------------------------------ receiving
@@ -624,16 +625,27 @@ class DecodeScheduler:
     def finish(self, request_id: str, *, free_gpu_blocks: bool = True) -> None:
         """The engine is done with a READY request: its GPU blocks return to the allocator
         (unless ``free_gpu_blocks=False``: the engine keeps and frees them itself)."""
-        now = self.clock()
         with self._lock:
-            req = self._get_live(request_id)
-            if req.state is not State.READY:
+            req = self._reqs.get(request_id)
+            if req is None or req.state is not State.READY:
+                req = self._get_live(request_id)  # raises the precise error for unknown ids
                 raise RequestError(f"request {request_id!r} is {req.state.value}, not ready; cannot finish it")
-            if not free_gpu_blocks:
-                req.gpu_blocks = None
-            self._terminate(req, State.FINISHED, "", now)
-            ev = self._emit()
-        self._deliver(ev)
+            # the common path, inlined: a READY request holds GPU blocks only
+            blocks, req.gpu_blocks = req.gpu_blocks, None
+            if blocks and free_gpu_blocks:
+                self.gpu.free(blocks)
+            if req.in_ready:
+                self._ready.remove(req)
+            req.state = State.FINISHED
+            del self._reqs[request_id]
+            tomb = self._tomb
+            tomb[request_id] = (State.FINISHED, req.token, "")
+            if len(tomb) > self.options.max_tombstones:
+                tomb.popitem(last=False)
+            self._m["requests_finished"] += 1
+            ev = self._emit() if self._events else None
+        if ev:
+            self._deliver(ev)
 
     # ------------------------------------------------------------------ the loop
     def tick(self) -> list[Event]:
