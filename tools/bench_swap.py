@@ -8,7 +8,11 @@ loop (what users write today) and one large contiguous pinned copy of the same b
 (the ceiling); both directions; median of several repetitions after a warm-up; every
 copy verified against random data with a poisoned destination.
 
-Needs a CUDA GPU and torch.  python tools/bench_swap.py [--blocks 4096] [--reps 5]
+Throughput is the steady state of calls submitted back to back (--reps of them, as the
+scheduler keeps swaps in flight): planning a call overlaps the copy before it. The
+one-call column is a single call's submit-to-done time, planning included.
+
+Needs a CUDA GPU and torch.  python tools/bench_swap.py [--blocks 4096] [--reps 16]
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=4096)
     ap.add_argument("--sizes-kib", default="16,32,64,128,512")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=16, help="calls submitted back to back per timing")
     a = ap.parse_args()
     try:
         import torch
