@@ -381,3 +381,30 @@ def test_shm_from_gpu_caches_uses_the_swap_kernel(cuda_device, P, D, no_leaks):
         for p in ptrs:
             _ffi.cuda.free(p)
         dec.close()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_large_shm_request_gathers_into_destination_runs(fragmented, no_leaks):
+    dec = Decode(nb=300)
+    try:
+        if fragmented:  # every other buffer block taken: the grant is no run at all
+            hog = dec.sched.buffer.allocate(300)
+            dec.sched.buffer.free(hog[::2])
+        lay, arr, spec = prefill_cache(1, 0, nb=300)
+        sb = np.random.default_rng(3).permutation(300)[:150].tolist()
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=10) as tx:
+            g = tx.reserve("big", 150 * 8)
+            for layer in range(4):
+                tx.send_layer(layer, [("big", sb)])
+            tx.finish("big")
+            assert tx.wait_outcome("big", 10).ok
+        for layer in (0, 3):
+            for t in range(2):
+                for gi in range(0, 150, 7):
+                    want = expected_block([lay], [spec], sb, dec.lays[0], layer, t, gi)
+                    assert dec.block(0, layer, t, g.blocks[gi]) == want
+        if fragmented:
+            dec.sched.buffer.free(hog[1::2])
+    finally:
+        dec.close()
