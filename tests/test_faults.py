@@ -18,7 +18,7 @@ from faultproxy import FaultProxy
 from pdkv import PrefillSender, State
 from pdkv.protocol import PROTOCOL_VERSION, Codec, Complete, Hello, LayerDone, ReserveReq
 from pdkv.transfer import FRAME_HEADER
-from test_transfer import BASE, Decode, _lines, _spawn, prefill_cache
+from test_transfer import BASE, Decode, _lines, _spawn, prefill_cache, reap, send_one
 
 from pdkv import KVLayout
 
@@ -39,11 +39,7 @@ def serve_one(dec, control=None, transport="tcp", rid="ok"):
     lay, arr, spec = prefill_cache(1, 0)
     with PrefillSender(lay, spec, control or dec.rx.control_address, transport=transport, timeout_s=5,
                        instance=f"healthy-{rid}") as tx:
-        tx.reserve(rid, 16)
-        for layer in range(4):
-            tx.send_layer(layer, [(rid, [0, 1])])
-        tx.finish(rid)
-        assert tx.wait_outcome(rid, 10).ok
+        assert send_one(tx, rid, [0, 1]).ok
 
 
 def test_hostile_control_messages_change_nothing(no_leaks):
@@ -289,10 +285,6 @@ def test_decode_kill_points(point, no_leaks):
                 wait_until(lambda: tx._broken is not None, 10, "prefill notices the dead decode")
                 assert time.monotonic() - t0 < 5
     finally:
-        if d.poll() is None:
-            d.kill()
-            d.wait(10)
-        d.stdout.close()
-        d.stderr.close()
+        reap(d)
         if info is not None:  # the killed decode left its segment: the clean command removes it
             assert info["shm"] in clean_segments(dry_run=False)

@@ -63,6 +63,25 @@ class Decode:
             b.unlink()
 
 
+def send_one(tx, rid, blocks, tokens=None, timeout=10):
+    """Reserve, send every layer of ``blocks``, finish; return the outcome."""
+    tx.reserve(rid, tokens or len(blocks) * 8)
+    for layer in range(4):
+        tx.send_layer(layer, [(rid, blocks)])
+    tx.finish(rid)
+    return tx.wait_outcome(rid, timeout)
+
+
+def reap(p):
+    """Kill a peer process if it still runs, and close its pipes."""
+    if p.poll() is None:
+        p.kill()
+        p.wait(10)
+    for f in (p.stdout, p.stderr):
+        if f:
+            f.close()
+
+
 def prefill_cache(P, r, nb=64, token_major=False, seed=0):
     lay = KVLayout(**BASE, tp_size=P, tp_rank=r, token_major=token_major)
     arr = np.random.default_rng(seed + r).integers(0, 256, lay.block_bytes * nb, dtype=np.uint8)
@@ -132,11 +151,7 @@ def test_secret_required_and_checked(no_leaks):
         with pytest.raises(PeerError, match="authentication"):
             PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", secret=b"x" * 32, timeout_s=3)
         with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", secret=b"s" * 32, timeout_s=3) as tx:
-            tx.reserve("a", 8)
-            for layer in range(4):
-                tx.send_layer(layer, [("a", [0])])
-            tx.finish("a")
-            assert tx.wait_outcome("a", 5).ok
+            assert send_one(tx, "a", [0]).ok
     finally:
         dec.close()
 
@@ -177,12 +192,7 @@ def test_lease_expiry_reaches_prefill_and_frees_blocks(no_leaks):
             while dec.sched.buffer.num_free != 64:
                 assert time.monotonic() < deadline, "expired blocks never came back"
                 time.sleep(0.05)
-            # the surviving pair keeps serving
-            tx.reserve("next", 8)
-            for layer in range(4):
-                tx.send_layer(layer, [("next", [5])])
-            tx.finish("next")
-            assert tx.wait_outcome("next", 5).ok
+            assert send_one(tx, "next", [5]).ok  # the surviving pair keeps serving
     finally:
         dec.close()
 
@@ -280,11 +290,7 @@ def test_prefill_killed_mid_transfer_decode_reclaims_and_serves_on(transport, no
         # a new prefill is served
         lay, arr, spec = prefill_cache(1, 0)
         with PrefillSender(lay, spec, dec.rx.control_address, transport=transport, timeout_s=5) as tx:
-            tx.reserve("after", 8)
-            for layer in range(4):
-                tx.send_layer(layer, [("after", [0])])
-            tx.finish("after")
-            assert tx.wait_outcome("after", 5).ok
+            assert send_one(tx, "after", [0]).ok
     finally:
         dec.close()
 
@@ -313,11 +319,7 @@ def test_decode_killed_prefill_fails_in_bounded_time(no_leaks):
             tx.close()
         assert [o.request_id for o in outcomes] == ["r"]
     finally:
-        if d.poll() is None:
-            d.kill()
-            d.wait(10)
-        d.stdout.close()
-        d.stderr.close()
+        reap(d)
         # the killed decode's segment is left for pdkv-shm clean
         from pdkv.shm_clean import clean_segments
 
