@@ -33,8 +33,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
-    from cuda.bindings import runtime as rt
-
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        print("bench_buffer needs cuda-bindings (pip install 'pdkv[cuda]') and a CUDA GPU", file=sys.stderr)
+        return 2
     if rt.cudaGetDeviceCount()[1] in (None, 0):
         print("bench_buffer needs a CUDA GPU", file=sys.stderr)
         return 2
