@@ -262,3 +262,34 @@ def test_full_dev_shm_fails_cleanly(monkeypatch, shm_name, no_leaks):
     with pytest.raises(OSError, match="not enough shared memory"):
         SharedBuffer.create(1 << 20, shm_name)
     assert not os.path.exists(f"/dev/shm/{shm_name}")
+
+
+def _child_pin_and_copy(name: str, q) -> None:
+    from pdkv import _ffi as ffi
+
+    ffi.cuda.set_device(0)
+    with SharedBuffer.open(name, require_pinned=True) as b:
+        d = ffi.cuda.malloc(1 << 20)
+        try:
+            ffi.cuda.memcpy(d, b.device_address, 1 << 20)  # mapped pointer, another process
+            ffi.cuda.memcpy(b.address + (1 << 20), d, 1 << 20)
+        finally:
+            ffi.cuda.free(d)
+        q.put(b.pinned)
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+def test_second_process_pins_the_same_segment(cuda_device, no_leaks):
+    ctx = mp.get_context("spawn")
+    with SharedBuffer.create(4 << 20, require_pinned=True) as b:
+        b.buf[: 1 << 20] = os.urandom(1 << 20)
+        q = ctx.Queue()
+        p = ctx.Process(target=_child_pin_and_copy, args=(b.name, q))
+        p.start()
+        assert q.get(timeout=120) is True
+        p.join(60)
+        assert p.exitcode == 0
+        q.close()
+        q.join_thread()
+        assert bytes(b.buf[1 << 20: 2 << 20]) == bytes(b.buf[: 1 << 20])
