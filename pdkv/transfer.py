@@ -38,7 +38,7 @@ import zmq
 
 from . import _ffi
 from .errors import (
-    ClosedError, GrantViolation, LayoutError, LeaseExpiredError, PdkvError, PdkvTimeoutError, PeerError,
+    ClosedError, GrantViolation, LayoutError, PdkvError, PdkvTimeoutError, PeerError,
     ProtocolError, RequestError, TransferError)
 from .layout import CacheSpec, KVLayout, Segment, tp_segments
 from .protocol import (

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule, run_state_machine_as_test)
+    Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test)
 
 from pdkv.blocks import BlockPool
 from pdkv.errors import GrantViolation, LeaseExpiredError, PdkvError, RequestError
