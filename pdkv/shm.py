@@ -51,12 +51,13 @@ def validate_name(name: str) -> str:
     return name
 
 
-def _populate(addr: int, size: int, threads: int) -> None:
+def _populate(addr: int, size: int, threads: int, *, fresh: bool = True) -> None:
     """Fault in every page of ``[addr, addr+size)`` from ``threads`` threads at once.
 
-    ``MADV_POPULATE_WRITE`` allocates and maps the pages in the kernel; the ctypes call
-    releases the GIL, so threads run in parallel. On kernels without it, memset (also
-    GIL-free) touches the pages instead.
+    ``MADV_POPULATE_WRITE`` maps the pages writable without changing their content; the
+    ctypes call releases the GIL, so threads run in parallel. On kernels without it
+    (before 5.14) a ``fresh`` segment is touched with memset (its pages are zero anyway);
+    an existing one, which may hold another process's data, is only read page by page.
     """
     chunks = [(off, min(_POPULATE_CHUNK, size - off)) for off in range(0, size, _POPULATE_CHUNK)]
     errors: list[BaseException] = []
@@ -76,7 +77,10 @@ def _populate(addr: int, size: int, threads: int) -> None:
                 except OSError as exc:
                     if exc.errno != 22:  # EINVAL: kernel without MADV_POPULATE_WRITE
                         raise
-                    _ffi.libc.memset(addr + off, 0, n)
+                    if fresh:
+                        _ffi.libc.memset(addr + off, 0, n)
+                    else:  # never write into a segment that may hold data: read a byte a page
+                        _ffi.libc.host_view(addr + off, n)[::4096].tobytes()
             except BaseException as exc:  # reported to the caller below
                 with lock:
                     errors.append(exc)
@@ -268,7 +272,7 @@ class SharedBuffer:
             undo.callback(mm.close)
             addr = _ffi.libc.buffer_address(mm)
             if populate:
-                _populate(addr, size, populate_threads or min(8, os.cpu_count() or 1))
+                _populate(addr, size, populate_threads or min(8, os.cpu_count() or 1), fresh=False)
             pinned = _maybe_pin(addr, size, mode)
             self._finish(name, size, fd, mm, addr, pinned, owner=False, pin_mode=mode)
             undo.pop_all()

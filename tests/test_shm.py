@@ -292,3 +292,23 @@ def test_second_process_pins_the_same_segment(cuda_device, no_leaks):
         q.close()
         q.join_thread()
         assert bytes(b.buf[1 << 20: 2 << 20]) == bytes(b.buf[: 1 << 20])
+
+
+def test_populating_an_open_segment_never_changes_its_data(monkeypatch, shm_name, no_leaks):
+    """Even on a kernel without MADV_POPULATE_WRITE (simulated), opening with populate=True
+    must not write into a buffer that may hold another process's KV data."""
+    from pdkv import _ffi as ffi
+
+    with SharedBuffer.create(3 << 20, shm_name) as b:
+        b.buf[:] = b"\x5a" * (3 << 20)
+        real = ffi.libc.madvise
+
+        def old_kernel(addr, n, advice):
+            if advice == ffi.libc.MADV_POPULATE_WRITE:
+                raise OSError(22, "Invalid argument")
+            return real(addr, n, advice)
+
+        monkeypatch.setattr(ffi.libc, "madvise", old_kernel)
+        with SharedBuffer.open(shm_name, populate=True) as o:
+            assert bytes(o.buf[:16]) == b"\x5a" * 16
+        assert bytes(b.buf) == b"\x5a" * (3 << 20)
