@@ -270,15 +270,19 @@ class DecodeReceiver:
         self._outbox: queue.SimpleQueue[tuple[bytes, Message]] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self._router.bind(control)
-        self.control_address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        try:  # a half-built receiver (address in use, say) leaves nothing open
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            self._router.bind(control)
+            self.control_address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self._lsock = socket.create_server((data_host, 0), backlog=64)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._lsock = socket.create_server((data_host, 0), backlog=64)
         self._lsock.settimeout(0.2)
         self.data_address = f"{data_host}:{self._lsock.getsockname()[1]}"
         # what prefill is told to connect to (differs behind NAT, port forwarding, a proxy)

@@ -410,3 +410,14 @@ def test_large_shm_request_gathers_into_destination_runs(fragmented, no_leaks):
             dec.sched.buffer.free(hog[1::2])
     finally:
         dec.close()
+
+
+def test_receiver_on_a_busy_address_fails_cleanly(no_leaks):
+    import zmq
+
+    dec = Decode()
+    try:
+        with pytest.raises(zmq.ZMQError):
+            DecodeReceiver(dec.sched, dec.lays, dec.bufs, dec.nb, control=dec.rx.control_address)
+    finally:
+        dec.close()
