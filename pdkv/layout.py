@@ -344,12 +344,6 @@ def tp_segments(src: KVLayout, dst: KVLayout) -> list[Segment]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class _Region:
-    base: int
-    stride: int
-
-
 class CacheSpec:
     """Where each (layer, tensor, block) of one rank lives: a base pointer and a block
     stride per layer and tensor. Describes an engine's GPU cache and pdkv's CPU buffer

@@ -92,11 +92,13 @@ class GrantMsg(_Base, tag="grant"):
 
 
 class LayerDone(_Base, tag="layer"):
-    """prefill -> decode: this rank's writes of ``layers`` for the request succeeded (shm)."""
+    """prefill -> decode: this rank's writes of ``layers`` for the request succeeded (shm),
+    for ``blocks`` of its blocks (0: all of them; a chunk of a chunked prefill sends fewer)."""
 
     request_id: str
     token: int
     layers: list[int]
+    blocks: int = 0
 
 
 class Complete(_Base, tag="complete"):
@@ -221,8 +223,8 @@ def _validate(m: Message) -> None:
             raise ProtocolError("hello nonce must be 16 bytes")
     if isinstance(m, ReserveReq) and not (0 < m.num_tokens <= 1 << 26):
         raise ProtocolError(f"num_tokens={m.num_tokens} out of range")
-    if isinstance(m, (LayerDone,)) and (not m.layers or len(m.layers) > 4096 or min(m.layers) < 0):
-        raise ProtocolError("layer list empty, too long or negative")
+    if isinstance(m, LayerDone) and (not m.layers or len(m.layers) > 4096 or min(m.layers) < 0 or m.blocks < 0):
+        raise ProtocolError("layer list empty, too long or negative, or a negative block count")
     if isinstance(m, GrantMsg) and (len(m.blocks) > 1 << 22 or (m.blocks and min(m.blocks) < 0)):
         raise ProtocolError("grant block list out of range")
     for f in ("token",):

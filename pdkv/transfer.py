@@ -108,10 +108,6 @@ class _Group:
     src: Any
     dst: Any
 
-    @property
-    def whole(self) -> bool:
-        return self.seg.count == 1 and bool((self.nb > 1).any())
-
 
 def _runs(sb: Any, db: Any) -> tuple[Any, Any]:
     """Start indices and lengths of runs where both id sequences advance by one."""
@@ -182,7 +178,6 @@ class _Inflight:
     blocks: list[int]
     remaining: list[int]
     src_tp: int
-    per_src_layer_bytes: dict[int, int]
     completes: set[int] = field(default_factory=set)
     failed_completes: list[str] = field(default_factory=list)
     peers: set[bytes] = field(default_factory=set)
@@ -458,7 +453,9 @@ class DecodeReceiver:
             if peer.transport != "shm":
                 raise ProtocolError("LayerDone is for the shm transport only")
             inf = self._live(msg.request_id, msg.token)
-            nbytes = _layer_bytes(peer.segs_by_src.get(peer.tp_rank, []), len(inf.blocks))
+            if msg.blocks > len(inf.blocks):
+                raise GrantViolation(f"request {msg.request_id!r}: {msg.blocks} blocks reported, {len(inf.blocks)} granted")
+            nbytes = peer.block_bytes_by_src.get(peer.tp_rank, 0) * (msg.blocks or len(inf.blocks))
             for layer in msg.layers:
                 self._credit(inf, layer, nbytes)
         elif isinstance(msg, Complete):
@@ -505,7 +502,7 @@ class DecodeReceiver:
             if res.outcome == "queued":
                 with self._lock:
                     self._grants[key] = g
-                    self._inflight[m.request_id] = _Inflight(m.request_id, peer.instance, 0, [], [], peer.tp_size, {},
+                    self._inflight[m.request_id] = _Inflight(m.request_id, peer.instance, 0, [], [], peer.tp_size,
                                                              peers={peer.ident})
             self._send(peer.ident, g)
             return
@@ -517,11 +514,10 @@ class DecodeReceiver:
         # bytes each layer must receive on this receiver's ranks, from every prefill rank
         per_block = peer.block_bytes_by_src
         per_layer = sum(per_block.values()) * len(blocks)
-        per_src = {r: b * len(blocks) for r, b in per_block.items()}
         g = GrantMsg(grant.request_id, grant.location, grant.location, blocks, grant.token, grant.lease_s)
         with self._lock:
             old = self._inflight.get(grant.request_id)
-            inf = _Inflight(grant.request_id, peer.instance, grant.token, blocks, [per_layer] * nl, peer.tp_size, per_src,
+            inf = _Inflight(grant.request_id, peer.instance, grant.token, blocks, [per_layer] * nl, peer.tp_size,
                             peers=set(old.peers) if old else {peer.ident}, run_len=_run_lengths(blocks),
                             lease_until=time.monotonic() + grant.lease_s, lease_s=grant.lease_s)
             inf.peers.add(peer.ident)
@@ -951,16 +947,13 @@ class PrefillSender:
             host, port = msg.data_addr.rsplit(":", 1)
             if self.cache.device is not None:
                 raise LayoutError("the tcp transport sends from host caches; stage GPU caches or use shm")
-            for _ in range(self._nstreams()):
+            for _ in range(self._streams):
                 s = socket.create_connection((host, int(port)), timeout=timeout_s)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 s.sendall(FRAME_HEADER.pack(_MAGIC, 1, _K_AUTH, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) + msg.data_token)
                 s.settimeout(timeout_s)
                 self._data_socks.append(s)
         self._last_heard = time.monotonic()
-
-    def _nstreams(self) -> int:
-        return self._streams
 
     # ------------------------------------------------------------------ API
     def reserve(self, request_id: str, num_tokens: int, timeout: float | None = None) -> SendGrant:
@@ -1264,8 +1257,8 @@ class PrefillSender:
         else:
             self._copy_pieces(layer, plans)
         self.stats["bytes"] += total
-        for rid, g, *_ in work:
-            self._post(LayerDone(rid, g.token, [layer]))
+        for rid, g, sb, *_ in work:
+            self._post(LayerDone(rid, g.token, [layer], len(sb)))
 
     def _copy_pieces(self, layer: int, plans: list) -> None:
         import numpy as np

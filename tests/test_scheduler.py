@@ -545,3 +545,18 @@ def test_hundred_thousand_random_steps_leak_nothing():
         s.tick()
     s.check_invariants()
     assert s.gpu.num_free == 200 and s.buffer.num_free == 400
+
+
+def test_renew_extends_a_live_lease_only():
+    s, clock, swap, ev = make(direct_to_gpu=False)
+    g = s.reserve("a", num_blocks=2).grant
+    clock.t += 8
+    assert s.renew("a", g.token) == clock.t + 10
+    clock.t += 8  # 16 s after the grant, 8 after the renewal: still live
+    s.tick()
+    assert s.request("a").state is State.RESERVED
+    with pytest.raises(GrantViolation):
+        s.renew("a", g.token + 1)
+    clock.t += 3
+    with pytest.raises(LeaseExpiredError):
+        s.renew("a", g.token)

@@ -421,3 +421,34 @@ def test_receiver_on_a_busy_address_fails_cleanly(no_leaks):
             DecodeReceiver(dec.sched, dec.lays, dec.bufs, dec.nb, control=dec.rx.control_address)
     finally:
         dec.close()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_chunked_prefill_sends_full_blocks_per_chunk(transport, no_leaks):
+    """Two chunks: blocks 0-2 of every layer, then blocks 3-5; a layer lands only once
+    both chunks' blocks arrived, and the bytes end where the grant says."""
+    dec = Decode()
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        sb = [9, 10, 11, 40, 41, 3]
+        with PrefillSender(lay, spec, dec.rx.control_address, transport=transport, timeout_s=5) as tx:
+            g = tx.reserve("c", 6 * 8)
+            for layer in range(4):
+                tx.send_chunk(layer, "c", sb[:3], first_block=0)
+            deadline = time.monotonic() + 2
+            while tx.stats["layers"] < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            assert dec.sched.request("c").layers_landed == 0  # half of every layer is not there yet
+            for layer in range(4):
+                tx.send_chunk(layer, "c", sb[3:], first_block=3)
+            tx.finish("c")
+            assert tx.wait_outcome("c", 10).ok
+        for layer in range(4):
+            for t in range(2):
+                for gi in range(6):
+                    want = expected_block([lay], [spec], sb, dec.lays[0], layer, t, gi)
+                    assert dec.block(0, layer, t, g.blocks[gi]) == want
+    finally:
+        dec.close()
