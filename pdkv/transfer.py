@@ -936,6 +936,10 @@ class PrefillSender:
             for rank, name, lay in zip(msg.ranks, msg.shm_names, layouts):
                 b = SharedBuffer.open(name, pin="auto" if self.cache.device is not None else "never", populate=True)
                 self._shm[rank] = b
+                need = CacheSpec.buffer_bytes(lay, msg.buffer_blocks)
+                if b.size < need:
+                    raise ProtocolError(f"decode rank {rank}'s buffer {name!r} has {b.size} bytes, but "
+                                        f"{msg.buffer_blocks} blocks of its layout need {need}")
                 self._dst_specs[rank] = CacheSpec.for_buffer(lay, msg.buffer_blocks, b.address)
             if self.cache.device is not None:
                 from .swap import SwapEngine

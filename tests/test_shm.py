@@ -10,8 +10,11 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdkv import BusyError, ClosedError, CudaUnavailableError, SharedBuffer, _ffi
+from pdkv.shm import stripe_sizes
 from pdkv.shm_clean import clean_segments, main as shm_main, scan_segments
 
 
@@ -119,7 +122,7 @@ def test_require_pinned_without_cuda_fails_cleanly(monkeypatch, shm_name, no_lea
 
 def test_failure_after_shm_open_leaves_nothing(monkeypatch, shm_name, no_leaks):
     def boom(*a, **k):
-        raise OSError(12, "injected")
+        raise OSError(5, "injected")
 
     monkeypatch.setattr("pdkv.shm._populate", boom)
     with pytest.raises(OSError, match="injected"):
@@ -312,3 +315,162 @@ def test_populating_an_open_segment_never_changes_its_data(monkeypatch, shm_name
         with SharedBuffer.open(shm_name, populate=True) as o:
             assert bytes(o.buf[:16]) == b"\x5a" * 16
         assert bytes(b.buf) == b"\x5a" * (3 << 20)
+
+
+# ---------------------------------------------------------------- striped buffers
+
+@given(size=st.integers(1, 1 << 40), k=st.integers(1, 64))
+def test_stripe_sizes_cover_the_buffer_exactly(size, k):
+    try:
+        sizes = stripe_sizes(size, k)
+    except ValueError as exc:
+        assert "too many" in str(exc)
+        assert k > 1 and -(-(-(-size // k)) // (2 << 20)) * (2 << 20) * (k - 1) >= size
+        return
+    assert len(sizes) == k and sum(sizes) == size and min(sizes) > 0
+    if k > 1:
+        assert len(set(sizes[:-1])) == 1 and sizes[0] % (2 << 20) == 0 and sizes[-1] <= sizes[0]
+
+
+def test_auto_stripes_only_for_large_buffers(monkeypatch):
+    from pdkv.shm import _auto_stripes
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert _auto_stripes(64 << 20) == 1
+    assert _auto_stripes(1 << 30) == 4
+    assert _auto_stripes(8 << 30) == 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert _auto_stripes(8 << 30) == 2
+
+
+def _child_stripes(name: str, size: int, q) -> None:
+    b = SharedBuffer.open(name, expect_size=size, populate=True)
+    arr = np.frombuffer(b.buf, dtype=np.uint8)
+    expect = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+    ok = bool((arr == expect).all())
+    arr[:] = 255 - expect
+    del arr
+    q.put((ok, b.stripes))
+    b.close()
+
+
+@pytest.mark.multiproc
+def test_striped_buffer_is_one_range_shared_across_processes(no_leaks):
+    size = (5 << 20) + 12345
+    with SharedBuffer.create(size, stripes=3, populate_threads=2) as b:
+        assert b.stripes == 3
+        assert b.part_names == [b.name, b.name + "@1", b.name + "@2"]
+        sizes = [os.stat(f"/dev/shm/{p}").st_size for p in b.part_names]
+        assert sizes == [2 << 20, 2 << 20, (1 << 20) + 12345]
+        assert all(stat.S_IMODE(os.stat(f"/dev/shm/{p}").st_mode) == 0o600 for p in b.part_names)
+        arr = np.frombuffer(b.buf, dtype=np.uint8)
+        assert arr.size == size and not arr.any()  # populated and zero across every stripe
+        expect = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+        arr[:] = expect
+        # the bytes really are in the part files, at their offsets
+        with open(f"/dev/shm/{b.name}@1", "rb") as f:
+            assert f.read(4096) == expect[2 << 20:(2 << 20) + 4096].tobytes()
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_child_stripes, args=(b.name, size, q))
+        p.start()
+        assert q.get(timeout=60) == (True, 3)
+        p.join(30)
+        assert p.exitcode == 0
+        q.close()
+        q.join_thread()
+        assert (arr == 255 - expect).all()
+        del arr
+        parts = b.part_names
+    assert not any(os.path.exists(f"/dev/shm/{p}") for p in parts)
+
+
+def test_striped_buffer_errors(shm_name, no_leaks):
+    with pytest.raises(ValueError, match="too many"):
+        SharedBuffer.create(3 << 20, shm_name, stripes=3)
+    for bad in (0, 65, 2.0, True):
+        with pytest.raises(ValueError, match="stripes="):
+            SharedBuffer.create(8 << 20, shm_name, stripes=bad)
+    with pytest.raises(ValueError, match="invalid"):
+        SharedBuffer.open(shm_name + "@1")  # parts are not names one may open
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(shm_name)]
+    # a stripe whose name exists already: nothing of the new buffer is left behind
+    fd = _ffi.libc.shm_open(f"/{shm_name}@2", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.close(fd)
+    try:
+        with pytest.raises(FileExistsError):
+            SharedBuffer.create(6 << 20, shm_name, stripes=3)
+        assert sorted(f for f in os.listdir("/dev/shm") if f.startswith(shm_name)) == [f"{shm_name}@2"]
+    finally:
+        _ffi.libc.shm_unlink(f"/{shm_name}@2")
+
+
+def test_open_refuses_a_striped_buffer_with_a_missing_or_resized_stripe(shm_name, no_leaks):
+    with SharedBuffer.create(7 << 20, shm_name, stripes=4) as b:
+        with open(f"/dev/shm/{shm_name}@1", "rb") as f:
+            keep = f.read()
+        os.unlink(f"/dev/shm/{shm_name}@1")
+        with pytest.raises(ValueError, match="missing"):
+            SharedBuffer.open(shm_name)
+        with open(f"/dev/shm/{shm_name}@1", "wb") as f:
+            f.write(keep[: 1 << 20])
+        os.chmod(f"/dev/shm/{shm_name}@1", 0o600)
+        with pytest.raises(ValueError, match="inconsistent"):
+            SharedBuffer.open(shm_name)
+        with open(f"/dev/shm/{shm_name}@1", "wb") as f:
+            f.write(keep)
+        with pytest.raises(ValueError, match="expected"):
+            SharedBuffer.open(shm_name, expect_size=8 << 20)
+        with SharedBuffer.open(shm_name, expect_size=7 << 20) as o:
+            assert o.stripes == 4
+        assert b.stripes == 4
+
+
+def test_striped_population_out_of_room_fails_cleanly(monkeypatch, shm_name, no_leaks):
+    import errno as _errno
+
+    real = _ffi.libc.madvise
+
+    def full(addr, n, advice):
+        if advice == _ffi.libc.MADV_POPULATE_WRITE:
+            raise OSError(_errno.EFAULT, "Bad address")
+        return real(addr, n, advice)
+
+    monkeypatch.setattr(_ffi.libc, "madvise", full)
+    with pytest.raises(OSError, match="not enough shared memory"):
+        SharedBuffer.create(6 << 20, shm_name, stripes=3)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(shm_name)]
+
+
+def test_killed_creator_stripes_are_all_cleaned(no_leaks):
+    code = ("import time; from pdkv import SharedBuffer; b = SharedBuffer.create(5 << 20, stripes=3); "
+            "print(b.name, flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = p.stdout.readline().strip()
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        p.stdout.close()
+    parts = [name, name + "@1", name + "@2"]
+    assert all(os.path.exists(f"/dev/shm/{x}") for x in parts)
+    assert sorted(set(parts) & set(clean_segments(dry_run=False))) == sorted(parts)
+    assert not any(os.path.exists(f"/dev/shm/{x}") for x in parts)
+
+
+@pytest.mark.cuda
+def test_striped_pinned_buffer_copies_across_stripes(cuda_device, no_leaks):
+    # one registration over all stripes: copies that span stripe boundaries work
+    with SharedBuffer.create(6 << 20, require_pinned=True, stripes=3) as b:
+        assert b.pinned and b.device_address == b.address
+        n, off = 3 << 20, 1 << 20  # bytes 1..4 MiB: stripes 0, 1 and 2
+        data = os.urandom(n)
+        b.buf[off:off + n] = data
+        d = _ffi.cuda.malloc(n)
+        try:
+            _ffi.cuda.memcpy(d, b.address + off, n)
+            b.buf[off:off + n] = bytes(n)
+            _ffi.cuda.memcpy(b.address + (2 << 20) + 7, d, n - 7)
+            assert bytes(b.buf[(2 << 20) + 7:(5 << 20)]) == data[:n - 7]
+        finally:
+            _ffi.cuda.free(d)

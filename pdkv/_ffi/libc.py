@@ -23,6 +23,7 @@ __all__ = [
     "memmove",
     "madvise",
     "memset",
+    "mmap_fixed",
     "shm_open",
     "shm_unlink",
 ]
@@ -40,11 +41,22 @@ def _minus_one_errno(res: int, func: object, args: tuple) -> int:
     return res
 
 
+def _map_failed(res: int | None, func: object, args: tuple) -> int:
+    if res is None or res == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), f"mmap at {hex(args[0] or 0)}")
+    return res
+
+
+_MAP_FAILED = (1 << (8 * ctypes.sizeof(c_void_p))) - 1
+MAP_FIXED = 0x10
+
 # name: (argtypes, restype, errcheck). An explicit None checker means "reviewed, none".
 _PROTOS = {
     "shm_open": ((c_char_p, c_int, c_uint), c_int, _minus_one_errno),
     "shm_unlink": ((c_char_p,), c_int, _minus_one_errno),
     "madvise": ((c_void_p, c_size_t, c_int), c_int, _minus_one_errno),
+    "mmap": ((c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_long), c_void_p, _map_failed),
 }
 
 
@@ -85,6 +97,17 @@ def shm_unlink(name: str) -> None:
 def madvise(addr: int, length: int, advice: int) -> None:
     """``madvise(2)`` without the GIL. Raises ``OSError``."""
     _F["madvise"](addr, length, advice)  # type: ignore[operator]
+
+
+def mmap_fixed(addr: int, length: int, fd: int, offset: int = 0) -> None:
+    """Map ``length`` bytes of ``fd`` shared and writable exactly at ``addr``, replacing
+    what was mapped there (``MAP_FIXED``): the caller owns ``[addr, addr+length)``,
+    typically a reservation it made with :class:`mmap.mmap`, whose ``close()`` then
+    unmaps this too. Raises ``OSError``."""
+    got = _F["mmap"](addr, length, mmap.PROT_READ | mmap.PROT_WRITE,  # type: ignore[operator]
+                     mmap.MAP_SHARED | MAP_FIXED, fd, offset)
+    if got != addr:  # pragma: no cover - MAP_FIXED either maps at addr or fails
+        raise OSError(0, f"mmap placed the mapping at {hex(got)}, not {hex(addr)}")
 
 
 def memset(addr: int, value: int, length: int) -> None:
