@@ -21,6 +21,9 @@ from .errors import AuthenticationError, ProtocolError
 __all__ = [
     "PROTOCOL_VERSION",
     "MAX_MESSAGE_BYTES",
+    "pack_frame",
+    "unpack_frame",
+    "is_unauthenticated",
     "Hello",
     "Welcome",
     "ReserveReq",
@@ -36,7 +39,8 @@ __all__ = [
     "session_key",
 ]
 
-PROTOCOL_VERSION = 1
+_MAC_BYTES = 32  # HMAC-SHA256
+PROTOCOL_VERSION = 2  # 2: one frame per message (MAC length, MAC, body)
 MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
 _MAX_ID = 256
 
@@ -173,13 +177,14 @@ class Codec:
             self.key = session_key(self.secret, prefill_nonce, decode_nonce)
 
     def encode(self, msg: Message) -> list[bytes]:
-        """Return the frames ``[mac, body]`` to send."""
+        """Return the frames to send: one, :func:`pack_frame` of the MAC and the body
+        (each zmq frame costs a send on a hot path, so there is one)."""
         self._send_seq += 1
         body = self._enc.encode(_Envelope(self._send_seq, msg))
         if len(body) > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
         mac = hmac.new(self.key, body, hashlib.sha256).digest() if self.key is not None else b""
-        return [mac, body]
+        return [pack_frame(mac, body)]
 
     def decode(self, frames: list[bytes]) -> Message:
         """Validate and decode frames; raise ProtocolError (AuthenticationError for MACs).
@@ -187,9 +192,9 @@ class Codec:
         Nothing changes when a frame is refused, except that the sequence number of an
         accepted frame is remembered.
         """
-        if len(frames) != 2:
-            raise ProtocolError(f"expected 2 frames (mac, body), got {len(frames)}")
-        mac, body = bytes(frames[0]), bytes(frames[1])
+        if len(frames) != 1:
+            raise ProtocolError(f"expected 1 frame, got {len(frames)}")
+        mac, body = unpack_frame(frames[0])
         if len(body) > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
         if self.key is not None:
@@ -207,6 +212,26 @@ class Codec:
         _validate(env.msg)
         self._recv_seq = env.seq
         return env.msg
+
+
+def pack_frame(mac: bytes, body: bytes) -> bytes:
+    """One message frame: a byte with the MAC's length (0: unauthenticated, or 32), the
+    MAC, the msgpack body."""
+    return bytes((len(mac),)) + mac + body
+
+
+def unpack_frame(frame: bytes) -> tuple[bytes, bytes]:
+    """``(mac, body)`` of a frame; ProtocolError if it is malformed."""
+    frame = bytes(frame)
+    if not frame or frame[0] not in (0, _MAC_BYTES) or len(frame) < 1 + frame[0]:
+        raise ProtocolError("malformed frame (expected a MAC length of 0 or 32, the MAC, the body)")
+    n = frame[0]
+    return frame[1:1 + n], frame[1 + n:]
+
+
+def is_unauthenticated(frames: list[bytes]) -> bool:
+    """Whether a message carries no MAC (a refusal to a peer whose key is unknown)."""
+    return len(frames) == 1 and frames[0][:1] == b"\x00"
 
 
 def _validate(m: Message) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import select
 import socket
 import struct
 import threading
@@ -43,7 +44,7 @@ from .errors import (
 from .layout import CacheSpec, KVLayout, Segment, tp_segments
 from .protocol import (
     PROTOCOL_VERSION, Abort, Codec, Complete, ErrorMsg, GrantMsg, Heartbeat, Hello, LayerDone, Message,
-    Outcome, ReserveReq, Welcome, new_nonce)
+    Outcome, ReserveReq, Welcome, is_unauthenticated, new_nonce)
 from .scheduler import DecodeScheduler, Event
 from .shm import SharedBuffer
 from .shm_clean import pid_alive
@@ -64,25 +65,92 @@ _ITEMS_PER_FRAME = 64  # blocks per frame: one syscall each side moves them all
 _POLL_S = 0.25  # receive-side socket timeout: how often a blocked receive checks for close
 
 
-def _poll(poller: zmq.Poller, wake_r: int, sock: zmq.Socket, timeout_ms: int) -> list[list[bytes]] | None:
-    """Wait for messages or a wake-up; return the frames received (None: socket closed)."""
-    try:
-        ready = dict(poller.poll(timeout_ms))
-    except zmq.ZMQError:
-        return None
-    if wake_r in ready:
+# plain ints: pyzmq's enum flags cost microseconds per operation on the hot path
+_NB, _MORE_NB = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+class _Channel:
+    """A zmq socket that any thread may send on: a send goes out at once, under a lock,
+    instead of hopping through the I/O thread (each hop costs a thread wake-up, and the
+    control round trips are what a one-block request waits for). The I/O thread waits on
+    the socket's file descriptor and a wake pipe with an OS poll and receives under the
+    same lock. The callable given to :meth:`send` runs under the lock too, so message
+    sequence numbers go out in the order they were assigned.
+
+    zmq's descriptor is edge-triggered: any operation on the socket, a send included,
+    may consume the signal that input is waiting, so after each send the sender checks
+    ``EVENTS`` and wakes the I/O thread if input is there."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._poll = select.poll()
+        self._poll.register(sock.getsockopt(zmq.FD), select.POLLIN)
+        self._poll.register(self._r, select.POLLIN)
+        self._closed = False
+
+    def wake(self) -> None:
         try:
-            os.read(wake_r, 4096)
+            os.write(self._w, b"x")
+        except OSError:  # pipe full (a wake-up is pending anyway) or closed
+            pass
+
+    def send(self, frames: Callable[[], list[bytes]]) -> bool:
+        """Send the frames ``frames()`` returns; False if the socket would block or is closed."""
+        with self.lock:
+            if self._closed:
+                return False
+            parts = frames()
+            try:
+                for f in parts[:-1]:
+                    self.sock.send(f, _MORE_NB)
+                self.sock.send(parts[-1], _NB)
+            except zmq.ZMQError:
+                return False
+            pending = bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
+        if pending:
+            self.wake()
+        return True
+
+    def _drain(self) -> list[list[bytes]] | None:
+        out: list[list[bytes]] = []
+        with self.lock:
+            if self._closed:
+                return None
+            try:
+                while len(out) < 256 and self.sock.getsockopt(_EVENTS) & _POLLIN:
+                    out.append(self.sock.recv_multipart(_NB))
+            except zmq.Again:
+                pass
+            except zmq.ZMQError:
+                return None
+        return out
+
+    def wait(self, timeout_ms: int) -> list[list[bytes]] | None:
+        """Messages waiting now; if none, wait up to ``timeout_ms`` for input or a wake-up.
+        None once the channel is closed."""
+        out = self._drain()
+        if out is None or out:
+            return out
+        self._poll.poll(timeout_ms)
+        try:
+            os.read(self._r, 4096)
         except BlockingIOError:
             pass
-    out: list[list[bytes]] = []
-    if sock in ready:
-        for _ in range(256):
-            try:
-                out.append(sock.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                break
-    return out
+        return self._drain()
+
+    def close(self) -> None:
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.sock.close(0)
+        os.close(self._r)
+        os.close(self._w)
 
 
 def boot_id() -> str:
@@ -262,7 +330,6 @@ class DecodeReceiver:
         self._inflight: dict[str, _Inflight] = {}
         self._by_token: dict[int, _Inflight] = {}
         self._grants: dict[tuple[str, str], GrantMsg] = {}
-        self._outbox: queue.SimpleQueue[tuple[bytes, Message]] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._ctx = zmq.Context()
         try:  # a half-built receiver (address in use, say) leaves nothing open
@@ -276,8 +343,7 @@ class DecodeReceiver:
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._ch = _Channel(self._router)
         self._lsock.settimeout(0.2)
         self.data_address = f"{data_host}:{self._lsock.getsockname()[1]}"
         # what prefill is told to connect to (differs behind NAT, port forwarding, a proxy)
@@ -305,7 +371,7 @@ class DecodeReceiver:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._wake()
+        self._ch.wake()
         try:
             self._lsock.close()
         except OSError:
@@ -319,10 +385,8 @@ class DecodeReceiver:
                 pass
         for t in self._threads:
             t.join(timeout)
-        self._router.close(0)
+        self._ch.close()
         self._ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
         self.scheduler.listener = self._user_listener
 
     def __enter__(self) -> DecodeReceiver:
@@ -331,39 +395,21 @@ class DecodeReceiver:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
-
     def _send(self, ident: bytes, msg: Message) -> None:
-        self._outbox.put((ident, msg))
-        self._wake()
+        """Send to a peer from any thread (dropped if the peer is gone or its queue is full)."""
+        peer = self._peers.get(ident)
+        if peer is not None:
+            self._ch.send(lambda: [ident, *peer.codec.encode(msg)])
 
     # ------------------------------------------------------------------ control loop
     def _control_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
         last_check = time.monotonic()
         while not self._closed.is_set():
-            got = _poll(poller, self._wake_r, self._router, 2 if self.auto_tick else 50)
+            got = self._ch.wait(2 if self.auto_tick else 50)
             if got is None:
                 break
             for frames in got:
                 self._on_frames(frames)
-            while True:
-                try:
-                    ident, msg = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                peer = self._peers.get(ident)
-                if peer is not None:
-                    try:
-                        self._router.send_multipart([ident, *peer.codec.encode(msg)], zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
             now = time.monotonic()
             if self.auto_tick:
                 self.scheduler.tick()
@@ -383,10 +429,8 @@ class DecodeReceiver:
         except ProtocolError as exc:
             self.stats["messages_rejected"] += 1
             if peer is None:  # answer once, unauthenticated, so the operator sees why
-                try:
-                    self._router.send_multipart([ident, *Codec(None).encode(ErrorMsg("refused", str(exc)))], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                refusal = [ident, *Codec(None).encode(ErrorMsg("refused", str(exc)))]
+                self._ch.send(lambda: refusal)
             return
         if peer is None:
             if not isinstance(msg, Hello):
@@ -404,10 +448,7 @@ class DecodeReceiver:
 
     def _on_hello(self, ident: bytes, codec: Codec, h: Hello) -> None:
         def refuse(why: str) -> None:
-            try:
-                self._router.send_multipart([ident, *codec.encode(ErrorMsg("refused", why))], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self._ch.send(lambda: [ident, *codec.encode(ErrorMsg("refused", why))])
 
         try:
             lay = KVLayout.from_descriptor(h.layout)
@@ -439,10 +480,7 @@ class DecodeReceiver:
         with self._lock:
             self._peers[ident] = peer
             self._data_tokens[peer.data_token] = ident
-        try:
-            self._router.send_multipart([ident, *frames], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        self._ch.send(lambda: [ident, *frames])
 
     def _dispatch(self, peer: _Peer, msg: Message) -> None:
         if isinstance(msg, Heartbeat):
@@ -878,15 +916,13 @@ class PrefillSender:
         self._failed: dict[str, str] = {}
         self._closed = threading.Event()
         self._broken: str | None = None
-        self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._jobs: queue.Queue[tuple | None] = queue.Queue()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(control)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._ch = _Channel(self._sock)
         self._data_socks: list[socket.socket] = []
         self._shm: dict[int, SharedBuffer] = {}
         self._dst_specs: dict[int, CacheSpec] = {}
@@ -917,7 +953,7 @@ class PrefillSender:
         try:
             msg = self._codec.decode(frames)
         except ProtocolError:
-            msg = Codec(None).decode(frames) if not frames[0] else None  # a refusal is sent unauthenticated
+            msg = Codec(None).decode(frames) if is_unauthenticated(frames) else None  # a refusal is sent unauthenticated
             if not isinstance(msg, ErrorMsg):
                 raise
         if isinstance(msg, ErrorMsg):
@@ -1032,7 +1068,7 @@ class PrefillSender:
             return
         self._closed.set()
         self._jobs.put(None)
-        self._wake()
+        self._ch.wake()
         for t in self._threads:
             t.join(5)
         self._fail_all("sender closed")
@@ -1053,10 +1089,8 @@ class PrefillSender:
             except PdkvError:
                 pass
         self._shm.clear()
-        self._sock.close(0)
+        self._ch.close()
         self._ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
     def __enter__(self) -> PrefillSender:
         return self
@@ -1071,15 +1105,9 @@ class PrefillSender:
         if self._broken:
             raise PeerError(self._broken)
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-
     def _post(self, msg: Message) -> None:
-        self._outbox.put(msg)
-        self._wake()
+        """Send to decode now, from whichever thread calls (see :class:`_Channel`)."""
+        self._ch.send(lambda: self._codec.encode(msg))
 
     def _resolve(self, rid: str, state: str, reason: str = "") -> None:
         with self._lock:
@@ -1101,12 +1129,9 @@ class PrefillSender:
             self._resolve(rid, "failed", why)
 
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
         last_hb = 0.0
         while not self._closed.is_set():
-            got = _poll(poller, self._wake_r, self._sock, 50)
+            got = self._ch.wait(50)
             if got is None:
                 break
             for frames in got:
@@ -1116,22 +1141,10 @@ class PrefillSender:
                     continue  # refused: never acted upon
                 self._last_heard = time.monotonic()
                 self._on_msg(msg)
-            while True:
-                try:
-                    m = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    self._sock.send_multipart(self._codec.encode(m), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
             now = time.monotonic()
             if now - last_hb >= self.heartbeat_s:
                 last_hb = now
-                try:
-                    self._sock.send_multipart(self._codec.encode(Heartbeat(time.time())), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                self._post(Heartbeat(time.time()))
             if now - self._last_heard > self.timeout_s and not self._broken:
                 self._broken = f"decode silent for {self.timeout_s}s: considered dead"
                 self._fail_all(self._broken)

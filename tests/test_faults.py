@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from faultproxy import FaultProxy
 from pdkv import PrefillSender, State
-from pdkv.protocol import PROTOCOL_VERSION, Codec, Complete, Hello, LayerDone, ReserveReq
+from pdkv.protocol import PROTOCOL_VERSION, Codec, Complete, Hello, LayerDone, ReserveReq, pack_frame
 from pdkv.transfer import FRAME_HEADER
 from test_transfer import BASE, Decode, _lines, _spawn, prefill_cache, reap, send_one
 
@@ -52,12 +52,14 @@ def test_hostile_control_messages_change_nothing(no_leaks):
         enc = msgspec.msgpack.Encoder()
         lay = KVLayout(**BASE)
         junk = [
-            [b"", b"\xc1garbage"],                                 # not msgpack
-            [b"", enc.encode([1, {"type": "reserve"}])],           # truncated fields
-            [b"", enc.encode([1, {"type": "evil", "x": 1}])],      # unknown type
-            [b"x" * 32, enc.encode([1, {"type": "hb", "t": 1.0}])],  # a MAC where none is configured
-            [b""],                                                 # one frame
-            [b"", b"\x00" * (3 << 20)],                            # oversized: zmq drops the peer
+            [pack_frame(b"", b"\xc1garbage")],                                 # not msgpack
+            [pack_frame(b"", enc.encode([1, {"type": "reserve"}]))],           # truncated fields
+            [pack_frame(b"", enc.encode([1, {"type": "evil", "x": 1}]))],      # unknown type
+            [pack_frame(b"x" * 32, enc.encode([1, {"type": "hb", "t": 1.0}]))],  # a MAC where none is configured
+            [b""],                                                             # empty frame
+            [b"\x07junk"],                                                     # bad MAC length
+            [b"", b""],                                                        # two frames
+            [pack_frame(b"", b"\x00" * (3 << 20))],                            # oversized: zmq drops the peer
         ]
         for f in junk:
             s.send_multipart(f)

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv.errors import AuthenticationError, PdkvError, ProtocolError
-from pdkv.protocol import (PROTOCOL_VERSION, Codec, Complete, GrantMsg, Heartbeat, Hello, LayerDone, ReserveReq,
+from pdkv.protocol import (PROTOCOL_VERSION, Codec, pack_frame, Complete, GrantMsg, Heartbeat, Hello, LayerDone, ReserveReq,
                            session_key)
 
 SECRET = b"k" * 32
@@ -65,11 +65,14 @@ def test_schema_violations():
     for body in ([1, {"type": "nope"}], [1, {"type": "reserve", "request_id": 5, "num_tokens": 1}],
                  [1, {"type": "reserve", "request_id": "r", "num_tokens": 1, "extra": 1}], "junk", [1]):
         with pytest.raises(ProtocolError, match="invalid message"):
-            dec.decode([b"", enc.encode(body)])
-    with pytest.raises(ProtocolError, match="2 frames"):
-        dec.decode([b""])
+            dec.decode([pack_frame(b"", enc.encode(body))])
+    with pytest.raises(ProtocolError, match="1 frame"):
+        dec.decode([b"", b""])
+    for bad in (b"", b"\x05abc", b"\x20" + b"m" * 31):  # no length, a bad MAC length, a short MAC
+        with pytest.raises(ProtocolError, match="malformed"):
+            dec.decode([bad])
     with pytest.raises(ProtocolError, match="exceeds"):
-        dec.decode([b"", b"\0" * (2 << 20)])
+        dec.decode([pack_frame(b"", b"\0" * (2 << 20))])
 
 
 @given(st.lists(st.binary(max_size=300), min_size=0, max_size=3))

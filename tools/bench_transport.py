@@ -9,7 +9,8 @@ of the same bytes into the decode's segment), and the tcp transport against a
 single-stream socket loop (sendall -> recv_into of the same bytes between the same two
 processes). The clock runs from handing the data to the sender until every request's
 outcome (received, verified by decode's accounting) is back; grants are taken before.
-Control overhead: reserve -> write -> complete -> outcome of one-block requests, p50.
+Control overhead: one-block requests, p50 of grant -> completion (from holding the grant
+to the definite outcome) and of the whole cycle including the reservation round trip.
 
     python tools/bench_transport.py [--gib 1] [--sizes-kib 32,128,1024] [--streams 2]
 """
@@ -51,19 +52,27 @@ def decode_main(a: argparse.Namespace) -> None:
     lay = layout_for(a.kib)
     nb = int(a.gib * (1 << 30)) // lay.block_bytes
     buf = pdkv.SharedBuffer.create(pdkv.CacheSpec.buffer_bytes(lay, nb))
+    import threading
+
+    ready = threading.Event()
+
+    def on_event(ev) -> None:  # the engine is woken by the scheduler, as a real one would be
+        if ev.kind == "ready":
+            ready.set()
+
     sched = pdkv.DecodeScheduler(num_layers=1, gpu=pdkv.BlockPool(nb), buffer=pdkv.BlockPool(nb), swap=NullSwap(),
-                                 options=pdkv.SchedulerOptions(direct_to_gpu=False, lease_s=120))
+                                 options=pdkv.SchedulerOptions(direct_to_gpu=False, lease_s=120),
+                                 listener=on_event)
     rx = pdkv.DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, io_timeout_s=30)
     sink = socket.create_server(("127.0.0.1", 0))
     print(json.dumps({"control": rx.control_address, "shm": buf.name, "blocks": nb,
                       "sink": sink.getsockname()[1]}), flush=True)
     def engine() -> None:  # the decode engine: takes ready requests and finishes them
         while True:
+            ready.wait(0.05)
+            ready.clear()
             for r in sched.take_ready():
                 sched.finish(r.request_id)
-            time.sleep(0.0005)
-
-    import threading
 
     threading.Thread(target=engine, daemon=True).start()
     # the socket-loop baseline: receive a stream into the buffer, as fast as Python can
@@ -104,6 +113,15 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         def ceiling():
             t0 = time.perf_counter()
             np.copyto(dst[:total], src)
+            return total / (time.perf_counter() - t0)
+
+        # the same scattered copy with no transport at all: one np.take (a C loop of memcpy)
+        # gathering the source blocks in the transfer's random order into the segment
+        s2, d2 = src.reshape(nb, lay.block_bytes), dst[:total].reshape(nb, lay.block_bytes)
+
+        def bare_gather():
+            t0 = time.perf_counter()
+            np.take(s2, perm, axis=0, out=d2, mode="clip")
             return total / (time.perf_counter() - t0)
 
         # socket loop baseline: one stream, sendall of the same bytes, recv_into on the far side
@@ -147,30 +165,38 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
 
         # warm-up, then each repetition measures the thing and its baseline back to back,
         # and the ratio is taken per repetition (this 2-core machine is noisy)
-        ceiling(), socket_loop(), transfer("shm"), transfer("tcp")
-        reps = [(ceiling(), transfer("shm"), socket_loop(), transfer("tcp")) for _ in range(a.reps)]
+        ceiling(), socket_loop(), transfer("shm"), transfer("tcp"), bare_gather()
+        reps = [(ceiling(), transfer("shm"), socket_loop(), transfer("tcp"), bare_gather()) for _ in range(a.reps)]
         med = lambda xs: statistics.median(xs)  # noqa: E731
         res = {"shm": med([r[1] for r in reps]), "tcp": med([r[3] for r in reps]),
-               "shm_ratio": med([r[1] / r[0] for r in reps]), "tcp_ratio": med([r[3] / r[2] for r in reps])}
+               "shm_ratio": med([r[1] / r[0] for r in reps]), "tcp_ratio": med([r[3] / r[2] for r in reps]),
+               "shm_vs_bare_gather": med([r[1] / r[4] for r in reps]), "bare_gather": med([r[4] for r in reps])}
         shm_ceiling, sock_bw = med([r[0] for r in reps]), med([r[2] for r in reps])
         for transport, tx in txs.items():
-            # control overhead: one-block requests, grant -> completion
-            lat = []
+            # control overhead of one-block requests: grant -> completion (from holding the
+            # grant to the definite outcome: write, layer/complete messages, decode's
+            # accounting, the answer), and the whole cycle with the reservation round trip
+            lat, full = [], []
             for i in range(a.control_requests):
                 rid = f"ctl-{transport}-{i}"
                 t0 = time.perf_counter()
                 tx.reserve(rid, lay.tokens_per_block)
+                t1 = time.perf_counter()
                 tx.send_layer(0, [(rid, [i % nb])])
                 tx.finish(rid)
                 assert tx.wait_outcome(rid, 10).ok
-                lat.append(time.perf_counter() - t0)
+                t2 = time.perf_counter()
+                lat.append(t2 - t1)
+                full.append(t2 - t0)
             res[transport + "_ctl_p50_ms"] = statistics.median(lat) * 1e3
+            res[transport + "_cycle_p50_ms"] = statistics.median(full) * 1e3
             tx.close()
-        del dst
+        del dst, s2, d2
         view_buf.close()
         gib = 1 << 30
-        rows.append((kib, res["shm"] / gib, res["shm_ratio"], shm_ceiling / gib, res["tcp"] / gib, res["tcp_ratio"],
-                     sock_bw / gib, res["shm_ctl_p50_ms"], res["tcp_ctl_p50_ms"]))
+        rows.append((kib, res["shm"] / gib, res["shm_ratio"], shm_ceiling / gib, res["bare_gather"] / gib,
+                     res["tcp"] / gib, res["tcp_ratio"], sock_bw / gib, res["shm_ctl_p50_ms"], res["tcp_ctl_p50_ms"],
+                     res["shm_cycle_p50_ms"], res["tcp_cycle_p50_ms"]))
         out[kib] = dict(res, shm_ceiling=shm_ceiling, socket=sock_bw)
     finally:
         child.kill()
@@ -199,10 +225,13 @@ def main() -> int:
     for kib in [int(x) for x in a.sizes_kib.split(",")]:
         run_size(kib, a, rows, out)
     print(f"{a.gib:g} GiB per run, random destination order, every byte verified; GiB/s (ratio)")
-    print(f"{'KiB':>6} {'shm':>14} {'shm ceiling':>12} {'tcp':>14} {'socket loop':>12} {'ctl p50 ms shm/tcp':>19}")
-    for kib, s, sr, sc, t, tr, sk, c1, c2 in rows:
-        print(f"{kib:>6} {s:>7.2f} ({sr:.2f}) {sc:>12.2f} {t:>7.2f} ({tr:.2f}) {sk:>12.2f} {c1:>9.2f}/{c2:.2f}")
-    print("(medians over repetitions; a ratio is the median of per-repetition ratios)")
+    print(f"{'KiB':>6} {'shm':>14} {'shm ceiling':>12} {'bare gather':>12} {'tcp':>14} {'socket loop':>12}"
+          f" {'grant->done ms shm/tcp':>23} {'+reserve ms':>12}")
+    for kib, s, sr, sc, bg, t, tr, sk, c1, c2, f1, f2 in rows:
+        print(f"{kib:>6} {s:>7.2f} ({sr:.2f}) {sc:>12.2f} {bg:>12.2f} {t:>7.2f} ({tr:.2f}) {sk:>12.2f}"
+              f" {c1:>13.2f}/{c2:.2f} {f1:>7.2f}/{f2:.2f}")
+    print("(medians over repetitions; a ratio is the median of per-repetition ratios. shm ceiling: one contiguous")
+    print(" copy of the same bytes; bare gather: the same random-order block copy as one np.take, no transport)")
     print("reference (DESIGN.md, same machine class): NIXL/UCX TCP best 2.14 GiB/s, Mooncake TCP best 2.3 GiB/s")
     r128 = out.get(128) or next(iter(out.values()))
     print(json.dumps({
@@ -211,6 +240,8 @@ def main() -> int:
         "tcp_GiBps": round(r128["tcp"] / (1 << 30), 3),
         "control_p50_ms": round(statistics.median([r["tcp_ctl_p50_ms"] for r in out.values()]), 3),
         "control_p50_ms_shm": round(statistics.median([r["shm_ctl_p50_ms"] for r in out.values()]), 3),
+        "cycle_with_reserve_p50_ms": round(statistics.median([r["tcp_cycle_p50_ms"] for r in out.values()]), 3),
+        "shm_vs_bare_gather": round(min(r["shm_vs_bare_gather"] for r in out.values()), 3),
         "streams": a.streams,
     }))
     return 0
