@@ -312,6 +312,11 @@ def event_query(event: int) -> bool:
     return True
 
 
+def stream_wait_event(stream: int, event: int) -> None:
+    """Work submitted to ``stream`` after this waits for ``event``."""
+    _call(_rt().cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
+
+
 def event_synchronize(event: int) -> None:
     _call(_rt().cudaEventSynchronize(event), "cudaEventSynchronize")
 
