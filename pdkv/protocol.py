@@ -61,6 +61,7 @@ class Hello(_Base, tag="hello"):
     boot_id: str
     pid: int
     nonce: bytes
+    rdma: dict[str, Any] = {}  # prefill's queue-pair record when it offers rdma
 
 
 class Welcome(_Base, tag="welcome"):

@@ -15,6 +15,7 @@ it raises :class:`~pdkv.errors.RdmaUnavailableError` saying so.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +24,8 @@ from typing import Any
 from . import _ffi
 from .errors import PdkvTimeoutError, ProtocolError, RdmaError
 
-__all__ = ["WriteWR", "plan_writes", "batch_chains", "CompletionTracker", "EndpointInfo", "RdmaWriter",
-           "WC_STATUS"]
+__all__ = ["WriteWR", "plan_writes", "batch_chains", "CompletionTracker", "EndpointInfo", "RemoteRegion",
+           "merge_regions", "RdmaWriter", "RdmaTarget", "WC_STATUS"]
 
 WC_STATUS = {0: "success", 1: "local length error", 2: "local QP operation error", 4: "local protection error",
              5: "work request flushed", 7: "bad response", 8: "local access error", 9: "remote invalid request",
@@ -90,32 +91,39 @@ def batch_chains(wrs: Sequence[WriteWR], max_chain: int, signal_every: int) -> l
 
 @dataclass
 class CompletionTracker:
-    """Maps signaled work requests to the requests whose writes they cover.
+    """Maps work requests to the requests whose writes they carry.
 
-    A signaled completion covers itself and the unsignaled requests posted before it on
-    the same queue pair. A failed status fails every request covered; a request succeeds
-    when all its covering completions succeeded.
+    A signaled completion covers itself and the unsignaled work requests posted before it
+    on the same queue pair. A request succeeds when all its covering completions
+    succeeded. When a queue pair fails, the device completes the failing work request
+    and flushes every later one, signaled or not, with an error status: those are
+    matched to their requests too, and fail them.
     """
 
     _next: int = 1
     _pending: dict[int, set[str]] = field(default_factory=dict)
+    _covers: dict[int, list[int]] = field(default_factory=dict)
+    _owner: dict[int, str] = field(default_factory=dict)
     _outstanding: dict[str, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
 
     def register_chain(self, chain: list[tuple[WriteWR, bool]]) -> list[int]:
         """Give every work request its id; returns them in chain order."""
-        ids, covered = [], set()
+        ids, covered, wids = [], set(), []
         for w, sig in chain:
             wid = self._next
             self._next += 1
             ids.append(wid)
             covered.add(w.request)
+            wids.append(wid)
+            self._owner[wid] = w.request
             if sig:
                 self._pending[wid] = covered
+                self._covers[wid] = wids
                 for r in covered:
                     self._outstanding[r] = self._outstanding.get(r, 0) + 1
-                covered = set()
+                covered, wids = set(), []
         return ids
 
     def on_completions(self, wcs: Sequence[tuple[int, int]]) -> list[str]:
@@ -124,7 +132,15 @@ class CompletionTracker:
         for wr_id, status in wcs:
             reqs = self._pending.pop(wr_id, None)
             if reqs is None:
-                raise RdmaError(f"completion for unknown work request {wr_id}")
+                owner = self._owner.get(wr_id)
+                if owner is None or status == 0:
+                    raise RdmaError(f"completion for unknown work request {wr_id} (status {status})")
+                # an unsignaled request completed in error: fail its request now; the
+                # signaled one that covers it still completes (flushed) and counts
+                self.failed.setdefault(owner, f"RDMA write failed: {WC_STATUS.get(status, f'status {status}')}")
+                continue
+            for w in self._covers.pop(wr_id, ()):
+                self._owner.pop(w, None)
             for r in reqs:
                 if status != 0:
                     self.failed.setdefault(r, f"RDMA write failed: {WC_STATUS.get(status, f'status {status}')}")
@@ -185,40 +201,169 @@ class EndpointInfo:
         return e
 
 
-class RdmaWriter:
-    """One RC queue pair writing into a peer's registered buffer.
+@dataclass(frozen=True, slots=True)
+class RemoteRegion:
+    """A peer's registered memory region: where RDMA writes may land, and its key."""
 
-    Raises RdmaUnavailableError when pyverbs or an RDMA device is missing.
+    addr: int
+    length: int
+    rkey: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"addr": self.addr, "length": self.length, "rkey": self.rkey}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RemoteRegion:
+        try:
+            r = cls(int(d["addr"]), int(d["length"]), int(d["rkey"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad RDMA region record: {exc}") from None
+        if r.addr <= 0 or r.length <= 0 or r.addr + r.length >= 1 << 64 or not 0 <= r.rkey < 1 << 32:
+            raise ProtocolError(f"RDMA region record out of range: {r}")
+        return r
+
+
+def merge_regions(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(addr, length)`` ranges merged where they overlap or touch, sorted."""
+    out: list[list[int]] = []
+    for a, n in sorted((a, n) for a, n in regions if n > 0):
+        if out and a <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], a + n - out[-1][0])
+        else:
+            out.append([a, n])
+    return [(a, n) for a, n in out]
+
+
+class RdmaWriter:
+    """Prefill's end: its cache registered (one memory region per contiguous range), one
+    RC queue pair to a decode receiver, writes into the receiver's regions.
+
+    Raises RdmaUnavailableError when pyverbs or an RDMA device is missing. Call
+    :meth:`close` (or use it as a context manager) to release the queue pair, memory
+    regions and device.
     """
 
-    def __init__(self, local_addr: int, local_len: int, *, device: str | None = None, max_send_wr: int = 1024,
+    def __init__(self, regions: Sequence[tuple[int, int]], *, device: str | None = None, max_send_wr: int = 1024,
                  signal_every: int = 64, timeout_s: float = 10.0) -> None:
         self._res = _ffi.verbs.open_device(device)
-        self._mr, self.lkey, _ = _ffi.verbs.register(self._res, local_addr, local_len, remote_write=False)
-        self._qp = _ffi.verbs.create_rc_qp(self._res, max_send_wr)
+        self._mrs: list[Any] = []
+        self._qp: Any = None
+        try:
+            self._local: list[tuple[int, int, int]] = []  # (start, end, lkey), sorted
+            for addr, n in merge_regions(regions):
+                mr, lkey, _ = _ffi.verbs.register(self._res, addr, n, remote_write=False)
+                self._mrs.append(mr)
+                self._local.append((addr, addr + n, lkey))
+            self._qp = _ffi.verbs.create_rc_qp(self._res, max_send_wr)
+        except BaseException:
+            self.close()
+            raise
+        self._starts = [r[0] for r in self._local]
         self.max_chain = max(1, max_send_wr // 2)
         self.signal_every = min(signal_every, self.max_chain)
         self.timeout_s = timeout_s
         self.tracker = CompletionTracker()
-        self.remote: EndpointInfo | None = None
+        self.connected = False
 
     def local_info(self, psn: int = 0) -> EndpointInfo:
         return EndpointInfo(int(self._qp.qp_num), psn, self._res["lid"], self._res["gid"], self._res["mtu"])
 
     def connect(self, remote: EndpointInfo) -> None:
         _ffi.verbs.connect_qp(self._res, self._qp, remote.to_dict())
-        self.remote = remote
+        self.connected = True
 
-    def write(self, request: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> None:
-        """Post every write of ``request`` and wait (bounded) for their completions; raise
-        RdmaError if any completion failed."""
-        assert self.remote is not None, "connect() first"
-        wrs = plan_writes(request, local, remote, lengths, self.remote.addr, self.remote.length)
+    def lkey(self, addr: int, n: int) -> int:
+        """Key of the local region holding ``[addr, addr+n)``; RdmaError if none does."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0 or addr + n > self._local[i][1]:
+            raise RdmaError(f"local range [{addr:#x}, +{n}) is not inside a registered region")
+        return self._local[i][2]
+
+    def write(self, request: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int],
+              region: RemoteRegion) -> None:
+        """Post every write of ``request`` into ``region`` and wait (bounded) for their
+        completions; raise RdmaError if any completion failed."""
+        if not self.connected:
+            raise RdmaError("queue pair not connected")
+        wrs = plan_writes(request, local, remote, lengths, region.addr, region.length)
         for chain in batch_chains(wrs, self.max_chain, self.signal_every):
             ids = self.tracker.register_chain(chain)
-            _ffi.verbs.post_writes(self._qp, [(i, w.local, w.length, self.lkey, w.remote, self.remote.rkey, sig)
-                                              for i, (w, sig) in zip(ids, chain)])
+            _ffi.verbs.post_writes(self._qp, [(i, w.local, w.length, self.lkey(w.local, w.length), w.remote,
+                                               region.rkey, sig) for i, (w, sig) in zip(ids, chain)])
             self.tracker.wait(lambda: _ffi.verbs.poll(self._res["cq"], 64), [request], self.timeout_s)
         err = self.tracker.failed.pop(request, None)
+        self.tracker.done.discard(request)
         if err is not None:
             raise RdmaError(f"request {request!r}: {err}")
+
+    def close(self) -> None:
+        """Release the queue pair, memory regions and device. Idempotent."""
+        if self._qp is not None:
+            _ffi.verbs.close(self._qp)
+            self._qp = None
+        for mr in self._mrs:
+            _ffi.verbs.close(mr)
+        self._mrs.clear()
+        if self._res is not None:
+            _ffi.verbs.close_device(self._res)
+            self._res = None
+
+    def __enter__(self) -> RdmaWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RdmaTarget:
+    """Decode's end: every rank's buffer registered once for remote writes, and one RC
+    queue pair per prefill peer. Destroying a peer's queue pair is its fence: no write of
+    that peer can land afterwards.
+
+    Raises RdmaUnavailableError when pyverbs or an RDMA device is missing.
+    """
+
+    def __init__(self, buffers: Sequence[tuple[int, int, int]], *, device: str | None = None,
+                 max_send_wr: int = 16) -> None:
+        """``buffers``: ``(rank, addr, length)`` of each buffer this receiver hosts."""
+        self._res = _ffi.verbs.open_device(device)
+        self._mrs: list[Any] = []
+        self._qps: dict[int, Any] = {}
+        self._max_send_wr = max_send_wr
+        try:
+            self.regions: dict[int, RemoteRegion] = {}
+            for rank, addr, n in buffers:
+                mr, _, rkey = _ffi.verbs.register(self._res, addr, n, remote_write=True)
+                self._mrs.append(mr)
+                self.regions[rank] = RemoteRegion(addr, n, rkey)
+        except BaseException:
+            self.close()
+            raise
+
+    def accept(self, prefill: EndpointInfo) -> EndpointInfo:
+        """A queue pair connected to ``prefill``'s; returns this end's record."""
+        qp = _ffi.verbs.create_rc_qp(self._res, self._max_send_wr)
+        try:
+            _ffi.verbs.connect_qp(self._res, qp, prefill.to_dict())
+        except BaseException:
+            _ffi.verbs.close(qp)
+            raise
+        qpn = int(qp.qp_num)
+        self._qps[qpn] = qp
+        return EndpointInfo(qpn, 0, self._res["lid"], self._res["gid"], self._res["mtu"])
+
+    def drop(self, qpn: int) -> None:
+        """Destroy one peer's queue pair (fence it)."""
+        qp = self._qps.pop(qpn, None)
+        if qp is not None:
+            _ffi.verbs.close(qp)
+
+    def close(self) -> None:
+        for qpn in list(self._qps):
+            self.drop(qpn)
+        for mr in self._mrs:
+            _ffi.verbs.close(mr)
+        self._mrs.clear()
+        if self._res is not None:
+            _ffi.verbs.close_device(self._res)
+            self._res = None

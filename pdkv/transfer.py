@@ -5,8 +5,8 @@ listener, the :class:`~pdkv.scheduler.DecodeScheduler` behind them). Each prefil
 a :class:`PrefillSender` (DEALER socket, a data thread that writes layer after layer while
 the engine computes the next one).
 
-Transports, chosen per peer (``auto``: shm on the same host, else tcp; rdma when asked for
-and both sides have a device):
+Transports, chosen per peer (``auto``: shm on the same host, else rdma when both sides
+have a device and decode serves it, else tcp):
 
 ``shm``  prefill opens decode's shared buffers by name and writes into them directly,
          then reports each layer (``LayerDone``).
@@ -14,6 +14,11 @@ and both sides have a device):
          each payload straight into the granted blocks after checking the frame against
          the live grant (token, lease, block range, offsets). Layers land when all their
          bytes arrived.
+``rdma`` (pyverbs) decode registers each buffer once and sends address, length and rkey
+         with its queue pair's record in the welcome; prefill posts RDMA writes coalesced
+         over contiguous runs, checks every completion, then reports each layer
+         (``LayerDone``). Dropping a dead peer's queue pair is its fence. Not run on RDMA
+         hardware (see docs/TRANSPORTS.md); tested against a simulated verbs layer.
 
 Every request ends in a definite outcome on both sides in bounded time: decode sends
 ``Outcome`` (received, failed, expired, aborted); prefill fails a request locally when
@@ -40,12 +45,13 @@ import zmq
 from . import _ffi
 from .errors import (
     ClosedError, GrantViolation, LayoutError, PdkvError, PdkvTimeoutError, PeerError,
-    ProtocolError, RequestError, TransferError)
+    ProtocolError, RdmaError, RequestError, TransferError)
 from .layout import CacheSpec, KVLayout, Segment, tp_segments
 from .protocol import (
     PROTOCOL_VERSION, Abort, Codec, Complete, ErrorMsg, GrantMsg, Heartbeat, Hello, LayerDone, Message,
     Outcome, ReserveReq, Welcome, is_unauthenticated, new_nonce)
 from .scheduler import DecodeScheduler, Event
+from .rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .shm import SharedBuffer
 from .shm_clean import pid_alive
 
@@ -236,6 +242,7 @@ class _Peer:
     layout: KVLayout | None = None
     segs_by_src: dict[int, list[Segment]] = field(default_factory=dict)
     block_bytes_by_src: dict[int, int] = field(default_factory=dict)
+    rdma_qpn: int = 0
 
 
 @dataclass
@@ -285,6 +292,10 @@ class DecodeReceiver:
     data_advertise:
         ``host:port`` prefill should connect to for data, when it differs from the
         listener (NAT, port forwarding).
+    rdma_device:
+        With ``rdma`` in ``transports``: the RDMA device (default: the first). Every
+        buffer is registered at construction; RdmaUnavailableError if pyverbs or a
+        device is missing.
 
     Ownership: the receiver owns its sockets and threads (:meth:`close`); buffers and the
     scheduler stay the caller's.
@@ -294,15 +305,15 @@ class DecodeReceiver:
                  buffer_blocks: int, *, control: str = "tcp://127.0.0.1:0", data_host: str = "127.0.0.1",
                  secret: bytes | None = None, transports: Sequence[str] = ("shm", "tcp"),
                  peer_timeout_s: float = 10.0, io_timeout_s: float = 5.0, auto_tick: bool = False,
-                 data_advertise: str | None = None) -> None:
+                 data_advertise: str | None = None, rdma_device: str | None = None) -> None:
         if scheduler.options.direct_to_gpu:
             raise ValueError("DecodeReceiver writes into the CPU buffer: create the scheduler with "
                              "SchedulerOptions(direct_to_gpu=False)")
         if len(layouts) != len(buffers) or not layouts:
             raise ValueError("give one buffer per decode rank layout")
         for t in transports:
-            if t not in ("shm", "tcp"):
-                raise ValueError(f"transport {t!r} is not served by DecodeReceiver (shm, tcp)")
+            if t not in ("shm", "tcp", "rdma"):
+                raise ValueError(f"transport {t!r} is not served by DecodeReceiver (shm, tcp, rdma)")
         self.scheduler = scheduler
         self.layouts = list(layouts)
         self.ranks = [lay.tp_rank for lay in layouts]
@@ -331,6 +342,12 @@ class DecodeReceiver:
         self._by_token: dict[int, _Inflight] = {}
         self._grants: dict[tuple[str, str], GrantMsg] = {}
         self._closed = threading.Event()
+        self._rdma: RdmaTarget | None = None
+        if "rdma" in self.transports:
+            # every buffer registered once for remote writes; raises RdmaUnavailableError
+            # (saying what is missing) on a host without pyverbs or an RDMA device
+            self._rdma = RdmaTarget([(lay.tp_rank, b.address, b.size) for lay, b in zip(layouts, buffers)],
+                                    device=rdma_device)
         self._ctx = zmq.Context()
         try:  # a half-built receiver (address in use, say) leaves nothing open
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -342,6 +359,8 @@ class DecodeReceiver:
             self._lsock = socket.create_server((data_host, 0), backlog=64)
         except BaseException:
             self._ctx.destroy(linger=0)
+            if self._rdma is not None:
+                self._rdma.close()
             raise
         self._ch = _Channel(self._router)
         self._lsock.settimeout(0.2)
@@ -387,6 +406,8 @@ class DecodeReceiver:
             t.join(timeout)
         self._ch.close()
         self._ctx.term()
+        if self._rdma is not None:
+            self._rdma.close()
         self.scheduler.listener = self._user_listener
 
     def __enter__(self) -> DecodeReceiver:
@@ -460,21 +481,34 @@ class DecodeReceiver:
             refuse(str(exc))
             return
         same = h.boot_id == boot_id()
-        transport = next((t for t in h.transports if t in self.transports and (t != "shm" or same)), None)
+        transport = next((t for t in h.transports if t in self.transports and (t != "shm" or same)
+                          and (t != "rdma" or bool(h.rdma))), None)
         if transport is None:
             refuse(f"no common transport: prefill offers {h.transports}, decode serves {self.transports}"
                    + ("" if same else " (shm needs the same host)"))
             return
+        rdma: dict[str, Any] = {}
+        rdma_qpn = 0
+        if transport == "rdma":
+            assert self._rdma is not None
+            try:
+                ep = self._rdma.accept(EndpointInfo.from_dict(h.rdma))
+            except PdkvError as exc:
+                refuse(f"rdma: {exc}")
+                return
+            rdma_qpn = ep.qpn
+            rdma = {"endpoint": ep.to_dict(),
+                    "regions": [dict(rank=r, **reg.to_dict()) for r, reg in self._rdma.regions.items()]}
         nonce = new_nonce()
         peer = _Peer(ident, codec, h.instance, h.tp_rank, h.tp_size, h.pid, same, transport,
-                     os.urandom(16), time.monotonic(), lay)
+                     os.urandom(16), time.monotonic(), lay, rdma_qpn=rdma_qpn)
         for g in segs:
             peer.segs_by_src.setdefault(g.src_rank, []).append(g)
         peer.block_bytes_by_src = {r: _layer_bytes(gs, 1) for r, gs in peer.segs_by_src.items()}
         welcome = Welcome(PROTOCOL_VERSION, self.instance, self.tp_size, self.ranks,
                           [x.descriptor() for x in self.layouts], transport,
                           [b.name for b in self.buffers] if transport == "shm" else [], self.buffer_blocks,
-                          self.data_advertise if transport == "tcp" else "", peer.data_token, nonce)
+                          self.data_advertise if transport == "tcp" else "", peer.data_token, nonce, rdma)
         frames = codec.encode(welcome)  # under the handshake key
         codec.set_session(h.nonce, nonce)
         with self._lock:
@@ -488,8 +522,8 @@ class DecodeReceiver:
         elif isinstance(msg, ReserveReq):
             self._on_reserve(peer, msg)
         elif isinstance(msg, LayerDone):
-            if peer.transport != "shm":
-                raise ProtocolError("LayerDone is for the shm transport only")
+            if peer.transport not in ("shm", "rdma"):
+                raise ProtocolError("LayerDone is for the shm and rdma transports only")
             inf = self._live(msg.request_id, msg.token)
             if msg.blocks > len(inf.blocks):
                 raise GrantViolation(f"request {msg.request_id!r}: {msg.blocks} blocks reported, {len(inf.blocks)} granted")
@@ -641,6 +675,8 @@ class DecodeReceiver:
                 self._data_tokens.pop(p.data_token, None)
         for p in dead:
             self.stats["peers_dead"] += 1
+            if p.rdma_qpn and self._rdma is not None:
+                self._rdma.drop(p.rdma_qpn)  # the fence: no write of this peer lands after this
             with self._lock:
                 mine = [inf for inf in self._inflight.values() if p.ident in inf.peers]
             for inf in mine:
@@ -882,7 +918,11 @@ class PrefillSender:
     instance:
         Name of the prefill instance; all its ranks must use the same one.
     transport:
-        ``auto``, ``shm`` or ``tcp``.
+        ``auto`` (offers shm, then rdma where this host has a device, then tcp; decode
+        picks), ``shm``, ``tcp`` or ``rdma`` (raises RdmaUnavailableError naming what is
+        missing, pyverbs or a device, on hosts without them).
+    rdma_device:
+        RDMA device name (default: the first).
     streams:
         TCP data connections.
     timeout_s:
@@ -896,9 +936,13 @@ class PrefillSender:
 
     def __init__(self, layout: KVLayout, cache: CacheSpec, control: str, *, instance: str = "prefill",
                  secret: bytes | None = None, transport: str = "auto", streams: int = 2, timeout_s: float = 10.0,
-                 heartbeat_s: float = 1.0, on_outcome: Callable[[RequestOutcome], None] | None = None) -> None:
-        if transport not in ("auto", "shm", "tcp"):
-            raise ValueError(f"transport={transport!r} must be auto, shm or tcp (rdma: see pdkv.rdma)")
+                 heartbeat_s: float = 1.0, on_outcome: Callable[[RequestOutcome], None] | None = None,
+                 rdma_device: str | None = None) -> None:
+        if transport not in ("auto", "shm", "tcp", "rdma"):
+            raise ValueError(f"transport={transport!r} must be auto, shm, tcp or rdma")
+        if transport == "rdma" and cache.device is not None:
+            raise LayoutError("the rdma transport writes from host caches (GPUDirect RDMA is not supported); "
+                              "stage GPU caches or use shm")
         if not 1 <= streams <= 64:
             raise ValueError(f"streams={streams} must be in 1..64")
         self.layout, self.cache = layout, cache
@@ -923,6 +967,9 @@ class PrefillSender:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(control)
         self._ch = _Channel(self._sock)
+        self._rdma: RdmaWriter | None = None
+        self._rdma_device = rdma_device
+        self._regions: dict[int, RemoteRegion] = {}
         self._data_socks: list[socket.socket] = []
         self._shm: dict[int, SharedBuffer] = {}
         self._dst_specs: dict[int, CacheSpec] = {}
@@ -942,11 +989,26 @@ class PrefillSender:
 
     # ------------------------------------------------------------------ handshake
     def _handshake(self, transport: str, timeout_s: float) -> None:
-        offer = ["shm", "tcp"] if transport == "auto" else [transport]
+        offer = [transport]
+        if transport == "auto":
+            # rdma only where this host has a device and the cache is host memory
+            rdma_ok = self.cache.device is None and bool(_ffi.verbs.rdma_devices())
+            offer = ["shm", "rdma", "tcp"] if rdma_ok else ["shm", "tcp"]
+        rdma: dict[str, Any] = {}
+        if "rdma" in offer:
+            # the cache registered (one region per contiguous range of its layers and
+            # tensors) and a queue pair made before the hello, which carries its record;
+            # RdmaUnavailableError here says what is missing
+            spec = self.cache
+            self._rdma = RdmaWriter([(b, st * spec.num_blocks) for b, st in
+                                     (spec.region(layer, t) for layer in range(self.layout.total_layers)
+                                      for t in range(len(self.layout.tensors)))],
+                                    device=self._rdma_device, timeout_s=timeout_s)
+            rdma = self._rdma.local_info().to_dict()
         nonce = new_nonce()
         self._sock.send_multipart(self._codec.encode(Hello(
             PROTOCOL_VERSION, self.instance, self.layout.tp_rank, self.layout.tp_size, self.layout.descriptor(),
-            offer, boot_id(), os.getpid(), nonce)))
+            offer, boot_id(), os.getpid(), nonce, rdma)))
         if not self._sock.poll(int(timeout_s * 1000)):
             raise PdkvTimeoutError(f"decode did not answer the handshake within {timeout_s}s (is it running?)")
         frames = self._sock.recv_multipart()
@@ -983,6 +1045,23 @@ class PrefillSender:
                 # only copy_plan() is used: explicit GPU -> mapped-host addresses, so the
                 # engine's own pair of caches is this rank's cache on both sides
                 self._engine = SwapEngine(self.cache, self.cache, device=self.cache.device)
+        elif msg.transport == "rdma":
+            if self._rdma is None:
+                raise ProtocolError("decode chose rdma, which this sender did not offer")
+            try:
+                ep = EndpointInfo.from_dict(msg.rdma.get("endpoint", {}))
+                regions = {int(r["rank"]): RemoteRegion.from_dict(r) for r in msg.rdma.get("regions", [])}
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                raise ProtocolError(f"bad rdma section in the welcome: {exc}") from None
+            for rank, lay in zip(msg.ranks, layouts):
+                reg = regions.get(rank)
+                need = CacheSpec.buffer_bytes(lay, msg.buffer_blocks)
+                if reg is None or reg.length < need:
+                    raise ProtocolError(f"decode rank {rank}'s RDMA region is missing or smaller than the "
+                                        f"{need} bytes {msg.buffer_blocks} blocks need")
+                self._regions[rank] = reg
+                self._dst_specs[rank] = CacheSpec.for_buffer(lay, msg.buffer_blocks, reg.addr)
+            self._rdma.connect(ep)
         else:
             host, port = msg.data_addr.rsplit(":", 1)
             if self.cache.device is not None:
@@ -993,6 +1072,9 @@ class PrefillSender:
                 s.sendall(FRAME_HEADER.pack(_MAGIC, 1, _K_AUTH, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) + msg.data_token)
                 s.settimeout(timeout_s)
                 self._data_socks.append(s)
+        if msg.transport != "rdma" and self._rdma is not None:
+            self._rdma.close()  # offered, not chosen
+            self._rdma = None
         self._last_heard = time.monotonic()
 
     # ------------------------------------------------------------------ API
@@ -1083,6 +1165,9 @@ class PrefillSender:
         self._data_socks.clear()
         if self._engine is not None:
             self._engine.close()
+        if self._rdma is not None:
+            self._rdma.close()
+            self._rdma = None
         for b in self._shm.values():
             try:
                 b.close()
@@ -1233,6 +1318,8 @@ class PrefillSender:
             return  # a rank whose heads another rank sends (replicated heads) writes nothing
         if self.transport == "shm":
             self._write_shm(layer, work)
+        elif self.transport == "rdma":
+            self._write_rdma(layer, work)
         else:
             self._write_tcp(layer, work)
         self.stats["layers"] += 1
@@ -1245,10 +1332,10 @@ class PrefillSender:
             v = self._views[key] = (_ffi.libc.host_view(base, stride * spec.num_blocks), base)
         return v
 
-    def _write_shm(self, layer: int, work: list) -> None:
+    def _pieces(self, layer: int, work: list) -> tuple[list, int]:
+        """Every write of ``work`` for ``layer`` as ``(segment, src, dst, lengths)`` arrays of
+        addresses in this process (source) and in the destination's address space."""
         import numpy as np
-
-        from .swap import CopyPlan
 
         total = 0
         plans = []
@@ -1265,6 +1352,42 @@ class PrefillSender:
                     ln = np.full(src.size, seg.length, dtype=np.int64)
                 plans.append((seg, src, dst, ln))
                 total += int(ln.sum())
+        return plans, total
+
+    def _write_rdma(self, layer: int, work: list) -> None:
+        """One request at a time: its writes posted, their completions awaited, then its
+        LayerDone (decode cannot see one-sided writes land; this message is how it learns)."""
+        assert self._rdma is not None
+        for item in work:
+            rid, g, sb = item[0], item[1], item[2]
+            plans, total = self._pieces(layer, [item])
+            try:
+                for seg, src, dst, ln in plans:
+                    self._rdma.write(rid, src.tolist(), dst.tolist(), ln.tolist(), self._regions[seg.dst_rank])
+            except PdkvError as exc:
+                with self._lock:
+                    self._failed.setdefault(rid, f"layer {layer}: {exc}")
+                if isinstance(exc, RdmaError):
+                    # a failed completion leaves the queue pair in the error state: every later
+                    # write would fail too, so the session is over. Decode is told to drop every
+                    # request of it now (it would otherwise wait for their leases)
+                    self._broken = f"RDMA queue pair failed: {exc}"
+                    with self._lock:
+                        rids = list(self._grants)
+                    for r in rids:
+                        self._post(Abort(r, self._broken))
+                    self._fail_all(self._broken)
+                    return
+                continue
+            self.stats["bytes"] += total
+            self._post(LayerDone(rid, g.token, [layer], len(sb)))
+
+    def _write_shm(self, layer: int, work: list) -> None:
+        import numpy as np
+
+        from .swap import CopyPlan
+
+        plans, total = self._pieces(layer, work)
         if self._engine is not None:
             plan = CopyPlan(np.concatenate([p[1] for p in plans]).astype(np.uint64),
                             np.concatenate([p[2] for p in plans]).astype(np.uint64),

@@ -1,12 +1,19 @@
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdkv import _ffi
-from pdkv.errors import PdkvTimeoutError, ProtocolError, RdmaError, RdmaUnavailableError
-from pdkv.rdma import CompletionTracker, EndpointInfo, RdmaWriter, batch_chains, plan_writes
+import fake_verbs
+from pdkv import (BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, State, SwapEngine, _ffi)
+from pdkv.errors import LayoutError, PdkvTimeoutError, PeerError, ProtocolError, RdmaError, RdmaUnavailableError
+from pdkv.rdma import (CompletionTracker, EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion, batch_chains, merge_regions,
+                       plan_writes)
+from pdkv.transfer import DecodeReceiver, PrefillSender
+from test_transfer import BASE, Decode, prefill_cache, send_one
 
 
 def test_plan_coalesces_and_bounds():
@@ -73,10 +80,130 @@ def test_endpoint_record_validation():
         EndpointInfo.from_dict({"qpn": 1})
 
 
-def test_no_rdma_here_says_so():
-    assert _ffi.verbs.rdma_devices() == [] or _ffi.verbs.available()
+def test_unsignaled_error_completion_fails_its_request():
+    # a queue pair that fails completes the failing request (signaled or not) and flushes
+    # every later one: each is matched to its request
+    t = CompletionTracker()
+    a = plan_writes("a", [0, 10, 20], [0, 100, 200], [5, 5, 5], 0, 1000)
+    b = plan_writes("b", [50], [500], [5], 0, 1000)
+    ids = t.register_chain(batch_chains(a + b, 8, 3)[0])  # a0 a1 a2(sig) | b0(sig)
+    assert t.on_completions([(ids[0], 10)]) == []  # a0 failed, unsignaled
+    assert "remote access" in t.failed["a"]
+    assert t.on_completions([(ids[1], 5), (ids[2], 5), (ids[3], 5)]) == ["a", "b"]
+    assert "flushed" in t.failed["b"] and t.outstanding("a") == t.outstanding("b") == 0
+    with pytest.raises(RdmaError, match="unknown"):
+        t.on_completions([(ids[0], 5)])  # already settled
+
+
+def test_merge_regions():
+    assert merge_regions([(100, 10), (0, 50), (50, 10), (200, 0), (105, 20)]) == [(0, 60), (100, 25)]
+
+
+def test_remote_region_record_validation():
+    r = RemoteRegion(4096, 1 << 20, 7)
+    assert RemoteRegion.from_dict(r.to_dict()) == r
+    for bad in ({"addr": 0}, {"length": 0}, {"rkey": 1 << 32}, {"addr": "x"}):
+        with pytest.raises(ProtocolError):
+            RemoteRegion.from_dict({**r.to_dict(), **bad})
+
+
+no_pyverbs_device = pytest.mark.skipif(bool(_ffi.verbs.rdma_devices()), reason="this host has an RDMA device")
+
+
+@no_pyverbs_device
+def test_no_rdma_here_says_so(no_leaks):
     with pytest.raises(RdmaUnavailableError, match="pyverbs|no RDMA device"):
-        RdmaWriter(4096, 4096)
+        RdmaWriter([(4096, 4096)])
+    lay = KVLayout(**BASE)
+    arr = np.zeros(lay.block_bytes * 8, np.uint8)
+    with pytest.raises(RdmaUnavailableError, match="pyverbs|no RDMA device"):
+        PrefillSender(lay, CacheSpec.for_buffer(lay, 8, arr.ctypes.data), "tcp://127.0.0.1:9", transport="rdma")
+    with SharedBuffer.create(CacheSpec.buffer_bytes(lay, 8)) as buf:
+        sched = DecodeScheduler(num_layers=4, gpu=BlockPool(8), buffer=BlockPool(8),
+                                swap=SwapEngine(CacheSpec.for_buffer(lay, 8, buf.address),
+                                                CacheSpec.for_buffer(lay, 8, arr.ctypes.data), strategy="host",
+                                                buffer_pinned=False),
+                                options=SchedulerOptions(direct_to_gpu=False))
+        with pytest.raises(RdmaUnavailableError, match="pyverbs|no RDMA device"):
+            DecodeReceiver(sched, [lay], [buf], 8, transports=("tcp", "rdma"))
+        sched.swap.close()
+
+
+# ---------------------------------------------------------------- on the simulated verbs layer
+
+def _session(monkeypatch, transports=("rdma",), offer="rdma", **rx):
+    fabric = fake_verbs.install(monkeypatch)
+    dec = Decode(transports=transports, **rx)
+    lay, arr, spec = prefill_cache(1, 0)
+    tx = PrefillSender(lay, spec, dec.rx.control_address, transport=offer, timeout_s=5)
+    return fabric, dec, tx
+
+
+def test_auto_picks_rdma_where_decode_serves_it_and_shm_on_the_same_host(monkeypatch, no_leaks):
+    fabric, dec, tx = _session(monkeypatch, transports=("rdma", "tcp"), offer="auto")
+    try:
+        assert tx.transport == "rdma"
+        assert send_one(tx, "r1", [1, 2, 3]).ok and fabric.bytes > 0
+    finally:
+        tx.close()
+        dec.close()
+    fabric, dec, tx = _session(monkeypatch, transports=("shm", "rdma", "tcp"), offer="auto")
+    try:
+        assert tx.transport == "shm" and not fabric.qps  # offered, not chosen: released
+        assert send_one(tx, "r1", [1, 2, 3]).ok and fabric.bytes == 0
+    finally:
+        tx.close()
+        dec.close()
+
+
+def test_failed_completion_fails_the_session_and_decode_frees_at_once(monkeypatch, no_leaks):
+    fabric, dec, tx = _session(monkeypatch)
+    try:
+        assert send_one(tx, "ok", [1, 2]).ok
+        tx.reserve("bad", 16)
+        tx.reserve("other", 16)
+        fabric.fail_next = 10  # remote access error on the next write
+        tx.send_layer(0, [("bad", [3, 4])])
+        out = tx.wait_outcome("bad", 5)
+        assert out.state == "failed" and "remote access error" in out.reason
+        assert tx.wait_outcome("other", 5).state == "failed"  # the queue pair is dead: so is the session
+        with pytest.raises(PeerError, match="RDMA queue pair failed"):
+            tx.reserve("after", 8)
+        deadline = time.monotonic() + 3  # the aborts reach decode: no waiting for leases
+        while time.monotonic() < deadline and any(
+                dec.sched.request(r).state not in (State.FAILED, State.ABORTED) for r in ("bad", "other")):
+            time.sleep(0.01)
+        assert all(dec.sched.request(r).state in (State.FAILED, State.ABORTED) for r in ("bad", "other"))
+    finally:
+        tx.close()
+        dec.close()
+
+
+def test_dead_peer_queue_pair_is_dropped_so_nothing_more_lands(monkeypatch, no_leaks):
+    fabric, dec, tx = _session(monkeypatch)
+    try:
+        assert send_one(tx, "r1", [1]).ok
+        before = fabric.bytes
+        qps = set(fabric.qps)
+        tx.reserve("late", 8)
+        dec.rx._check_peers(time.monotonic() + 3600)  # decode declares the peer dead
+        assert len(fabric.qps) == len(qps) - 1  # its queue pair on decode's side is gone
+        tx.send_layer(0, [("late", [2])])
+        assert tx.wait_outcome("late", 5).state == "failed"
+        assert fabric.bytes == before  # the fence held: no byte landed
+    finally:
+        tx.close()
+        dec.close()
+
+
+def test_rdma_refuses_gpu_caches_and_bad_transports():
+    lay = KVLayout(**BASE)
+    base = CacheSpec.for_buffer(lay, 8, 1 << 30)
+    spec = CacheSpec(lay, 8, [[base.region(layer, t) for t in range(2)] for layer in range(4)], device=0)
+    with pytest.raises(LayoutError, match="host caches"):
+        PrefillSender(lay, spec, "tcp://127.0.0.1:9", transport="rdma")
+    with pytest.raises(ValueError, match="auto, shm, tcp or rdma"):
+        PrefillSender(lay, spec, "tcp://127.0.0.1:9", transport="ib")
 
 
 @pytest.fixture
@@ -95,12 +222,11 @@ def test_loopback_rc_write(rdma_device):
     src = (ctypes.c_char * 65536)(*([7] * 65536))
     dst = (ctypes.c_char * 65536)()
     # a real device is needed past this point; see docs/TRANSPORTS.md
-    w = RdmaWriter(ctypes.addressof(src), 65536, device=rdma_device)
-    res = _ffi.verbs.open_device(rdma_device)
-    mr, lkey, rkey = _ffi.verbs.register(res, ctypes.addressof(dst), 65536, remote_write=True)
-    qp = _ffi.verbs.create_rc_qp(res, 16)
-    info = EndpointInfo(int(qp.qp_num), 0, res["lid"], res["gid"], res["mtu"], ctypes.addressof(dst), 65536, rkey)
-    w.connect(info)
-    _ffi.verbs.connect_qp(res, qp, w.local_info().to_dict())
-    w.write("r", [ctypes.addressof(src)], [ctypes.addressof(dst)], [65536])
-    assert bytes(dst) == bytes(src)
+    with RdmaWriter([(ctypes.addressof(src), 65536)], device=rdma_device) as w:
+        target = RdmaTarget([(0, ctypes.addressof(dst), 65536)], device=rdma_device)
+        try:
+            w.connect(target.accept(w.local_info()))
+            w.write("r", [ctypes.addressof(src)], [ctypes.addressof(dst)], [65536], target.regions[0])
+            assert bytes(dst) == bytes(src)
+        finally:
+            target.close()

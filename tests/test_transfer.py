@@ -17,6 +17,8 @@ from pdkv import (BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOpti
 from pdkv.errors import PdkvTimeoutError, PeerError, TransferError
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM, DecodeReceiver, PrefillSender
 
+import fake_verbs
+
 HERE = os.path.dirname(__file__)
 BASE = dict(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf16")
 
@@ -104,14 +106,16 @@ def expected_block(src_lays, src_specs, src_blocks_of, dst_lay, layer, t, gi):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "rdma"])
 @pytest.mark.parametrize("P,D,nhd", [(1, 1, False), (2, 4, False), (4, 2, False), (2, 1, True), (8, 2, False)])
-def test_layerwise_transfer_every_byte(transport, P, D, nhd, no_leaks):
-    dec = Decode(D=D, token_major=nhd)
+def test_layerwise_transfer_every_byte(transport, P, D, nhd, no_leaks, monkeypatch):
+    fabric = fake_verbs.install(monkeypatch) if transport == "rdma" else None  # no RDMA device here
+    dec = Decode(D=D, token_major=nhd, transports=(transport,))
     try:
         caches = [prefill_cache(P, r, token_major=nhd) for r in range(P)]
         txs = [PrefillSender(lay, spec, dec.rx.control_address, transport=transport, instance="pf", timeout_s=5)
                for lay, _, spec in caches]
+        assert all(tx.transport == transport for tx in txs)
         src_blocks = {"a": [3, 4, 5, 9, 10], "b": [20, 21, 22, 23, 30, 31]}
         grants = {}
         for rid, sb in src_blocks.items():
@@ -135,6 +139,8 @@ def test_layerwise_transfer_every_byte(transport, P, D, nhd, no_leaks):
                         for gi, b in enumerate(grants[rid].blocks):
                             want = expected_block([c[0] for c in caches], [c[2] for c in caches], sb, dst, layer, t, gi)
                             assert dec.block(dst.tp_rank, layer, t, b) == want, (rid, dst.tp_rank, layer, t, gi)
+        if fabric is not None:  # every byte went through RDMA writes
+            assert fabric.bytes == sum(tx.stats["bytes"] for tx in txs) > 0
         for tx in txs:
             tx.close()
     finally:

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import RdmaError, RdmaUnavailableError
 
 __all__ = ["available", "import_pyverbs", "rdma_devices", "require_device", "open_device", "register",
-           "create_rc_qp", "connect_qp", "post_writes", "poll"]
+           "create_rc_qp", "connect_qp", "post_writes", "poll", "close", "close_device"]
 
 # errnos with which rdma-core reports "no devices / no driver" from ibv_get_device_list
 _ABSENT = {errno.ENOSYS, errno.ENODEV, errno.ENOENT, 0}
@@ -168,3 +168,19 @@ def poll(cq: Any, n: int) -> list[tuple[int, int]]:
     """Up to ``n`` completions as (wr_id, status); never blocks."""
     got, wcs = _wrap("ibv_poll_cq", cq.poll, n)
     return [(int(w.wr_id), int(w.status)) for w in wcs[:got]]
+
+
+def close(obj: Any) -> None:
+    """Destroy a queue pair or deregister a memory region (pyverbs objects' ``close()``);
+    errors are ignored: this runs on teardown paths."""
+    try:
+        obj.close()
+    except Exception:
+        pass
+
+
+def close_device(res: dict[str, Any]) -> None:
+    """Destroy what :func:`open_device` made: completion queue, protection domain, context."""
+    for k in ("cq", "pd", "ctx"):
+        if res.get(k) is not None:
+            close(res[k])

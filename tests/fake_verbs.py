@@ -1,0 +1,157 @@
+"""A simulated verbs layer for tests: what pdkv calls in ``pdkv._ffi.verbs``, done in
+process with memmove.
+
+It checks what an RC queue pair checks — the local key covers the source, the remote key
+exists, allows remote writes and covers the destination, the queue pair is connected and
+its peer still exists — and behaves as one does on failure: the failing work request
+completes with its error status, every later one is flushed (status 5) and completes
+too, signaled or not, and the queue pair stays in the error state. So the RDMA wiring —
+handshake records, address math, work-request chains, completion handling, fencing by
+destroying a peer's queue pair — runs without a device. It models no timing, and it is
+not pyverbs: the calls into pyverbs itself have not run on hardware (docs/TRANSPORTS.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import threading
+from typing import Any
+
+from pdkv.errors import RdmaError
+
+SUCCESS, LOC_PROT_ERR, WR_FLUSH_ERR, REM_ACCESS_ERR, RETRY_EXC_ERR = 0, 4, 5, 10, 12
+
+
+class _MR:
+    def __init__(self, fabric: Fabric, key: int) -> None:
+        self.fabric, self.key = fabric, key
+
+    def close(self) -> None:
+        with self.fabric.lock:
+            self.fabric.mrs.pop(self.key, None)
+
+
+class _CQ:
+    def __init__(self) -> None:
+        self.q: collections.deque[tuple[int, int]] = collections.deque()
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        pass
+
+
+class _QP:
+    def __init__(self, fabric: Fabric, qpn: int, cq: _CQ, max_send_wr: int) -> None:
+        self.fabric, self.qp_num, self.cq, self.max_send_wr = fabric, qpn, cq, max_send_wr
+        self.peer = 0
+        self.state = "reset"
+
+    def close(self) -> None:
+        with self.fabric.lock:
+            self.state = "closed"
+            self.fabric.qps.pop(self.qp_num, None)
+
+
+class Fabric:
+    """The simulated devices' shared state (one per test)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.mrs: dict[int, tuple[int, int, bool]] = {}  # key -> (addr, length, remote_write)
+        self.qps: dict[int, _QP] = {}
+        self._keys = itertools.count(0x100)
+        self._qpns = itertools.count(0x20)
+        self.fail_next: int | None = None  # status to give the next write
+        self.writes = 0
+        self.bytes = 0
+
+    # ---- the functions of pdkv._ffi.verbs
+    def available(self) -> bool:
+        return True
+
+    def rdma_devices(self) -> list[str]:
+        return ["fake0"]
+
+    def require_device(self, name: str | None = None) -> str:
+        return name or "fake0"
+
+    def open_device(self, name: str | None = None, port: int = 1, gid_index: int = 0) -> dict[str, Any]:
+        return {"ctx": None, "pd": None, "cq": _CQ(), "port": port, "gid_index": gid_index, "lid": 1,
+                "gid": "fe80::1", "mtu": 5}
+
+    def register(self, res: dict[str, Any], addr: int, length: int, remote_write: bool) -> tuple[Any, int, int]:
+        if length <= 0 or addr <= 0:
+            raise RdmaError("ibv_reg_mr failed: bad range")
+        with self.lock:
+            key = next(self._keys)
+            self.mrs[key] = (addr, length, remote_write)
+        return _MR(self, key), key, key
+
+    def create_rc_qp(self, res: dict[str, Any], max_send_wr: int) -> _QP:
+        with self.lock:
+            qp = _QP(self, next(self._qpns), res["cq"], max_send_wr)
+            self.qps[qp.qp_num] = qp
+        return qp
+
+    def connect_qp(self, res: dict[str, Any], qp: _QP, remote: dict[str, Any]) -> None:
+        with self.lock:
+            if remote["qpn"] not in self.qps:
+                raise RdmaError(f"modify_qp(RTR) failed: no queue pair {remote['qpn']}")
+            qp.peer, qp.state = remote["qpn"], "rts"
+
+    def _covers(self, key: int, addr: int, n: int, remote: bool) -> bool:
+        mr = self.mrs.get(key)
+        return mr is not None and (mr[2] or not remote) and mr[0] <= addr and addr + n <= mr[0] + mr[1]
+
+    def post_writes(self, qp: _QP, wrs: list[tuple[int, int, int, int, int, int, bool]]) -> None:
+        with self.lock:
+            if qp.state in ("closed", "reset"):
+                raise RdmaError(f"ibv_post_send failed: queue pair {qp.state}")
+            if len(wrs) > qp.max_send_wr:
+                raise RdmaError("ibv_post_send failed: send queue full")
+            done = []
+            for wr_id, la, n, lkey, ra, rkey, sig in wrs:
+                if qp.state == "error":
+                    status = WR_FLUSH_ERR
+                elif qp.peer not in self.qps:
+                    status = RETRY_EXC_ERR  # the peer's queue pair is gone: no acks come back
+                elif not self._covers(lkey, la, n, remote=False):
+                    status = LOC_PROT_ERR
+                elif not self._covers(rkey, ra, n, remote=True):
+                    status = REM_ACCESS_ERR
+                elif self.fail_next is not None:
+                    status, self.fail_next = self.fail_next, None
+                else:
+                    status = SUCCESS
+                    ctypes.memmove(ra, la, n)
+                    self.writes += 1
+                    self.bytes += n
+                if status != SUCCESS:
+                    qp.state = "error"
+                if sig or status != SUCCESS:
+                    done.append((wr_id, status))
+        with qp.cq.lock:
+            qp.cq.q.extend(done)
+
+    def poll(self, cq: _CQ, n: int) -> list[tuple[int, int]]:
+        with cq.lock:
+            return [cq.q.popleft() for _ in range(min(n, len(cq.q)))]
+
+    def close(self, obj: Any) -> None:
+        obj.close()
+
+    def close_device(self, res: dict[str, Any]) -> None:
+        res["cq"].close()
+
+
+def install(monkeypatch: Any) -> Fabric:
+    """Replace pdkv's verbs layer with a fresh simulated fabric for one test."""
+    from pdkv import _ffi
+
+    fabric = Fabric()
+    for name in ("available", "rdma_devices", "require_device", "open_device", "register", "create_rc_qp",
+                 "connect_qp", "post_writes", "poll", "close", "close_device"):
+        monkeypatch.setattr(_ffi.verbs, name, getattr(fabric, name))
+    return fabric
