@@ -207,7 +207,7 @@ class DecodeSide:
                 listener=self._on_event)
             self.rx = DecodeReceiver(self.sched, self.lays, self.bufs, nb, control=listen, data_host=a.data_host,
                                      secret=a.secret.encode() if a.secret else None, auto_tick=True,
-                                     transports=["shm", "tcp"] if a.transport == "auto" else [a.transport],
+                                     transports=_served(a.transport),
                                      peer_timeout_s=a.timeout)
         except BaseException:
             self.close()
@@ -669,7 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--listen", default="", help="decode: ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555")
     g.add_argument("--connect", default="", help="prefill: decode's endpoint, e.g. tcp://decode-host:5555")
     g.add_argument("--data-host", default="127.0.0.1", help="decode: address of the TCP data listener")
-    g.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
+    g.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma"],
+                   help="auto: shm on one host, else rdma where both hosts have a device, else tcp")
     g.add_argument("--streams", type=int, default=1, help="TCP data connections per prefill rank")
     g.add_argument("--secret", default="", help="shared secret (>= 16 characters) to authenticate the pair")
     g = p.add_argument_group("layout")
@@ -762,3 +763,13 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _served(transport: str) -> list[str]:
+    """What the decode side serves: the one asked for, or under auto shm, rdma (where this
+    host has a device), tcp."""
+    if transport != "auto":
+        return [transport]
+    from . import _ffi
+
+    return ["shm", "rdma", "tcp"] if _ffi.verbs.rdma_devices() else ["shm", "tcp"]
