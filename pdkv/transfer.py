@@ -37,6 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,7 @@ _MAGIC = b"PDKV"
 _K_AUTH, _K_DATA = 1, 2
 MAX_FRAME_PAYLOAD = 256 << 20
 _ITEMS_PER_FRAME = 64  # blocks per frame: one syscall each side moves them all
+_GATHER_PIECE = 4 << 20  # bytes per np.take call when shm copies are shared among threads
 _POLL_S = 0.25  # receive-side socket timeout: how often a blocked receive checks for close
 
 
@@ -925,6 +927,10 @@ class PrefillSender:
         RDMA device name (default: the first).
     streams:
         TCP data connections.
+    copy_threads:
+        Threads that copy host caches into decode's shared buffers (shm), each a C-level
+        gather without the GIL; default a quarter of the cores, 1 to 4. One thread moves
+        about 8-10 GiB/s of scattered 32 KiB-1 MiB blocks on the dev VM.
     timeout_s:
         Bound on the handshake, a reservation, and decode's silence before its requests fail.
     on_outcome:
@@ -937,7 +943,7 @@ class PrefillSender:
     def __init__(self, layout: KVLayout, cache: CacheSpec, control: str, *, instance: str = "prefill",
                  secret: bytes | None = None, transport: str = "auto", streams: int = 2, timeout_s: float = 10.0,
                  heartbeat_s: float = 1.0, on_outcome: Callable[[RequestOutcome], None] | None = None,
-                 rdma_device: str | None = None) -> None:
+                 rdma_device: str | None = None, copy_threads: int | None = None) -> None:
         if transport not in ("auto", "shm", "tcp", "rdma"):
             raise ValueError(f"transport={transport!r} must be auto, shm, tcp or rdma")
         if transport == "rdma" and cache.device is not None:
@@ -945,6 +951,12 @@ class PrefillSender:
                               "stage GPU caches or use shm")
         if not 1 <= streams <= 64:
             raise ValueError(f"streams={streams} must be in 1..64")
+        if copy_threads is None:
+            copy_threads = max(1, min(4, (os.cpu_count() or 1) // 4))
+        if not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
+            raise ValueError(f"copy_threads={copy_threads!r} must be an integer in 1..64")
+        self.copy_threads = copy_threads
+        self._copy_pool: ThreadPoolExecutor | None = None
         self.layout, self.cache = layout, cache
         self.instance = instance
         self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
@@ -1168,6 +1180,9 @@ class PrefillSender:
         if self._rdma is not None:
             self._rdma.close()
             self._rdma = None
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
         for b in self._shm.values():
             try:
                 b.close()
@@ -1420,15 +1435,44 @@ class PrefillSender:
                 if brk.size < di.size // 4:
                     s2 = np.frombuffer(sv, np.uint8).reshape(-1, sstride)[:, seg.src_offset:seg.src_offset + seg.length]
                     d2 = np.frombuffer(dv, np.uint8).reshape(-1, dstride)
+                    takes = []
                     for a, b in zip(np.concatenate(([0], brk)).tolist(), np.concatenate((brk, [di.size])).tolist()):
                         d0 = int(di[a])
-                        np.take(s2, si[a:b], axis=0, out=d2[d0:d0 + b - a], mode="clip")
+                        # runs cut into pieces of about 4 MiB, so that threads share them evenly
+                        step = max(1, _GATHER_PIECE // seg.length)
+                        for lo in range(a, b, step):
+                            hi = min(b, lo + step)
+                            takes.append((si[lo:hi], d2[d0 + lo - a:d0 + hi - a]))
+                    self._gather(s2, takes)
                     src, dst, ln = src[~single], dst[~single], ln[~single]
             # memoryview slice assignment is a plain memcpy with less call overhead than
             # ctypes.memmove. One thread: two threads fight over the GIL and ran 10x slower;
             # process_vm_writev (scatter-gather in the kernel, no GIL) was no faster into shm.
             for so, do, n in zip((src - sbase).tolist(), (dst - dbase).tolist(), ln.tolist()):
                 dv[do:do + n] = sv[so:so + n]
+
+    def _gather(self, s2: Any, takes: list) -> None:
+        """``out[:] = s2[idx]`` for every ``(idx, out)``: np.take copies in C without the
+        GIL, so ``copy_threads`` threads run at once (this thread takes the first share)."""
+        import numpy as np
+
+        def run(part: list) -> None:
+            for idx, out in part:
+                np.take(s2, idx, axis=0, out=out, mode="clip")
+
+        n = min(self.copy_threads, len(takes))
+        if n <= 1:
+            run(takes)
+            return
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="pdkv-copy")
+        parts = [takes[i::n] for i in range(n)]
+        futs = [self._copy_pool.submit(run, p) for p in parts[1:]]
+        try:
+            run(parts[0])
+        finally:
+            for f in futs:
+                f.result()
 
     def _write_tcp(self, layer: int, work: list) -> None:
         pack, item = FRAME_HEADER.pack, FRAME_ITEM.pack

@@ -458,3 +458,30 @@ def test_chunked_prefill_sends_full_blocks_per_chunk(transport, no_leaks):
                     assert dec.block(0, layer, t, g.blocks[gi]) == want
     finally:
         dec.close()
+
+
+@pytest.mark.multiproc
+def test_shm_copy_threads_share_the_gather(monkeypatch, no_leaks):
+    import pdkv.transfer as tr
+
+    monkeypatch.setattr(tr, "_GATHER_PIECE", 8 << 10)  # many small takes, so that every thread gets some
+    dec = Decode(nb=256, transports=("shm",))
+    try:
+        lay, arr, spec = prefill_cache(1, 0, nb=256)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=5, copy_threads=3) as tx:
+            src = np.random.default_rng(3).permutation(256)[:200].tolist()
+            g = tx.reserve("r", 200 * 8)
+            for layer in range(4):
+                tx.send_layer(layer, [("r", src)])
+            tx.finish("r")
+            assert tx.wait_outcome("r", 10).ok
+            assert tx._copy_pool is not None  # the threaded path ran
+            for layer in range(4):
+                for t in range(2):
+                    for gi in (0, 1, 77, 199):
+                        want = expected_block([lay], [spec], src, dec.lays[0], layer, t, gi)
+                        assert dec.block(0, layer, t, g.blocks[gi]) == want
+        with pytest.raises(ValueError, match="copy_threads"):
+            PrefillSender(lay, spec, dec.rx.control_address, copy_threads=0)
+    finally:
+        dec.close()

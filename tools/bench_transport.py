@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -109,19 +110,29 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         nreq = 16
         per = nb // nreq
 
-        # ceiling for shm: one copy of the same bytes into the other process's segment
+        # ceiling for shm: one contiguous copy of the same bytes into the other process's
+        # segment, by as many threads as pdkv copies with (np.copyto runs without the GIL)
+        from concurrent.futures import ThreadPoolExecutor
+
+        nth = a.copy_threads
+        pool = ThreadPoolExecutor(nth)
+        cut = [total * i // nth for i in range(nth + 1)]
+
         def ceiling():
             t0 = time.perf_counter()
-            np.copyto(dst[:total], src)
+            list(pool.map(lambda i: np.copyto(dst[cut[i]:cut[i + 1]], src[cut[i]:cut[i + 1]]), range(nth)))
             return total / (time.perf_counter() - t0)
 
         # the same scattered copy with no transport at all: one np.take (a C loop of memcpy)
         # gathering the source blocks in the transfer's random order into the segment
         s2, d2 = src.reshape(nb, lay.block_bytes), dst[:total].reshape(nb, lay.block_bytes)
 
+        bcut = [nb * i // nth for i in range(nth + 1)]
+
         def bare_gather():
             t0 = time.perf_counter()
-            np.take(s2, perm, axis=0, out=d2, mode="clip")
+            list(pool.map(lambda i: np.take(s2, perm[bcut[i]:bcut[i + 1]], axis=0, out=d2[bcut[i]:bcut[i + 1]],
+                                            mode="clip"), range(nth)))
             return total / (time.perf_counter() - t0)
 
         # socket loop baseline: one stream, sendall of the same bytes, recv_into on the far side
@@ -138,7 +149,7 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
             return total / dt
 
         txs = {t: pdkv.PrefillSender(lay, spec, info["control"], transport=t, streams=a.streams, timeout_s=60,
-                                     instance=f"bench-{t}") for t in ("shm", "tcp")}
+                                     instance=f"bench-{t}", copy_threads=nth) for t in ("shm", "tcp")}
         counter = [0]
 
         def transfer(transport: str) -> float:
@@ -191,7 +202,8 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
             res[transport + "_ctl_p50_ms"] = statistics.median(lat) * 1e3
             res[transport + "_cycle_p50_ms"] = statistics.median(full) * 1e3
             tx.close()
-        del dst, s2, d2
+        pool.shutdown()
+        dst = s2 = d2 = None  # drop the views before closing the mapping
         view_buf.close()
         gib = 1 << 30
         rows.append((kib, res["shm"] / gib, res["shm_ratio"], shm_ceiling / gib, res["bare_gather"] / gib,
@@ -214,9 +226,13 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--sizes-kib", default="32,128,1024")
     ap.add_argument("--streams", type=int, default=2)
+    ap.add_argument("--copy-threads", type=int, default=None,
+                    help="shm copy threads (default: pdkv's, a quarter of the cores, 1-4); the ceiling uses as many")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--control-requests", type=int, default=200)
     a = ap.parse_args()
+    if a.copy_threads is None:
+        a.copy_threads = max(1, min(4, (os.cpu_count() or 1) // 4))
     if a.role == "decode":
         decode_main(a)
         return 0
@@ -224,7 +240,8 @@ def main() -> int:
     out: dict = {}
     for kib in [int(x) for x in a.sizes_kib.split(",")]:
         run_size(kib, a, rows, out)
-    print(f"{a.gib:g} GiB per run, random destination order, every byte verified; GiB/s (ratio)")
+    print(f"{a.gib:g} GiB per run, random destination order, every byte verified; GiB/s (ratio);"
+          f" shm copy threads: {a.copy_threads} (pdkv and both baselines)")
     print(f"{'KiB':>6} {'shm':>14} {'shm ceiling':>12} {'bare gather':>12} {'tcp':>14} {'socket loop':>12}"
           f" {'grant->done ms shm/tcp':>23} {'+reserve ms':>12}")
     for kib, s, sr, sc, bg, t, tr, sk, c1, c2, f1, f2 in rows:
@@ -243,6 +260,7 @@ def main() -> int:
         "cycle_with_reserve_p50_ms": round(statistics.median([r["tcp_cycle_p50_ms"] for r in out.values()]), 3),
         "shm_vs_bare_gather": round(min(r["shm_vs_bare_gather"] for r in out.values()), 3),
         "streams": a.streams,
+        "copy_threads": a.copy_threads,
     }))
     return 0
 
