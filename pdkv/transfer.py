@@ -1418,6 +1418,8 @@ class PrefillSender:
     def _copy_pieces(self, layer: int, plans: list) -> None:
         import numpy as np
 
+        takes: list[tuple[Any, Any, Any]] = []  # (source rows, row ids, destination rows)
+        rest = []
         for seg, src, dst, ln in plans:
             sv, sbase = self._region_view(self.cache, layer, seg.tensor)
             dspec = self._dst_specs[seg.dst_rank]
@@ -1425,7 +1427,7 @@ class PrefillSender:
             sstride = self.cache.region(layer, seg.tensor)[1]
             dstride = dspec.region(layer, seg.tensor)[1]
             single = ln == seg.length
-            if (seg.count == 1 and seg.dst_offset == 0 and seg.length == dstride and single.sum() > 64):
+            if seg.count == 1 and seg.dst_offset == 0 and seg.length == dstride and single.sum() >= 4:
                 # whole blocks into a packed buffer: gather runs of consecutive destination
                 # blocks with one np.take each (a C loop, no temporary); grants come out of
                 # the pool as runs, so there are few
@@ -1435,30 +1437,33 @@ class PrefillSender:
                 if brk.size < di.size // 4:
                     s2 = np.frombuffer(sv, np.uint8).reshape(-1, sstride)[:, seg.src_offset:seg.src_offset + seg.length]
                     d2 = np.frombuffer(dv, np.uint8).reshape(-1, dstride)
-                    takes = []
+                    # runs cut into pieces of about 4 MiB, so that threads share them evenly
+                    step = max(1, _GATHER_PIECE // seg.length)
                     for a, b in zip(np.concatenate(([0], brk)).tolist(), np.concatenate((brk, [di.size])).tolist()):
                         d0 = int(di[a])
-                        # runs cut into pieces of about 4 MiB, so that threads share them evenly
-                        step = max(1, _GATHER_PIECE // seg.length)
                         for lo in range(a, b, step):
                             hi = min(b, lo + step)
-                            takes.append((si[lo:hi], d2[d0 + lo - a:d0 + hi - a]))
-                    self._gather(s2, takes)
+                            takes.append((s2, si[lo:hi], d2[d0 + lo - a:d0 + hi - a]))
                     src, dst, ln = src[~single], dst[~single], ln[~single]
-            # memoryview slice assignment is a plain memcpy with less call overhead than
-            # ctypes.memmove. One thread: two threads fight over the GIL and ran 10x slower;
-            # process_vm_writev (scatter-gather in the kernel, no GIL) was no faster into shm.
+            if src.size:
+                rest.append((sv, sbase, dv, dbase, src, dst, ln))
+        # every request and segment of the layer in one share-out among the copy threads
+        self._gather(takes)
+        # memoryview slice assignment is a plain memcpy with less call overhead than
+        # ctypes.memmove. One thread: two threads fight over the GIL and ran 10x slower;
+        # process_vm_writev (scatter-gather in the kernel, no GIL) was no faster into shm.
+        for sv, sbase, dv, dbase, src, dst, ln in rest:
             for so, do, n in zip((src - sbase).tolist(), (dst - dbase).tolist(), ln.tolist()):
                 dv[do:do + n] = sv[so:so + n]
 
-    def _gather(self, s2: Any, takes: list) -> None:
-        """``out[:] = s2[idx]`` for every ``(idx, out)``: np.take copies in C without the
-        GIL, so ``copy_threads`` threads run at once (this thread takes the first share)."""
+    def _gather(self, takes: list) -> None:
+        """``out[:] = rows[idx]`` for every ``(rows, idx, out)``: np.take copies in C without
+        the GIL, so ``copy_threads`` threads run at once (this thread takes a share)."""
         import numpy as np
 
         def run(part: list) -> None:
-            for idx, out in part:
-                np.take(s2, idx, axis=0, out=out, mode="clip")
+            for rows, idx, out in part:
+                np.take(rows, idx, axis=0, out=out, mode="clip")
 
         n = min(self.copy_threads, len(takes))
         if n <= 1:
