@@ -736,6 +736,16 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
 
 
+
+def _served(transport: str) -> list[str]:
+    """What the decode side serves: the one asked for, or under auto shm, rdma (where this
+    host has a device), tcp."""
+    if transport != "auto":
+        return [transport]
+    from . import _ffi
+
+    return ["shm", "rdma", "tcp"] if _ffi.verbs.rdma_devices() else ["shm", "tcp"]
+
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
@@ -763,13 +773,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _served(transport: str) -> list[str]:
-    """What the decode side serves: the one asked for, or under auto shm, rdma (where this
-    host has a device), tcp."""
-    if transport != "auto":
-        return [transport]
-    from . import _ffi
-
-    return ["shm", "rdma", "tcp"] if _ffi.verbs.rdma_devices() else ["shm", "tcp"]
