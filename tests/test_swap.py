@@ -143,9 +143,9 @@ def strategy(request, cuda_device):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_cuda_swap_every_strategy_both_directions(strategy, layerwise, no_leaks):
-    L = lay(num_layers=4, kv_heads=8, head_dim=128, tokens_per_block=16)
-    n = 64
+@pytest.mark.parametrize("n,k,tokens", [(64, 40, 16), (2048, 1500, 2)])  # 1500: launched in two parts
+def test_cuda_swap_every_strategy_both_directions(strategy, layerwise, n, k, tokens, no_leaks):
+    L = lay(num_layers=4, kv_heads=8, head_dim=128, tokens_per_block=tokens)
     size = L.block_bytes * n
     with SharedBuffer.create(size, require_pinned=True) as sb:
         bspec = CacheSpec.for_buffer(L, n, sb.address)
@@ -157,8 +157,8 @@ def test_cuda_swap_every_strategy_both_directions(strategy, layerwise, no_leaks)
             host[:] = rng.integers(0, 256, size, dtype=np.uint8)
             ref = host.copy()
             _ffi.cuda.memset(dptr, 0xEE, size)
-            src = rng.permutation(n)[:40].tolist()
-            dst = rng.permutation(n)[:40].tolist()
+            src = rng.permutation(n)[:k].tolist()
+            dst = rng.permutation(n)[:k].tolist()
             with SwapEngine(bspec, gspec, strategy=strategy) as eng:
                 h = eng.copy(src, dst, layerwise=layerwise)
                 if layerwise:
