@@ -1491,28 +1491,33 @@ class PrefillSender:
                     hdr = pack(_MAGIC, 1, _K_DATA, seg.dst_rank, g.token, layer, seg.tensor, 0, 0, hi - lo,
                                seg.dst_offset, seg.length, seg.count, seg.dst_stride)
                     hdr += b"".join(item(first + gis[i], nbs[i]) for i in range(lo, hi))
-                    frames.append((hdr, seg, srcs[lo:hi], nbs[lo:hi], 0))
+                    frames.append((hdr, seg, srcs[lo:hi], nbs[lo:hi], self._region_view(self.cache, layer, seg.tensor)))
         socks = self._data_socks
         per = -(-len(frames) // len(socks))  # contiguous shares keep each stream's frames in order
         parts = [frames[i * per:(i + 1) * per] for i in range(len(socks))]
         errors: list[BaseException] = []
-        view = _ffi.libc.host_view
 
         def push(sock: socket.socket, fs: list) -> None:
-            # payload views are made here, while the previous sendmsg's bytes are in flight
+            # payload views are slices of one view of the source region (a slice costs a
+            # fraction of a new ctypes view), made here while the previous sendmsg's bytes
+            # are in flight
             try:
                 batch: list = []
                 size = 0
-                for hdr, seg, srcs, nbs, _ in fs:
+                for hdr, seg, srcs, nbs, (rv, rbase) in fs:
                     batch.append(hdr)
                     if seg.count == 1:
+                        n1 = seg.length
                         for a, nb in zip(srcs, nbs):
-                            batch.append(view(a, seg.length * nb))
-                            size += seg.length * nb
+                            o = a - rbase
+                            batch.append(rv[o:o + n1 * nb])
+                            size += n1 * nb
                     else:
                         for a in srcs:
+                            o = a - rbase
                             for c in range(seg.count):
-                                batch.append(view(a + c * seg.src_stride, seg.length))
+                                q = o + c * seg.src_stride
+                                batch.append(rv[q:q + seg.length])
                             size += seg.length * seg.count
                     if len(batch) >= 512 or size >= (8 << 20):
                         _sendmsg_all(sock, batch)
