@@ -301,12 +301,8 @@ class RdmaWriter:
         if self._qp is not None:
             _ffi.verbs.close(self._qp)
             self._qp = None
-        for mr in self._mrs:
-            _ffi.verbs.close(mr)
-        self._mrs.clear()
-        if self._res is not None:
-            _ffi.verbs.close_device(self._res)
-            self._res = None
+        _release(self._mrs, self._res)
+        self._res = None
 
     def __enter__(self) -> RdmaWriter:
         return self
@@ -359,11 +355,17 @@ class RdmaTarget:
             _ffi.verbs.close(qp)
 
     def close(self) -> None:
+        """Destroy every queue pair, deregister the buffers, close the device. Idempotent."""
         for qpn in list(self._qps):
             self.drop(qpn)
-        for mr in self._mrs:
-            _ffi.verbs.close(mr)
-        self._mrs.clear()
-        if self._res is not None:
-            _ffi.verbs.close_device(self._res)
-            self._res = None
+        _release(self._mrs, self._res)
+        self._res = None
+
+
+def _release(mrs: list[Any], res: dict[str, Any] | None) -> None:
+    """Deregister memory regions (emptying the list), then close the device resources."""
+    for mr in mrs:
+        _ffi.verbs.close(mr)
+    mrs.clear()
+    if res is not None:
+        _ffi.verbs.close_device(res)
