@@ -347,10 +347,10 @@ def test_rejected_when_full(no_leaks):
 
 @pytest.mark.cuda
 @pytest.mark.multiproc
-@pytest.mark.parametrize("P,D", [(1, 1), (1, 2)])
+@pytest.mark.parametrize("P,D", [(1, 1), (1, 2), (2, 1), (4, 2)])
 def test_shm_from_gpu_caches_uses_the_swap_kernel(cuda_device, P, D, no_leaks):
-    # one prefill rank per process, as engines run them (two GPU-cache senders in one
-    # process timed out on the H200 host: see docs/TRANSPORTS.md, known issues)
+    # P > 1: several GPU-cache senders in one process, each with its own engine and its own
+    # registration of decode's buffers
     from pdkv import _ffi
 
     dec = Decode(D=D)
@@ -375,8 +375,9 @@ def test_shm_from_gpu_caches_uses_the_swap_kernel(cuda_device, P, D, no_leaks):
         for layer in range(4):
             for tx in txs:
                 tx.send_layer(layer, [("g", sb)])
-        for tx in txs:
+        for tx in txs:  # decode completes once every prefill rank has finished: all first
             tx.finish("g")
+        for tx in txs:
             assert tx.wait_outcome("g", 20).ok
         for dst in dec.lays:
             for layer in range(4):
