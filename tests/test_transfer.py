@@ -486,3 +486,35 @@ def test_shm_copy_threads_share_the_gather(monkeypatch, no_leaks):
             PrefillSender(lay, spec, dec.rx.control_address, copy_threads=0)
     finally:
         dec.close()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_many_engine_threads_share_one_sender(transport, no_leaks):
+    # every thread sends on the control socket itself (under the channel's lock): no message
+    # may be lost, reordered against its sequence number, or left unanswered
+    dec = Decode(nb=128, transports=(transport,))
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport=transport, timeout_s=10) as tx:
+            errors = []
+
+            def worker(i):
+                try:
+                    for j in range(25):
+                        out = send_one(tx, f"t{i}-{j}", [(i * 7 + j) % 64])
+                        if not out.ok:
+                            errors.append(out)
+                except Exception as exc:  # reported below
+                    errors.append(exc)
+
+            ts = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(60)
+            assert not any(t.is_alive() for t in ts)
+            assert errors == []
+            assert dec.rx.stats["messages_rejected"] == 0
+    finally:
+        dec.close()
