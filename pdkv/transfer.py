@@ -100,12 +100,18 @@ class _Channel:
         self._poll.register(sock.getsockopt(zmq.FD), select.POLLIN)
         self._poll.register(self._r, select.POLLIN)
         self._closed = False
+        # the pipe's fds are touched only under this lock and never after close(): a late
+        # wake-up must not write into whatever file reuses the number
+        self._pipe_lock = threading.Lock()
 
     def wake(self) -> None:
-        try:
-            os.write(self._w, b"x")
-        except OSError:  # pipe full (a wake-up is pending anyway) or closed
-            pass
+        with self._pipe_lock:
+            if self._w < 0:
+                return
+            try:
+                os.write(self._w, b"x")
+            except OSError:  # pipe full: a wake-up is pending anyway
+                pass
 
     def send(self, frames: Callable[[], list[bytes]]) -> bool:
         """Send the frames ``frames()`` returns; False if the socket would block or is closed."""
@@ -145,10 +151,12 @@ class _Channel:
         if out is None or out:
             return out
         self._poll.poll(timeout_ms)
-        try:
-            os.read(self._r, 4096)
-        except BlockingIOError:
-            pass
+        with self._pipe_lock:
+            if self._r >= 0:
+                try:
+                    os.read(self._r, 4096)
+                except BlockingIOError:
+                    pass
         return self._drain()
 
     def close(self) -> None:
@@ -157,8 +165,10 @@ class _Channel:
                 return
             self._closed = True
             self.sock.close(0)
-        os.close(self._r)
-        os.close(self._w)
+        with self._pipe_lock:
+            os.close(self._r)
+            os.close(self._w)
+            self._r = self._w = -1
 
 
 def boot_id() -> str:

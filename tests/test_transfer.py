@@ -518,3 +518,27 @@ def test_many_engine_threads_share_one_sender(transport, no_leaks):
             assert dec.rx.stats["messages_rejected"] == 0
     finally:
         dec.close()
+
+
+def test_channel_wake_after_close_touches_no_reused_fd(tmp_path):
+    import zmq
+
+    from pdkv.transfer import _Channel
+
+    ctx = zmq.Context()
+    try:
+        ch = _Channel(ctx.socket(zmq.DEALER))
+        ch.close()
+        ch.close()  # idempotent
+        # the pipe's write end number is free again; a file opened now may well get it
+        fds = [os.open(tmp_path / f"f{i}", os.O_CREAT | os.O_RDWR, 0o600) for i in range(4)]
+        try:
+            ch.wake()  # e.g. a sender thread finishing a send after close()
+            assert ch.wait(1) is None  # and the I/O loop ends
+            assert all(os.fstat(fd).st_size == 0 for fd in fds)
+            assert ch.send(lambda: [b"x"]) is False
+        finally:
+            for fd in fds:
+                os.close(fd)
+    finally:
+        ctx.term()
