@@ -178,26 +178,26 @@ class EndpointInfo:
     lid: int
     gid: str
     mtu: int
-    addr: int = 0
-    length: int = 0
-    rkey: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EndpointInfo:
+        """Validate a peer's record; ProtocolError for anything missing, mistyped or out of range."""
+        keys = ("qpn", "psn", "lid", "gid", "mtu")
         try:
-            e = cls(**{k: d[k] for k in ("qpn", "psn", "lid", "gid", "mtu")},
-                    addr=d.get("addr", 0), length=d.get("length", 0), rkey=d.get("rkey", 0))
+            if set(d) - set(keys):
+                raise KeyError(f"unknown fields {sorted(set(d) - set(keys))}")
+            e = cls(**{k: d[k] for k in keys})
         except (KeyError, TypeError) as exc:
             raise ProtocolError(f"bad RDMA endpoint record: {exc}") from None
+        if not all(type(v) is int for v in (e.qpn, e.psn, e.lid, e.mtu)):
+            raise ProtocolError(f"RDMA endpoint record with non-integer numbers: {e}")
         if not (0 < e.qpn < 1 << 24 and 0 <= e.psn < 1 << 24 and 0 <= e.lid < 1 << 16 and 1 <= e.mtu <= 5):
             raise ProtocolError(f"RDMA endpoint record out of range: {e}")
         if not isinstance(e.gid, str) or len(e.gid) > 64:
             raise ProtocolError("bad GID in RDMA endpoint record")
-        if e.length < 0 or e.addr < 0 or not 0 <= e.rkey < 1 << 32:
-            raise ProtocolError("bad region in RDMA endpoint record")
         return e
 
 

@@ -71,9 +71,9 @@ def test_wait_is_bounded():
 
 
 def test_endpoint_record_validation():
-    e = EndpointInfo(qpn=7, psn=1, lid=3, gid="fe80::1", mtu=5, addr=4096, length=1 << 20, rkey=9)
+    e = EndpointInfo(qpn=7, psn=1, lid=3, gid="fe80::1", mtu=5)
     assert EndpointInfo.from_dict(e.to_dict()) == e
-    for bad in ({"qpn": 0}, {"mtu": 9}, {"gid": 5}, {"rkey": -1}):
+    for bad in ({"qpn": 0}, {"mtu": 9}, {"gid": 5}, {"qpn": "7"}, {"lid": 1.5}, {"extra": 1}):
         with pytest.raises(ProtocolError):
             EndpointInfo.from_dict({**e.to_dict(), **bad})
     with pytest.raises(ProtocolError):
@@ -102,7 +102,7 @@ def test_merge_regions():
 def test_remote_region_record_validation():
     r = RemoteRegion(4096, 1 << 20, 7)
     assert RemoteRegion.from_dict(r.to_dict()) == r
-    for bad in ({"addr": 0}, {"length": 0}, {"rkey": 1 << 32}, {"addr": "x"}):
+    for bad in ({"addr": 0}, {"length": 0}, {"rkey": 1 << 32}, {"rkey": -1}, {"addr": "x"}):
         with pytest.raises(ProtocolError):
             RemoteRegion.from_dict({**r.to_dict(), **bad})
 
@@ -230,3 +230,33 @@ def test_loopback_rc_write(rdma_device):
             assert bytes(dst) == bytes(src)
         finally:
             target.close()
+
+
+@pytest.mark.parametrize("record", [{"qpn": "7", "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5},
+                                    {"qpn": 7, "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5, "rkey": 3},
+                                    {"qpn": 1 << 30, "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5}])
+def test_hostile_rdma_hello_is_refused_and_decode_serves_on(record, monkeypatch, no_leaks):
+    import zmq
+
+    from pdkv.protocol import PROTOCOL_VERSION, Codec, ErrorMsg, Hello
+
+    fabric = fake_verbs.install(monkeypatch)
+    dec = Decode(transports=("rdma",))
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(dec.rx.control_address)
+        lay = KVLayout(**BASE)
+        s.send_multipart(Codec(None).encode(Hello(PROTOCOL_VERSION, "evil", 0, 1, lay.descriptor(), ["rdma"], "b", 1,
+                                                  b"n" * 16, record)))
+        assert s.poll(5000)
+        msg = Codec(None).decode(s.recv_multipart())
+        assert isinstance(msg, ErrorMsg) and "rdma" in msg.message
+        assert fabric.qps == {}  # the refused hello left no queue pair behind
+        _, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="rdma", timeout_s=5) as tx:
+            assert send_one(tx, "r1", [1, 2]).ok  # the control loop survived
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
