@@ -83,6 +83,11 @@ def _auto_stripes(size: int) -> int:
     return max(1, min(8, os.cpu_count() or 1, size // _STRIPE_MIN))
 
 
+def _default_threads(stripes: int) -> int:
+    """Population threads: at least one per stripe, 8 for one file, no more than the cpus."""
+    return min(max(8, stripes), os.cpu_count() or 1)
+
+
 def _populate(addr: int, size: int, threads: int, *, fresh: bool = True,
               stripes: list[int] | None = None) -> None:
     """Fault in every page of ``[addr, addr+size)`` from ``threads`` threads at once.
@@ -141,8 +146,8 @@ def _populate(addr: int, size: int, threads: int, *, fresh: bool = True,
         raise errors[0]
 
 
-def _release(mm: mmap.mmap | None, fd: int, names: list[str] | None, pinned_addr: int | None) -> None:
-    # finalizer: raw handles only, never self. Order: unregister, munmap, close, (unlink)
+def _release(mm: mmap.mmap | None, names: list[str] | None, pinned_addr: int | None) -> None:
+    # finalizer: raw handles only, never self. Order: unregister, munmap, (unlink)
     if pinned_addr is not None:
         try:
             _ffi.cuda.host_unregister(pinned_addr)
@@ -153,8 +158,6 @@ def _release(mm: mmap.mmap | None, fd: int, names: list[str] | None, pinned_addr
             mm.close()
         except BufferError:
             pass  # a view still alive; the mapping goes when the last view does
-    if fd >= 0:
-        os.close(fd)
     for name in names or ():
         try:
             _ffi.libc.shm_unlink("/" + name)
@@ -250,7 +253,7 @@ class SharedBuffer:
         if not isinstance(stripes, int) or isinstance(stripes, bool) or not 1 <= stripes <= _MAX_STRIPES:
             raise ValueError(f"stripes={stripes!r} must be an integer in [1, {_MAX_STRIPES}]")
         sizes = stripe_sizes(size, stripes)
-        threads = populate_threads or min(max(8, stripes), os.cpu_count() or 1)
+        threads = populate_threads or _default_threads(stripes)
         self = cls(_token=_FACTORY)
         with ExitStack() as undo:
             fds = []
@@ -365,8 +368,7 @@ class SharedBuffer:
             undo.callback(mm.close)
             addr = _ffi.libc.buffer_address(mm)
             if populate:
-                _populate(addr, size, populate_threads or min(max(8, len(sizes)), os.cpu_count() or 1),
-                          fresh=False, stripes=sizes)
+                _populate(addr, size, populate_threads or _default_threads(len(sizes)), fresh=False, stripes=sizes)
             pinned = _maybe_pin(addr, size, mode)
             self._finish(name, sizes, fds, mm, addr, pinned, owner=False, pin_mode=mode)
             undo.pop_all()
@@ -382,7 +384,7 @@ class SharedBuffer:
         # fds closed right away: the mapping keeps the segments alive, and no fd leaks
         for fd in fds:
             os.close(fd)
-        self._fin = weakref.finalize(self, _release, mm, -1, self.part_names if owner else None,
+        self._fin = weakref.finalize(self, _release, mm, self.part_names if owner else None,
                                      addr if pinned else None)
 
     @property
@@ -467,7 +469,7 @@ class SharedBuffer:
         if self._fin is not None and self._fin.alive:
             # the finalizer must no longer unlink: rebuild it without the name
             self._fin.detach()
-            self._fin = weakref.finalize(self, _release, self._mm, -1, None,
+            self._fin = weakref.finalize(self, _release, self._mm, None,
                                          self._addr if self._pinned else None)
         for part in self.part_names:
             try:

@@ -56,7 +56,8 @@ from .rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .shm import SharedBuffer
 from .shm_clean import pid_alive
 
-__all__ = ["DecodeReceiver", "PrefillSender", "SendGrant", "RequestOutcome", "boot_id", "FRAME_HEADER"]
+__all__ = ["DecodeReceiver", "PrefillSender", "SendGrant", "RequestOutcome", "boot_id", "default_copy_threads",
+           "FRAME_HEADER"]
 
 # TCP data frame: header (magic, version, kind, dst_rank, token, layer, tensor, pad,
 # reserved, nitems, offset, length, count, dst_stride), then nitems (grant index, blocks)
@@ -169,6 +170,11 @@ class _Channel:
             os.close(self._r)
             os.close(self._w)
             self._r = self._w = -1
+
+
+def default_copy_threads() -> int:
+    """shm copy threads a :class:`PrefillSender` uses by default: a quarter of the cores, 1-4."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def boot_id() -> str:
@@ -962,7 +968,7 @@ class PrefillSender:
         if not 1 <= streams <= 64:
             raise ValueError(f"streams={streams} must be in 1..64")
         if copy_threads is None:
-            copy_threads = max(1, min(4, (os.cpu_count() or 1) // 4))
+            copy_threads = default_copy_threads()
         if not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
             raise ValueError(f"copy_threads={copy_threads!r} must be an integer in 1..64")
         self.copy_threads = copy_threads

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ import time
 import numpy as np
 
 import pdkv
+from pdkv.transfer import default_copy_threads
 
 
 def layout_for(kib: int) -> pdkv.KVLayout:
@@ -232,7 +232,7 @@ def main() -> int:
     ap.add_argument("--control-requests", type=int, default=200)
     a = ap.parse_args()
     if a.copy_threads is None:
-        a.copy_threads = max(1, min(4, (os.cpu_count() or 1) // 4))
+        a.copy_threads = default_copy_threads()
     if a.role == "decode":
         decode_main(a)
         return 0

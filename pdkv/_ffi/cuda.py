@@ -29,8 +29,6 @@ __all__ = [
     "malloc",
     "free",
     "malloc_host",
-    "malloc_async",
-    "free_async",
     "multiprocessor_count",
     "free_host",
     "memcpy",
@@ -251,15 +249,6 @@ def malloc_host(size: int) -> int:
 
 def free_host(ptr: int) -> None:
     _call(_rt().cudaFreeHost(ptr), "cudaFreeHost")
-
-
-def malloc_async(size: int, stream: int) -> int:
-    """Stream-ordered allocation (``cudaMallocAsync``)."""
-    return int(_call(_rt().cudaMallocAsync(size, stream), "cudaMallocAsync"))
-
-
-def free_async(ptr: int, stream: int) -> None:
-    _call(_rt().cudaFreeAsync(ptr, stream), "cudaFreeAsync")
 
 
 def multiprocessor_count(device: int) -> int:
