@@ -5,7 +5,8 @@ blocks contiguous on both sides merged into one piece) and then executed by a st
 
 ``kernel``  (default with a GPU) an NVRTC gather/scatter kernel that reads and writes
             mapped pinned host memory directly; one launch per copy (or per layer).
-``batch``   one ``cudaMemcpyBatchAsync`` call (CUDA 12.8+).
+``batch``   ``cudaMemcpyBatchAsync`` (CUDA 12.8+), in sub-batches growing from 64 pieces
+            to 1024, so the copy engines start while the rest is being submitted.
 ``memcpy``  one ``cudaMemcpyAsync`` per coalesced piece (the last fallback).
 ``host``    ``memmove`` on a worker thread, for host-to-host copies (CPU-only hosts,
             tests, the local transfer tool without a GPU).
@@ -35,10 +36,28 @@ __all__ = ["CopyPlan", "plan_copy", "CopyHandle", "SwapEngine", "SwapGroup", "St
 
 Strategy = Literal["auto", "kernel", "batch", "memcpy", "host"]
 _CHUNK = 64 << 10  # bytes one kernel CTA copies
-# auto: mean piece at least this -> cudaMemcpyBatchAsync (H200, 4096 blocks: the copy
-# engines beat the kernel from 128 KiB host->GPU (52.3 vs 50.0 GB/s) but only from
-# 256 KiB GPU->host (50.8 vs 52.0 at 128 KiB))
-_BATCH_MIN_PIECE = {"h2d": 128 << 10, "d2h": 256 << 10, None: 256 << 10}
+# auto: mean piece at least this -> cudaMemcpyBatchAsync (H200, 4096 blocks, batches
+# submitted in growing sub-batches: the copy engines beat the kernel from 64 KiB
+# host->GPU (54.4 vs 50.9 GB/s) but only from 256 KiB GPU->host (51.4 vs 52.2 at 128 KiB))
+_BATCH_MIN_PIECE = {"h2d": 64 << 10, "d2h": 256 << 10, None: 256 << 10}
+# a batch is submitted as several cudaMemcpyBatchAsync calls, the first small and each
+# next one twice as large up to the cap, so the copy engines start on the first pieces
+# while the rest are still being handed to the driver
+_BATCH_FIRST, _BATCH_MAX = 64, 1024
+
+
+def _batch_spans(a: int, b: int, first: int | None = None, cap: int | None = None) -> list[tuple[int, int]]:
+    """``[a, b)`` cut into consecutive spans of ``first``, ``2*first``, ... at most ``cap`` items."""
+    n = _BATCH_FIRST if first is None else first
+    cap = _BATCH_MAX if cap is None else cap
+    if n < 1 or cap < n:
+        raise ValueError(f"batch spans need 1 <= first <= cap, got first={n}, cap={cap}")
+    out = []
+    while a < b:
+        out.append((a, min(b, a + n)))
+        a += n
+        n = min(cap, 2 * n)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,12 +229,12 @@ class CopyHandle:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise PdkvTimeoutError(f"{what} not finished within {timeout} s")
-            # poll finely for the first 20 ms (copies take ~1-50 ms), then back off
+            # poll finely for the first 100 ms (copies take ~1-50 ms), then back off
             elapsed = now - start
             if elapsed < 0.002:
                 time.sleep(0)
             else:
-                time.sleep(2e-5 if elapsed < 0.02 else 1e-3)
+                time.sleep(2e-5 if elapsed < 0.1 else 1e-3)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until done (at most ``timeout`` s); raise the copy's error if it failed."""
@@ -514,7 +533,8 @@ class SwapEngine:
                 # descriptors go to device memory on the side stream, overlapping the copy
                 # in flight; the kernel waits for them. H200, 16 KiB blocks, 16 kernels back
                 # to back: descriptors already in device memory 50.9 GB/s, read from pinned
-                # host memory by each CTA 50.4, uploaded in the kernel's own stream 49.6
+                # host memory by each CTA 50.4, uploaded in the kernel's own stream 49.6; 64
+                # calls, A/B in ABBA order: side-stream upload 50.6-50.7, read from host 50.1-50.2
                 _ffi.cuda.memcpy_async(st.dev, st.addr, desc.nbytes, self._side)
                 _ffi.cuda.event_record(st.uploaded, self._side)
                 _ffi.cuda.stream_wait_event(stream, st.uploaded)
@@ -529,14 +549,15 @@ class SwapEngine:
                 keep = st
             else:
                 groups = self._groups(plan.layer_ends, layerwise)
-                src, dst, lens = plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist()
                 for (a, b), ev in zip(groups, events):
-                    if b > a:
-                        if strategy == "batch":
-                            _ffi.cuda.memcpy_batch_async(dst[a:b], src[a:b], lens[a:b], stream)
-                        else:
-                            for i in range(a, b):
-                                _ffi.cuda.memcpy_async(dst[i], src[i], lens[i], stream)
+                    if strategy == "batch":
+                        for x, y in _batch_spans(a, b):
+                            _ffi.cuda.memcpy_batch_async(plan.dst[x:y].tolist(), plan.src[x:y].tolist(),
+                                                         plan.lengths[x:y].tolist(), stream)
+                    else:
+                        src, dst, lens = plan.src[a:b].tolist(), plan.dst[a:b].tolist(), plan.lengths[a:b].tolist()
+                        for i in range(b - a):
+                            _ffi.cuda.memcpy_async(dst[i], src[i], lens[i], stream)
                     _ffi.cuda.event_record(ev, stream)
         except BaseException:
             _destroy_events(events)

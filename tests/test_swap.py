@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from pdkv import CacheSpec, KVLayout, SharedBuffer, _ffi
 from pdkv.errors import SwapError
-from pdkv.swap import SwapEngine, plan_copy
+from pdkv.swap import SwapEngine, _batch_spans, plan_copy
 
 
 def lay(**kw):
@@ -47,6 +47,27 @@ def test_plan_coalesces_contiguous_runs():
     c = p.chunked(tb // 2)
     assert c.nbytes == p.nbytes and int(c.lengths.sum()) == p.nbytes and c.lengths.max() <= tb // 2
     assert c.layer_ends[-1] == c.pieces
+
+
+@given(st.integers(0, 5000), st.integers(0, 5000), st.integers(1, 300), st.integers(0, 3))
+def test_batch_spans_cover_the_range_in_growing_pieces(a, n, first, doublings):
+    cap = first << doublings
+    spans = _batch_spans(a, a + n, first, cap)
+    # consecutive, in order, exactly [a, a + n)
+    assert [x for x, _ in spans[1:]] == [y for _, y in spans[:-1]]
+    assert (spans[0][0], spans[-1][1]) == (a, a + n) if n else spans == []
+    sizes = [y - x for x, y in spans]
+    assert all(0 < k <= cap for k in sizes)
+    # every piece but the last is exactly first, 2*first, ... capped
+    for i, k in enumerate(sizes[:-1]):
+        assert k == min(cap, first << i)
+
+
+def test_batch_spans_refuse_bad_sizes():
+    with pytest.raises(ValueError, match="first <= cap"):
+        _batch_spans(0, 10, 0, 4)
+    with pytest.raises(ValueError, match="first <= cap"):
+        _batch_spans(0, 10, 8, 4)
 
 
 def test_plan_validation():

@@ -332,6 +332,10 @@ def batch_copy_supported() -> bool:
     return hasattr(_rt(), "cudaMemcpyBatchAsync")
 
 
+def _as_list(x: Sequence[int]) -> list[int]:
+    return x if isinstance(x, list) else list(x)
+
+
 def memcpy_batch_async(
     dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int
 ) -> None:
@@ -348,7 +352,7 @@ def memcpy_batch_async(
     attr = rt.cudaMemcpyAttributes()
     attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
     attr.flags = getattr(rt, "cudaMemcpyFlagPreferOverlapWithCompute", 0)
-    res = rt.cudaMemcpyBatchAsync(list(dsts), list(srcs), list(sizes), n, [attr], [0], 1, stream)
+    res = rt.cudaMemcpyBatchAsync(_as_list(dsts), _as_list(srcs), _as_list(sizes), n, [attr], [0], 1, stream)
     status = res[0] if isinstance(res, tuple) else res
     if int(status) != 0:
         fail = f" (failed at copy {res[1]})" if isinstance(res, tuple) and len(res) > 1 else ""
