@@ -286,6 +286,30 @@ class _CudaHandle(CopyHandle):
             return True
 
 
+_DRAIN_TIMEOUT_S = 60.0
+
+
+def _drain(stream: int, timeout: float | None = None) -> bool:
+    """Wait, bounded, for everything queued on ``stream`` so far; False if it did not finish."""
+    timeout = _DRAIN_TIMEOUT_S if timeout is None else timeout
+    try:
+        ev = _ffi.cuda.event_create()
+    except Exception:
+        return False
+    try:
+        _ffi.cuda.event_record(ev, stream)
+        deadline = time.monotonic() + timeout
+        while not _ffi.cuda.event_query(ev):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(1e-4)
+        return True
+    except Exception:  # the stream itself failed: nothing more will run on it
+        return True
+    finally:
+        _destroy_events([ev])
+
+
 def _destroy_events(events: list[int]) -> None:
     for e in events:
         try:
@@ -523,6 +547,7 @@ class SwapEngine:
         if (self._auto and strategy == "kernel" and plan.pieces
                 and plan.nbytes >= _BATCH_MIN_PIECE[direction] * plan.pieces and _ffi.cuda.batch_copy_supported()):
             strategy = "batch"  # large pieces: the copy engines beat the kernel (0.98 vs 0.92 at 512 KiB)
+        queued = [False]  # set once anything is enqueued on `stream`
         try:
             if strategy == "kernel":
                 cp = plan.chunked()
@@ -545,6 +570,7 @@ class SwapEngine:
                         _ffi.cuda.launch(self._fn, min(b - a, self._max_grid), 512,
                                          [("ptr", dev + 8 * a), ("ptr", dev + 8 * (n + a)),
                                           ("ptr", dev + 8 * (2 * n + a)), ("i64", b - a)], stream)
+                        queued[0] = True
                     _ffi.cuda.event_record(ev, stream)
                 keep = st
             else:
@@ -554,16 +580,25 @@ class SwapEngine:
                         for x, y in _batch_spans(a, b):
                             _ffi.cuda.memcpy_batch_async(plan.dst[x:y].tolist(), plan.src[x:y].tolist(),
                                                          plan.lengths[x:y].tolist(), stream)
+                            queued[0] = True
                     else:
                         src, dst, lens = plan.src[a:b].tolist(), plan.dst[a:b].tolist(), plan.lengths[a:b].tolist()
                         for i in range(b - a):
                             _ffi.cuda.memcpy_async(dst[i], src[i], lens[i], stream)
+                            queued[0] = True
                     _ffi.cuda.event_record(ev, stream)
-        except BaseException:
+        except BaseException as exc:
+            # part of the copy may be queued already: let it finish before the error is
+            # raised, so nothing writes into the destination (or reads the descriptors)
+            # once the caller has been told the copy failed
+            drained = _drain(stream) if queued[0] else True
             _destroy_events(events)
             if slot:
                 with self._lock:
-                    self._staging[slot[0]] = (self._staging[slot[0]][0], None)
+                    self._staging[slot[0]] = (self._staging[slot[0]][0], None if drained else _BUSY)
+            if not drained:
+                raise SwapError(f"{exc}; and the part of the copy already queued did not finish within "
+                                f"{_DRAIN_TIMEOUT_S:g} s: its destination blocks may still be written") from exc
             raise
         h = _CudaHandle(plan.nbytes, nl, events, keep)
         if slot:

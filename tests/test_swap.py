@@ -209,3 +209,126 @@ def test_cuda_swap_every_strategy_both_directions(strategy, layerwise, n, k, tok
             del host
         finally:
             _ffi.cuda.free(dptr)
+
+
+class FakeStreamCuda:
+    """Just enough of ``_ffi.cuda`` for the batch and memcpy strategies on host memory:
+    copies are queued, and run when an event recorded after them is queried (the "GPU"
+    makes progress only when someone looks), so a test sees what was left in flight."""
+
+    def __init__(self, fail_on_call: int | None = None):
+        self.queue: list[tuple[int, int, int]] = []
+        self.events: dict[int, int] = {}
+        self.fail_on_call = fail_on_call
+        self.submits = 0
+
+    def install(self, monkeypatch):
+        for name in ("device_count", "set_device", "batch_copy_supported", "stream_create", "stream_destroy",
+                     "stream_synchronize", "event_create", "event_record", "event_query", "event_destroy",
+                     "memcpy_batch_async", "memcpy_async"):
+            monkeypatch.setattr(_ffi.cuda, name, getattr(self, name))
+
+    def device_count(self):
+        return 1
+
+    def set_device(self, d):
+        pass
+
+    def batch_copy_supported(self):
+        return True
+
+    def stream_create(self, nonblocking=True):
+        return 7
+
+    def stream_destroy(self, s):
+        pass
+
+    def stream_synchronize(self, s):
+        self._run(len(self.queue))
+
+    def event_create(self, timing=False):
+        e = 100 + len(self.events)
+        self.events[e] = -1
+        return e
+
+    def event_record(self, e, s):
+        self.events[e] = self.done + len(self.queue)
+
+    @property
+    def done(self):
+        return getattr(self, "_done", 0)
+
+    def _run(self, n):
+        import ctypes
+
+        for dst, src, ln in self.queue[:n]:
+            ctypes.memmove(dst, src, ln)
+        del self.queue[:n]
+        self._done = self.done + n
+
+    def event_query(self, e):
+        self._run(max(0, self.events[e] - self.done))
+        return True
+
+    def event_destroy(self, e):
+        self.events.pop(e, None)
+
+    def _submit(self):
+        self.submits += 1
+        if self.fail_on_call == self.submits:
+            raise RuntimeError(f"injected failure on submission {self.submits}")
+
+    def memcpy_batch_async(self, dsts, srcs, sizes, stream):
+        self._submit()
+        self.queue.extend(zip(dsts, srcs, sizes))
+
+    def memcpy_async(self, dst, src, n, stream):
+        self._submit()
+        self.queue.append((dst, src, n))
+
+
+@pytest.mark.parametrize("strategy", ["batch", "memcpy"])
+def test_sub_batched_copy_lands_every_pair(strategy, monkeypatch):
+    fake = FakeStreamCuda()
+    fake.install(monkeypatch)
+    L = lay(num_layers=2)
+    buf, gpu = HostCache(L, 512), HostCache(L, 512)
+    buf.arr[:] = np.random.default_rng(5).integers(0, 256, buf.arr.size, dtype=np.uint8)
+    rng = np.random.default_rng(6)
+    src, dst = rng.permutation(512)[:300].tolist(), rng.permutation(512)[:300].tolist()
+    with SwapEngine(buf.spec, gpu.spec, strategy=strategy) as eng:
+        h = eng.copy(src, dst, layerwise=True)
+        if strategy == "batch":
+            assert fake.submits > 2  # 300 pieces x 2 layers x 2 tensors: several sub-batches
+        h.wait(10)
+    for layer in range(L.total_layers):
+        for t in range(2):
+            for s_, d_ in zip(src, dst):
+                np.testing.assert_array_equal(gpu.block(layer, t, d_), buf.block(layer, t, s_))
+
+
+@pytest.mark.parametrize("strategy", ["batch", "memcpy"])
+def test_failed_submission_drains_what_was_queued_before_raising(strategy, monkeypatch):
+    fake = FakeStreamCuda(fail_on_call=3)
+    fake.install(monkeypatch)
+    L = lay(num_layers=2)
+    buf, gpu = HostCache(L, 512), HostCache(L, 512)
+    buf.arr[:] = 9
+    with SwapEngine(buf.spec, gpu.spec, strategy=strategy) as eng:
+        with pytest.raises(RuntimeError, match="injected failure on submission 3"):
+            eng.copy(list(range(0, 400, 2)), list(range(0, 400, 2)))
+        # the two submissions before the failure ran to completion before the error
+        # reached the caller: nothing is left to write into the destination later
+        assert fake.queue == []
+        assert fake.done > 0
+        assert not fake.events  # and every event was destroyed
+
+
+def test_drain_gives_up_after_its_bound(monkeypatch):
+    from pdkv import swap
+
+    fake = FakeStreamCuda()
+    fake.install(monkeypatch)
+    monkeypatch.setattr(_ffi.cuda, "event_query", lambda e: False)  # a stream that never finishes
+    assert swap._drain(7, timeout=0.05) is False
+    assert not fake.events
