@@ -1559,13 +1559,16 @@ class PrefillSender:
 
 
 def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
-    views = [b if isinstance(b, memoryview) else memoryview(b) for b in bufs]
-    while views:
-        n = sock.sendmsg(views[:512])
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
+    """Send every buffer, up to 512 per ``sendmsg``, resuming after partial sends."""
+    views = [v for v in (b if isinstance(b, memoryview) else memoryview(b) for b in bufs) if v.nbytes]
+    i = 0
+    while i < len(views):
+        n = sock.sendmsg(views[i:i + 512])
+        while n:
+            k = views[i].nbytes
+            if n >= k:
+                n -= k
+                i += 1
             else:
-                views[0] = views[0][n:]
+                views[i] = views[i][n:]
                 n = 0

@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdkv import (BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, State, SwapEngine,
                   tp_segments)
@@ -542,3 +544,38 @@ def test_channel_wake_after_close_touches_no_reused_fd(tmp_path):
                 os.close(fd)
     finally:
         ctx.term()
+
+
+class _TrickleSocket:
+    """sendmsg that takes at most ``cap`` bytes per call (the kernel may stop anywhere)."""
+
+    def __init__(self, caps):
+        self.caps, self.out, self.calls = list(caps), bytearray(), 0
+
+    def sendmsg(self, bufs):
+        assert 0 < len(bufs) <= 512
+        self.calls += 1
+        cap = self.caps[self.calls % len(self.caps)]
+        took = 0
+        for b in bufs:
+            k = min(len(b), cap - took)
+            self.out += bytes(b[:k])
+            took += k
+            if took == cap:
+                break
+        return took
+
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 300), max_size=1500), st.lists(st.integers(1, 5000), min_size=1, max_size=8))
+def test_sendmsg_all_sends_every_byte_in_order_through_partial_sends(sizes, caps):
+    from pdkv.transfer import _sendmsg_all
+
+    rng = np.random.default_rng(len(sizes))
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    # a mix of bytes and memoryviews, zero-length ones included
+    bufs = [memoryview(b) if i % 2 else b for i, b in enumerate(bufs)]
+    sock = _TrickleSocket(caps)
+    _sendmsg_all(sock, bufs)
+    assert bytes(sock.out) == b"".join(bytes(b) for b in bufs)
