@@ -232,6 +232,7 @@ class _Req:
     cancel: tuple[State, str] | None = None
     reason: str = ""
     in_ready: bool = False
+    gpu_ok: bool = True  # may take GPU blocks directly (with options.direct_to_gpu)
 
 
 @dataclass(slots=True)
@@ -364,7 +365,7 @@ class DecodeScheduler:
         """Try to give ``req`` destination blocks; return the grant or None."""
         n, o = req.n, self.options
         blocks = None
-        if o.direct_to_gpu and self.gpu.num_free - n >= o.gpu_reserve_blocks:
+        if o.direct_to_gpu and req.gpu_ok and self.gpu.num_free - n >= o.gpu_reserve_blocks:
             blocks = self.gpu.try_allocate(n)
             if blocks is not None:
                 req.location, req.gpu_blocks = "gpu", blocks
@@ -429,9 +430,12 @@ class DecodeScheduler:
 
     # ------------------------------------------------------------------ reservation
     def reserve(self, request_id: str, *, num_blocks: int | None = None, num_tokens: int | None = None,
-                peer: str = "") -> Reservation:
+                peer: str = "", gpu_ok: bool = True) -> Reservation:
         """Reserve destination blocks for a request: GPU first (above the reserve), then
         the buffer, then queue or reject by policy.
+
+        ``gpu_ok=False`` keeps this request in the buffer even with ``direct_to_gpu`` (a
+        transport that can write host memory only); a queued request keeps it.
 
         Raises
         ------
@@ -448,19 +452,22 @@ class DecodeScheduler:
             num_blocks = -(-num_tokens // self.tokens_per_block)
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise RequestError(f"num_blocks={num_blocks!r} must be a positive integer")
+        if not isinstance(gpu_ok, bool):
+            raise RequestError(f"gpu_ok={gpu_ok!r} must be a bool")
+        direct = self.options.direct_to_gpu and gpu_ok
         gpu_cap = self.gpu.num_total - self.options.gpu_reserve_blocks
         buf_cap = self.buffer.num_total if self.buffer is not None else 0
-        if num_blocks > gpu_cap or (not self.options.direct_to_gpu and num_blocks > buf_cap):
+        if num_blocks > gpu_cap or (not direct and num_blocks > buf_cap):
             raise RequestError(
                 f"request {request_id!r} needs {num_blocks} blocks: more than the GPU pool can ever give "
-                f"({gpu_cap} above the reserve)" + ("" if self.options.direct_to_gpu else f" or the buffer holds ({buf_cap})")
+                f"({gpu_cap} above the reserve)" + ("" if direct else f" or the buffer holds ({buf_cap})")
             )
         now = self.clock()
         with self._lock:
             if request_id in self._reqs:
                 raise RequestError(f"request {request_id!r} is already live ({self._reqs[request_id].state.value})")
             self._tomb.pop(request_id, None)
-            req = _Req(request_id, num_blocks, num_tokens, peer, now)
+            req = _Req(request_id, num_blocks, num_tokens, peer, now, gpu_ok=gpu_ok)
             # queued requests go first: a new one may not overtake them
             grant = None if self._queue else self._grant(req, now)
             if grant is not None:

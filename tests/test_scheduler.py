@@ -359,6 +359,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                  clock=self.clock)
         self.n = 0
         self.tokens = {}
+        self.host_only = set()  # reserved with gpu_ok=False: must never hold GPU blocks as their grant
 
     def _live(self, rid):
         try:
@@ -366,13 +367,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         except RequestError:
             return None
 
-    @rule(target=reserved, n=st.integers(1, 20))
-    def reserve(self, n):
+    @rule(target=reserved, n=st.integers(1, 20), gpu_ok=st.booleans())
+    def reserve(self, n, gpu_ok):
         self.n += 1
         rid = f"r{self.n}"
-        r = self.s.reserve(rid, num_blocks=n)
+        r = self.s.reserve(rid, num_blocks=n, gpu_ok=gpu_ok)
+        if not gpu_ok:
+            self.host_only.add(rid)
         if r.grant:
             self.tokens[rid] = r.grant.token
+            assert gpu_ok or r.grant.location == "buffer"
         return rid
 
     @rule(rid=reserved, k=st.integers(0, 2))
@@ -448,6 +452,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def fence(self):
         self.s.fence("")
+
+    @invariant()
+    def host_only_requests_are_granted_buffer_blocks(self):
+        for rid in self.s.live_requests():
+            if rid in self.host_only:  # also when granted later, out of the queue
+                assert self.s.request(rid).location != "gpu", rid
 
     @invariant()
     def accounting(self):
