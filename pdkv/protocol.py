@@ -62,6 +62,7 @@ class Hello(_Base, tag="hello"):
     pid: int
     nonce: bytes
     rdma: dict[str, Any] = {}  # prefill's queue-pair record when it offers rdma
+    cuda: dict[str, Any] = {}  # {"device_uuid": hex} when prefill's cache is GPU memory
 
 
 class Welcome(_Base, tag="welcome"):
@@ -79,6 +80,7 @@ class Welcome(_Base, tag="welcome"):
     data_token: bytes
     nonce: bytes
     rdma: dict[str, Any] = {}
+    cuda: dict[str, Any] = {}  # cuda_ipc: each rank's GPU cache as IPC handles and offsets
 
 
 class ReserveReq(_Base, tag="reserve"):

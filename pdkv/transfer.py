@@ -53,6 +53,7 @@ from .protocol import (
     Outcome, ReserveReq, Welcome, is_unauthenticated, new_nonce)
 from .scheduler import DecodeScheduler, Event
 from .rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
+from .cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section
 from .shm import SharedBuffer
 from .shm_clean import pid_alive
 
@@ -279,6 +280,7 @@ class _Inflight:
     run_len: list[int] = field(default_factory=list)  # consecutive destination ids from index i
     lease_until: float = 0.0  # mirror of the scheduler's lease, renewed on every landed layer
     lease_s: float = 0.0
+    location: str = "buffer"  # where the blocks are: "buffer", or "gpu" (cuda_ipc writes them)
 
 
 class DecodeReceiver:
@@ -287,7 +289,9 @@ class DecodeReceiver:
     Parameters
     ----------
     scheduler:
-        The decode scheduler (``direct_to_gpu`` must be off: shm and tcp write host memory).
+        The decode scheduler. ``direct_to_gpu`` needs ``cuda_ipc`` served (and
+        ``gpu_caches``): only a cuda_ipc peer is granted GPU blocks; shm, tcp and rdma peers
+        are always granted buffer blocks.
     layouts:
         The layout of each decode rank hosted by this receiver (``tp_rank`` set).
     buffers:
@@ -314,6 +318,12 @@ class DecodeReceiver:
         With ``rdma`` in ``transports``: the RDMA device (default: the first). Every
         buffer is registered at construction; RdmaUnavailableError if pyverbs or a
         device is missing.
+    gpu_caches:
+        With ``cuda_ipc`` in ``transports``: each rank's GPU cache (a
+        :class:`~pdkv.layout.CacheSpec` with ``device`` set, at least as many blocks as
+        the scheduler's GPU pool), exported to same-host prefill ranks as CUDA IPC handles
+        of the allocations that hold it. The caches must stay allocated while the
+        receiver lives.
 
     Ownership: the receiver owns its sockets and threads (:meth:`close`); buffers and the
     scheduler stay the caller's.
@@ -323,15 +333,18 @@ class DecodeReceiver:
                  buffer_blocks: int, *, control: str = "tcp://127.0.0.1:0", data_host: str = "127.0.0.1",
                  secret: bytes | None = None, transports: Sequence[str] = ("shm", "tcp"),
                  peer_timeout_s: float = 10.0, io_timeout_s: float = 5.0, auto_tick: bool = False,
-                 data_advertise: str | None = None, rdma_device: str | None = None) -> None:
-        if scheduler.options.direct_to_gpu:
-            raise ValueError("DecodeReceiver writes into the CPU buffer: create the scheduler with "
-                             "SchedulerOptions(direct_to_gpu=False)")
+                 data_advertise: str | None = None, rdma_device: str | None = None,
+                 gpu_caches: Sequence[CacheSpec] | None = None) -> None:
+        for t in transports:
+            if t not in ("shm", "tcp", "rdma", "cuda_ipc"):
+                raise ValueError(f"transport {t!r} is not served by DecodeReceiver (shm, tcp, rdma, cuda_ipc)")
+        if scheduler.options.direct_to_gpu and "cuda_ipc" not in transports:
+            raise ValueError("shm, tcp and rdma write into the CPU buffer: create the scheduler with "
+                             "SchedulerOptions(direct_to_gpu=False), or serve cuda_ipc with gpu_caches")
+        if ("cuda_ipc" in transports) != (gpu_caches is not None):
+            raise ValueError("cuda_ipc needs gpu_caches (each rank's GPU cache), and gpu_caches needs cuda_ipc")
         if len(layouts) != len(buffers) or not layouts:
             raise ValueError("give one buffer per decode rank layout")
-        for t in transports:
-            if t not in ("shm", "tcp", "rdma"):
-                raise ValueError(f"transport {t!r} is not served by DecodeReceiver (shm, tcp, rdma)")
         self.scheduler = scheduler
         self.layouts = list(layouts)
         self.ranks = [lay.tp_rank for lay in layouts]
@@ -361,6 +374,11 @@ class DecodeReceiver:
         self._grants: dict[tuple[str, str], GrantMsg] = {}
         self._closed = threading.Event()
         self._rdma: RdmaTarget | None = None
+        self._ipc: dict[str, Any] = {}
+        if gpu_caches is not None:
+            # raises CudaUnavailableError without CUDA, LayoutError for a cache that is not
+            # device memory or that one handle per allocation cannot describe
+            self._ipc = export_gpu_caches(self.layouts, list(gpu_caches), scheduler.gpu.num_total)
         if "rdma" in self.transports:
             # every buffer registered once for remote writes; raises RdmaUnavailableError
             # (saying what is missing) on a host without pyverbs or an RDMA device
@@ -499,11 +517,17 @@ class DecodeReceiver:
             refuse(str(exc))
             return
         same = h.boot_id == boot_id()
-        transport = next((t for t in h.transports if t in self.transports and (t != "shm" or same)
-                          and (t != "rdma" or bool(h.rdma))), None)
+        with self._lock:
+            sibling = next((p.transport for p in self._peers.values() if p.instance == h.instance), None)
+        transport = next((t for t in h.transports if t in self.transports and (t not in ("shm", "cuda_ipc") or same)
+                          and (t != "rdma" or bool(h.rdma)) and (t != "cuda_ipc" or bool(h.cuda))
+                          # the ranks of one instance share a grant: GPU blocks only if all write them
+                          and (sibling is None or (t == "cuda_ipc") == (sibling == "cuda_ipc"))), None)
         if transport is None:
             refuse(f"no common transport: prefill offers {h.transports}, decode serves {self.transports}"
-                   + ("" if same else " (shm needs the same host)"))
+                   + ("" if same else " (shm and cuda_ipc need the same host)")
+                   + (f" (another rank of instance {h.instance!r} uses {sibling}; cuda_ipc is all ranks or none)"
+                      if sibling is not None else ""))
             return
         rdma: dict[str, Any] = {}
         rdma_qpn = 0
@@ -525,8 +549,9 @@ class DecodeReceiver:
         peer.block_bytes_by_src = {r: _layer_bytes(gs, 1) for r, gs in peer.segs_by_src.items()}
         welcome = Welcome(PROTOCOL_VERSION, self.instance, self.tp_size, self.ranks,
                           [x.descriptor() for x in self.layouts], transport,
-                          [b.name for b in self.buffers] if transport == "shm" else [], self.buffer_blocks,
-                          self.data_advertise if transport == "tcp" else "", peer.data_token, nonce, rdma)
+                          [b.name for b in self.buffers] if transport in ("shm", "cuda_ipc") else [],
+                          self.buffer_blocks, self.data_advertise if transport == "tcp" else "", peer.data_token,
+                          nonce, rdma, self._ipc if transport == "cuda_ipc" else {})
         frames = codec.encode(welcome)  # under the handshake key
         codec.set_session(h.nonce, nonce)
         with self._lock:
@@ -540,9 +565,11 @@ class DecodeReceiver:
         elif isinstance(msg, ReserveReq):
             self._on_reserve(peer, msg)
         elif isinstance(msg, LayerDone):
-            if peer.transport not in ("shm", "rdma"):
-                raise ProtocolError("LayerDone is for the shm and rdma transports only")
+            if peer.transport not in ("shm", "rdma", "cuda_ipc"):
+                raise ProtocolError("LayerDone is for the shm, rdma and cuda_ipc transports only")
             inf = self._live(msg.request_id, msg.token)
+            if inf.location == "gpu" and peer.transport != "cuda_ipc":
+                raise GrantViolation(f"request {msg.request_id!r} holds GPU blocks: only cuda_ipc writes them")
             if msg.blocks > len(inf.blocks):
                 raise GrantViolation(f"request {msg.request_id!r}: {msg.blocks} blocks reported, {len(inf.blocks)} granted")
             nbytes = peer.block_bytes_by_src.get(peer.tp_rank, 0) * (msg.blocks or len(inf.blocks))
@@ -586,7 +613,7 @@ class DecodeReceiver:
                 self._send(peer.ident, g)
                 return
         res = self.scheduler.reserve(m.request_id, num_blocks=self.layouts[0].blocks_for_tokens(m.num_tokens),
-                                     peer=peer.instance)
+                                     peer=peer.instance, gpu_ok=peer.transport == "cuda_ipc")
         if res.grant is None:
             g = GrantMsg(m.request_id, res.outcome, reason=res.reason)
             if res.outcome == "queued":
@@ -609,7 +636,8 @@ class DecodeReceiver:
             old = self._inflight.get(grant.request_id)
             inf = _Inflight(grant.request_id, peer.instance, grant.token, blocks, [per_layer] * nl, peer.tp_size,
                             peers=set(old.peers) if old else {peer.ident}, run_len=_run_lengths(blocks),
-                            lease_until=time.monotonic() + grant.lease_s, lease_s=grant.lease_s)
+                            lease_until=time.monotonic() + grant.lease_s, lease_s=grant.lease_s,
+                            location=grant.location)
             inf.peers.add(peer.ident)
             self._inflight[grant.request_id] = inf
             self._by_token[grant.token] = inf
@@ -822,6 +850,8 @@ class DecodeReceiver:
         try:
             if inf is None or ri is None:
                 raise GrantViolation("frame for an unknown grant or a rank not hosted here")
+            if inf.location != "buffer":
+                raise GrantViolation("frame for a grant of GPU blocks (only cuda_ipc writes those)")
             if inf.done or time.monotonic() >= inf.lease_until:
                 # the scheduler decides (and raises the precise error); blocks of an
                 # expired grant stay quarantined, so a racing write never reaches reused blocks
@@ -937,8 +967,10 @@ class PrefillSender:
         Name of the prefill instance; all its ranks must use the same one.
     transport:
         ``auto`` (offers shm, then rdma where this host has a device, then tcp; decode
-        picks), ``shm``, ``tcp`` or ``rdma`` (raises RdmaUnavailableError naming what is
-        missing, pyverbs or a device, on hosts without them).
+        picks), ``shm``, ``tcp``, ``rdma`` (raises RdmaUnavailableError naming what is
+        missing, pyverbs or a device, on hosts without them) or ``cuda_ipc`` (a GPU
+        cache on the same host as decode: GPU grants are written straight into decode's
+        GPU cache, buffer grants into its buffer as with shm; ``auto`` does not pick it).
     rdma_device:
         RDMA device name (default: the first).
     streams:
@@ -960,8 +992,10 @@ class PrefillSender:
                  secret: bytes | None = None, transport: str = "auto", streams: int = 2, timeout_s: float = 10.0,
                  heartbeat_s: float = 1.0, on_outcome: Callable[[RequestOutcome], None] | None = None,
                  rdma_device: str | None = None, copy_threads: int | None = None) -> None:
-        if transport not in ("auto", "shm", "tcp", "rdma"):
-            raise ValueError(f"transport={transport!r} must be auto, shm, tcp or rdma")
+        if transport not in ("auto", "shm", "tcp", "rdma", "cuda_ipc"):
+            raise ValueError(f"transport={transport!r} must be auto, shm, tcp, rdma or cuda_ipc")
+        if transport == "cuda_ipc" and cache.device is None:
+            raise LayoutError("the cuda_ipc transport writes from a GPU cache: give a CacheSpec with device set")
         if transport == "rdma" and cache.device is not None:
             raise LayoutError("the rdma transport writes from host caches (GPUDirect RDMA is not supported); "
                               "stage GPU caches or use shm")
@@ -1001,6 +1035,7 @@ class PrefillSender:
         self._data_socks: list[socket.socket] = []
         self._shm: dict[int, SharedBuffer] = {}
         self._dst_specs: dict[int, CacheSpec] = {}
+        self._ipc: IpcMapping | None = None
         self._engine: Any = None
         self._views: dict[tuple[int, int, int], tuple[memoryview, int]] = {}
         self._pending_jobs = 0
@@ -1033,10 +1068,14 @@ class PrefillSender:
                                       for t in range(len(self.layout.tensors)))],
                                     device=self._rdma_device, timeout_s=timeout_s)
             rdma = self._rdma.local_info().to_dict()
+        cuda: dict[str, Any] = {}
+        if "cuda_ipc" in offer:
+            assert self.cache.device is not None
+            cuda = {"device_uuid": _ffi.cuda.device_uuid(self.cache.device)}
         nonce = new_nonce()
         self._sock.send_multipart(self._codec.encode(Hello(
             PROTOCOL_VERSION, self.instance, self.layout.tp_rank, self.layout.tp_size, self.layout.descriptor(),
-            offer, boot_id(), os.getpid(), nonce, rdma)))
+            offer, boot_id(), os.getpid(), nonce, rdma, cuda)))
         if not self._sock.poll(int(timeout_s * 1000)):
             raise PdkvTimeoutError(f"decode did not answer the handshake within {timeout_s}s (is it running?)")
         frames = self._sock.recv_multipart()
@@ -1058,7 +1097,14 @@ class PrefillSender:
         self._dst_layout = layouts[0]
         self.segments = [g for g in tp_segments(self.layout, layouts[0]) if g.src_rank == self.layout.tp_rank
                          and g.dst_rank in msg.ranks]
-        if msg.transport == "shm":
+        if msg.transport in ("shm", "cuda_ipc"):
+            if msg.transport == "cuda_ipc":
+                if self.cache.device is None or "cuda_ipc" not in offer:
+                    raise ProtocolError("decode chose cuda_ipc, which this sender did not offer")
+                # validated before anything is opened; closed again by _teardown on failure
+                self._ipc = IpcMapping(parse_ipc_section(msg.cuda, msg.ranks, layouts), layouts, self.cache.device)
+            if len(msg.shm_names) != len(msg.ranks):
+                raise ProtocolError(f"welcome names {len(msg.shm_names)} buffers for {len(msg.ranks)} ranks")
             for rank, name, lay in zip(msg.ranks, msg.shm_names, layouts):
                 b = SharedBuffer.open(name, pin="auto" if self.cache.device is not None else "never", populate=True)
                 self._shm[rank] = b
@@ -1192,7 +1238,10 @@ class PrefillSender:
                 pass
         self._data_socks.clear()
         if self._engine is not None:
-            self._engine.close()
+            self._engine.close()  # waits for its copies, so none still writes into a mapping below
+        if self._ipc is not None:
+            self._ipc.close()
+            self._ipc = None
         if self._rdma is not None:
             self._rdma.close()
             self._rdma = None
@@ -1347,7 +1396,19 @@ class PrefillSender:
             work.append((rid, g, src_blocks, dst, first))
         if not work or not self.segments:
             return  # a rank whose heads another rank sends (replicated heads) writes nothing
-        if self.transport == "shm":
+        gpu_work = [w for w in work if w[1].location == "gpu"]
+        if gpu_work:
+            work = [w for w in work if w[1].location != "gpu"]
+            if self._ipc is None:
+                with self._lock:
+                    for w in gpu_work:
+                        self._failed.setdefault(w[0], f"decode granted GPU blocks, which {self.transport} cannot write")
+            else:
+                self._write_shm(layer, gpu_work, self._ipc.specs)
+            if not work:
+                self.stats["layers"] += 1
+                return
+        if self.transport in ("shm", "cuda_ipc"):
             self._write_shm(layer, work)
         elif self.transport == "rdma":
             self._write_rdma(layer, work)
@@ -1363,16 +1424,17 @@ class PrefillSender:
             v = self._views[key] = (_ffi.libc.host_view(base, stride * spec.num_blocks), base)
         return v
 
-    def _pieces(self, layer: int, work: list) -> tuple[list, int]:
+    def _pieces(self, layer: int, work: list, dsts: dict[int, CacheSpec] | None = None) -> tuple[list, int]:
         """Every write of ``work`` for ``layer`` as ``(segment, src, dst, lengths)`` arrays of
-        addresses in this process (source) and in the destination's address space."""
+        addresses in this process (source) and in the destination's address space
+        (``dsts``: the decode ranks' caches, by default their buffers)."""
         import numpy as np
 
         total = 0
         plans = []
         for rid, g, sb, db, first in work:
-            for grp in _plan_layer(self.segments, self.layout, self._dst_layout, self.cache, self._dst_specs,
-                                   sb, db, layer):
+            for grp in _plan_layer(self.segments, self.layout, self._dst_layout, self.cache,
+                                   self._dst_specs if dsts is None else dsts, sb, db, layer):
                 seg = grp.seg
                 if seg.count == 1:
                     src, dst, ln = grp.src, grp.dst, grp.nb * seg.length
@@ -1413,12 +1475,12 @@ class PrefillSender:
             self.stats["bytes"] += total
             self._post(LayerDone(rid, g.token, [layer], len(sb)))
 
-    def _write_shm(self, layer: int, work: list) -> None:
+    def _write_shm(self, layer: int, work: list, dsts: dict[int, CacheSpec] | None = None) -> None:
         import numpy as np
 
         from .swap import CopyPlan
 
-        plans, total = self._pieces(layer, work)
+        plans, total = self._pieces(layer, work, dsts)
         if self._engine is not None:
             plan = CopyPlan(np.concatenate([p[1] for p in plans]).astype(np.uint64),
                             np.concatenate([p[2] for p in plans]).astype(np.uint64),

@@ -19,6 +19,14 @@ def prefill(a: argparse.Namespace) -> None:
     lay = KVLayout(**LAYOUT, tp_size=a.tp, tp_rank=a.rank)
     src = np.random.default_rng(a.seed + a.rank).integers(0, 256, lay.block_bytes * 64, dtype=np.uint8)
     spec = CacheSpec.for_buffer(lay, 64, src.ctypes.data)
+    if a.gpu:  # the same bytes in device memory (cuda_ipc, shm from a GPU cache)
+        from pdkv import _ffi
+
+        _ffi.cuda.set_device(0)
+        ptr = _ffi.cuda.malloc(src.nbytes)
+        _ffi.cuda.memcpy(ptr, src.ctypes.data, src.nbytes)
+        spec = CacheSpec.for_buffer(lay, 64, ptr)
+        spec.device = 0
     secret = bytes.fromhex(a.secret) if a.secret else None
     with PrefillSender(lay, spec, a.control, transport=a.transport, secret=secret, timeout_s=a.timeout,
                        heartbeat_s=0.2, instance=a.instance) as tx:
@@ -33,7 +41,8 @@ def prefill(a: argparse.Namespace) -> None:
             tx.finish(rid)
             try:
                 out = tx.wait_outcome(rid, a.timeout * 2)
-                print(json.dumps({"request": rid, "state": out.state, "reason": out.reason, "blocks": g.blocks}), flush=True)
+                print(json.dumps({"request": rid, "state": out.state, "reason": out.reason, "blocks": g.blocks,
+                                  "location": g.location}), flush=True)
             except Exception as exc:
                 print(json.dumps({"request": rid, "state": "error", "reason": str(exc)}), flush=True)
 
@@ -108,6 +117,7 @@ if __name__ == "__main__":
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--status", action="store_true")
     ap.add_argument("--slow-swap", type=float, default=0.0)
+    ap.add_argument("--gpu", action="store_true", help="prefill: the cache in device memory")
     a = ap.parse_args()
     {"prefill": prefill, "decode": decode}[a.role](a)
     sys.exit(0)

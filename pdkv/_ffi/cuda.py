@@ -251,6 +251,55 @@ def free_host(ptr: int) -> None:
     _call(_rt().cudaFreeHost(ptr), "cudaFreeHost")
 
 
+# ---------------------------------------------------------------- CUDA IPC
+
+IPC_HANDLE_BYTES = 64
+
+
+def address_range(ptr: int) -> tuple[int, int]:
+    """``(base, size)`` of the device allocation holding ``ptr`` (``cuMemGetAddressRange``):
+    an IPC handle names a whole allocation, and caching allocators hand out parts of one."""
+    drv = _drv()
+    base, size = _check_drv(drv.cuMemGetAddressRange(drv.CUdeviceptr(ptr)), "cuMemGetAddressRange")
+    return int(base), int(size)
+
+
+def ipc_get_handle(base: int) -> bytes:
+    """The 64-byte ``cudaIpcMemHandle_t`` of the allocation starting at ``base``."""
+    h = _call(_rt().cudaIpcGetMemHandle(base), "cudaIpcGetMemHandle")
+    return ctypes.string_at(h.getPtr(), IPC_HANDLE_BYTES)
+
+
+def ipc_open(handle: bytes) -> int:
+    """Map another process's allocation into this one (peer access enabled lazily when it
+    lives on another device); returns its base here. Close with :func:`ipc_close`."""
+    if not isinstance(handle, bytes) or len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes")
+    rt = _rt()
+    h = rt.cudaIpcMemHandle_t()
+    ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_BYTES)
+    return int(_call(rt.cudaIpcOpenMemHandle(h, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
+
+
+def ipc_close(ptr: int) -> None:
+    _call(_rt().cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+
+
+def device_uuid(device: int) -> str:
+    """The device's UUID as hex (the same GPU has the same UUID in every process)."""
+    drv = _drv()
+    _check_drv(drv.cuInit(0), "cuInit")
+    dev = _check_drv(drv.cuDeviceGet(device), "cuDeviceGet")
+    u = _check_drv(drv.cuDeviceGetUuid(dev), "cuDeviceGetUuid")
+    raw = u.bytes if hasattr(u, "bytes") else ctypes.string_at(u.getPtr(), 16)
+    return bytes(raw).hex()
+
+
+def can_access_peer(device: int, peer: int) -> bool:
+    rt = _rt()
+    return bool(_call(rt.cudaDeviceCanAccessPeer(device, peer), "cudaDeviceCanAccessPeer"))
+
+
 def multiprocessor_count(device: int) -> int:
     rt = _rt()
     return int(_call(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device),
