@@ -51,6 +51,23 @@ def decode(a: argparse.Namespace) -> None:
     lay = KVLayout(**LAYOUT)
     nb = 64
     buf = SharedBuffer.create(CacheSpec.buffer_bytes(lay, nb))
+    if a.gpu:  # GPU blocks only, written by cuda_ipc peers
+        from pdkv import _ffi
+
+        _ffi.cuda.set_device(0)
+        ptr = _ffi.cuda.malloc(lay.block_bytes * nb)
+        gspec = CacheSpec.for_buffer(lay, nb, ptr)
+        gspec.device = 0
+        sched = DecodeScheduler(num_layers=lay.total_layers, gpu=BlockPool(nb),
+                                options=SchedulerOptions(direct_to_gpu=True, lease_s=a.timeout))
+        rx = DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, peer_timeout_s=a.timeout,
+                            control=f"tcp://{a.host}:0", data_host=a.host, transports=("cuda_ipc",),
+                            gpu_caches=[gspec])
+        print(json.dumps({"control": rx.control_address, "shm": buf.name}), flush=True)
+        while True:
+            time.sleep(0.05)
+            for r in sched.take_ready():
+                sched.finish(r.request_id)
     gpu = np.zeros(lay.block_bytes * nb, np.uint8)
     eng = SwapEngine(CacheSpec.for_buffer(lay, nb, buf.address), CacheSpec.for_buffer(lay, nb, gpu.ctypes.data),
                      strategy="host", buffer_pinned=False)
@@ -117,7 +134,8 @@ if __name__ == "__main__":
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--status", action="store_true")
     ap.add_argument("--slow-swap", type=float, default=0.0)
-    ap.add_argument("--gpu", action="store_true", help="prefill: the cache in device memory")
+    ap.add_argument("--gpu", action="store_true",
+                    help="prefill: the cache in device memory; decode: serve cuda_ipc into a GPU cache")
     a = ap.parse_args()
     {"prefill": prefill, "decode": decode}[a.role](a)
     sys.exit(0)

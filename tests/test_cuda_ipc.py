@@ -310,3 +310,105 @@ def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, no_leaks):
         for b in bufs:
             b.close()
             b.unlink()
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+def test_cuda_ipc_prefill_killed_mid_transfer_decode_reclaims_gpu_blocks(cuda_device, no_leaks):
+    import signal
+    import time
+
+    from pdkv import State
+
+    lay = KVLayout(**BASE)
+    nb = 64
+    buf = SharedBuffer.create(CacheSpec.buffer_bytes(lay, nb))
+    ptr = _ffi.cuda.malloc(lay.block_bytes * nb)
+    rx, p = None, None
+    try:
+        gspec = CacheSpec.for_buffer(lay, nb, ptr)
+        gspec.device = 0
+        sched = DecodeScheduler(num_layers=4, gpu=BlockPool(nb),
+                                options=SchedulerOptions(direct_to_gpu=True, lease_s=2.0, fence_grace_s=0.5))
+        rx = DecodeReceiver(sched, [lay], [buf], nb, transports=("cuda_ipc",), gpu_caches=[gspec], auto_tick=True,
+                            peer_timeout_s=2.0)
+        p = _spawn("prefill", "--control", rx.control_address, "--transport", "cuda_ipc", "--gpu", "--blocks", "6",
+                   "--layer-sleep", "0.5", "--instance", "victim", "--timeout", "10")
+        _lines(p, 3, timeout=60)  # ready, layer 0, layer 1: GPU blocks half written
+        assert sched.gpu.num_free == nb - 6
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        t0 = time.monotonic()
+        while sched.gpu.num_free != nb:
+            assert time.monotonic() - t0 < 15, "GPU blocks of the dead prefill never came back"
+            time.sleep(0.05)
+        assert sched.request("victim-0").state is State.FAILED
+        reap(p)
+        # a new prefill is served, straight into GPU blocks again
+        p = _spawn("prefill", "--control", rx.control_address, "--transport", "cuda_ipc", "--gpu", "--blocks", "3",
+                   "--instance", "after", "--timeout", "10")
+        out = _lines(p, 6, timeout=60)[-1]
+        assert out["state"] == "received" and out["location"] == "gpu", out
+    finally:
+        if p is not None:
+            reap(p)
+        if rx is not None:
+            rx.close()
+        _ffi.cuda.free(ptr)
+        buf.close()
+        buf.unlink()
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+def test_cuda_ipc_decode_killed_prefill_fails_in_bounded_time_and_its_context_stays_usable(cuda_device, no_leaks):
+    import signal
+    import time
+
+    from pdkv.shm_clean import clean_segments
+
+    d = _spawn("decode", "--gpu", "--timeout", "2")
+    ptr, info = None, {}
+    try:
+        info = _lines(d, 1, timeout=60)[0]
+        lay, arr, spec = prefill_cache(1, 0)
+        ptr = _ffi.cuda.malloc(arr.nbytes)
+        _ffi.cuda.memcpy(ptr, arr.ctypes.data, arr.nbytes)
+        gspec = CacheSpec.for_buffer(lay, 64, ptr)
+        gspec.device = 0
+        tx = PrefillSender(lay, gspec, info["control"], transport="cuda_ipc", timeout_s=1.5, heartbeat_s=0.2)
+        try:
+            g = tx.reserve("r", 16)
+            assert g.location == "gpu"
+            tx.send_layer(0, [("r", [0, 1])])
+            d.send_signal(signal.SIGKILL)
+            d.wait(10)
+            # writes into the dead process's allocation: still mapped here, so they land
+            # somewhere harmless instead of faulting this process's context
+            for layer in (1, 2, 3):
+                tx.send_layer(layer, [("r", [0, 1])])
+            tx.finish("r")
+            t0 = time.monotonic()
+            out = tx.wait_outcome("r", 10)
+            assert out.state == "failed" and "decode" in out.reason
+            assert time.monotonic() - t0 < 5
+        finally:
+            tx.close()  # closes the IPC mappings of the dead decode
+        # this process's CUDA context is healthy: a copy and a swap-kernel copy both work
+        back = np.empty(arr.nbytes, np.uint8)
+        _ffi.cuda.memcpy(back.ctypes.data, ptr, arr.nbytes)
+        assert np.array_equal(back, arr)
+        other = _ffi.cuda.malloc(arr.nbytes)
+        try:
+            with SwapEngine(gspec, CacheSpec.for_buffer(lay, 64, other), strategy="kernel") as eng:
+                from pdkv.swap import plan_copy
+
+                eng.copy_plan(plan_copy(gspec, CacheSpec.for_buffer(lay, 64, other), [3, 4], [5, 6])).wait(10)
+        finally:
+            _ffi.cuda.free(other)
+    finally:
+        reap(d)
+        if ptr is not None:
+            _ffi.cuda.free(ptr)
+        if info:
+            assert info["shm"] in clean_segments(dry_run=False)  # the killed decode's segment
