@@ -1404,7 +1404,7 @@ class PrefillSender:
                     for w in gpu_work:
                         self._failed.setdefault(w[0], f"decode granted GPU blocks, which {self.transport} cannot write")
             else:
-                self._write_shm(layer, gpu_work, self._ipc.specs)
+                self._write_shm(layer, gpu_work, self._ipc.specs, "d2d")
             if not work:
                 self.stats["layers"] += 1
                 return
@@ -1475,7 +1475,8 @@ class PrefillSender:
             self.stats["bytes"] += total
             self._post(LayerDone(rid, g.token, [layer], len(sb)))
 
-    def _write_shm(self, layer: int, work: list, dsts: dict[int, CacheSpec] | None = None) -> None:
+    def _write_shm(self, layer: int, work: list, dsts: dict[int, CacheSpec] | None = None,
+                   direction: str | None = None) -> None:
         import numpy as np
 
         from .swap import CopyPlan
@@ -1486,7 +1487,7 @@ class PrefillSender:
                             np.concatenate([p[2] for p in plans]).astype(np.uint64),
                             np.concatenate([p[3] for p in plans]).astype(np.uint64),
                             np.asarray([sum(p[3].size for p in plans)], np.int64), total)
-            self._engine.copy_plan(plan).wait(self.timeout_s)
+            self._engine.copy_plan(plan, direction=direction).wait(self.timeout_s)
         else:
             self._copy_pieces(layer, plans)
         self.stats["bytes"] += total

@@ -130,6 +130,17 @@ def test_engine_refusals(monkeypatch):
         eng.copy([0], [0])
 
 
+def test_copy_plan_refuses_an_unknown_direction():
+    L = lay()
+    a, b = HostCache(L, 4), HostCache(L, 4)
+    with SwapEngine(a.spec, b.spec, strategy="host", buffer_pinned=False) as eng:
+        plan = plan_copy(a.spec, b.spec, [0], [1])
+        with pytest.raises(ValueError, match="direction='sideways' must be h2d, d2h, d2d or None"):
+            eng.copy_plan(plan, direction="sideways")
+        eng.copy_plan(plan, direction="d2d").wait(5)
+        np.testing.assert_array_equal(b.block(1, 1, 1), a.block(1, 1, 0))
+
+
 def test_engine_is_a_swap_backend_for_the_scheduler():
     from pdkv import BlockPool, DecodeScheduler, SchedulerOptions, State
 
