@@ -33,7 +33,7 @@ def test_bench_transport_smoke(no_leaks):
     assert {"shm_vs_ceiling", "tcp_vs_socket", "tcp_GiBps", "control_p50_ms"} <= set(last)
 
 
-@pytest.mark.parametrize("script", ["bench_swap.py", "bench_buffer.py"])
+@pytest.mark.parametrize("script", ["bench_swap.py", "bench_buffer.py", "bench_cuda_ipc.py"])
 def test_gpu_benches_say_what_is_missing(script):
     from pdkv import _ffi
 

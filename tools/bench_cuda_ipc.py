@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 import pdkv
+from _bench import send_and_wait, torch_with_cuda
 
 
 def layout_for(kib: int) -> pdkv.KVLayout:
@@ -82,13 +83,8 @@ def main() -> int:
     ap.add_argument("--role", default="prefill", help=argparse.SUPPRESS)
     ap.add_argument("--kib", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    try:
-        import torch
-    except ImportError:
-        print("bench_cuda_ipc needs torch", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("bench_cuda_ipc needs a CUDA GPU", file=sys.stderr)
+    torch = torch_with_cuda("bench_cuda_ipc")
+    if torch is None:
         return 2
     if a.role == "decode":
         decode_main(a)
@@ -142,14 +138,7 @@ def main() -> int:
                 rids = [f"r{counter[0]}-{i}" for i in range(nreq)]
                 grants = [tx.reserve(r, per * lay.tokens_per_block) for r in rids]
                 assert all(g.location == "gpu" for g in grants)
-                items = [(r, perm[i * per:(i + 1) * per].tolist()) for i, r in enumerate(rids)]
-                t0 = time.perf_counter()
-                tx.send_layer(0, items)
-                for r in rids:
-                    tx.finish(r)
-                outs = [tx.wait_outcome(r, 120) for r in rids]
-                dt = time.perf_counter() - t0
-                assert all(o.ok for o in outs), outs
+                dt = send_and_wait(tx, [(r, perm[i * per:(i + 1) * per].tolist()) for i, r in enumerate(rids)])
                 dst = [b for g in grants for b in g.blocks]
                 if not ask({"op": "verify", "dst": dst, "src": perm[:nreq * per].tolist()})["ok"]:
                     raise SystemExit(f"VERIFY FAILED: cuda_ipc {kib} KiB")

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 import pdkv
+from _bench import torch_with_cuda
 from pdkv import _ffi
 from pdkv.swap import plan_copy
 
@@ -38,13 +39,8 @@ def main() -> int:
     ap.add_argument("--sizes-kib", default="16,32,64,128,512")
     ap.add_argument("--reps", type=int, default=64, help="calls submitted back to back per timing")
     a = ap.parse_args()
-    try:
-        import torch
-    except ImportError:
-        print("bench_swap needs torch (for the torch-loop alternative and the ceiling)", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("bench_swap needs a CUDA GPU", file=sys.stderr)
+    torch = torch_with_cuda("bench_swap", " (for the torch-loop alternative and the ceiling)")
+    if torch is None:
         return 2
     torch.cuda.set_device(0)
     N = a.blocks

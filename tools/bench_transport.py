@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 import pdkv
+from _bench import send_and_wait
 from pdkv.transfer import default_copy_threads
 
 
@@ -159,14 +160,7 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
             rids = [f"{transport}-{counter[0]}-{i}" for i in range(nreq)]
             # reservation is control-plane work (measured below); the clock starts with data
             grants = [tx.reserve(r, per * lay.tokens_per_block) for r in rids]
-            items = [(r, perm[i * per:(i + 1) * per].tolist()) for i, r in enumerate(rids)]
-            t0 = time.perf_counter()
-            tx.send_layer(0, items)
-            for r in rids:
-                tx.finish(r)
-            outs = [tx.wait_outcome(r, 120) for r in rids]
-            dt = time.perf_counter() - t0
-            assert all(o.ok for o in outs), outs
+            dt = send_and_wait(tx, [(r, perm[i * per:(i + 1) * per].tolist()) for i, r in enumerate(rids)])
             bb = lay.block_bytes
             for i, g in enumerate(grants):  # every byte: block grants[i][j] holds source perm[i*per+j]
                 got = dst[:nb * bb].reshape(nb, bb)[np.asarray(g.blocks)]

@@ -1,0 +1,36 @@
+"""Helpers shared by the benchmark scripts in tools/ (run as `python tools/<script>.py`,
+which puts this folder first on sys.path)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+
+def torch_with_cuda(tool: str, why: str = "") -> Any:
+    """torch, or None after saying what is missing (the caller exits 2)."""
+    try:
+        import torch
+    except ImportError:
+        print(f"{tool} needs torch{why}", file=sys.stderr)
+        return None
+    if not torch.cuda.is_available():
+        print(f"{tool} needs a CUDA GPU", file=sys.stderr)
+        return None
+    return torch
+
+
+def send_and_wait(tx: Any, items: list, timeout: float = 120) -> float:
+    """One layer of ``items`` (request id, source blocks) through a PrefillSender, every
+    request finished; seconds from handing the layer over to the last definite outcome.
+    Raises AssertionError unless every outcome is ok."""
+    rids = [r for r, _ in items]
+    t0 = time.perf_counter()
+    tx.send_layer(0, items)
+    for r in rids:
+        tx.finish(r)
+    outs = [tx.wait_outcome(r, timeout) for r in rids]
+    dt = time.perf_counter() - t0
+    assert all(o.ok for o in outs), outs
+    return dt
