@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _ffi
-from .errors import LayoutError, PdkvError, ProtocolError, TransferError
+from .errors import CudaError, LayoutError, PdkvError, ProtocolError, TransferError
 from .layout import CacheSpec, KVLayout
 
 __all__ = ["export_gpu_caches", "parse_ipc_section", "IpcMapping", "RankCache"]
@@ -73,10 +73,14 @@ def export_gpu_caches(layouts: Sequence[KVLayout], specs: Sequence[CacheSpec], p
                     idx = len(allocs)
                     allocs.append((abase, asize))
                 regions.append([idx, base - abase, stride])
+        try:
+            handles = [{"handle": _ffi.cuda.ipc_get_handle(b), "size": n} for b, n in allocs]
+        except CudaError as exc:
+            raise LayoutError(f"rank {lay.tp_rank}'s GPU cache cannot be exported for CUDA IPC ({exc}); memory "
+                              "from cuMemCreate, such as torch's expandable segments, has no legacy IPC "
+                              "handle: allocate the cache with cudaMalloc or serve shm instead") from exc
         ranks.append({"rank": lay.tp_rank, "device_uuid": _ffi.cuda.device_uuid(spec.device),
-                      "num_blocks": spec.num_blocks,
-                      "allocs": [{"handle": _ffi.cuda.ipc_get_handle(b), "size": n} for b, n in allocs],
-                      "regions": regions})
+                      "num_blocks": spec.num_blocks, "allocs": handles, "regions": regions})
     return {"ranks": ranks}
 
 

@@ -200,6 +200,16 @@ def test_receiver_refusals(monkeypatch):
                 export_gpu_caches([lay], [spec], 8)
             with pytest.raises(LayoutError, match="GPU pool hands out 16"):
                 export_gpu_caches([lay], [spec], 16)
+            # memory the driver will not export (cuMemCreate, torch's expandable segments)
+            from pdkv.errors import CudaError
+
+            def refuse(base):
+                raise CudaError(1, "cudaErrorInvalidValue", "invalid argument", "cudaIpcGetMemHandle")
+
+            FakeIpc(monkeypatch, [gpu])
+            monkeypatch.setattr(_ffi.cuda, "ipc_get_handle", refuse)
+            with pytest.raises(LayoutError, match="cannot be exported for CUDA IPC.*expandable segments"):
+                export_gpu_caches([lay], [spec], 8)
         finally:
             buf.unlink()
 
