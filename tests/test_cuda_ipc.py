@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdkv import BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, SwapEngine, _ffi
-from pdkv.cuda_ipc import export_gpu_caches, parse_ipc_section
+from pdkv.cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section
 from pdkv.errors import LayoutError, PeerError, ProtocolError
 from pdkv.transfer import DecodeReceiver, PrefillSender
 from test_transfer import BASE, _lines, _spawn, expected_block, prefill_cache, reap
@@ -230,6 +232,51 @@ def test_export_then_parse_round_trip_with_several_allocations(monkeypatch):
             ai, off, stride = c.regions[layer * 2 + t]
             assert int.from_bytes(c.allocs[ai][0][:8], "little") + off == spec.region(layer, t)[0]
             assert stride == spec.region(layer, t)[1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(1, 6), mla=st.booleans(), nb=st.integers(1, 12), interleaved=st.booleans(),
+       per_layer=st.booleans(), data=st.data())
+def test_export_parse_map_gives_every_block_the_same_address(layers, mla, nb, interleaved, per_layer, data):
+    """Any cache shape (packed, K/V interleaved per block, one allocation per layer or one
+    for all), exported, parsed and mapped back (identity mapping), addresses every
+    (layer, tensor, block) where the original did."""
+    import pytest as _pt
+
+    mp = _pt.MonkeyPatch()
+    try:
+        lay = KVLayout(num_layers=layers, kv_heads=1 if mla else 2, head_dim=16, tokens_per_block=4, dtype="bf16",
+                       mla=mla)
+        nt = len(lay.tensors)
+        tbs = [lay.tensor_block_bytes(t) for t in range(nt)]
+        layer_bytes = sum(tbs) * nb
+        pad = data.draw(st.integers(0, 3)) * 64  # slack at the end of each allocation
+        if per_layer:
+            arrays = [np.zeros(layer_bytes + pad, np.uint8) for _ in range(layers)]
+            bases = [a.ctypes.data for a in arrays]
+        else:
+            arrays = [np.zeros(layer_bytes * layers + pad, np.uint8)]
+            bases = [arrays[0].ctypes.data + i * layer_bytes for i in range(layers)]
+        fake = FakeIpc(mp, arrays)
+        regions = []
+        for b in bases:
+            if interleaved:  # every tensor of a block side by side (FlashInfer-like)
+                regions.append([(b + sum(tbs[:t]), sum(tbs)) for t in range(nt)])
+            else:  # each tensor's blocks packed
+                regions.append([(b + sum(tbs[:t]) * nb, tbs[t]) for t in range(nt)])
+        spec = CacheSpec(lay, nb, regions, device=0)
+        sec = export_gpu_caches([lay], [spec], nb)
+        mapped = IpcMapping(parse_ipc_section(sec, [0], [lay]), [lay], 0)
+        got = mapped.specs[0]
+        for layer in range(layers):
+            for t in range(nt):
+                for blk in range(nb):
+                    assert got.address(layer, t, blk) == spec.address(layer, t, blk)
+        assert len(fake.opened) == len(arrays)
+        mapped.close()
+        assert sorted(fake.closed) == sorted(fake.opened)
+    finally:
+        mp.undo()
 
 
 def _valid_section(lay, nb=8):
