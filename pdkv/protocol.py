@@ -29,6 +29,7 @@ __all__ = [
     "ReserveReq",
     "GrantMsg",
     "LayerDone",
+    "LayerBatch",
     "Complete",
     "Outcome",
     "Abort",
@@ -40,7 +41,8 @@ __all__ = [
 ]
 
 _MAC_BYTES = 32  # HMAC-SHA256
-PROTOCOL_VERSION = 2  # 2: one frame per message (MAC length, MAC, body)
+MAX_BATCH_ITEMS = 4096  # requests one LayerBatch may name (4096 x 256-byte ids fit in decode's 2 MiB limit)
+PROTOCOL_VERSION = 3  # 2: one frame per message (MAC length, MAC, body); 3: LayerBatch, cuda_ipc
 MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
 _MAX_ID = 256
 
@@ -108,6 +110,15 @@ class LayerDone(_Base, tag="layer"):
     blocks: int = 0
 
 
+class LayerBatch(_Base, tag="layers"):
+    """prefill -> decode: this rank's writes of ``layer`` succeeded for every item
+    ``(request_id, token, blocks)`` (blocks as in LayerDone): one message for a layer of a
+    batch instead of one per request."""
+
+    layer: int
+    items: list[tuple[str, int, int]]
+
+
 class Complete(_Base, tag="complete"):
     """prefill -> decode: every write of this rank for the request finished (``ok``) or not."""
 
@@ -139,7 +150,8 @@ class ErrorMsg(_Base, tag="error"):
     message: str
 
 
-Message = Union[Hello, Welcome, ReserveReq, GrantMsg, LayerDone, Complete, Outcome, Abort, Heartbeat, ErrorMsg]
+Message = Union[Hello, Welcome, ReserveReq, GrantMsg, LayerDone, LayerBatch, Complete, Outcome, Abort, Heartbeat,
+                ErrorMsg]
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True, array_like=True):
@@ -253,6 +265,12 @@ def _validate(m: Message) -> None:
         raise ProtocolError(f"num_tokens={m.num_tokens} out of range")
     if isinstance(m, LayerDone) and (not m.layers or len(m.layers) > 4096 or min(m.layers) < 0 or m.blocks < 0):
         raise ProtocolError("layer list empty, too long or negative, or a negative block count")
+    if isinstance(m, LayerBatch):
+        if not (0 <= m.layer < 1 << 16) or not 0 < len(m.items) <= MAX_BATCH_ITEMS:
+            raise ProtocolError(f"layer batch with layer {m.layer} and {len(m.items)} items is out of range")
+        for r, tok, nb in m.items:
+            if not (0 < len(r) <= _MAX_ID) or not 0 <= tok < 1 << 63 or nb < 0:
+                raise ProtocolError("layer batch item out of range (request id, token or block count)")
     if isinstance(m, GrantMsg) and (len(m.blocks) > 1 << 22 or (m.blocks and min(m.blocks) < 0)):
         raise ProtocolError("grant block list out of range")
     for f in ("token",):

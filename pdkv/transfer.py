@@ -49,7 +49,8 @@ from .errors import (
     ProtocolError, RdmaError, RequestError, TransferError)
 from .layout import CacheSpec, KVLayout, Segment, tp_segments
 from .protocol import (
-    PROTOCOL_VERSION, Abort, Codec, Complete, ErrorMsg, GrantMsg, Heartbeat, Hello, LayerDone, Message,
+    MAX_BATCH_ITEMS, PROTOCOL_VERSION, Abort, Codec, Complete, ErrorMsg, GrantMsg, Heartbeat, Hello, LayerBatch,
+    LayerDone, Message,
     Outcome, ReserveReq, Welcome, is_unauthenticated, new_nonce)
 from .scheduler import DecodeScheduler, Event
 from .rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
@@ -565,16 +566,14 @@ class DecodeReceiver:
         elif isinstance(msg, ReserveReq):
             self._on_reserve(peer, msg)
         elif isinstance(msg, LayerDone):
-            if peer.transport not in ("shm", "rdma", "cuda_ipc"):
-                raise ProtocolError("LayerDone is for the shm, rdma and cuda_ipc transports only")
-            inf = self._live(msg.request_id, msg.token)
-            if inf.location == "gpu" and peer.transport != "cuda_ipc":
-                raise GrantViolation(f"request {msg.request_id!r} holds GPU blocks: only cuda_ipc writes them")
-            if msg.blocks > len(inf.blocks):
-                raise GrantViolation(f"request {msg.request_id!r}: {msg.blocks} blocks reported, {len(inf.blocks)} granted")
-            nbytes = peer.block_bytes_by_src.get(peer.tp_rank, 0) * (msg.blocks or len(inf.blocks))
-            for layer in msg.layers:
-                self._credit(inf, layer, nbytes)
+            self._layers_done(peer, msg.request_id, msg.token, msg.layers, msg.blocks)
+        elif isinstance(msg, LayerBatch):
+            for rid, token, blocks in msg.items:  # each item stands alone, as a LayerDone would
+                try:
+                    self._layers_done(peer, rid, token, [msg.layer], blocks)
+                except PdkvError as exc:
+                    self.stats["messages_rejected"] += 1
+                    self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
         elif isinstance(msg, Complete):
             inf = self._live(msg.request_id, msg.token)
             with self._lock:
@@ -593,6 +592,19 @@ class DecodeReceiver:
                     pass
         else:
             raise ProtocolError(f"unexpected message {type(msg).__name__} from prefill")
+
+    def _layers_done(self, peer: _Peer, rid: str, token: int, layers: Sequence[int], blocks: int) -> None:
+        """Credit this rank's writes of ``layers`` for ``blocks`` blocks (0: the whole grant)."""
+        if peer.transport not in ("shm", "rdma", "cuda_ipc"):
+            raise ProtocolError("LayerDone is for the shm, rdma and cuda_ipc transports only")
+        inf = self._live(rid, token)
+        if inf.location == "gpu" and peer.transport != "cuda_ipc":
+            raise GrantViolation(f"request {rid!r} holds GPU blocks: only cuda_ipc writes them")
+        if blocks > len(inf.blocks):
+            raise GrantViolation(f"request {rid!r}: {blocks} blocks reported, {len(inf.blocks)} granted")
+        nbytes = peer.block_bytes_by_src.get(peer.tp_rank, 0) * (blocks or len(inf.blocks))
+        for layer in layers:
+            self._credit(inf, layer, nbytes)
 
     def _live(self, rid: str, token: int) -> _Inflight:
         with self._lock:
@@ -1155,26 +1167,51 @@ class PrefillSender:
     def reserve(self, request_id: str, num_tokens: int, timeout: float | None = None) -> SendGrant:
         """Ask decode for destination blocks. Returns the grant; raises TransferError if
         decode rejected the request, PdkvTimeoutError if no grant came in time."""
+        res = self.reserve_many([(request_id, num_tokens)], timeout)[0]
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def reserve_many(self, requests: Sequence[tuple[str, int]],
+                     timeout: float | None = None) -> list[SendGrant | PdkvError]:
+        """Reserve several requests at once: every request is sent before any answer is
+        awaited, so their round trips overlap (one at a time costs a round trip each).
+        Returns one result per request, in order: its grant, or the error :meth:`reserve`
+        would have raised for it. Bad input (a duplicate id) raises before anything is sent;
+        ``timeout`` bounds the whole call."""
         self._check()
-        w = _Waiter()
+        ids = [r for r, _ in requests]
+        if len(set(ids)) != len(ids):
+            raise RequestError("reserve_many: a request id appears twice")
+        waiters = []
         with self._lock:
-            if request_id in self._reserve_waiters or request_id in self._grants:
-                raise RequestError(f"request {request_id!r} is already reserved or being reserved")
-            self._reserve_waiters[request_id] = w
-            self._outcomes[request_id] = _Waiter()
-        self._post(ReserveReq(request_id, num_tokens))
-        if not w.event.wait(self.timeout_s if timeout is None else timeout):
-            with self._lock:
-                self._reserve_waiters.pop(request_id, None)
-                self._outcomes.pop(request_id, None)
-            self._post(Abort(request_id, "prefill gave up waiting for a grant"))
-            raise PdkvTimeoutError(f"no grant for {request_id!r} within {self.timeout_s if timeout is None else timeout}s")
-        g = w.value
-        if isinstance(g, BaseException):
-            with self._lock:
-                self._outcomes.pop(request_id, None)
-            raise g
-        return g
+            for rid in ids:
+                if rid in self._reserve_waiters or rid in self._grants:
+                    raise RequestError(f"request {rid!r} is already reserved or being reserved")
+            for rid in ids:
+                w = _Waiter()
+                self._reserve_waiters[rid] = w
+                self._outcomes[rid] = _Waiter()
+                waiters.append(w)
+        for rid, num_tokens in requests:
+            self._post(ReserveReq(rid, num_tokens))
+        limit = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        out: list[SendGrant | PdkvError] = []
+        for rid, w in zip(ids, waiters):
+            if not w.event.wait(max(0.0, deadline - time.monotonic())):
+                with self._lock:
+                    self._reserve_waiters.pop(rid, None)
+                    self._outcomes.pop(rid, None)
+                self._post(Abort(rid, "prefill gave up waiting for a grant"))
+                out.append(PdkvTimeoutError(f"no grant for {rid!r} within {limit}s"))
+                continue
+            g = w.value
+            if isinstance(g, BaseException):
+                with self._lock:
+                    self._outcomes.pop(rid, None)
+            out.append(g)
+        return out
 
     def send_layer(self, layer: int, items: Sequence[tuple[str, Sequence[int]]], event: int | None = None) -> None:
         """Layer ``layer`` of these requests is in the cache: write it to decode.
@@ -1432,19 +1469,23 @@ class PrefillSender:
 
         total = 0
         plans = []
-        for rid, g, sb, db, first in work:
-            for grp in _plan_layer(self.segments, self.layout, self._dst_layout, self.cache,
-                                   self._dst_specs if dsts is None else dsts, sb, db, layer):
-                seg = grp.seg
-                if seg.count == 1:
-                    src, dst, ln = grp.src, grp.dst, grp.nb * seg.length
-                else:  # strided (token-major) pieces
-                    c = np.arange(seg.count, dtype=np.int64)
-                    src = (grp.src[:, None] + c * seg.src_stride).ravel()
-                    dst = (grp.dst[:, None] + c * seg.dst_stride).ravel()
-                    ln = np.full(src.size, seg.length, dtype=np.int64)
-                plans.append((seg, src, dst, ln))
-                total += int(ln.sum())
+        # every request of the layer in one plan: the pieces are plain memory copies, so a
+        # run may continue from one request's blocks into the next one's (per-request
+        # planning cost ~37 us a request, 9.4 ms a layer for 256 one-block requests)
+        sb = [b for w in work for b in w[2]] if len(work) > 1 else work[0][2]
+        db = [b for w in work for b in w[3]] if len(work) > 1 else work[0][3]
+        for grp in _plan_layer(self.segments, self.layout, self._dst_layout, self.cache,
+                               self._dst_specs if dsts is None else dsts, sb, db, layer):
+            seg = grp.seg
+            if seg.count == 1:
+                src, dst, ln = grp.src, grp.dst, grp.nb * seg.length
+            else:  # strided (token-major) pieces
+                c = np.arange(seg.count, dtype=np.int64)
+                src = (grp.src[:, None] + c * seg.src_stride).ravel()
+                dst = (grp.dst[:, None] + c * seg.dst_stride).ravel()
+                ln = np.full(src.size, seg.length, dtype=np.int64)
+            plans.append((seg, src, dst, ln))
+            total += int(ln.sum())
         return plans, total
 
     def _write_rdma(self, layer: int, work: list) -> None:
@@ -1491,8 +1532,9 @@ class PrefillSender:
         else:
             self._copy_pieces(layer, plans)
         self.stats["bytes"] += total
-        for rid, g, sb, *_ in work:
-            self._post(LayerDone(rid, g.token, [layer], len(sb)))
+        items = [(rid, g.token, len(sb)) for rid, g, sb, *_ in work]
+        for i in range(0, len(items), MAX_BATCH_ITEMS):
+            self._post(LayerBatch(layer, items[i:i + MAX_BATCH_ITEMS]))
 
     def _copy_pieces(self, layer: int, plans: list) -> None:
         import numpy as np

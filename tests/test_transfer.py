@@ -579,3 +579,38 @@ def test_sendmsg_all_sends_every_byte_in_order_through_partial_sends(sizes, caps
     sock = _TrickleSocket(caps)
     _sendmsg_all(sock, bufs)
     assert bytes(sock.out) == b"".join(bytes(b) for b in bufs)
+
+
+@pytest.mark.multiproc
+def test_reserve_many_overlaps_round_trips_and_reports_each_request(no_leaks):
+    from pdkv.errors import RequestError
+
+    dec = Decode(nb=16)
+    try:
+        lay, arr, spec = prefill_cache(1, 0, nb=16)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=5) as tx:
+            with pytest.raises(RequestError, match="appears twice"):
+                tx.reserve_many([("a", 8), ("a", 8)])
+            # 10 requests of one block, one larger than decode can ever hold, then 10 more
+            res = tx.reserve_many([(f"r{i}", 8) for i in range(10)] + [("huge", 8 * 100)]
+                                  + [(f"s{i}", 8) for i in range(10)])
+            grants, errs = res[:10] + res[11:], res[10]
+            assert isinstance(errs, TransferError) and "huge" in str(errs)
+            ok = [g for g in grants if not isinstance(g, BaseException)]
+            # 16 blocks: the first 16 one-block requests get grants, the rest are rejected (no room)
+            assert len(ok) == 16 and len({b for g in ok for b in g.blocks}) == 16
+            assert all(isinstance(g, TransferError) and "rejected" in str(g) for g in grants[16:])
+            for g in ok:
+                tx.send_layer(0, [(g.request_id, [0])])
+                for layer in (1, 2, 3):
+                    tx.send_layer(layer, [(g.request_id, [0])])
+                tx.finish(g.request_id)
+            assert all(tx.wait_outcome(g.request_id, 10).ok for g in ok)
+            deadline = time.monotonic() + 10  # decode's engine hands the blocks back
+            while dec.sched.buffer.num_free < 16:
+                assert time.monotonic() < deadline, "blocks never came back"
+                time.sleep(0.01)
+            # the refused duplicate left nothing behind
+            assert tx.reserve("a", 8).blocks
+    finally:
+        dec.close()
