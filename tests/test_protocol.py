@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv.errors import AuthenticationError, PdkvError, ProtocolError
-from pdkv.protocol import (PROTOCOL_VERSION, Codec, pack_frame, Complete, GrantMsg, Heartbeat, Hello, LayerDone, ReserveReq,
+from pdkv.protocol import (PROTOCOL_VERSION, Codec, pack_frame, Complete, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, ReserveReq,
                            session_key)
 
 SECRET = b"k" * 32
@@ -22,7 +22,8 @@ def hello(**kw):
 def test_round_trip_and_replay():
     a, b = Codec(SECRET), Codec(SECRET)
     for m in (hello(), ReserveReq("r", 10), GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0),
-              LayerDone("r", 5, [0, 1]), Complete("r", 5, True), Heartbeat(1.0)):
+              LayerDone("r", 5, [0, 1]), LayerBatch(3, [("r", 5, 0), ("s", 6, 2)]), Complete("r", 5, True),
+              Heartbeat(1.0)):
         frames = a.encode(m)
         assert b.decode(frames) == m
     with pytest.raises(ProtocolError, match="replayed"):
@@ -53,6 +54,12 @@ def test_authentication():
     (LayerDone("r", 1, []), "layer"),
     (LayerDone("r", 1, [-1]), "layer"),
     (GrantMsg("r", "buffer", blocks=[-5]), "block"),
+    (LayerBatch(-1, [("r", 1, 0)]), "layer batch"),
+    (LayerBatch(0, []), "layer batch"),
+    (LayerBatch(0, [("r", 1, 0)] * 4097), "layer batch"),
+    (LayerBatch(0, [("r", 1, 0), ("", 1, 0)]), "layer batch item"),
+    (LayerBatch(0, [("r", -1, 0)]), "layer batch item"),
+    (LayerBatch(0, [("r", 1, -2)]), "layer batch item"),
 ])
 def test_semantic_validation(msg, what):
     with pytest.raises(ProtocolError, match=what):

@@ -614,3 +614,26 @@ def test_reserve_many_overlaps_round_trips_and_reports_each_request(no_leaks):
             assert tx.reserve("a", 8).blocks
     finally:
         dec.close()
+
+
+@pytest.mark.multiproc
+def test_layer_batch_items_are_credited_or_refused_each_on_its_own(no_leaks):
+    from pdkv.protocol import LayerBatch
+
+    dec = Decode()
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=5) as tx:
+            ga, gb = tx.reserve("a", 16), tx.reserve("b", 16)
+            before = dec.rx.stats["messages_rejected"]
+            # one good item between a forged token and an unknown request
+            tx._post(LayerBatch(0, [("b", gb.token ^ 1, 0), ("a", ga.token, 0), ("ghost", 5, 0)]))
+            deadline = time.monotonic() + 5
+            while dec.rx.stats["messages_rejected"] < before + 2:
+                assert time.monotonic() < deadline, "the bad items were not refused"
+                time.sleep(0.01)
+            time.sleep(0.05)
+            assert dec.sched.request("a").layers_landed == 1  # credited despite its neighbours
+            assert dec.sched.request("b").layers_landed == 0  # the forged token landed nothing
+    finally:
+        dec.close()
