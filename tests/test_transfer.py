@@ -637,3 +637,41 @@ def test_layer_batch_items_are_credited_or_refused_each_on_its_own(no_leaks):
             assert dec.sched.request("b").layers_landed == 0  # the forged token landed nothing
     finally:
         dec.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(P=st.sampled_from([1, 2, 4]), D=st.sampled_from([1, 2, 4]), nhd=st.booleans(), data=st.data())
+def test_one_plan_per_layer_copies_what_per_request_plans_copy(P, D, nhd, data):
+    """The sender plans all requests of a layer at once (runs may join across requests);
+    executing that plan must write exactly what planning each request alone writes."""
+    import ctypes
+
+    nb = 24
+    src_lay = KVLayout(**BASE, tp_size=P, tp_rank=data.draw(st.integers(0, P - 1)), token_major=nhd)
+    dst_lays = [KVLayout(**BASE, tp_size=D, tp_rank=r, token_major=nhd) for r in range(D)]
+    src = np.random.default_rng(P * 10 + D).integers(0, 256, src_lay.block_bytes * nb, dtype=np.uint8)
+    src_spec = CacheSpec.for_buffer(src_lay, nb, src.ctypes.data)
+    # requests: disjoint destination blocks, any source blocks (prefix sharing repeats them)
+    dst_ids = data.draw(st.permutations(range(nb)))
+    cuts = sorted(data.draw(st.lists(st.integers(1, nb - 1), max_size=5, unique=True)))
+    groups = [dst_ids[a:b] for a, b in zip([0] + cuts, cuts + [nb])]
+    work = [(f"r{i}", None, [data.draw(st.integers(0, nb - 1)) for _ in g], list(g), 0) for i, g in enumerate(groups)]
+
+    def run(items):
+        dsts = [np.zeros(lay.block_bytes * nb, np.uint8) for lay in dst_lays]
+        tx = PrefillSender.__new__(PrefillSender)  # only the planning state
+        tx.layout, tx._dst_layout, tx.cache = src_lay, dst_lays[0], src_spec
+        tx.segments = [g for g in tp_segments(src_lay, dst_lays[0]) if g.src_rank == src_lay.tp_rank]
+        tx._dst_specs = {lay.tp_rank: CacheSpec.for_buffer(lay, nb, d.ctypes.data) for lay, d in zip(dst_lays, dsts)}
+        for layer in range(4):
+            for part in items:
+                plans, _ = tx._pieces(layer, part)
+                for _, s_, d_, ln in plans:
+                    for a, b, n in zip(s_.tolist(), d_.tolist(), np.broadcast_to(ln, s_.shape).tolist()):
+                        ctypes.memmove(b, a, n)
+        return dsts
+
+    merged, alone = run([work]), run([[w] for w in work])
+    for m, a in zip(merged, alone):
+        assert np.array_equal(m, a)
+    assert any(m.any() for m in merged)
