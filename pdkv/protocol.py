@@ -30,6 +30,7 @@ __all__ = [
     "GrantMsg",
     "LayerDone",
     "LayerBatch",
+    "CompleteBatch",
     "Complete",
     "Outcome",
     "Abort",
@@ -42,6 +43,7 @@ __all__ = [
 
 _MAC_BYTES = 32  # HMAC-SHA256
 MAX_BATCH_ITEMS = 4096  # requests one LayerBatch may name (4096 x 256-byte ids fit in decode's 2 MiB limit)
+MAX_BATCH_ERROR = 1024  # characters of one CompleteBatch item's error (the sender sends 512 items a message)
 PROTOCOL_VERSION = 3  # 2: one frame per message (MAC length, MAC, body); 3: LayerBatch, cuda_ipc
 MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
 _MAX_ID = 256
@@ -128,6 +130,13 @@ class Complete(_Base, tag="complete"):
     error: str = ""
 
 
+class CompleteBatch(_Base, tag="completes"):
+    """prefill -> decode: ``Complete`` for every item ``(request_id, token, ok, error)``,
+    in one message (the requests of a batch finish together)."""
+
+    items: list[tuple[str, int, bool, str]]
+
+
 class Outcome(_Base, tag="outcome"):
     """decode -> prefill: the definite outcome of a request (received, failed, expired, aborted)."""
 
@@ -150,8 +159,8 @@ class ErrorMsg(_Base, tag="error"):
     message: str
 
 
-Message = Union[Hello, Welcome, ReserveReq, GrantMsg, LayerDone, LayerBatch, Complete, Outcome, Abort, Heartbeat,
-                ErrorMsg]
+Message = Union[Hello, Welcome, ReserveReq, GrantMsg, LayerDone, LayerBatch, Complete, CompleteBatch, Outcome, Abort,
+                Heartbeat, ErrorMsg]
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True, array_like=True):
@@ -271,6 +280,12 @@ def _validate(m: Message) -> None:
         for r, tok, nb in m.items:
             if not (0 < len(r) <= _MAX_ID) or not 0 <= tok < 1 << 63 or nb < 0:
                 raise ProtocolError("layer batch item out of range (request id, token or block count)")
+    if isinstance(m, CompleteBatch):
+        if not 0 < len(m.items) <= MAX_BATCH_ITEMS:
+            raise ProtocolError(f"complete batch with {len(m.items)} items is out of range")
+        for r, tok, _, err in m.items:
+            if not (0 < len(r) <= _MAX_ID) or not 0 <= tok < 1 << 63 or len(err) > MAX_BATCH_ERROR:
+                raise ProtocolError("complete batch item out of range (request id, token or error length)")
     if isinstance(m, GrantMsg) and (len(m.blocks) > 1 << 22 or (m.blocks and min(m.blocks) < 0)):
         raise ProtocolError("grant block list out of range")
     for f in ("token",):

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv.errors import AuthenticationError, PdkvError, ProtocolError
-from pdkv.protocol import (PROTOCOL_VERSION, Codec, pack_frame, Complete, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, ReserveReq,
+from pdkv.protocol import (PROTOCOL_VERSION, Codec, pack_frame, Complete, CompleteBatch, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, ReserveReq,
                            session_key)
 
 SECRET = b"k" * 32
@@ -23,6 +23,7 @@ def test_round_trip_and_replay():
     a, b = Codec(SECRET), Codec(SECRET)
     for m in (hello(), ReserveReq("r", 10), GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0),
               LayerDone("r", 5, [0, 1]), LayerBatch(3, [("r", 5, 0), ("s", 6, 2)]), Complete("r", 5, True),
+              CompleteBatch([("r", 5, True, ""), ("s", 6, False, "disk on fire")]),
               Heartbeat(1.0)):
         frames = a.encode(m)
         assert b.decode(frames) == m
@@ -60,6 +61,11 @@ def test_authentication():
     (LayerBatch(0, [("r", 1, 0), ("", 1, 0)]), "layer batch item"),
     (LayerBatch(0, [("r", -1, 0)]), "layer batch item"),
     (LayerBatch(0, [("r", 1, -2)]), "layer batch item"),
+    (CompleteBatch([]), "complete batch"),
+    (CompleteBatch([("r", 1, True, "")] * 4097), "complete batch"),
+    (CompleteBatch([("", 1, True, "")]), "complete batch item"),
+    (CompleteBatch([("r", 1 << 63, True, "")]), "complete batch item"),
+    (CompleteBatch([("r", 1, False, "x" * 1025)]), "complete batch item"),
 ])
 def test_semantic_validation(msg, what):
     with pytest.raises(ProtocolError, match=what):

@@ -675,3 +675,28 @@ def test_one_plan_per_layer_copies_what_per_request_plans_copy(P, D, nhd, data):
     for m, a in zip(merged, alone):
         assert np.array_equal(m, a)
     assert any(m.any() for m in merged)
+
+
+@pytest.mark.multiproc
+def test_finish_many_completes_a_batch_and_each_item_stands_alone(no_leaks):
+    from pdkv.protocol import CompleteBatch
+
+    dec = Decode()
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=5) as tx:
+            rids = [f"b{i}" for i in range(6)]
+            grants = tx.reserve_many([(r, 8) for r in rids])
+            for layer in range(4):
+                tx.send_layer(layer, [(r, [i]) for i, r in enumerate(rids)])
+            tx.finish_many(rids[:5])
+            assert all(tx.wait_outcome(r, 10).ok for r in rids[:5])
+            # an item for a request decode does not know, next to the last real one: the
+            # real one still completes
+            before = dec.rx.stats["messages_rejected"]
+            tx._post(CompleteBatch([("ghost", 5, True, ""), ("b5", grants[5].token, True, "")]))
+            assert tx.wait_outcome("b5", 10).ok
+            assert dec.rx.stats["messages_rejected"] == before + 1
+            tx.finish_many([])  # nothing to do
+    finally:
+        dec.close()

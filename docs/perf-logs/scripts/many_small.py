@@ -1,5 +1,5 @@
 """Control-plane cost of many small requests: N one-block requests, 4 layers, shm, decode
-in this process (dev VM). Reserves with reserve_many where the sender has it.
+in this process (dev VM). Reserves with reserve_many and finishes with finish_many where the sender has them.
 python docs/perf-logs/scripts/many_small.py [N]"""
 import sys, time
 sys.path.insert(0, "tests")
@@ -23,8 +23,11 @@ try:
             t1 = time.perf_counter()
             for layer in range(4):
                 tx.send_layer(layer, [(r, [i]) for i, r in enumerate(rids)])
-            for r in rids:
-                tx.finish(r)
+            if hasattr(tx, "finish_many"):
+                tx.finish_many(rids)
+            else:
+                for r in rids:
+                    tx.finish(r)
             outs = [tx.wait_outcome(r, 30) for r in rids]
             t2 = time.perf_counter()
             assert all(o.ok for o in outs)
