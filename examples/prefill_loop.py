@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""A minimal prefill loop: the KV cache is torch (or paddle) tensors; after each layer is
-'computed' it is handed to pdkv, which writes it into decode's buffer while the next
-layer computes. Blocks are freed only once decode reports the outcome."""
+"""A minimal prefill loop: the KV cache is torch (or paddle) tensors; prompts are prefilled
+in batches; after each layer of a batch is 'computed' it is handed to pdkv, which writes it
+into decode's buffer while the next layer computes. Blocks are freed only once decode
+reports the outcome."""
 
 import argparse
 
@@ -10,6 +11,7 @@ import pdkv
 ap = argparse.ArgumentParser()
 ap.add_argument("--connect", default="tcp://127.0.0.1:5555")
 ap.add_argument("--requests", type=int, default=4)
+ap.add_argument("--batch", type=int, default=2, help="prompts prefilled together")
 ap.add_argument("--framework", choices=["torch", "paddle"], default="torch")
 a = ap.parse_args()
 
@@ -29,16 +31,21 @@ else:
 cache = pdkv.cache_from_tensors(layout, kv)
 pool = pdkv.BlockPool(BLOCKS)
 with pdkv.PrefillSender(layout, cache, a.connect, instance="example-prefill") as tx:
-    for i in range(a.requests):
-        rid = f"req-{i}"
-        blocks = pool.allocate(3)                          # this engine's own blocks for the prompt
-        tx.reserve(rid, num_tokens=40)                     # decode's blocks: no wait for decode GPU room
+    ids = [f"req-{i}" for i in range(a.requests)]
+    for start in range(0, len(ids), a.batch):             # a batch of prompts prefilled together
+        batch = ids[start:start + a.batch]
+        blocks = {rid: pool.allocate(3) for rid in batch}  # this engine's own blocks for each prompt
+        grants = tx.reserve_many([(rid, 40) for rid in batch])  # decode's blocks, round trips overlapped
+        failed = [rid for rid, g in zip(batch, grants) if isinstance(g, Exception)]
+        batch = [rid for rid in batch if rid not in failed]
         for layer in range(layout.total_layers):
-            for t in kv[layer]:                            # 'compute' layer L
-                for b in blocks:
-                    fill(t, b, float(i + 1))
-            tx.send_layer(layer, [(rid, blocks)])          # sent while the next layer computes
-        tx.finish(rid)
-        outcome = tx.wait_outcome(rid, timeout=30)
-        print(rid, outcome.state, flush=True)
-        pool.free(blocks)                                  # only after a definite outcome
+            for rid in batch:                              # 'compute' layer L of every prompt
+                for t in kv[layer]:
+                    for b in blocks[rid]:
+                        fill(t, b, float(ids.index(rid) + 1))
+            tx.send_layer(layer, [(rid, blocks[rid]) for rid in batch])  # sent while the next layer computes
+        tx.finish_many(batch)
+        for rid in ids[start:start + a.batch]:
+            state = "rejected" if rid in failed else tx.wait_outcome(rid, timeout=30).state
+            print(rid, state, flush=True)
+            pool.free(blocks[rid])                         # only after a definite outcome
