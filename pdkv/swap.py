@@ -555,7 +555,7 @@ class SwapEngine:
         if (self._auto and strategy == "kernel" and plan.pieces and min_piece is not None
                 and plan.nbytes >= min_piece * plan.pieces and _ffi.cuda.batch_copy_supported()):
             strategy = "batch"  # large pieces: the copy engines beat the kernel (0.98 vs 0.92 at 512 KiB)
-        queued = [False]  # set once anything is enqueued on `stream`
+        queued = False  # set once anything is enqueued on `stream`
         try:
             if strategy == "kernel":
                 cp = plan.chunked()
@@ -578,7 +578,7 @@ class SwapEngine:
                         _ffi.cuda.launch(self._fn, min(b - a, self._max_grid), 512,
                                          [("ptr", dev + 8 * a), ("ptr", dev + 8 * (n + a)),
                                           ("ptr", dev + 8 * (2 * n + a)), ("i64", b - a)], stream)
-                        queued[0] = True
+                        queued = True
                     _ffi.cuda.event_record(ev, stream)
                 keep = st
             else:
@@ -588,18 +588,18 @@ class SwapEngine:
                         for x, y in _batch_spans(a, b):
                             _ffi.cuda.memcpy_batch_async(plan.dst[x:y].tolist(), plan.src[x:y].tolist(),
                                                          plan.lengths[x:y].tolist(), stream)
-                            queued[0] = True
+                            queued = True
                     else:
                         src, dst, lens = plan.src[a:b].tolist(), plan.dst[a:b].tolist(), plan.lengths[a:b].tolist()
                         for i in range(b - a):
                             _ffi.cuda.memcpy_async(dst[i], src[i], lens[i], stream)
-                            queued[0] = True
+                            queued = True
                     _ffi.cuda.event_record(ev, stream)
         except BaseException as exc:
             # part of the copy may be queued already: let it finish before the error is
             # raised, so nothing writes into the destination (or reads the descriptors)
             # once the caller has been told the copy failed
-            drained = _drain(stream) if queued[0] else True
+            drained = _drain(stream) if queued else True
             _destroy_events(events)
             if slot:
                 with self._lock:

@@ -1248,26 +1248,24 @@ class PrefillSender:
         """Every layer of ``request_id`` was handed to :meth:`send_layer`: confirm it to decode
         once all its writes succeeded (``ok=False`` reports a failure instead)."""
         self._check()
-        with self._lock:
-            idle = self._pending_jobs == 0
-        if idle:  # every write already finished: confirm now, without a hop through the data thread
-            self._complete(request_id, ok, error)
-        else:
-            self._submit(("complete", request_id, ok, error))
+        self._after_writes(("complete", request_id, ok, error))
 
     def finish_many(self, request_ids: Sequence[str], ok: bool = True, error: str = "") -> None:
         """:meth:`finish` for several requests (a batch that ends together), confirmed to
         decode in one message per 512 requests instead of one each."""
         self._check()
         rids = list(request_ids)
-        if not rids:
-            return
+        if rids:
+            self._after_writes(("complete_many", rids, ok, error))
+
+    def _after_writes(self, job: tuple) -> None:
+        """Run ``job`` once every write handed over before it has finished."""
         with self._lock:
             idle = self._pending_jobs == 0
-        if idle:
-            self._complete_many(rids, ok, error)
+        if idle:  # every write already finished: run it now, without a hop through the data thread
+            self._run_job(job)
         else:
-            self._submit(("complete_many", rids, ok, error))
+            self._submit(job)
 
     def wait_outcome(self, request_id: str, timeout: float | None = None) -> RequestOutcome:
         """Block until the request's definite outcome (bounded by ``timeout``)."""
@@ -1474,22 +1472,18 @@ class PrefillSender:
         if not work or not self.segments:
             return  # a rank whose heads another rank sends (replicated heads) writes nothing
         gpu_work = [w for w in work if w[1].location == "gpu"]
-        if gpu_work:
-            work = [w for w in work if w[1].location != "gpu"]
-            if self._ipc is None:
-                with self._lock:
-                    for w in gpu_work:
-                        self._failed.setdefault(w[0], f"decode granted GPU blocks, which {self.transport} cannot write")
-            else:
-                self._write_shm(layer, gpu_work, self._ipc.specs, "d2d")
-            if not work:
-                self.stats["layers"] += 1
-                return
-        if self.transport in ("shm", "cuda_ipc"):
+        work = [w for w in work if w[1].location != "gpu"]
+        if gpu_work and self._ipc is None:
+            with self._lock:
+                for w in gpu_work:
+                    self._failed.setdefault(w[0], f"decode granted GPU blocks, which {self.transport} cannot write")
+        elif gpu_work:
+            self._write_shm(layer, gpu_work, self._ipc.specs, "d2d")
+        if work and self.transport in ("shm", "cuda_ipc"):
             self._write_shm(layer, work)
-        elif self.transport == "rdma":
+        elif work and self.transport == "rdma":
             self._write_rdma(layer, work)
-        else:
+        elif work:
             self._write_tcp(layer, work)
         self.stats["layers"] += 1
 

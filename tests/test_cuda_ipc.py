@@ -13,7 +13,7 @@ from pdkv import BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptio
 from pdkv.cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section
 from pdkv.errors import LayoutError, PeerError, ProtocolError
 from pdkv.transfer import DecodeReceiver, PrefillSender
-from test_transfer import BASE, _lines, _spawn, expected_block, prefill_cache, reap
+from test_transfer import BASE, _lines, _spawn, expected_block, prefill_cache, reap, wait_until
 
 
 class FakeIpc:
@@ -373,7 +373,6 @@ def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, no_leaks):
 @pytest.mark.multiproc
 def test_cuda_ipc_prefill_killed_mid_transfer_decode_reclaims_gpu_blocks(cuda_device, no_leaks):
     import signal
-    import time
 
     from pdkv import State
 
@@ -395,10 +394,7 @@ def test_cuda_ipc_prefill_killed_mid_transfer_decode_reclaims_gpu_blocks(cuda_de
         assert sched.gpu.num_free == nb - 6
         p.send_signal(signal.SIGKILL)
         p.wait(10)
-        t0 = time.monotonic()
-        while sched.gpu.num_free != nb:
-            assert time.monotonic() - t0 < 15, "GPU blocks of the dead prefill never came back"
-            time.sleep(0.05)
+        wait_until(lambda: sched.gpu.num_free == nb, 15, "GPU blocks of the dead prefill never came back")
         assert sched.request("victim-0").state is State.FAILED
         reap(p)
         # a new prefill is served, straight into GPU blocks again

@@ -18,17 +18,9 @@ from faultproxy import FaultProxy
 from pdkv import PrefillSender, State
 from pdkv.protocol import PROTOCOL_VERSION, Codec, Complete, Hello, LayerDone, ReserveReq, pack_frame
 from pdkv.transfer import FRAME_HEADER
-from test_transfer import BASE, Decode, _lines, _spawn, prefill_cache, reap, send_one
+from test_transfer import BASE, Decode, _lines, _spawn, prefill_cache, reap, send_one, wait_until
 
 from pdkv import KVLayout
-
-
-def wait_until(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.02)
-    return time.monotonic() - (deadline - timeout)
 
 
 def all_free(dec):

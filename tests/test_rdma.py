@@ -13,7 +13,7 @@ from pdkv.errors import LayoutError, PdkvTimeoutError, PeerError, ProtocolError,
 from pdkv.rdma import (CompletionTracker, EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion, batch_chains, merge_regions,
                        plan_writes)
 from pdkv.transfer import DecodeReceiver, PrefillSender
-from test_transfer import BASE, Decode, prefill_cache, send_one
+from test_transfer import BASE, Decode, prefill_cache, send_one, wait_until
 
 
 def test_plan_coalesces_and_bounds():
@@ -169,11 +169,9 @@ def test_failed_completion_fails_the_session_and_decode_frees_at_once(monkeypatc
         assert tx.wait_outcome("other", 5).state == "failed"  # the queue pair is dead: so is the session
         with pytest.raises(PeerError, match="RDMA queue pair failed"):
             tx.reserve("after", 8)
-        deadline = time.monotonic() + 3  # the aborts reach decode: no waiting for leases
-        while time.monotonic() < deadline and any(
-                dec.sched.request(r).state not in (State.FAILED, State.ABORTED) for r in ("bad", "other")):
-            time.sleep(0.01)
-        assert all(dec.sched.request(r).state in (State.FAILED, State.ABORTED) for r in ("bad", "other"))
+        # the aborts reach decode: no waiting for leases
+        wait_until(lambda: all(dec.sched.request(r).state in (State.FAILED, State.ABORTED) for r in ("bad", "other")),
+                   3, "decode dropped the broken session's requests")
     finally:
         tx.close()
         dec.close()

@@ -67,6 +67,15 @@ class Decode:
             b.unlink()
 
 
+def wait_until(pred, timeout, what):
+    """Poll ``pred`` until true; fail the test after ``timeout`` s. Returns the seconds it took."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.01)
+    return time.monotonic() - (deadline - timeout)
+
+
 def send_one(tx, rid, blocks, tokens=None, timeout=10):
     """Reserve, send every layer of ``blocks``, finish; return the outcome."""
     tx.reserve(rid, tokens or len(blocks) * 8)
@@ -196,10 +205,7 @@ def test_lease_expiry_reaches_prefill_and_frees_blocks(no_leaks):
             tx.send_layer(0, [("slow", [0, 1])])
             out = tx.wait_outcome("slow", 5)
             assert out.state == "expired"
-            deadline = time.monotonic() + 5
-            while dec.sched.buffer.num_free != 64:
-                assert time.monotonic() < deadline, "expired blocks never came back"
-                time.sleep(0.05)
+            wait_until(lambda: dec.sched.buffer.num_free == 64, 5, "expired blocks never came back")
             assert send_one(tx, "next", [5]).ok  # the surviving pair keeps serving
     finally:
         dec.close()
@@ -242,10 +248,7 @@ def test_hostile_tcp_frames_never_land(no_leaks):
             s = conn()  # oversized frame: connection dropped
             s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, 0, g.token, 0, 0, 0, 0, 1, 0, 1 << 30, 1, 0) + FRAME_ITEM.pack(0, 1))
             s.close()
-            deadline = time.monotonic() + 5
-            while dec.rx.stats["frames_rejected"] < 5:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until(lambda: dec.rx.stats["frames_rejected"] >= 5, 5, "five hostile frames refused")
             assert [dec.block(0, 0, 0, b) for b in range(64)] == before
             # the legitimate transfer still works
             for layer in range(4):
@@ -606,10 +609,8 @@ def test_reserve_many_overlaps_round_trips_and_reports_each_request(no_leaks):
                     tx.send_layer(layer, [(g.request_id, [0])])
                 tx.finish(g.request_id)
             assert all(tx.wait_outcome(g.request_id, 10).ok for g in ok)
-            deadline = time.monotonic() + 10  # decode's engine hands the blocks back
-            while dec.sched.buffer.num_free < 16:
-                assert time.monotonic() < deadline, "blocks never came back"
-                time.sleep(0.01)
+            # decode's engine hands the blocks back
+            wait_until(lambda: dec.sched.buffer.num_free >= 16, 10, "blocks never came back")
             # the refused duplicate left nothing behind
             assert tx.reserve("a", 8).blocks
     finally:
@@ -628,10 +629,7 @@ def test_layer_batch_items_are_credited_or_refused_each_on_its_own(no_leaks):
             before = dec.rx.stats["messages_rejected"]
             # one good item between a forged token and an unknown request
             tx._post(LayerBatch(0, [("b", gb.token ^ 1, 0), ("a", ga.token, 0), ("ghost", 5, 0)]))
-            deadline = time.monotonic() + 5
-            while dec.rx.stats["messages_rejected"] < before + 2:
-                assert time.monotonic() < deadline, "the bad items were not refused"
-                time.sleep(0.01)
+            wait_until(lambda: dec.rx.stats["messages_rejected"] >= before + 2, 5, "the bad items were not refused")
             time.sleep(0.05)
             assert dec.sched.request("a").layers_landed == 1  # credited despite its neighbours
             assert dec.sched.request("b").layers_landed == 0  # the forged token landed nothing
