@@ -424,8 +424,9 @@ class CacheSpec:
         return layout.block_bytes * num_blocks
 
     @classmethod
-    def for_buffer(cls, layout: KVLayout, num_blocks: int, base: int) -> CacheSpec:
-        """pdkv's buffer layout: one contiguous region per (layer, tensor), in that order."""
+    def for_buffer(cls, layout: KVLayout, num_blocks: int, base: int, *, device: int | None = None) -> CacheSpec:
+        """pdkv's buffer layout: one contiguous region per (layer, tensor), in that order
+        (also usable for a GPU cache laid out the same way: pass ``device``)."""
         regions, off = [], 0
         for _ in range(layout.total_layers):
             row = []
@@ -434,7 +435,7 @@ class CacheSpec:
                 row.append((base + off, tb))
                 off += tb * num_blocks
             regions.append(row)
-        return cls(layout, num_blocks, regions)
+        return cls(layout, num_blocks, regions, device=device)
 
     @classmethod
     def fastdeploy(cls, layout: KVLayout, num_blocks: int, tensor_ptrs: Sequence[Sequence[int]],

@@ -6,6 +6,10 @@ ranks in child processes, a stream of requests sent layer by layer through the b
 every byte verified in the decode's (GPU) blocks, and a summary.
 
 ``decode --listen ADDR`` and ``prefill --connect ADDR`` run the two sides on two hosts.
+
+``--prefill-gpu`` keeps each prefill rank's cache in GPU memory (shm then writes the
+buffer with the swap engine's kernel); ``--transport cuda_ipc`` (same host, a GPU) has
+prefill write decode's GPU blocks directly, and the buffer only when they are full.
 """
 
 from __future__ import annotations
@@ -157,6 +161,7 @@ class _Track:
     state: str = ""
     reason: str = ""
     blocks: int = 0
+    location: str = ""
 
 
 @dataclass
@@ -180,6 +185,10 @@ class DecodeSide:
         gpu_blocks = a.gpu_blocks or nb
         self.nb, self.gpu_blocks = nb, gpu_blocks
         self.cuda = _ffi.cuda.device_count() > 0 and not a.no_gpu
+        ipc = a.transport == "cuda_ipc"
+        if ipc and not self.cuda:
+            raise UsageError("--transport cuda_ipc writes decode's GPU blocks: it needs a CUDA GPU and no --no-gpu")
+        gspecs: list[CacheSpec] = []
         self.bufs = []
         self.gpu_mem: list[Any] = []
         engines = []
@@ -192,6 +201,7 @@ class DecodeSide:
                     _ffi.cuda.set_device(0)
                     ptr = _ffi.cuda.malloc(size)
                     self.gpu_mem.append(ptr)
+                    gspecs.append(CacheSpec.for_buffer(L, gpu_blocks, ptr, device=0))
                 else:
                     arr = np.zeros(size, np.uint8)
                     self.gpu_mem.append(arr)
@@ -202,12 +212,14 @@ class DecodeSide:
             self.sched = DecodeScheduler(
                 num_layers=lay.total_layers, gpu=BlockPool(gpu_blocks, "gpu"), buffer=BlockPool(nb, "buffer"),
                 swap=SwapGroup(engines), block_bytes=lay.block_bytes * D,
-                options=SchedulerOptions(direct_to_gpu=False, lease_s=a.lease_s, on_full="queue",
+                # cuda_ipc: GPU blocks granted at reservation while there are any (written
+                # by prefill directly), the buffer and a swap after that
+                options=SchedulerOptions(direct_to_gpu=ipc, lease_s=a.lease_s, on_full="queue",
                                          queue_timeout_s=a.timeout * 4),
                 listener=self._on_event)
             self.rx = DecodeReceiver(self.sched, self.lays, self.bufs, nb, control=listen, data_host=a.data_host,
                                      secret=a.secret.encode() if a.secret else None, auto_tick=True,
-                                     transports=_served(a.transport),
+                                     transports=_served(a.transport), gpu_caches=gspecs if ipc else None,
                                      peer_timeout_s=a.timeout)
         except BaseException:
             self.close()
@@ -222,7 +234,10 @@ class DecodeSide:
         if ev.kind in ("reserved", "granted"):
             tr.reserved = ev.t
             tr.blocks = len(ev.grant.blocks) if ev.grant else 0
+            tr.location = ev.grant.location if ev.grant else ""
         elif ev.kind == "received":
+            tr.received = ev.t
+        elif ev.kind == "ready" and not tr.received:  # a GPU grant (cuda_ipc): landed is ready
             tr.received = ev.t
         elif ev.kind in ("failed", "expired", "aborted", "rejected"):
             tr.state, tr.reason = ev.kind, ev.reason
@@ -308,8 +323,14 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
     work = make_workload(a)
     need = max(lay.blocks_for_tokens(r.tokens) for r in work)
     nb = max(a.prefill_blocks, need)
-    cache = np.zeros(lay.block_bytes * nb, np.uint8)
-    spec = CacheSpec.for_buffer(lay, nb, cache.ctypes.data)
+    gpu = _GpuPrefillCache(lay, nb) if _prefill_gpu(a) else None
+    if gpu is not None:
+        # the KV is "computed" into a pinned host mirror and copied into the GPU cache
+        # layer by layer on the engine's stream; the sender waits on each layer's event
+        cache, spec = gpu.mirror, gpu.spec
+    else:
+        cache = np.zeros(lay.block_bytes * nb, np.uint8)
+        spec = CacheSpec.for_buffer(lay, nb, cache.ctypes.data)
     pool = BlockPool(nb, "prefill")
     sem = threading.Semaphore(a.concurrency)
     cv = threading.Condition()
@@ -328,8 +349,13 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
         emit({"type": "outcome", "rid": o.request_id, "state": o.state, "reason": o.reason, "t": time.monotonic() - t0})
         sem.release()
 
-    tx = PrefillSender(lay, spec, a.connect, instance=a.instance, secret=a.secret.encode() if a.secret else None,
-                       transport=a.transport, streams=a.streams, timeout_s=a.timeout, on_outcome=on_outcome)
+    try:
+        tx = PrefillSender(lay, spec, a.connect, instance=a.instance, secret=a.secret.encode() if a.secret else None,
+                           transport=a.transport, streams=a.streams, timeout_s=a.timeout, on_outcome=on_outcome)
+    except BaseException:
+        if gpu is not None:
+            gpu.close()
+        raise
     emit({"type": "hello", "rank": a.rank, "transport": tx.transport})
     regions = {(layer, t): spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))}
     base = cache.ctypes.data
@@ -379,7 +405,8 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
                     region[idx, :lay.tensor_block_bytes(t)] = _pattern(lay, rk, layer, t, gis)
                 if a.layer_ms:
                     time.sleep(a.layer_ms / 1000)
-                tx.send_layer(layer, [(r.rid, blocks)])
+                ev = gpu.to_gpu(layer, idx) if gpu is not None else None
+                tx.send_layer(layer, [(r.rid, blocks)], event=ev)
             tx.finish(r.rid)
         # wait for the outstanding outcomes (bounded)
         deadline = time.monotonic() + a.timeout * 6
@@ -391,9 +418,71 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
         layers = list(tx.layer_log)
         stats = dict(tx.stats)
         tx.close()
+        if gpu is not None:
+            gpu.close()
     emit({"type": "summary", "rank": a.rank, "failed": failed + len(lost), "layer_s": [x[1] for x in layers],
           "bytes": stats["bytes"], "elapsed": time.monotonic() - t0})
     return 1 if failed or lost else 0
+
+
+def _prefill_gpu(a: argparse.Namespace) -> bool:
+    return bool(a.prefill_gpu) or a.transport == "cuda_ipc"
+
+
+class _GpuPrefillCache:
+    """A prefill rank's cache in GPU memory (pdkv's buffer layout, device 0), filled from a
+    pinned host mirror one layer at a time on its own stream, one event per layer."""
+
+    def __init__(self, lay: KVLayout, nb: int) -> None:
+        _ffi.cuda.set_device(0)
+        size = lay.block_bytes * nb
+        self.lay, self.nb = lay, nb
+        self._host = self._dev = self._stream = 0
+        self._events: list[int] = []
+        self._eng: SwapEngine | None = None
+        try:
+            self._host = _ffi.cuda.malloc_host(size)
+            self._dev = _ffi.cuda.malloc(size)
+            self.mirror = np.frombuffer(_ffi.libc.host_view(self._host, size), np.uint8)
+            self.mirror[:] = 0
+            self._mspec = CacheSpec.for_buffer(lay, nb, self._host)
+            self.spec = CacheSpec.for_buffer(lay, nb, self._dev, device=0)
+            self._stream = _ffi.cuda.stream_create(nonblocking=True)
+            self._eng = SwapEngine(self._mspec, self.spec, strategy="auto", stream=self._stream)
+            self._events = [_ffi.cuda.event_create() for _ in range(lay.total_layers)]
+        except BaseException:
+            self.close()
+            raise
+
+    def to_gpu(self, layer: int, blocks: np.ndarray) -> int:
+        """Queue the copy of ``blocks`` of ``layer`` into the GPU cache; its event."""
+        assert self._eng is not None
+        from .swap import plan_copy
+
+        self._eng.copy_plan(plan_copy(self._mspec, self.spec, blocks, blocks, layers=[layer]), direction="h2d")
+        ev = self._events[layer]
+        _ffi.cuda.event_record(ev, self._stream)
+        return ev
+
+    def close(self) -> None:
+        if self._stream:
+            _ffi.cuda.stream_synchronize(self._stream)
+        if self._eng is not None:
+            self._eng.close()
+            self._eng = None
+        for ev in self._events:
+            _ffi.cuda.event_destroy(ev)
+        self._events = []
+        if self._stream:
+            _ffi.cuda.stream_destroy(self._stream)
+            self._stream = 0
+        self.mirror = np.zeros(0, np.uint8)  # drop the view before the memory goes
+        if self._dev:
+            _ffi.cuda.free(self._dev)
+            self._dev = 0
+        if self._host:
+            _ffi.cuda.free_host(self._host)
+            self._host = 0
 
 
 # ---------------------------------------------------------------------- report
@@ -418,6 +507,7 @@ def build_report(dec: DecodeSide, prefill: list[dict[str, Any]], outcomes: dict[
     return {
         "requests": len(set(outcomes) | set(dec.tracks)),
         "requests_ready": len(ready),
+        "requests_into_gpu_blocks": sum(1 for t in ready if t.location == "gpu"),
         "requests_failed": len(failed_ids),
         "bytes_verified": dec.bytes_verified,
         "verify_errors": dec.verify_errors,
@@ -451,7 +541,7 @@ def print_report(rep: dict[str, Any], console: Any) -> None:
     t.add_column("figure")
     t.add_column("value", justify="right")
     fmt = {
-        "requests": "{:d}", "requests_ready": "{:d}", "requests_failed": "{:d}", "verify_errors": "{:d}",
+        "requests": "{:d}", "requests_ready": "{:d}", "requests_into_gpu_blocks": "{:d}", "requests_failed": "{:d}", "verify_errors": "{:d}",
         "bytes_verified": "{:,d}", "bytes_transferred": "{:,d}", "elapsed_s": "{:.2f}",
         "throughput_GBps_mean": "{:.2f}", "request_GBps_p50": "{:.2f}", "request_GBps_p99": "{:.2f}",
         "layer_latency_ms_p50": "{:.2f}", "layer_latency_ms_p99": "{:.2f}", "time_to_received_ms_p50": "{:.1f}",
@@ -520,6 +610,8 @@ def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
             "--concurrency", str(a.concurrency), "--seed", str(a.seed), "--timeout", str(a.timeout),
             "--streams", str(a.streams), "--layer-ms", str(a.layer_ms), "--prefill-blocks", str(a.prefill_blocks),
             "--instance", a.instance, "--time-scale", str(a.time_scale), "--duration", str(a.duration)]
+    if a.prefill_gpu:
+        argv.append("--prefill-gpu")
     for opt, attr in (("--layers", "layers"), ("--kv-heads", "kv_heads"), ("--head-dim", "head_dim"),
                       ("--tokens-per-block", "tokens_per_block"), ("--dtype", "dtype"), ("--trace", "trace"),
                       ("--trace-limit", "trace_limit")):
@@ -669,7 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--listen", default="", help="decode: ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555")
     g.add_argument("--connect", default="", help="prefill: decode's endpoint, e.g. tcp://decode-host:5555")
     g.add_argument("--data-host", default="127.0.0.1", help="decode: address of the TCP data listener")
-    g.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma"],
+    g.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma", "cuda_ipc"],
                    help="auto: shm on one host, else rdma where both hosts have a device, else tcp")
     g.add_argument("--streams", type=int, default=1, help="TCP data connections per prefill rank")
     g.add_argument("--secret", default="", help="shared secret (>= 16 characters) to authenticate the pair")
@@ -705,6 +797,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rank", type=int, default=0)
     g.add_argument("--instance", default="pdkv-test-prefill")
     g.add_argument("--prefill-blocks", type=int, default=64, help="prefill cache blocks per rank")
+    g.add_argument("--prefill-gpu", action="store_true",
+                   help="prefill caches in GPU memory (shm or cuda_ipc; implied by --transport cuda_ipc)")
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure to this JSON file")
     g.add_argument("--plot", help="throughput and buffer occupancy over time (.png or .html)")
@@ -728,6 +822,16 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("--plot needs a .png or .html file name")
     if a.trace and not os.path.exists(a.trace):
         raise UsageError(f"--trace {a.trace}: no such file")
+    if _prefill_gpu(a) and a.transport not in ("shm", "cuda_ipc"):
+        raise UsageError(f"--prefill-gpu works with --transport shm or cuda_ipc, not {a.transport} "
+                         "(tcp and rdma send from host caches)")
+    if a.transport == "cuda_ipc" and a.no_gpu:
+        raise UsageError("--transport cuda_ipc writes decode's GPU blocks: it cannot run with --no-gpu")
+    gpu_here = (a.mode != "decode" and _prefill_gpu(a)) or (a.mode != "prefill" and a.transport == "cuda_ipc")
+    if gpu_here and _ffi.cuda.device_count() == 0:
+        what = "--transport cuda_ipc" if a.transport == "cuda_ipc" else "--prefill-gpu"
+        why = "" if _ffi.cuda.bindings_available() else " (cuda-bindings not installed: pip install 'pdkv[cuda]')"
+        raise UsageError(f"{what} needs a CUDA GPU on this host; none found{why}")
     try:
         lay_kw = _layout_kw(a)
         KVLayout(**lay_kw, tp_size=a.prefill_tp)

@@ -59,12 +59,47 @@ def test_trace_replay_and_plot(tmp_path, no_leaks):
     (["--bogus"], "unrecognized arguments"),
     (["--secret", "short"], "at least 16"),
     (["--trace", "/nonexistent"], "no such file"),
+    (["--prefill-gpu", "--transport", "tcp"], "--prefill-gpu works with --transport shm or cuda_ipc, not tcp"),
+    (["--prefill-gpu"], "not auto"),
+    (["--transport", "cuda_ipc", "--no-gpu"], "cannot run with --no-gpu"),
 ])
 def test_bad_flags_get_one_line(args, msg, tmp_path):
     p, rep = run(args, tmp_path, timeout=60)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("args", [["--transport", "cuda_ipc"], ["--transport", "shm", "--prefill-gpu"],
+                                  ["prefill", "--connect", "tcp://127.0.0.1:9", "--transport", "cuda_ipc"]])
+def test_gpu_modes_say_no_gpu_on_a_cpu_host(args, tmp_path):
+    from pdkv import _ffi
+
+    if _ffi.cuda.device_count() > 0:
+        pytest.skip("this host has a GPU (the modes themselves are tested under -m cuda)")
+    p, _ = run(args, tmp_path, timeout=60)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU on this host; none found" in lines[0], p.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+@pytest.mark.parametrize("extra", [["--transport", "cuda_ipc"],
+                                   ["--transport", "cuda_ipc", "--prefill-tp", "2", "--decode-tp", "4"],
+                                   ["--transport", "shm", "--prefill-gpu", "--prefill-tp", "4", "--decode-tp", "2"]])
+def test_local_mode_gpu_caches_every_byte(cuda_device, extra, tmp_path, no_leaks):
+    # 8 GPU blocks: with cuda_ipc the first requests get GPU blocks (written by prefill
+    # directly), the rest go through the buffer and a swap; both are verified in GPU memory
+    p, rep = run(SMALL + ["--gpu-blocks", "8"] + extra, tmp_path, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert rep["gpu"] and rep["requests_ready"] == 10 and rep["requests_failed"] == 0
+    assert rep["verify_errors"] == 0 and rep["bytes_verified"] == rep["bytes_transferred"] > 0
+    assert rep["peak_buffer_blocks"] > 0
+    if "cuda_ipc" in extra:
+        assert 0 < rep["requests_into_gpu_blocks"] < 10
+    else:
+        assert rep["requests_into_gpu_blocks"] == 0
 
 
 def test_unreachable_decode_is_one_line(tmp_path):
