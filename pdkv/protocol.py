@@ -33,6 +33,8 @@ __all__ = [
     "CompleteBatch",
     "Complete",
     "Outcome",
+    "OutcomeBatch",
+    "OUTCOME_STATES",
     "Abort",
     "Heartbeat",
     "ErrorMsg",
@@ -43,8 +45,11 @@ __all__ = [
 
 _MAC_BYTES = 32  # HMAC-SHA256
 MAX_BATCH_ITEMS = 4096  # requests one LayerBatch may name (4096 x 256-byte ids fit in decode's 2 MiB limit)
-MAX_BATCH_ERROR = 1024  # characters of one CompleteBatch item's error (the sender sends 512 items a message)
-PROTOCOL_VERSION = 3  # 2: one frame per message (MAC length, MAC, body); 3: LayerBatch, cuda_ipc
+MAX_BATCH_ERROR = 1024  # characters of one batch item's error or reason (senders send 512 items a message)
+# 2: one frame per message (MAC length, MAC, body); 3: LayerBatch, CompleteBatch, cuda_ipc;
+# 4: OutcomeBatch
+PROTOCOL_VERSION = 4
+OUTCOME_STATES = ("received", "failed", "expired", "aborted", "rejected")
 MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
 _MAX_ID = 256
 
@@ -145,6 +150,13 @@ class Outcome(_Base, tag="outcome"):
     reason: str = ""
 
 
+class OutcomeBatch(_Base, tag="outcomes"):
+    """decode -> prefill: ``Outcome`` for every item ``(request_id, state, reason)``, in one
+    message (the requests of one ``LayerBatch`` or ``CompleteBatch`` end together)."""
+
+    items: list[tuple[str, str, str]]
+
+
 class Abort(_Base, tag="abort"):
     request_id: str
     reason: str = ""
@@ -159,8 +171,8 @@ class ErrorMsg(_Base, tag="error"):
     message: str
 
 
-Message = Union[Hello, Welcome, ReserveReq, GrantMsg, LayerDone, LayerBatch, Complete, CompleteBatch, Outcome, Abort,
-                Heartbeat, ErrorMsg]
+Message = Union[Hello, Welcome, ReserveReq, GrantMsg, LayerDone, LayerBatch, Complete, CompleteBatch, Outcome,
+                OutcomeBatch, Abort, Heartbeat, ErrorMsg]
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True, array_like=True):
@@ -286,6 +298,14 @@ def _validate(m: Message) -> None:
         for r, tok, _, err in m.items:
             if not (0 < len(r) <= _MAX_ID) or not 0 <= tok < 1 << 63 or len(err) > MAX_BATCH_ERROR:
                 raise ProtocolError("complete batch item out of range (request id, token or error length)")
+    if isinstance(m, Outcome) and m.state not in OUTCOME_STATES:
+        raise ProtocolError(f"outcome state {m.state[:32]!r} is not one of {', '.join(OUTCOME_STATES)}")
+    if isinstance(m, OutcomeBatch):
+        if not 0 < len(m.items) <= MAX_BATCH_ITEMS:
+            raise ProtocolError(f"outcome batch with {len(m.items)} items is out of range")
+        for r, state, reason in m.items:
+            if not (0 < len(r) <= _MAX_ID) or state not in OUTCOME_STATES or len(reason) > MAX_BATCH_ERROR:
+                raise ProtocolError("outcome batch item out of range (request id, state or reason length)")
     if isinstance(m, GrantMsg) and (len(m.blocks) > 1 << 22 or (m.blocks and min(m.blocks) < 0)):
         raise ProtocolError("grant block list out of range")
     for f in ("token",):

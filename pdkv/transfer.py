@@ -28,6 +28,7 @@ decode stops answering heartbeats.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import select
@@ -36,7 +37,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,9 +51,8 @@ from .errors import (
 from .layout import CacheSpec, KVLayout, Segment, tp_segments
 from .protocol import (
     MAX_BATCH_ERROR, MAX_BATCH_ITEMS, PROTOCOL_VERSION, Abort, Codec, Complete, CompleteBatch, ErrorMsg, GrantMsg,
-    Heartbeat, Hello, LayerBatch,
-    LayerDone, Message,
-    Outcome, ReserveReq, Welcome, is_unauthenticated, new_nonce)
+    Heartbeat, Hello, LayerBatch, LayerDone, Message, Outcome, OutcomeBatch, ReserveReq, Welcome,
+    is_unauthenticated, new_nonce)
 from .scheduler import DecodeScheduler, Event
 from .rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section
@@ -285,6 +285,11 @@ class _Inflight:
     location: str = "buffer"  # where the blocks are: "buffer", or "gpu" (cuda_ipc writes them)
 
 
+def _clip(text: str) -> str:
+    """``text`` cut to what one batch item may carry (``MAX_BATCH_ERROR`` characters)."""
+    return text if len(text) <= MAX_BATCH_ERROR else text[:MAX_BATCH_ERROR - 3] + "..."
+
+
 class DecodeReceiver:
     """Decode side of the transfer path: serves grants, receives writes, feeds the scheduler.
 
@@ -369,6 +374,8 @@ class DecodeReceiver:
         self.instance = f"decode-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.stats = {"frames": 0, "bytes": 0, "frames_rejected": 0, "messages_rejected": 0, "peers_dead": 0}
         self._lock = threading.RLock()
+        # outcomes of requests ended while one batch message is handled: sent together
+        self._outbox = threading.local()
         self._peers: dict[bytes, _Peer] = {}
         self._data_tokens: dict[bytes, bytes] = {}
         self._inflight: dict[str, _Inflight] = {}
@@ -569,21 +576,23 @@ class DecodeReceiver:
         elif isinstance(msg, LayerDone):
             self._layers_done(peer, msg.request_id, msg.token, msg.layers, msg.blocks)
         elif isinstance(msg, LayerBatch):
-            for rid, token, blocks in msg.items:  # each item stands alone, as a LayerDone would
-                try:
-                    self._layers_done(peer, rid, token, [msg.layer], blocks)
-                except PdkvError as exc:
-                    self.stats["messages_rejected"] += 1
-                    self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
+            with self._outcomes_together():
+                for rid, token, blocks in msg.items:  # each item stands alone, as a LayerDone would
+                    try:
+                        self._layers_done(peer, rid, token, [msg.layer], blocks)
+                    except PdkvError as exc:
+                        self.stats["messages_rejected"] += 1
+                        self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
         elif isinstance(msg, Complete):
             self._completed(peer, msg.request_id, msg.token, msg.ok, msg.error)
         elif isinstance(msg, CompleteBatch):
-            for rid, token, ok, error in msg.items:  # each item stands alone, as a Complete would
-                try:
-                    self._completed(peer, rid, token, ok, error)
-                except PdkvError as exc:
-                    self.stats["messages_rejected"] += 1
-                    self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
+            with self._outcomes_together():
+                for rid, token, ok, error in msg.items:  # each item stands alone, as a Complete would
+                    try:
+                        self._completed(peer, rid, token, ok, error)
+                    except PdkvError as exc:
+                        self.stats["messages_rejected"] += 1
+                        self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
         elif isinstance(msg, Abort):
             with self._lock:
                 inf = self._inflight.get(msg.request_id)
@@ -709,6 +718,23 @@ class DecodeReceiver:
             return
         self._finish(inf, Outcome(inf.request_id, "received"))
 
+    @contextlib.contextmanager
+    def _outcomes_together(self) -> Iterator[None]:
+        """Outcomes decided in this block (this thread) go out as one ``OutcomeBatch`` per
+        peer at its end, 512 items a message, instead of one ``Outcome`` each."""
+        box: dict[bytes, list[tuple[str, str, str]]] = {}
+        self._outbox.box = box
+        try:
+            yield
+        finally:
+            self._outbox.box = None
+            for ident, items in box.items():
+                if len(items) == 1:
+                    self._send(ident, Outcome(*items[0]))
+                    continue
+                for i in range(0, len(items), 512):
+                    self._send(ident, OutcomeBatch(items[i:i + 512]))
+
     def _finish(self, inf: _Inflight, outcome: Outcome | None) -> None:
         with self._lock:
             inf.done = True
@@ -717,9 +743,14 @@ class DecodeReceiver:
             self._by_token.pop(inf.token, None)
             self._grants.pop((inf.instance, inf.request_id), None)
             peers = list(inf.peers)
-        if outcome is not None:
-            for ident in peers:
+        if outcome is None:
+            return
+        box = getattr(self._outbox, "box", None)
+        for ident in peers:
+            if box is None:
                 self._send(ident, outcome)
+            else:
+                box.setdefault(ident, []).append((outcome.request_id, outcome.state, _clip(outcome.reason)))
 
     def _on_event(self, ev: Event) -> None:
         if ev.kind in ("failed", "expired", "aborted", "rejected"):
@@ -1035,7 +1066,7 @@ class PrefillSender:
         self.instance = instance
         self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
         self.on_outcome = on_outcome
-        self.stats = {"bytes": 0, "frames": 0, "layers": 0}
+        self.stats = {"bytes": 0, "frames": 0, "layers": 0, "outcome_messages": 0}
         # (layer, seconds from send_layer() to its writes done, bytes): per-layer latency
         self.layer_log: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=1 << 16)
         self._codec = Codec(secret)
@@ -1390,7 +1421,12 @@ class PrefillSender:
                 self._resolve(msg.request_id, "rejected", msg.reason)
             # queued: keep waiting for the grant
         elif isinstance(msg, Outcome):
+            self.stats["outcome_messages"] += 1
             self._resolve(msg.request_id, msg.state, msg.reason)
+        elif isinstance(msg, OutcomeBatch):
+            self.stats["outcome_messages"] += 1
+            for rid, state, reason in msg.items:
+                self._resolve(rid, state, reason)
         elif isinstance(msg, ErrorMsg):
             rid = msg.message.split(":", 1)[0]
             with self._lock:
@@ -1418,7 +1454,7 @@ class PrefillSender:
                 g = self._grants.get(rid)
                 err = self._failed.pop(rid, None)
                 if g is not None:  # else already resolved (failed, expired)
-                    items.append((rid, g.token, ok and err is None, (error or (err or ""))[:MAX_BATCH_ERROR]))
+                    items.append((rid, g.token, ok and err is None, _clip(error or (err or ""))))
         for i in range(0, len(items), 512):
             self._post(CompleteBatch(items[i:i + 512]))
 

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv.errors import AuthenticationError, PdkvError, ProtocolError
-from pdkv.protocol import (PROTOCOL_VERSION, Codec, pack_frame, Complete, CompleteBatch, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, ReserveReq,
+from pdkv.protocol import (PROTOCOL_VERSION, Codec, pack_frame, Complete, CompleteBatch, Outcome, OutcomeBatch, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, ReserveReq,
                            session_key)
 
 SECRET = b"k" * 32
@@ -24,6 +24,7 @@ def test_round_trip_and_replay():
     for m in (hello(), ReserveReq("r", 10), GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0),
               LayerDone("r", 5, [0, 1]), LayerBatch(3, [("r", 5, 0), ("s", 6, 2)]), Complete("r", 5, True),
               CompleteBatch([("r", 5, True, ""), ("s", 6, False, "disk on fire")]),
+              Outcome("r", "received"), OutcomeBatch([("r", "received", ""), ("s", "expired", "lease ran out")]),
               Heartbeat(1.0)):
         frames = a.encode(m)
         assert b.decode(frames) == m
@@ -66,6 +67,12 @@ def test_authentication():
     (CompleteBatch([("", 1, True, "")]), "complete batch item"),
     (CompleteBatch([("r", 1 << 63, True, "")]), "complete batch item"),
     (CompleteBatch([("r", 1, False, "x" * 1025)]), "complete batch item"),
+    (Outcome("r", "teleported"), "outcome state 'teleported'"),
+    (OutcomeBatch([]), "outcome batch"),
+    (OutcomeBatch([("r", "received", "")] * 4097), "outcome batch"),
+    (OutcomeBatch([("r", "received", ""), ("", "failed", "")]), "outcome batch item"),
+    (OutcomeBatch([("r", "done", "")]), "outcome batch item"),
+    (OutcomeBatch([("r", "failed", "x" * 1025)]), "outcome batch item"),
 ])
 def test_semantic_validation(msg, what):
     with pytest.raises(ProtocolError, match=what):

@@ -687,8 +687,11 @@ def test_finish_many_completes_a_batch_and_each_item_stands_alone(no_leaks):
             grants = tx.reserve_many([(r, 8) for r in rids])
             for layer in range(4):
                 tx.send_layer(layer, [(r, [i]) for i, r in enumerate(rids)])
+            n0 = tx.stats["outcome_messages"]
             tx.finish_many(rids[:5])
             assert all(tx.wait_outcome(r, 10).ok for r in rids[:5])
+            # decode answered the batch with one OutcomeBatch, not five Outcome messages
+            assert tx.stats["outcome_messages"] == n0 + 1
             # an item for a request decode does not know, next to the last real one: the
             # real one still completes
             before = dec.rx.stats["messages_rejected"]
