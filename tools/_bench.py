@@ -22,14 +22,14 @@ def torch_with_cuda(tool: str, why: str = "") -> Any:
 
 
 def send_and_wait(tx: Any, items: list, timeout: float = 120) -> float:
-    """One layer of ``items`` (request id, source blocks) through a PrefillSender, every
-    request finished; seconds from handing the layer over to the last definite outcome.
-    Raises AssertionError unless every outcome is ok."""
+    """One layer of ``items`` (request id, source blocks) through a PrefillSender, the
+    batch finished together (``finish_many``, as an engine ends a batch); seconds from
+    handing the layer over to the last definite outcome. Raises AssertionError unless
+    every outcome is ok."""
     rids = [r for r, _ in items]
     t0 = time.perf_counter()
     tx.send_layer(0, items)
-    for r in rids:
-        tx.finish(r)
+    tx.finish_many(rids)
     outs = [tx.wait_outcome(r, timeout) for r in rids]
     dt = time.perf_counter() - t0
     assert all(o.ok for o in outs), outs
