@@ -331,6 +331,7 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
     else:
         cache = np.zeros(lay.block_bytes * nb, np.uint8)
         spec = CacheSpec.for_buffer(lay, nb, cache.ctypes.data)
+    host_spec = CacheSpec.for_buffer(lay, nb, cache.ctypes.data)  # where the pattern is written
     pool = BlockPool(nb, "prefill")
     sem = threading.Semaphore(a.concurrency)
     cv = threading.Condition()
@@ -357,7 +358,7 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
             gpu.close()
         raise
     emit({"type": "hello", "rank": a.rank, "transport": tx.transport})
-    regions = {(layer, t): spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))}
+    regions = {(layer, t): host_spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))}
     base = cache.ctypes.data
     try:
         for r in work:
@@ -492,7 +493,7 @@ def _pct(xs: Sequence[float], q: float) -> float:
 
 
 def build_report(dec: DecodeSide, prefill: list[dict[str, Any]], outcomes: dict[str, str], elapsed: float,
-                 lay: KVLayout, D: int) -> dict[str, Any]:
+                 lay: KVLayout, D: int, reasons: dict[str, str] | None = None) -> dict[str, Any]:
     ready = [t for t in dec.tracks.values() if t.state == "ready"]
     inst_block = lay.block_bytes * D
     per_req_gbps = [t.blocks * inst_block / (t.received - t.reserved) / 1e9 for t in ready if t.received > t.reserved]
@@ -529,9 +530,15 @@ def build_report(dec: DecodeSide, prefill: list[dict[str, Any]], outcomes: dict[
         "prefill_wait_avoided_s_total": m["prefill_wait_avoided_seconds_sum"],
         "prefill_wait_avoided_s_max": m["prefill_wait_avoided_seconds_max"],
         "gpu": dec.cuda,
-        "failures": sorted(dec.failures)[:20] + sorted(f"{r}: {outcomes.get(r, dec.tracks.get(r, _Track()).state)}"
+        "failures": sorted(dec.failures)[:20] + sorted(_failure_line(r, outcomes, dec, reasons or {})
                                                       for r in list(failed_ids)[:20]),
     }
+
+
+def _failure_line(rid: str, outcomes: dict[str, str], dec: DecodeSide, reasons: dict[str, str]) -> str:
+    tr = dec.tracks.get(rid, _Track())
+    why = reasons.get(rid) or tr.reason
+    return f"{rid}: {outcomes.get(rid, tr.state)}" + (f" ({why})" if why else "")
 
 
 def print_report(rep: dict[str, Any], console: Any) -> None:
@@ -634,6 +641,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
     dec.start(a.listen or "tcp://127.0.0.1:0")
     procs: list[subprocess.Popen] = []
     outcomes: dict[str, str] = {}
+    reasons: dict[str, str] = {}
     prefill_reports: list[dict[str, Any]] = []
     lock = threading.Lock()
     t0 = time.monotonic()
@@ -654,6 +662,8 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                     if ev.get("type") == "outcome":
                         prev = outcomes.get(ev["rid"])
                         outcomes[ev["rid"]] = ev["state"] if prev in (None, "received") else prev
+                        if ev["state"] != "received" and ev.get("reason"):
+                            reasons.setdefault(ev["rid"], str(ev["reason"]))
                     elif ev.get("type") == "summary":
                         prefill_reports.append(ev)
 
@@ -692,12 +702,17 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                 break
             time.sleep(0.02)
         elapsed = time.monotonic() - t0
-        errs = [p.stderr.read() for p in procs if p.returncode not in (0, 1) and p.stderr]  # type: ignore[union-attr]
+        # exit 1 is "some requests failed" (no output on stderr); anything on stderr, or
+        # another code, is the rank itself failing (a traceback also exits 1)
+        errs = []
+        for p in procs:
+            text = p.stderr.read().strip() if p.stderr else ""  # type: ignore[union-attr]
+            if text or p.returncode not in (0, 1):
+                errs.append(text.splitlines()[-1] if text else f"prefill process died (exit code {p.returncode})")
         for e in errs:
-            last = e.strip().splitlines()[-1] if e.strip() else "prefill process died"
-            dec.failures.append(f"prefill: {last}")
+            dec.failures.append(f"prefill: {e}")
         lay = dec.lays[0]
-        rep = build_report(dec, prefill_reports, outcomes, elapsed, lay, a.decode_tp)
+        rep = build_report(dec, prefill_reports, outcomes, elapsed, lay, a.decode_tp, reasons)
         rep["transport"] = a.transport
         rep["layout"] = KVLayout(**lay_kw).descriptor()
         rep["prefill_tp"], rep["decode_tp"] = a.prefill_tp, a.decode_tp

@@ -89,9 +89,10 @@ def test_gpu_modes_say_no_gpu_on_a_cpu_host(args, tmp_path):
                                    ["--transport", "cuda_ipc", "--prefill-tp", "2", "--decode-tp", "4"],
                                    ["--transport", "shm", "--prefill-gpu", "--prefill-tp", "4", "--decode-tp", "2"]])
 def test_local_mode_gpu_caches_every_byte(cuda_device, extra, tmp_path, no_leaks):
-    # 8 GPU blocks: with cuda_ipc the first requests get GPU blocks (written by prefill
-    # directly), the rest go through the buffer and a swap; both are verified in GPU memory
-    p, rep = run(SMALL + ["--gpu-blocks", "8"] + extra, tmp_path, timeout=240)
+    # 16 GPU blocks for 10 requests of 2-13 blocks sent at once: with cuda_ipc the first
+    # requests get GPU blocks (written by prefill directly), the rest go through the buffer
+    # and a swap; both are verified in GPU memory
+    p, rep = run(SMALL + extra, tmp_path, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     assert rep["gpu"] and rep["requests_ready"] == 10 and rep["requests_failed"] == 0
     assert rep["verify_errors"] == 0 and rep["bytes_verified"] == rep["bytes_transferred"] > 0
