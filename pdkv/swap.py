@@ -37,9 +37,13 @@ __all__ = ["CopyPlan", "plan_copy", "CopyHandle", "SwapEngine", "SwapGroup", "St
 Strategy = Literal["auto", "kernel", "batch", "memcpy", "host"]
 _CHUNK = 64 << 10  # bytes one kernel CTA copies
 # auto: mean piece at least this -> cudaMemcpyBatchAsync (H200, 4096 blocks, batches
-# submitted in growing sub-batches: the copy engines beat the kernel from 64 KiB
-# host->GPU (54.4 vs 50.9 GB/s) but only from 256 KiB GPU->host (51.4 vs 52.2 at 128 KiB))
-_BATCH_MIN_PIECE: dict[str | None, int | None] = {"h2d": 64 << 10, "d2h": 256 << 10, None: 256 << 10,
+# submitted in growing sub-batches). The copy engines beat the kernel from 64 KiB
+# host->GPU (54.4 vs 50.9 GB/s) but only from 256 KiB GPU->host (51.4 vs 52.2 at 128 KiB).
+# Handing the driver a piece costs ~1-2 us of CPU, a 64 KiB piece moves in 1.2 us: at
+# 64 KiB the batch is CPU-bound, and on a busier host it fell to 43.1 GB/s (bare one-call
+# batch 47.4) while the kernel, which costs no CPU per piece, holds ~51. From 128 KiB
+# (2.4 us a piece) the copy engines keep a 2x margin.
+_BATCH_MIN_PIECE: dict[str | None, int | None] = {"h2d": 128 << 10, "d2h": 256 << 10, None: 256 << 10,
                                                   # device to device (cuda_ipc): the kernel always; the copy
                                                   # engines moved 196 GB/s of 1 MiB pieces against its 1 TB/s
                                                   "d2d": None}

@@ -2,7 +2,7 @@
 """Swap engine bandwidth: scattered blocks between the pinned buffer and GPU blocks.
 
 For each block size, in one run: pdkv (auto strategy: the NVRTC kernel, or the copy
-engines for pieces from 64 KiB host->GPU and 256 KiB GPU->host), one
+engines for pieces from 128 KiB host->GPU and 256 KiB GPU->host), one
 ``cudaMemcpyBatchAsync`` call with every piece, a torch per-block ``copy_``
 loop (what users write today) and one large contiguous pinned copy of the same bytes
 (the ceiling); both directions; every copy verified against random data with a poisoned
