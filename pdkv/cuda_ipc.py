@@ -26,13 +26,31 @@ from . import _ffi
 from .errors import CudaError, LayoutError, PdkvError, ProtocolError, TransferError
 from .layout import CacheSpec, KVLayout
 
-__all__ = ["export_gpu_caches", "parse_ipc_section", "IpcMapping", "RankCache"]
+__all__ = ["export_gpu_caches", "parse_ipc_section", "IpcMapping", "RankCache", "unreachable"]
 
 _MAX_ALLOCS = 1 << 16
 
 
 def _region_end(off: int, stride: int, num_blocks: int, block_bytes: int) -> int:
     return off + stride * (num_blocks - 1) + block_bytes
+
+
+def unreachable(prefill_uuid: str, devices: Sequence[int]) -> str | None:
+    """Why a process on the GPU ``prefill_uuid`` could not map memory of ``devices`` (this
+    process's ordinals), or None when it can: the same GPU, or one this process also sees
+    with peer access to each of them (decode side, before choosing cuda_ipc)."""
+    own = {d: _ffi.cuda.device_uuid(d) for d in set(devices)}
+    others = [d for d, u in own.items() if u != prefill_uuid]
+    if not others:
+        return None
+    uuids = _ffi.cuda.device_uuids()
+    if prefill_uuid not in uuids:
+        return f"prefill's GPU {prefill_uuid[:16]} is not one decode sees (CUDA_VISIBLE_DEVICES?), so peer access is unknown"
+    p = uuids.index(prefill_uuid)
+    for d in sorted(others):
+        if not _ffi.cuda.can_access_peer(p, d):
+            return f"prefill's GPU (decode's device {p}) has no peer access to decode's device {d}"
+    return None
 
 
 def export_gpu_caches(layouts: Sequence[KVLayout], specs: Sequence[CacheSpec], pool_blocks: int) -> dict[str, Any]:

@@ -5,8 +5,9 @@ listener, the :class:`~pdkv.scheduler.DecodeScheduler` behind them). Each prefil
 a :class:`PrefillSender` (DEALER socket, a data thread that writes layer after layer while
 the engine computes the next one).
 
-Transports, chosen per peer (``auto``: shm on the same host, else rdma when both sides
-have a device and decode serves it, else tcp):
+Transports, chosen per peer (``auto``: from a host cache shm on the same host, else rdma
+when both sides have a device and decode serves it, else tcp; from a GPU cache cuda_ipc
+where decode serves it and the GPUs can map each other's memory, else shm):
 
 ``shm``  prefill opens decode's shared buffers by name and writes into them directly,
          then reports each layer (``LayerDone``).
@@ -55,7 +56,7 @@ from .protocol import (
     is_unauthenticated, new_nonce)
 from .scheduler import DecodeScheduler, Event
 from .rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
-from .cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section
+from .cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section, unreachable
 from .shm import SharedBuffer
 from .shm_clean import pid_alive
 
@@ -384,6 +385,8 @@ class DecodeReceiver:
         self._closed = threading.Event()
         self._rdma: RdmaTarget | None = None
         self._ipc: dict[str, Any] = {}
+        self._ipc_devices = sorted({c.device for c in gpu_caches or () if c.device is not None})
+        self._ipc_reach: dict[str, str | None] = {}  # prefill GPU uuid -> why it cannot map ours
         if gpu_caches is not None:
             # raises CudaUnavailableError without CUDA, LayoutError for a cache that is not
             # device memory or that one handle per allocation cannot describe
@@ -528,13 +531,17 @@ class DecodeReceiver:
         same = h.boot_id == boot_id()
         with self._lock:
             sibling = next((p.transport for p in self._peers.values() if p.instance == h.instance), None)
+        no_ipc = None  # why cuda_ipc cannot serve this peer, when it offered it
+        if "cuda_ipc" in h.transports and "cuda_ipc" in self.transports and same:
+            no_ipc = self._ipc_unreachable(h.cuda)
         transport = next((t for t in h.transports if t in self.transports and (t not in ("shm", "cuda_ipc") or same)
-                          and (t != "rdma" or bool(h.rdma)) and (t != "cuda_ipc" or bool(h.cuda))
+                          and (t != "rdma" or bool(h.rdma)) and (t != "cuda_ipc" or no_ipc is None)
                           # the ranks of one instance share a grant: GPU blocks only if all write them
                           and (sibling is None or (t == "cuda_ipc") == (sibling == "cuda_ipc"))), None)
         if transport is None:
             refuse(f"no common transport: prefill offers {h.transports}, decode serves {self.transports}"
                    + ("" if same else " (shm and cuda_ipc need the same host)")
+                   + (f" (cuda_ipc: {no_ipc}; use shm)" if no_ipc else "")
                    + (f" (another rank of instance {h.instance!r} uses {sibling}; cuda_ipc is all ranks or none)"
                       if sibling is not None else ""))
             return
@@ -567,6 +574,18 @@ class DecodeReceiver:
             self._peers[ident] = peer
             self._data_tokens[peer.data_token] = ident
         self._ch.send(lambda: [ident, *frames])
+
+    def _ipc_unreachable(self, cuda: Any) -> str | None:
+        """Why a prefill whose ``Hello.cuda`` is ``cuda`` cannot map our GPU caches (None: it can)."""
+        uid = cuda.get("device_uuid") if isinstance(cuda, dict) else None
+        if not isinstance(uid, str) or not 0 < len(uid) <= 64:
+            return "the hello names no GPU"
+        if uid not in self._ipc_reach:
+            try:
+                self._ipc_reach[uid] = unreachable(uid, self._ipc_devices)
+            except PdkvError as exc:
+                self._ipc_reach[uid] = f"peer access could not be checked: {exc}"
+        return self._ipc_reach[uid]
 
     def _dispatch(self, peer: _Peer, msg: Message) -> None:
         if isinstance(msg, Heartbeat):
@@ -1021,11 +1040,13 @@ class PrefillSender:
     instance:
         Name of the prefill instance; all its ranks must use the same one.
     transport:
-        ``auto`` (offers shm, then rdma where this host has a device, then tcp; decode
-        picks), ``shm``, ``tcp``, ``rdma`` (raises RdmaUnavailableError naming what is
-        missing, pyverbs or a device, on hosts without them) or ``cuda_ipc`` (a GPU
-        cache on the same host as decode: GPU grants are written straight into decode's
-        GPU cache, buffer grants into its buffer as with shm; ``auto`` does not pick it).
+        ``auto`` (a host cache offers shm, then rdma where this host has a device, then
+        tcp; a GPU cache offers cuda_ipc, then shm; decode picks), ``shm``, ``tcp``,
+        ``rdma`` (raises RdmaUnavailableError naming what is missing, pyverbs or a
+        device, on hosts without them) or ``cuda_ipc`` (a GPU cache on the same host as
+        decode: GPU grants are written straight into decode's GPU cache, buffer grants
+        into its buffer as with shm). Decode chooses cuda_ipc only where its GPU caches
+        are on this GPU, or on GPUs this one has peer access to.
     rdma_device:
         RDMA device name (default: the first).
     streams:
@@ -1108,10 +1129,14 @@ class PrefillSender:
     # ------------------------------------------------------------------ handshake
     def _handshake(self, transport: str, timeout_s: float) -> None:
         offer = [transport]
-        if transport == "auto":
-            # rdma only where this host has a device and the cache is host memory
-            rdma_ok = self.cache.device is None and bool(_ffi.verbs.rdma_devices())
-            offer = ["shm", "rdma", "tcp"] if rdma_ok else ["shm", "tcp"]
+        if transport == "auto" and self.cache.device is not None:
+            # a GPU cache: straight into decode's GPU blocks where decode serves that and
+            # our GPU can map its memory, else through its buffer (tcp and rdma send
+            # from host memory)
+            offer = ["cuda_ipc", "shm"]
+        elif transport == "auto":
+            # rdma only where this host has a device
+            offer = ["shm", "rdma", "tcp"] if _ffi.verbs.rdma_devices() else ["shm", "tcp"]
         rdma: dict[str, Any] = {}
         if "rdma" in offer:
             # the cache registered (one region per contiguous range of its layers and

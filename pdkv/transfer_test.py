@@ -813,7 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--instance", default="pdkv-test-prefill")
     g.add_argument("--prefill-blocks", type=int, default=64, help="prefill cache blocks per rank")
     g.add_argument("--prefill-gpu", action="store_true",
-                   help="prefill caches in GPU memory (shm or cuda_ipc; implied by --transport cuda_ipc)")
+                   help="prefill caches in GPU memory (auto, shm or cuda_ipc; implied by --transport cuda_ipc)")
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure to this JSON file")
     g.add_argument("--plot", help="throughput and buffer occupancy over time (.png or .html)")
@@ -837,8 +837,8 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("--plot needs a .png or .html file name")
     if a.trace and not os.path.exists(a.trace):
         raise UsageError(f"--trace {a.trace}: no such file")
-    if _prefill_gpu(a) and a.transport not in ("shm", "cuda_ipc"):
-        raise UsageError(f"--prefill-gpu works with --transport shm or cuda_ipc, not {a.transport} "
+    if _prefill_gpu(a) and a.transport not in ("auto", "shm", "cuda_ipc"):
+        raise UsageError(f"--prefill-gpu works with --transport auto, shm or cuda_ipc, not {a.transport} "
                          "(tcp and rdma send from host caches)")
     if a.transport == "cuda_ipc" and a.no_gpu:
         raise UsageError("--transport cuda_ipc writes decode's GPU blocks: it cannot run with --no-gpu")

@@ -182,6 +182,61 @@ def test_ranks_of_one_instance_all_use_cuda_ipc_or_none(monkeypatch, no_leaks):
         dec.close()
 
 
+@pytest.mark.multiproc
+def test_auto_from_a_gpu_cache_takes_cuda_ipc_where_decode_serves_it_else_shm(monkeypatch, no_leaks):
+    from test_transfer import Decode
+
+    dec = IpcDecode(monkeypatch, D=1)
+    try:
+        lay, arr, spec, gspec = gpu_prefill(1, 0)
+        with PrefillSender(lay, gspec, dec.rx.control_address, transport="auto", instance="pf", timeout_s=5) as tx:
+            assert tx.transport == "cuda_ipc"
+            g, outs = run_request([tx], "a", [3, 4])
+            assert outs[0].ok and g.location == "gpu"
+        # a host cache under auto never gets GPU blocks
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="auto", instance="host", timeout_s=5) as tx:
+            assert tx.transport == "shm"
+    finally:
+        dec.close()
+    plain = Decode()  # serves shm and tcp only
+    try:
+        with PrefillSender(lay, gspec, plain.rx.control_address, transport="auto", instance="pf", timeout_s=5) as tx:
+            assert tx.transport == "shm"
+            _, outs = run_request([tx], "b", [1])
+            assert outs[0].ok
+    finally:
+        plain.close()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("visible, peer, expect", [
+    (["dec0", "pre1"], True, "cuda_ipc"),
+    (["dec0", "pre1"], False, "no peer access to decode's device 0"),
+    (["dec0"], True, "not one decode sees"),
+])
+def test_cuda_ipc_only_where_prefill_gpu_can_map_decode_memory(monkeypatch, visible, peer, expect, no_leaks):
+    dec = IpcDecode(monkeypatch, D=1)
+    try:
+        # decode's cache on device 0 ("dec0"), prefill's on another GPU ("pre1")
+        monkeypatch.setattr(_ffi.cuda, "device_uuid", lambda d: {0: "dec0", 1: "pre1"}[d])
+        monkeypatch.setattr(_ffi.cuda, "device_uuids", lambda: list(visible))
+        asked = []
+        monkeypatch.setattr(_ffi.cuda, "can_access_peer", lambda d, p: asked.append((d, p)) or peer)
+        lay, arr, spec, gspec = gpu_prefill(1, 0)
+        gspec.device = 1
+        if expect == "cuda_ipc":
+            with PrefillSender(lay, gspec, dec.rx.control_address, transport="auto", instance="pf", timeout_s=5) as tx:
+                assert tx.transport == "cuda_ipc"
+            assert asked == [(1, 0)]  # prefill's device (decode's ordinal 1) reaching decode's 0
+            return
+        with PrefillSender(lay, gspec, dec.rx.control_address, transport="auto", instance="pf", timeout_s=5) as tx:
+            assert tx.transport == "shm"  # auto falls back to the buffer
+        with pytest.raises(PeerError, match=f"cuda_ipc: .*{expect}.*use shm"):
+            PrefillSender(lay, gspec, dec.rx.control_address, transport="cuda_ipc", instance="pf2", timeout_s=5)
+    finally:
+        dec.close()
+
+
 def test_receiver_refusals(monkeypatch):
     lay = KVLayout(**BASE)
     with SharedBuffer.create(CacheSpec.buffer_bytes(lay, 8)) as buf:
@@ -319,8 +374,8 @@ def test_parse_refuses_a_hostile_section(breakage, match):
 
 @pytest.mark.cuda
 @pytest.mark.multiproc
-@pytest.mark.parametrize("P,D", [(1, 1), (2, 4)])
-def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, no_leaks):
+@pytest.mark.parametrize("P,D,transport", [(1, 1, "cuda_ipc"), (2, 4, "cuda_ipc"), (1, 1, "auto")])
+def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, transport, no_leaks):
     lays = [KVLayout(**BASE, tp_size=D, tp_rank=r) for r in range(D)]
     nb = 64
     bufs = [SharedBuffer.create(CacheSpec.buffer_bytes(lay, nb)) for lay in lays]
@@ -336,8 +391,9 @@ def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, no_leaks):
         # GPU blocks only: every grant is written by prefill's kernel straight into them
         sched = DecodeScheduler(num_layers=4, gpu=BlockPool(nb), buffer=None,
                                 options=SchedulerOptions(direct_to_gpu=True, lease_s=10.0))
-        rx = DecodeReceiver(sched, lays, bufs, nb, transports=("cuda_ipc",), gpu_caches=gspecs, auto_tick=True)
-        procs = [_spawn("prefill", "--control", rx.control_address, "--transport", "cuda_ipc", "--gpu",
+        # auto: a GPU cache offers cuda_ipc first, and decode checks the GPU can map its memory
+        rx = DecodeReceiver(sched, lays, bufs, nb, transports=("cuda_ipc", "shm"), gpu_caches=gspecs, auto_tick=True)
+        procs = [_spawn("prefill", "--control", rx.control_address, "--transport", transport, "--gpu",
                         "--tp", str(P), "--rank", str(r), "--blocks", "5", "--timeout", "10", "--instance", "gpf")
                  for r in range(P)]
         outs = [_lines(p, 6, timeout=60)[-1] for p in procs]

@@ -59,8 +59,8 @@ def test_trace_replay_and_plot(tmp_path, no_leaks):
     (["--bogus"], "unrecognized arguments"),
     (["--secret", "short"], "at least 16"),
     (["--trace", "/nonexistent"], "no such file"),
-    (["--prefill-gpu", "--transport", "tcp"], "--prefill-gpu works with --transport shm or cuda_ipc, not tcp"),
-    (["--prefill-gpu"], "not auto"),
+    (["--prefill-gpu", "--transport", "tcp"], "--prefill-gpu works with --transport auto, shm or cuda_ipc, not tcp"),
+    (["--prefill-gpu", "--transport", "rdma"], "not rdma"),
     (["--transport", "cuda_ipc", "--no-gpu"], "cannot run with --no-gpu"),
 ])
 def test_bad_flags_get_one_line(args, msg, tmp_path):
@@ -70,7 +70,7 @@ def test_bad_flags_get_one_line(args, msg, tmp_path):
     assert len(lines) == 1 and msg in lines[0], p.stderr
 
 
-@pytest.mark.parametrize("args", [["--transport", "cuda_ipc"], ["--transport", "shm", "--prefill-gpu"],
+@pytest.mark.parametrize("args", [["--transport", "cuda_ipc"], ["--transport", "shm", "--prefill-gpu"], ["--prefill-gpu"],
                                   ["prefill", "--connect", "tcp://127.0.0.1:9", "--transport", "cuda_ipc"]])
 def test_gpu_modes_say_no_gpu_on_a_cpu_host(args, tmp_path):
     from pdkv import _ffi

@@ -295,6 +295,11 @@ def device_uuid(device: int) -> str:
     return bytes(raw).hex()
 
 
+def device_uuids() -> list[str]:
+    """The UUID (hex) of every device this process sees, by ordinal; [] without CUDA."""
+    return [device_uuid(d) for d in range(device_count())]
+
+
 def can_access_peer(device: int, peer: int) -> bool:
     rt = _rt()
     return bool(_call(rt.cudaDeviceCanAccessPeer(device, peer), "cudaDeviceCanAccessPeer"))
