@@ -556,6 +556,8 @@ def print_report(rep: dict[str, Any], console: Any) -> None:
         "peak_buffer_blocks": "{:d}", "peak_buffer_occupancy": "{:.0%}", "swap_GBps": "{:.2f}",
         "prefill_wait_avoided_s_total": "{:.2f}", "prefill_wait_avoided_s_max": "{:.3f}",
     }
+    if rep.get("transports_chosen"):
+        t.add_row("transport", ", ".join(rep["transports_chosen"]))
     for k, f in fmt.items():
         v = rep[k]
         t.add_row(k, "n/a" if isinstance(v, float) and math.isnan(v) else f.format(v))
@@ -642,6 +644,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
     procs: list[subprocess.Popen] = []
     outcomes: dict[str, str] = {}
     reasons: dict[str, str] = {}
+    chosen: dict[int, str] = {}  # prefill rank -> the transport decode chose for it
     prefill_reports: list[dict[str, Any]] = []
     lock = threading.Lock()
     t0 = time.monotonic()
@@ -666,6 +669,8 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                             reasons.setdefault(ev["rid"], str(ev["reason"]))
                     elif ev.get("type") == "summary":
                         prefill_reports.append(ev)
+                    elif ev.get("type") == "hello":
+                        chosen[int(ev.get("rank", -1))] = str(ev.get("transport"))
 
         readers = [threading.Thread(target=reader, args=(p,), daemon=True) for p in procs]
         for t in readers:
@@ -714,6 +719,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
         lay = dec.lays[0]
         rep = build_report(dec, prefill_reports, outcomes, elapsed, lay, a.decode_tp, reasons)
         rep["transport"] = a.transport
+        rep["transports_chosen"] = sorted(set(chosen.values()))
         rep["layout"] = KVLayout(**lay_kw).descriptor()
         rep["prefill_tp"], rep["decode_tp"] = a.prefill_tp, a.decode_tp
         if errs and rep["requests_failed"] == 0:

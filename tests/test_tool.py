@@ -32,6 +32,7 @@ def test_local_mode_verifies_every_byte(extra, tmp_path, no_leaks):
     assert rep["requests"] == 10 and rep["requests_ready"] == 10 and rep["requests_failed"] == 0
     assert rep["verify_errors"] == 0 and rep["bytes_verified"] == rep["bytes_transferred"] > 0
     assert rep["peak_buffer_blocks"] > 0  # the buffer path was used
+    assert rep["transports_chosen"] == [extra[1]]  # what decode picked for the prefill ranks
     for k in ("throughput_GBps_mean", "time_to_received_ms_p50", "time_to_ready_ms_p99", "layer_latency_ms_p50",
               "swap_GBps", "prefill_wait_avoided_s_total"):
         assert k in rep
