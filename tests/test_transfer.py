@@ -585,6 +585,42 @@ def test_sendmsg_all_sends_every_byte_in_order_through_partial_sends(sizes, caps
 
 
 @pytest.mark.multiproc
+def test_source_block_ids_are_checked_before_anything_is_written(no_leaks):
+    """An id outside this rank's cache would copy other memory (np.take clips, the kernel
+    faults): refused at send_layer, naming the request and the ids; arrays and tensors of
+    ids are taken as they are, and the caller may reuse its list at once."""
+    from pdkv.errors import RequestError
+
+    dec = Decode()
+    try:
+        lay, arr, spec = prefill_cache(1, 0)  # 64 blocks
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=5) as tx:
+            g = tx.reserve("a", 3 * 8)
+            for bad, match in [([1, 2, 64], r"source block ids \[64\] out of range \[0, 64\)"),
+                               ([-1, 2, 3], r"\[-1\] out of range"),
+                               ([1.0, 2.0, 3.0], "flat list of integers.*float64"),
+                               ([[1, 2, 3]], "flat list of integers.*shape \\(1, 3\\)"),
+                               ([], "no source blocks for layer 0")]:
+                with pytest.raises(RequestError, match=match):
+                    tx.send_layer(0, [("a", bad)])
+            with pytest.raises(RequestError, match="first_block=-1"):
+                tx.send_chunk(0, "a", [1], first_block=-1)
+            assert tx.stats["layers"] == 0 and dec.sched.request("a").layers_landed == 0  # nothing went out
+            torch = pytest.importorskip("torch")
+            ids = [5, 6, 7]
+            for layer, form in enumerate([np.array(ids, np.int32), torch.tensor(ids), ids, tuple(ids)]):
+                tx.send_layer(layer, [("a", form)])
+            ids[0] = 63  # reused by the engine after the call: the sender kept its own copy
+            tx.finish("a")
+            assert tx.wait_outcome("a", 10).ok
+            for layer in range(4):
+                for gi, b in enumerate(g.blocks):
+                    assert dec.block(0, layer, 0, b) == expected_block([lay], [spec], [5, 6, 7], dec.lays[0], layer, 0, gi)
+    finally:
+        dec.close()
+
+
+@pytest.mark.multiproc
 def test_reserve_many_overlaps_round_trips_and_reports_each_request(no_leaks):
     from pdkv.errors import RequestError
 
