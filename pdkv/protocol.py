@@ -27,7 +27,10 @@ __all__ = [
     "Hello",
     "Welcome",
     "ReserveReq",
+    "ReserveBatch",
     "GrantMsg",
+    "GrantBatch",
+    "GRANT_OUTCOMES",
     "LayerDone",
     "LayerBatch",
     "CompleteBatch",
@@ -47,8 +50,10 @@ _MAC_BYTES = 32  # HMAC-SHA256
 MAX_BATCH_ITEMS = 4096  # requests one LayerBatch may name (4096 x 256-byte ids fit in decode's 2 MiB limit)
 MAX_BATCH_ERROR = 1024  # characters of one batch item's error or reason (senders send 512 items a message)
 # 2: one frame per message (MAC length, MAC, body); 3: LayerBatch, CompleteBatch, cuda_ipc;
-# 4: OutcomeBatch
+# 4: OutcomeBatch, ReserveBatch, GrantBatch
 PROTOCOL_VERSION = 4
+GRANT_OUTCOMES = ("gpu", "buffer", "queued", "rejected")
+MAX_BATCH_BLOCKS = 1 << 16  # block ids one GrantBatch may carry (its grants' blocks together)
 OUTCOME_STATES = ("received", "failed", "expired", "aborted", "rejected")
 MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
 _MAX_ID = 256
@@ -97,6 +102,13 @@ class ReserveReq(_Base, tag="reserve"):
     num_tokens: int
 
 
+class ReserveBatch(_Base, tag="reserves"):
+    """prefill -> decode: ``ReserveReq`` for every item ``(request_id, num_tokens)``, in one
+    message (``reserve_many``); each item is answered on its own, in a ``GrantBatch``."""
+
+    items: list[tuple[str, int]]
+
+
 class GrantMsg(_Base, tag="grant"):
     request_id: str
     outcome: str  # gpu | buffer | queued | rejected
@@ -105,6 +117,13 @@ class GrantMsg(_Base, tag="grant"):
     token: int = 0
     lease_s: float = 0.0
     reason: str = ""
+
+
+class GrantBatch(_Base, tag="grants"):
+    """decode -> prefill: the answers to one ``ReserveBatch`` (and any grants decided while
+    handling it), at most ``MAX_BATCH_BLOCKS`` block ids a message."""
+
+    items: list[GrantMsg]
 
 
 class LayerDone(_Base, tag="layer"):
@@ -171,8 +190,8 @@ class ErrorMsg(_Base, tag="error"):
     message: str
 
 
-Message = Union[Hello, Welcome, ReserveReq, GrantMsg, LayerDone, LayerBatch, Complete, CompleteBatch, Outcome,
-                OutcomeBatch, Abort, Heartbeat, ErrorMsg]
+Message = Union[Hello, Welcome, ReserveReq, ReserveBatch, GrantMsg, GrantBatch, LayerDone, LayerBatch, Complete,
+                CompleteBatch, Outcome, OutcomeBatch, Abort, Heartbeat, ErrorMsg]
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True, array_like=True):
@@ -306,6 +325,19 @@ def _validate(m: Message) -> None:
         for r, state, reason in m.items:
             if not (0 < len(r) <= _MAX_ID) or state not in OUTCOME_STATES or len(reason) > MAX_BATCH_ERROR:
                 raise ProtocolError("outcome batch item out of range (request id, state or reason length)")
+    if isinstance(m, ReserveBatch):
+        if not 0 < len(m.items) <= MAX_BATCH_ITEMS:
+            raise ProtocolError(f"reserve batch with {len(m.items)} items is out of range")
+        for r, n in m.items:
+            if not (0 < len(r) <= _MAX_ID) or not 0 < n <= 1 << 26:
+                raise ProtocolError("reserve batch item out of range (request id or num_tokens)")
+    if isinstance(m, GrantBatch):
+        if not 0 < len(m.items) <= MAX_BATCH_ITEMS or sum(len(g.blocks) for g in m.items) > MAX_BATCH_BLOCKS:
+            raise ProtocolError(f"grant batch with {len(m.items)} items is out of range")
+        for g in m.items:
+            _validate(g)
+    if isinstance(m, GrantMsg) and m.outcome not in GRANT_OUTCOMES:
+        raise ProtocolError(f"grant outcome {m.outcome[:32]!r} is not one of {', '.join(GRANT_OUTCOMES)}")
     if isinstance(m, GrantMsg) and (len(m.blocks) > 1 << 22 or (m.blocks and min(m.blocks) < 0)):
         raise ProtocolError("grant block list out of range")
     for f in ("token",):

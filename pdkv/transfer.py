@@ -52,8 +52,8 @@ from .errors import (
 from .layout import CacheSpec, KVLayout, Segment, tp_segments
 from .protocol import (
     MAX_BATCH_ERROR, MAX_BATCH_ITEMS, PROTOCOL_VERSION, Abort, Codec, Complete, CompleteBatch, ErrorMsg, GrantMsg,
-    Heartbeat, Hello, LayerBatch, LayerDone, Message, Outcome, OutcomeBatch, ReserveReq, Welcome,
-    is_unauthenticated, new_nonce)
+    MAX_BATCH_BLOCKS, GrantBatch, Heartbeat, Hello, LayerBatch, LayerDone, Message, Outcome, OutcomeBatch,
+    ReserveBatch, ReserveReq, Welcome, is_unauthenticated, new_nonce)
 from .scheduler import DecodeScheduler, Event
 from .rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section, unreachable
@@ -591,7 +591,15 @@ class DecodeReceiver:
         if isinstance(msg, Heartbeat):
             self._send(peer.ident, Heartbeat(time.time()))
         elif isinstance(msg, ReserveReq):
-            self._on_reserve(peer, msg)
+            self._on_reserve(peer, msg.request_id, msg.num_tokens)
+        elif isinstance(msg, ReserveBatch):
+            with self._outcomes_together():
+                for rid, num_tokens in msg.items:  # each item stands alone, as a ReserveReq would
+                    try:
+                        self._on_reserve(peer, rid, num_tokens)
+                    except PdkvError as exc:
+                        self.stats["messages_rejected"] += 1
+                        self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
         elif isinstance(msg, LayerDone):
             self._layers_done(peer, msg.request_id, msg.token, msg.layers, msg.blocks)
         elif isinstance(msg, LayerBatch):
@@ -654,26 +662,25 @@ class DecodeReceiver:
             raise GrantViolation(f"request {rid!r}: no such grant here")
         return inf
 
-    def _on_reserve(self, peer: _Peer, m: ReserveReq) -> None:
-        key = (peer.instance, m.request_id)
+    def _on_reserve(self, peer: _Peer, rid: str, num_tokens: int) -> None:
+        key = (peer.instance, rid)
         with self._lock:
             g = self._grants.get(key)
             if g is not None:  # another rank of the same prefill instance: same grant
-                inf = self._inflight.get(m.request_id)
+                inf = self._inflight.get(rid)
                 if inf is not None:
                     inf.peers.add(peer.ident)
-                self._send(peer.ident, g)
+                self._send_grant(peer.ident, g)
                 return
-        res = self.scheduler.reserve(m.request_id, num_blocks=self.layouts[0].blocks_for_tokens(m.num_tokens),
+        res = self.scheduler.reserve(rid, num_blocks=self.layouts[0].blocks_for_tokens(num_tokens),
                                      peer=peer.instance, gpu_ok=peer.transport == "cuda_ipc")
         if res.grant is None:
-            g = GrantMsg(m.request_id, res.outcome, reason=res.reason)
+            g = GrantMsg(rid, res.outcome, reason=res.reason)
             if res.outcome == "queued":
                 with self._lock:
                     self._grants[key] = g
-                    self._inflight[m.request_id] = _Inflight(m.request_id, peer.instance, 0, [], [], peer.tp_size,
-                                                             peers={peer.ident})
-            self._send(peer.ident, g)
+                    self._inflight[rid] = _Inflight(rid, peer.instance, 0, [], [], peer.tp_size, peers={peer.ident})
+            self._send_grant(peer.ident, g)
             return
         self._register_grant(peer, key, res.grant)
 
@@ -695,7 +702,7 @@ class DecodeReceiver:
             self._by_token[grant.token] = inf
             self._grants[key] = g
         for ident in inf.peers:
-            self._send(ident, g)
+            self._send_grant(ident, g)
 
     def _credit(self, inf: _Inflight, layer: int, nbytes: int) -> None:
         land = False
@@ -739,20 +746,43 @@ class DecodeReceiver:
 
     @contextlib.contextmanager
     def _outcomes_together(self) -> Iterator[None]:
-        """Outcomes decided in this block (this thread) go out as one ``OutcomeBatch`` per
-        peer at its end, 512 items a message, instead of one ``Outcome`` each."""
+        """Outcomes and grants decided in this block (this thread) go out at its end as one
+        ``OutcomeBatch`` and one ``GrantBatch`` per peer (512 items, at most
+        ``MAX_BATCH_BLOCKS`` block ids a message) instead of one message each."""
         box: dict[bytes, list[tuple[str, str, str]]] = {}
-        self._outbox.box = box
+        grants: dict[bytes, list[GrantMsg]] = {}
+        self._outbox.box, self._outbox.grants = box, grants
         try:
             yield
         finally:
-            self._outbox.box = None
+            self._outbox.box = self._outbox.grants = None
+            for ident, gs in grants.items():
+                part: list[GrantMsg] = []
+                nblocks = 0
+                for g in gs:
+                    if part and (len(part) == 512 or nblocks + len(g.blocks) > MAX_BATCH_BLOCKS):
+                        self._send_grants(ident, part)
+                        part, nblocks = [], 0
+                    part.append(g)
+                    nblocks += len(g.blocks)
+                self._send_grants(ident, part)
             for ident, items in box.items():
                 if len(items) == 1:
                     self._send(ident, Outcome(*items[0]))
                     continue
                 for i in range(0, len(items), 512):
                     self._send(ident, OutcomeBatch(items[i:i + 512]))
+
+    def _send_grants(self, ident: bytes, part: list[GrantMsg]) -> None:
+        # one grant (also one too large for a batch) goes as itself
+        self._send(ident, part[0] if len(part) == 1 else GrantBatch(part))
+
+    def _send_grant(self, ident: bytes, g: GrantMsg) -> None:
+        grants = getattr(self._outbox, "grants", None)
+        if grants is None:
+            self._send(ident, g)
+        else:
+            grants.setdefault(ident, []).append(g)
 
     def _finish(self, inf: _Inflight, outcome: Outcome | None) -> None:
         with self._lock:
@@ -1087,7 +1117,7 @@ class PrefillSender:
         self.instance = instance
         self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
         self.on_outcome = on_outcome
-        self.stats = {"bytes": 0, "frames": 0, "layers": 0, "outcome_messages": 0}
+        self.stats = {"bytes": 0, "frames": 0, "layers": 0, "grant_messages": 0, "outcome_messages": 0}
         # (layer, seconds from send_layer() to its writes done, bytes): per-layer latency
         self.layer_log: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=1 << 16)
         self._codec = Codec(secret)
@@ -1246,12 +1276,18 @@ class PrefillSender:
         """Reserve several requests at once: every request is sent before any answer is
         awaited, so their round trips overlap (one at a time costs a round trip each).
         Returns one result per request, in order: its grant, or the error :meth:`reserve`
-        would have raised for it. Bad input (a duplicate id) raises before anything is sent;
+        would have raised for it. Bad input (a duplicate id, an id that is not a string of
+        1-256 characters, a token count outside 1..2**26) raises before anything is sent;
         ``timeout`` bounds the whole call."""
         self._check()
         ids = [r for r, _ in requests]
         if len(set(ids)) != len(ids):
             raise RequestError("reserve_many: a request id appears twice")
+        for rid, n in requests:
+            if not isinstance(rid, str) or not 0 < len(rid) <= 256:
+                raise RequestError(f"request id {rid!r:.80} must be a string of 1-256 characters")
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= 1 << 26:
+                raise RequestError(f"request {rid!r}: num_tokens={n!r} must be an integer in 1..{1 << 26}")
         waiters = []
         with self._lock:
             for rid in ids:
@@ -1262,8 +1298,12 @@ class PrefillSender:
                 self._reserve_waiters[rid] = w
                 self._outcomes[rid] = _Waiter()
                 waiters.append(w)
-        for rid, num_tokens in requests:
-            self._post(ReserveReq(rid, num_tokens))
+        if len(requests) == 1:
+            self._post(ReserveReq(*requests[0]))
+        else:  # one message per 512 requests; decode answers each with one GrantBatch
+            items = [(rid, n) for rid, n in requests]
+            for i in range(0, len(items), 512):
+                self._post(ReserveBatch(items[i:i + 512]))
         limit = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         out: list[SendGrant | PdkvError] = []
@@ -1477,20 +1517,28 @@ class PrefillSender:
                 self._broken = f"decode silent for {self.timeout_s}s: considered dead"
                 self._fail_all(self._broken)
 
+    def _on_grant(self, msg: GrantMsg) -> None:
+        with self._lock:
+            w = self._reserve_waiters.get(msg.request_id)
+        if msg.outcome in ("buffer", "gpu"):
+            g = SendGrant(msg.request_id, msg.location, tuple(msg.blocks), msg.token, msg.lease_s)
+            with self._lock:
+                self._grants[msg.request_id] = g
+                self._reserve_waiters.pop(msg.request_id, None)
+            if w is not None:
+                w.set(g)
+        elif msg.outcome == "rejected":
+            self._resolve(msg.request_id, "rejected", msg.reason)
+        # queued: keep waiting for the grant
+
     def _on_msg(self, msg: Message) -> None:
         if isinstance(msg, GrantMsg):
-            with self._lock:
-                w = self._reserve_waiters.get(msg.request_id)
-            if msg.outcome in ("buffer", "gpu"):
-                g = SendGrant(msg.request_id, msg.location, tuple(msg.blocks), msg.token, msg.lease_s)
-                with self._lock:
-                    self._grants[msg.request_id] = g
-                    self._reserve_waiters.pop(msg.request_id, None)
-                if w is not None:
-                    w.set(g)
-            elif msg.outcome == "rejected":
-                self._resolve(msg.request_id, "rejected", msg.reason)
-            # queued: keep waiting for the grant
+            self.stats["grant_messages"] += 1
+            self._on_grant(msg)
+        elif isinstance(msg, GrantBatch):
+            self.stats["grant_messages"] += 1
+            for g in msg.items:
+                self._on_grant(g)
         elif isinstance(msg, Outcome):
             self.stats["outcome_messages"] += 1
             self._resolve(msg.request_id, msg.state, msg.reason)

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv.errors import AuthenticationError, PdkvError, ProtocolError
-from pdkv.protocol import (PROTOCOL_VERSION, Codec, pack_frame, Complete, CompleteBatch, Outcome, OutcomeBatch, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, ReserveReq,
+from pdkv.protocol import (PROTOCOL_VERSION, Codec, pack_frame, Complete, CompleteBatch, GrantBatch, Outcome, OutcomeBatch, ReserveBatch, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, ReserveReq,
                            session_key)
 
 SECRET = b"k" * 32
@@ -25,6 +25,8 @@ def test_round_trip_and_replay():
               LayerDone("r", 5, [0, 1]), LayerBatch(3, [("r", 5, 0), ("s", 6, 2)]), Complete("r", 5, True),
               CompleteBatch([("r", 5, True, ""), ("s", 6, False, "disk on fire")]),
               Outcome("r", "received"), OutcomeBatch([("r", "received", ""), ("s", "expired", "lease ran out")]),
+              ReserveBatch([("r", 10), ("s", 20)]),
+              GrantBatch([GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0), GrantMsg("s", "rejected", reason="full")]),
               Heartbeat(1.0)):
         frames = a.encode(m)
         assert b.decode(frames) == m
@@ -73,6 +75,17 @@ def test_authentication():
     (OutcomeBatch([("r", "received", ""), ("", "failed", "")]), "outcome batch item"),
     (OutcomeBatch([("r", "done", "")]), "outcome batch item"),
     (OutcomeBatch([("r", "failed", "x" * 1025)]), "outcome batch item"),
+    (ReserveBatch([]), "reserve batch"),
+    (ReserveBatch([("r", 1)] * 4097), "reserve batch"),
+    (ReserveBatch([("r", 1), ("", 1)]), "reserve batch item"),
+    (ReserveBatch([("r", 0)]), "reserve batch item"),
+    (ReserveBatch([("r", (1 << 26) + 1)]), "reserve batch item"),
+    (GrantMsg("r", "stolen"), "grant outcome 'stolen'"),
+    (GrantBatch([]), "grant batch"),
+    (GrantBatch([GrantMsg("r", "buffer", "buffer", list(range(40000)), 1)] * 2), "grant batch"),
+    (GrantBatch([GrantMsg("r", "buffer", "buffer", [1], 1), GrantMsg("", "buffer", "buffer", [2], 1)]), "request_id"),
+    (GrantBatch([GrantMsg("r", "buffer", "buffer", [-3], 1)]), "block"),
+    (GrantBatch([GrantMsg("r", "buffer", "buffer", [3], 1 << 63)]), "token"),
 ])
 def test_semantic_validation(msg, what):
     with pytest.raises(ProtocolError, match=what):

@@ -630,6 +630,11 @@ def test_reserve_many_overlaps_round_trips_and_reports_each_request(no_leaks):
         with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=5) as tx:
             with pytest.raises(RequestError, match="appears twice"):
                 tx.reserve_many([("a", 8), ("a", 8)])
+            for bad, match in [([("a", 8), ("", 8)], "1-256 characters"), ([("a", 8), ("b", 0)], "num_tokens=0"),
+                               ([("a", 8), ("b", 2.5)], "num_tokens=2.5"), ([("a", True)], "num_tokens=True")]:
+                with pytest.raises(RequestError, match=match):
+                    tx.reserve_many(bad)
+            n0 = tx.stats["grant_messages"]
             # 10 requests of one block, one larger than decode can ever hold, then 10 more
             res = tx.reserve_many([(f"r{i}", 8) for i in range(10)] + [("huge", 8 * 100)]
                                   + [(f"s{i}", 8) for i in range(10)])
@@ -639,6 +644,8 @@ def test_reserve_many_overlaps_round_trips_and_reports_each_request(no_leaks):
             # 16 blocks: the first 16 one-block requests get grants, the rest are rejected (no room)
             assert len(ok) == 16 and len({b for g in ok for b in g.blocks}) == 16
             assert all(isinstance(g, TransferError) and "rejected" in str(g) for g in grants[16:])
+            # 21 requests in one ReserveBatch; 20 answered in one GrantBatch, "huge" by an error
+            assert tx.stats["grant_messages"] == n0 + 1
             for g in ok:
                 tx.send_layer(0, [(g.request_id, [0])])
                 for layer in (1, 2, 3):
@@ -737,3 +744,30 @@ def test_finish_many_completes_a_batch_and_each_item_stands_alone(no_leaks):
             tx.finish_many([])  # nothing to do
     finally:
         dec.close()
+
+
+def test_grants_decided_together_go_out_in_batches_within_the_limits():
+    """512 grants or MAX_BATCH_BLOCKS block ids a GrantBatch at most; a grant larger than
+    that alone goes as a plain GrantMsg; every message passes the receiving side's checks."""
+    from pdkv.protocol import MAX_BATCH_BLOCKS, Codec, GrantBatch, GrantMsg
+
+    rx = DecodeReceiver.__new__(DecodeReceiver)  # only the batching state
+    rx._outbox = threading.local()
+    sent = []
+    rx._send = lambda ident, m: sent.append((ident, m))
+    big = GrantMsg("big", "buffer", "buffer", list(range(MAX_BATCH_BLOCKS + 1)), 1)
+    small = [GrantMsg(f"s{i}", "buffer", "buffer", [i], 1) for i in range(900)]
+    with rx._outcomes_together():
+        for g in small[:300] + [big] + small[300:]:
+            rx._send_grant(b"p", g)
+        rx._send_grant(b"q", small[0])
+    shape = [(i, type(m).__name__, len(m.items) if isinstance(m, GrantBatch) else 1) for i, m in sent]
+    assert shape == [(b"p", "GrantBatch", 300), (b"p", "GrantMsg", 1), (b"p", "GrantBatch", 512),
+                     (b"p", "GrantBatch", 88), (b"q", "GrantMsg", 1)]
+    got = [g.request_id for _, m in sent[:4] for g in (m.items if isinstance(m, GrantBatch) else [m])]
+    assert got == [g.request_id for g in small[:300] + [big] + small[300:]]  # nothing lost, order kept
+    codec = Codec(None)
+    for _, m in sent:
+        codec.decode(codec.encode(m))
+    rx._send_grant(b"p", small[1])  # outside the block: sent at once
+    assert sent[-1] == (b"p", small[1])
