@@ -593,7 +593,7 @@ class DecodeReceiver:
         elif isinstance(msg, ReserveReq):
             self._on_reserve(peer, msg.request_id, msg.num_tokens)
         elif isinstance(msg, ReserveBatch):
-            with self._outcomes_together():
+            with self._replies_together():
                 for rid, num_tokens in msg.items:  # each item stands alone, as a ReserveReq would
                     try:
                         self._on_reserve(peer, rid, num_tokens)
@@ -603,7 +603,7 @@ class DecodeReceiver:
         elif isinstance(msg, LayerDone):
             self._layers_done(peer, msg.request_id, msg.token, msg.layers, msg.blocks)
         elif isinstance(msg, LayerBatch):
-            with self._outcomes_together():
+            with self._replies_together():
                 for rid, token, blocks in msg.items:  # each item stands alone, as a LayerDone would
                     try:
                         self._layers_done(peer, rid, token, [msg.layer], blocks)
@@ -613,7 +613,7 @@ class DecodeReceiver:
         elif isinstance(msg, Complete):
             self._completed(peer, msg.request_id, msg.token, msg.ok, msg.error)
         elif isinstance(msg, CompleteBatch):
-            with self._outcomes_together():
+            with self._replies_together():
                 for rid, token, ok, error in msg.items:  # each item stands alone, as a Complete would
                     try:
                         self._completed(peer, rid, token, ok, error)
@@ -745,7 +745,7 @@ class DecodeReceiver:
         self._finish(inf, Outcome(inf.request_id, "received"))
 
     @contextlib.contextmanager
-    def _outcomes_together(self) -> Iterator[None]:
+    def _replies_together(self) -> Iterator[None]:
         """Outcomes and grants decided in this block (this thread) go out at its end as one
         ``OutcomeBatch`` and one ``GrantBatch`` per peer (512 items, at most
         ``MAX_BATCH_BLOCKS`` block ids a message) instead of one message each."""

@@ -757,7 +757,7 @@ def test_grants_decided_together_go_out_in_batches_within_the_limits():
     rx._send = lambda ident, m: sent.append((ident, m))
     big = GrantMsg("big", "buffer", "buffer", list(range(MAX_BATCH_BLOCKS + 1)), 1)
     small = [GrantMsg(f"s{i}", "buffer", "buffer", [i], 1) for i in range(900)]
-    with rx._outcomes_together():
+    with rx._replies_together():
         for g in small[:300] + [big] + small[300:]:
             rx._send_grant(b"p", g)
         rx._send_grant(b"q", small[0])
