@@ -3,7 +3,7 @@ ReserveBatch one GrantMsg, per request), alternated A B A B ... in fresh process
 logged A/B (devvm-many-small-s4-outcome-batch-ab.log) predates ReserveBatch: then A
 switched off outcome batching only.
 python docs/perf-logs/scripts/many_small_ab.py [N] [rounds]"""
-import os, subprocess, sys
+import subprocess, sys
 
 N = sys.argv[1] if len(sys.argv) > 1 else "256"
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
