@@ -771,3 +771,36 @@ def test_grants_decided_together_go_out_in_batches_within_the_limits():
         codec.decode(codec.encode(m))
     rx._send_grant(b"p", small[1])  # outside the block: sent at once
     assert sent[-1] == (b"p", small[1])
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.one_of(st.integers(0, 40), st.integers(20000, 70000)), min_size=1, max_size=1200))
+def test_grant_batches_keep_every_grant_in_order_within_the_limits(sizes):
+    from pdkv.protocol import MAX_BATCH_BLOCKS, GrantBatch, GrantMsg
+
+    rx = DecodeReceiver.__new__(DecodeReceiver)
+    rx._outbox = threading.local()
+    sent = []
+    rx._send = lambda ident, m: sent.append(m)
+    blocks = [list(range(n)) for n in sorted(set(sizes))]  # shared lists: building 1200 is cheap
+    by_n = {len(b): b for b in blocks}
+    grants = [GrantMsg(f"r{i}", "buffer", "buffer", by_n[n], 1) for i, n in enumerate(sizes)]
+    with rx._replies_together():
+        for g in grants:
+            rx._send_grant(b"p", g)
+    out = []
+    for m in sent:
+        if isinstance(m, GrantBatch):
+            assert 1 < len(m.items) <= 512 and sum(len(g.blocks) for g in m.items) <= MAX_BATCH_BLOCKS
+            out += m.items
+        else:
+            out.append(m)
+    assert [g.request_id for g in out] == [g.request_id for g in grants]
+    # no message smaller than it needs to be: a batch ends only where the next grant would not fit
+    i = 0
+    for m in sent[:-1]:
+        n = len(m.items) if isinstance(m, GrantBatch) else 1
+        part = grants[i:i + n]
+        nxt = grants[i + n]
+        assert len(part) == 512 or sum(len(g.blocks) for g in part) + len(nxt.blocks) > MAX_BATCH_BLOCKS
+        i += n
