@@ -21,6 +21,8 @@ from .errors import AuthenticationError, ProtocolError
 __all__ = [
     "PROTOCOL_VERSION",
     "MAX_MESSAGE_BYTES",
+    "MAX_ID",
+    "MAX_NUM_TOKENS",
     "pack_frame",
     "unpack_frame",
     "is_unauthenticated",
@@ -56,7 +58,8 @@ GRANT_OUTCOMES = ("gpu", "buffer", "queued", "rejected")
 MAX_BATCH_BLOCKS = 1 << 16  # block ids one GrantBatch may carry (its grants' blocks together)
 OUTCOME_STATES = ("received", "failed", "expired", "aborted", "rejected")
 MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
-_MAX_ID = 256
+MAX_ID = 256  # characters of a request id
+MAX_NUM_TOKENS = 1 << 26  # tokens one reservation may ask for
 
 
 class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -292,8 +295,8 @@ def is_unauthenticated(frames: list[bytes]) -> bool:
 def _validate(m: Message) -> None:
     """Semantic checks msgspec's types cannot express."""
     rid = getattr(m, "request_id", None)
-    if rid is not None and not (0 < len(rid) <= _MAX_ID):
-        raise ProtocolError(f"request_id of length {len(rid)} (must be 1-{_MAX_ID})")
+    if rid is not None and not (0 < len(rid) <= MAX_ID):
+        raise ProtocolError(f"request_id of length {len(rid)} (must be 1-{MAX_ID})")
     if isinstance(m, (Hello, Welcome)) and m.version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {m.version} is not supported (this pdkv speaks {PROTOCOL_VERSION})")
     if isinstance(m, Hello):
@@ -301,7 +304,7 @@ def _validate(m: Message) -> None:
             raise ProtocolError(f"tp_rank={m.tp_rank} tp_size={m.tp_size} are inconsistent")
         if len(m.nonce) != 16:
             raise ProtocolError("hello nonce must be 16 bytes")
-    if isinstance(m, ReserveReq) and not (0 < m.num_tokens <= 1 << 26):
+    if isinstance(m, ReserveReq) and not (0 < m.num_tokens <= MAX_NUM_TOKENS):
         raise ProtocolError(f"num_tokens={m.num_tokens} out of range")
     if isinstance(m, LayerDone) and (not m.layers or len(m.layers) > 4096 or min(m.layers) < 0 or m.blocks < 0):
         raise ProtocolError("layer list empty, too long or negative, or a negative block count")
@@ -309,13 +312,13 @@ def _validate(m: Message) -> None:
         if not (0 <= m.layer < 1 << 16) or not 0 < len(m.items) <= MAX_BATCH_ITEMS:
             raise ProtocolError(f"layer batch with layer {m.layer} and {len(m.items)} items is out of range")
         for r, tok, nb in m.items:
-            if not (0 < len(r) <= _MAX_ID) or not 0 <= tok < 1 << 63 or nb < 0:
+            if not (0 < len(r) <= MAX_ID) or not 0 <= tok < 1 << 63 or nb < 0:
                 raise ProtocolError("layer batch item out of range (request id, token or block count)")
     if isinstance(m, CompleteBatch):
         if not 0 < len(m.items) <= MAX_BATCH_ITEMS:
             raise ProtocolError(f"complete batch with {len(m.items)} items is out of range")
         for r, tok, _, err in m.items:
-            if not (0 < len(r) <= _MAX_ID) or not 0 <= tok < 1 << 63 or len(err) > MAX_BATCH_ERROR:
+            if not (0 < len(r) <= MAX_ID) or not 0 <= tok < 1 << 63 or len(err) > MAX_BATCH_ERROR:
                 raise ProtocolError("complete batch item out of range (request id, token or error length)")
     if isinstance(m, Outcome) and m.state not in OUTCOME_STATES:
         raise ProtocolError(f"outcome state {m.state[:32]!r} is not one of {', '.join(OUTCOME_STATES)}")
@@ -323,13 +326,13 @@ def _validate(m: Message) -> None:
         if not 0 < len(m.items) <= MAX_BATCH_ITEMS:
             raise ProtocolError(f"outcome batch with {len(m.items)} items is out of range")
         for r, state, reason in m.items:
-            if not (0 < len(r) <= _MAX_ID) or state not in OUTCOME_STATES or len(reason) > MAX_BATCH_ERROR:
+            if not (0 < len(r) <= MAX_ID) or state not in OUTCOME_STATES or len(reason) > MAX_BATCH_ERROR:
                 raise ProtocolError("outcome batch item out of range (request id, state or reason length)")
     if isinstance(m, ReserveBatch):
         if not 0 < len(m.items) <= MAX_BATCH_ITEMS:
             raise ProtocolError(f"reserve batch with {len(m.items)} items is out of range")
         for r, n in m.items:
-            if not (0 < len(r) <= _MAX_ID) or not 0 < n <= 1 << 26:
+            if not (0 < len(r) <= MAX_ID) or not 0 < n <= MAX_NUM_TOKENS:
                 raise ProtocolError("reserve batch item out of range (request id or num_tokens)")
     if isinstance(m, GrantBatch):
         if not 0 < len(m.items) <= MAX_BATCH_ITEMS or sum(len(g.blocks) for g in m.items) > MAX_BATCH_BLOCKS:

@@ -52,7 +52,7 @@ from .errors import (
 from .layout import CacheSpec, KVLayout, Segment, tp_segments
 from .protocol import (
     MAX_BATCH_ERROR, MAX_BATCH_ITEMS, PROTOCOL_VERSION, Abort, Codec, Complete, CompleteBatch, ErrorMsg, GrantMsg,
-    MAX_BATCH_BLOCKS, GrantBatch, Heartbeat, Hello, LayerBatch, LayerDone, Message, Outcome, OutcomeBatch,
+    MAX_BATCH_BLOCKS, MAX_ID, MAX_NUM_TOKENS, GrantBatch, Heartbeat, Hello, LayerBatch, LayerDone, Message, Outcome, OutcomeBatch,
     ReserveBatch, ReserveReq, Welcome, is_unauthenticated, new_nonce)
 from .scheduler import DecodeScheduler, Event
 from .rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
@@ -1277,17 +1277,18 @@ class PrefillSender:
         awaited, so their round trips overlap (one at a time costs a round trip each).
         Returns one result per request, in order: its grant, or the error :meth:`reserve`
         would have raised for it. Bad input (a duplicate id, an id that is not a string of
-        1-256 characters, a token count outside 1..2**26) raises before anything is sent;
+        1-``MAX_ID`` characters, a token count outside 1..``MAX_NUM_TOKENS``: what decode
+        would refuse) raises before anything is sent;
         ``timeout`` bounds the whole call."""
         self._check()
         ids = [r for r, _ in requests]
         if len(set(ids)) != len(ids):
             raise RequestError("reserve_many: a request id appears twice")
         for rid, n in requests:
-            if not isinstance(rid, str) or not 0 < len(rid) <= 256:
-                raise RequestError(f"request id {rid!r:.80} must be a string of 1-256 characters")
-            if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= 1 << 26:
-                raise RequestError(f"request {rid!r}: num_tokens={n!r} must be an integer in 1..{1 << 26}")
+            if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID:
+                raise RequestError(f"request id {rid!r:.80} must be a string of 1-{MAX_ID} characters")
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_NUM_TOKENS:
+                raise RequestError(f"request {rid!r}: num_tokens={n!r} must be an integer in 1..{MAX_NUM_TOKENS}")
         waiters = []
         with self._lock:
             for rid in ids:
@@ -1332,26 +1333,30 @@ class PrefillSender:
         Returns at once: the data thread writes while the engine computes the next layer.
         Chunked prefill: pass only the full blocks of an intermediate chunk (the grant
         index follows the order in which blocks are sent, see ``first_block``)."""
-        self._check()
-        if not 0 <= layer < self.layout.total_layers:
-            raise RequestError(f"layer {layer} out of range [0, {self.layout.total_layers})")
-        work = [(rid, self._src_ids(rid, b), 0) for rid, b in items]
-        for rid, b, _ in work:
-            if not b.size:
-                raise RequestError(f"request {rid!r}: no source blocks for layer {layer}")
-        self._submit(("layer", layer, work, event, time.monotonic()))
+        self._queue_layer(layer, [(rid, b, 0) for rid, b in items], event, chunk=False)
 
     def send_chunk(self, layer: int, request_id: str, src_blocks: Sequence[int], first_block: int,
                    event: int | None = None) -> None:
         """Chunked prefill: write full blocks ``first_block..`` of the grant for one layer."""
+        if not isinstance(first_block, int) or first_block < 0:
+            raise RequestError(f"request {request_id!r}: first_block={first_block!r} must be an integer >= 0")
+        self._queue_layer(layer, [(request_id, src_blocks, first_block)], event, chunk=True)
+
+    def _queue_layer(self, layer: int, items: list[tuple[str, Any, int]], event: int | None, chunk: bool) -> None:
+        """Check and hand one layer's writes to the data thread. Every request of a layer
+        sends blocks; a chunk with no full block has nothing to send and is skipped."""
         self._check()
         if not 0 <= layer < self.layout.total_layers:
             raise RequestError(f"layer {layer} out of range [0, {self.layout.total_layers})")
-        if not isinstance(first_block, int) or first_block < 0:
-            raise RequestError(f"request {request_id!r}: first_block={first_block!r} must be an integer >= 0")
-        ids = self._src_ids(request_id, src_blocks)
-        if ids.size:  # a chunk with no full block has nothing to send
-            self._submit(("layer", layer, [(request_id, ids, first_block)], event, time.monotonic()))
+        work = []
+        for rid, blocks, first in items:
+            ids = self._src_ids(rid, blocks)
+            if not ids.size and not chunk:
+                raise RequestError(f"request {rid!r}: no source blocks for layer {layer}")
+            if ids.size:
+                work.append((rid, ids, first))
+        if work or not chunk:
+            self._submit(("layer", layer, work, event, time.monotonic()))
 
     def _grant_ids(self, g: SendGrant) -> Any:
         """A live grant's block ids as an int64 array, made once (dropped with the grant)."""

@@ -185,9 +185,7 @@ class DecodeSide:
         gpu_blocks = a.gpu_blocks or nb
         self.nb, self.gpu_blocks = nb, gpu_blocks
         self.cuda = _ffi.cuda.device_count() > 0 and not a.no_gpu
-        ipc = a.transport == "cuda_ipc"
-        if ipc and not self.cuda:
-            raise UsageError("--transport cuda_ipc writes decode's GPU blocks: it needs a CUDA GPU and no --no-gpu")
+        ipc = a.transport == "cuda_ipc"  # _check_args made sure there is a GPU and no --no-gpu
         gspecs: list[CacheSpec] = []
         self.bufs = []
         self.gpu_mem: list[Any] = []
@@ -548,7 +546,8 @@ def print_report(rep: dict[str, Any], console: Any) -> None:
     t.add_column("figure")
     t.add_column("value", justify="right")
     fmt = {
-        "requests": "{:d}", "requests_ready": "{:d}", "requests_into_gpu_blocks": "{:d}", "requests_failed": "{:d}", "verify_errors": "{:d}",
+        "requests": "{:d}", "requests_ready": "{:d}", "requests_into_gpu_blocks": "{:d}", "requests_failed": "{:d}",
+        "verify_errors": "{:d}",
         "bytes_verified": "{:,d}", "bytes_transferred": "{:,d}", "elapsed_s": "{:.2f}",
         "throughput_GBps_mean": "{:.2f}", "request_GBps_p50": "{:.2f}", "request_GBps_p99": "{:.2f}",
         "layer_latency_ms_p50": "{:.2f}", "layer_latency_ms_p99": "{:.2f}", "time_to_received_ms_p50": "{:.1f}",
