@@ -75,30 +75,30 @@ def export_gpu_caches(layouts: Sequence[KVLayout], specs: Sequence[CacheSpec], p
         if spec.num_blocks < pool_blocks:
             raise LayoutError(f"rank {lay.tp_rank}'s GPU cache has {spec.num_blocks} blocks; "
                               f"the scheduler's GPU pool hands out {pool_blocks}")
-        _ffi.cuda.set_device(spec.device)
-        allocs: list[tuple[int, int]] = []
-        regions = []
-        for layer in range(lay.total_layers):
-            for t in range(len(lay.tensors)):
-                base, stride = spec.region(layer, t)
-                abase, asize = _ffi.cuda.address_range(base)
-                if _region_end(base, stride, spec.num_blocks, lay.tensor_block_bytes(t)) > abase + asize:
-                    raise LayoutError(f"rank {lay.tp_rank}, layer {layer}, tensor {t}: the region spans more "
-                                      "than one allocation (one IPC handle per allocation)")
-                try:
-                    idx = allocs.index((abase, asize))
-                except ValueError:
-                    idx = len(allocs)
-                    allocs.append((abase, asize))
-                regions.append([idx, base - abase, stride])
-        try:
-            handles = [{"handle": _ffi.cuda.ipc_get_handle(b), "size": n} for b, n in allocs]
-        except CudaError as exc:
-            raise LayoutError(f"rank {lay.tp_rank}'s GPU cache cannot be exported for CUDA IPC ({exc}); memory "
-                              "from cuMemCreate, such as torch's expandable segments, has no legacy IPC "
-                              "handle: allocate the cache with cudaMalloc or serve shm instead") from exc
-        ranks.append({"rank": lay.tp_rank, "device_uuid": _ffi.cuda.device_uuid(spec.device),
-                      "num_blocks": spec.num_blocks, "allocs": handles, "regions": regions})
+        with _ffi.cuda.on_device(spec.device):  # handles are made in the cache's device context
+            allocs: list[tuple[int, int]] = []
+            regions = []
+            for layer in range(lay.total_layers):
+                for t in range(len(lay.tensors)):
+                    base, stride = spec.region(layer, t)
+                    abase, asize = _ffi.cuda.address_range(base)
+                    if _region_end(base, stride, spec.num_blocks, lay.tensor_block_bytes(t)) > abase + asize:
+                        raise LayoutError(f"rank {lay.tp_rank}, layer {layer}, tensor {t}: the region spans more "
+                                          "than one allocation (one IPC handle per allocation)")
+                    try:
+                        idx = allocs.index((abase, asize))
+                    except ValueError:
+                        idx = len(allocs)
+                        allocs.append((abase, asize))
+                    regions.append([idx, base - abase, stride])
+            try:
+                handles = [{"handle": _ffi.cuda.ipc_get_handle(b), "size": n} for b, n in allocs]
+            except CudaError as exc:
+                raise LayoutError(f"rank {lay.tp_rank}'s GPU cache cannot be exported for CUDA IPC ({exc}); memory "
+                                  "from cuMemCreate, such as torch's expandable segments, has no legacy IPC "
+                                  "handle: allocate the cache with cudaMalloc or serve shm instead") from exc
+            ranks.append({"rank": lay.tp_rank, "device_uuid": _ffi.cuda.device_uuid(spec.device),
+                          "num_blocks": spec.num_blocks, "allocs": handles, "regions": regions})
     return {"ranks": ranks}
 
 
@@ -181,34 +181,41 @@ class IpcMapping:
     def __init__(self, caches: dict[int, RankCache], layouts: Sequence[KVLayout], device: int) -> None:
         self._opened: list[int] = []
         self.specs: dict[int, CacheSpec] = {}
+        self.device = device
         by_rank = {lay.tp_rank: lay for lay in layouts}
         try:
-            _ffi.cuda.set_device(device)
-            for rank, c in caches.items():
-                bases = []
-                for handle, _ in c.allocs:
-                    try:
-                        b = _ffi.cuda.ipc_open(handle)
-                    except PdkvError as exc:
-                        raise TransferError(f"cuda_ipc: cannot map decode rank {rank}'s GPU cache (device "
-                                        f"{c.device_uuid}) on device {device}: {exc}; the devices need peer "
-                                        "access, else use shm") from exc
-                    self._opened.append(b)
-                    bases.append(b)
-                lay = by_rank[rank]
-                nt = len(lay.tensors)
-                regions = [[(bases[ai] + off, stride) for ai, off, stride in c.regions[layer * nt:(layer + 1) * nt]]
-                           for layer in range(lay.total_layers)]
-                self.specs[rank] = CacheSpec(lay, c.num_blocks, regions, device=device)
+            with _ffi.cuda.on_device(device):  # mapped into (and peer access from) this device's context
+                self._open(caches, by_rank, device)
         except BaseException:
             self.close()
             raise
 
+    def _open(self, caches: dict[int, RankCache], by_rank: dict[int, KVLayout], device: int) -> None:
+        for rank, c in caches.items():
+            bases = []
+            for handle, _ in c.allocs:
+                try:
+                    b = _ffi.cuda.ipc_open(handle)
+                except PdkvError as exc:
+                    raise TransferError(f"cuda_ipc: cannot map decode rank {rank}'s GPU cache (device "
+                                        f"{c.device_uuid}) on device {device}: {exc}; the devices need "
+                                        "peer access, else use shm") from exc
+                self._opened.append(b)
+                bases.append(b)
+            lay = by_rank[rank]
+            nt = len(lay.tensors)
+            regions = [[(bases[ai] + off, stride) for ai, off, stride in c.regions[layer * nt:(layer + 1) * nt]]
+                       for layer in range(lay.total_layers)]
+            self.specs[rank] = CacheSpec(lay, c.num_blocks, regions, device=device)
+
     def close(self) -> None:
         """Unmap every opened allocation. Idempotent."""
-        while self._opened:
-            b = self._opened.pop()
-            try:
-                _ffi.cuda.ipc_close(b)
-            except PdkvError:
-                pass
+        if not self._opened:
+            return
+        with _ffi.cuda.on_device(self.device):
+            while self._opened:
+                b = self._opened.pop()
+                try:
+                    _ffi.cuda.ipc_close(b)
+                except PdkvError:
+                    pass

@@ -390,7 +390,9 @@ class SwapEngine:
     stream:
         CUDA stream for copies (default: one the engine creates, non-blocking).
     device:
-        CUDA device of the GPU cache.
+        CUDA device the copies run on: the GPU cache's (``gpu.device``) unless given, else 0.
+        The engine makes it current for each call and restores the caller's afterwards, so
+        it may be used from any thread.
     buffer_pinned:
         Whether ``buffer`` is registered with CUDA; GPU strategies refuse otherwise.
     layerwise:
@@ -402,12 +404,18 @@ class SwapEngine:
     """
 
     def __init__(self, buffer: CacheSpec, gpu: CacheSpec, *, strategy: Strategy = "auto",
-                 stream: int | None = None, device: int = 0, buffer_pinned: bool = True,
+                 stream: int | None = None, device: int | None = None, buffer_pinned: bool = True,
                  layerwise: bool = False, host_threads: int = 2) -> None:
         if buffer.layout.block_bytes != gpu.layout.block_bytes or buffer.layout.tensors != gpu.layout.tensors:
             raise SwapError("buffer and GPU cache have different layouts")
         if strategy not in ("auto", "kernel", "batch", "memcpy", "host"):
             raise ValueError(f"strategy={strategy!r} must be auto, kernel, batch, memcpy or host")
+        if device is None:
+            device = gpu.device if gpu.device is not None else 0
+        elif gpu.device is not None and gpu.device != device:
+            raise SwapError(f"device={device}, but the GPU cache is on device {gpu.device}")
+        if not isinstance(device, int) or device < 0:
+            raise ValueError(f"device={device!r} must be a CUDA device ordinal")
         self.buffer, self.gpu = buffer, gpu
         self.layerwise = layerwise
         self.device = device
@@ -428,26 +436,28 @@ class SwapEngine:
                 raise SwapError(
                     "the CPU buffer is not pinned: GPU copies from pageable memory are synchronous and "
                     "~7x slower; create it with SharedBuffer.create(..., require_pinned=True)")
-            _ffi.cuda.set_device(device)
-            if strategy == "kernel":
-                try:
-                    self._fn = _ffi.cuda.compile_kernel(KERNEL_SOURCE, "pdkv_copy", device)
-                    # one CTA per chunk measured best on an H200 (exp: 50 vs 46.5 GB/s at
-                    # 16 KiB for a persistent 4-per-SM grid); the loop covers huge plans
-                    self._max_grid = (1 << 31) - 1
-                except CudaUnavailableError:
-                    strategy = "batch"
-            if strategy == "batch" and not _ffi.cuda.batch_copy_supported():
-                strategy = "memcpy"
-            if stream is None:
-                self._stream = _ffi.cuda.stream_create(nonblocking=True)
-                self._own_stream = True
-            else:
-                self._stream = stream
-            if strategy == "kernel":
-                # descriptors are uploaded on a side stream, so the upload for the next copy
-                # overlaps the kernel of the one before instead of queueing behind it
-                self._side = _ffi.cuda.stream_create(nonblocking=True)
+            # the engine's kernel, streams and events live on its device; every call makes
+            # that device current for itself and gives the caller's back (on_device)
+            with _ffi.cuda.on_device(device):
+                if strategy == "kernel":
+                    try:
+                        self._fn = _ffi.cuda.compile_kernel(KERNEL_SOURCE, "pdkv_copy", device)
+                        # one CTA per chunk measured best on an H200 (exp: 50 vs 46.5 GB/s at
+                        # 16 KiB for a persistent 4-per-SM grid); the loop covers huge plans
+                        self._max_grid = (1 << 31) - 1
+                    except CudaUnavailableError:
+                        strategy = "batch"
+                if strategy == "batch" and not _ffi.cuda.batch_copy_supported():
+                    strategy = "memcpy"
+                if stream is None:
+                    self._stream = _ffi.cuda.stream_create(nonblocking=True)
+                    self._own_stream = True
+                else:
+                    self._stream = stream
+                if strategy == "kernel":
+                    # descriptors are uploaded on a side stream, so the upload for the next copy
+                    # overlaps the kernel of the one before instead of queueing behind it
+                    self._side = _ffi.cuda.stream_create(nonblocking=True)
         else:
             self._pool = ThreadPoolExecutor(max_workers=host_threads, thread_name_prefix="pdkv-swap")
         self.strategy: Strategy = strategy
@@ -497,22 +507,26 @@ class SwapEngine:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self.strategy != "host":
-            for stream in (self._stream, self._side):
-                if stream:
-                    _ffi.cuda.stream_synchronize(stream)
-            for st, h in self._staging:
-                if isinstance(h, CopyHandle):  # a copy on a caller's stream may still read it
-                    try:
-                        h.wait(60)
-                    except PdkvError:
-                        pass
-                st.close()
-            self._staging.clear()
-            if self._own_stream:
-                _ffi.cuda.stream_destroy(self._stream)
-            if self._side:
-                _ffi.cuda.stream_destroy(self._side)
-                self._side = 0
+            with _ffi.cuda.on_device(self.device):
+                self._close_cuda()
+
+    def _close_cuda(self) -> None:
+        for stream in (self._stream, self._side):
+            if stream:
+                _ffi.cuda.stream_synchronize(stream)
+        for st, h in self._staging:
+            if isinstance(h, CopyHandle):  # a copy on a caller's stream may still read it
+                try:
+                    h.wait(60)
+                except PdkvError:
+                    pass
+            st.close()
+        self._staging.clear()
+        if self._own_stream:
+            _ffi.cuda.stream_destroy(self._stream)
+        if self._side:
+            _ffi.cuda.stream_destroy(self._side)
+            self._side = 0
 
     def __enter__(self) -> SwapEngine:
         return self
@@ -550,6 +564,10 @@ class SwapEngine:
             return st
 
     def _run_cuda(self, plan: CopyPlan, layerwise: bool, stream: int, direction: str | None = None) -> CopyHandle:
+        with _ffi.cuda.on_device(self.device):  # events, launches and copies on the engine's device
+            return self._launch(plan, layerwise, stream, direction)
+
+    def _launch(self, plan: CopyPlan, layerwise: bool, stream: int, direction: str | None) -> CopyHandle:
         nl = plan.layer_ends.size
         events = [_ffi.cuda.event_create() for _ in range(nl if layerwise else 1)]
         keep: object = None

@@ -185,6 +185,7 @@ class DecodeSide:
         gpu_blocks = a.gpu_blocks or nb
         self.nb, self.gpu_blocks = nb, gpu_blocks
         self.cuda = _ffi.cuda.device_count() > 0 and not a.no_gpu
+        self.devices = _devices(a.decode_devices, "--decode-devices")  # decode rank r on devices[r % n]
         ipc = a.transport == "cuda_ipc"  # _check_args made sure there is a GPU and no --no-gpu
         gspecs: list[CacheSpec] = []
         self.bufs = []
@@ -195,16 +196,19 @@ class DecodeSide:
                 b = SharedBuffer.create(CacheSpec.buffer_bytes(L, nb), pin="always" if self.cuda else "never")
                 self.bufs.append(b)
                 size = L.block_bytes * gpu_blocks
+                dev = None
                 if self.cuda:
-                    _ffi.cuda.set_device(0)
-                    ptr = _ffi.cuda.malloc(size)
+                    dev = self.devices[L.tp_rank % len(self.devices)]
+                    with _ffi.cuda.on_device(dev):
+                        ptr = _ffi.cuda.malloc(size)
                     self.gpu_mem.append(ptr)
-                    gspecs.append(CacheSpec.for_buffer(L, gpu_blocks, ptr, device=0))
+                    gspecs.append(CacheSpec.for_buffer(L, gpu_blocks, ptr, device=dev))
                 else:
                     arr = np.zeros(size, np.uint8)
                     self.gpu_mem.append(arr)
                     ptr = arr.ctypes.data
-                engines.append(SwapEngine(CacheSpec.for_buffer(L, nb, b.address), CacheSpec.for_buffer(L, gpu_blocks, ptr),
+                engines.append(SwapEngine(CacheSpec.for_buffer(L, nb, b.address),
+                                          CacheSpec.for_buffer(L, gpu_blocks, ptr, device=dev),
                                           strategy="auto" if self.cuda else "host", buffer_pinned=self.cuda))
             self.engines = engines
             self.sched = DecodeScheduler(
@@ -321,7 +325,8 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
     work = make_workload(a)
     need = max(lay.blocks_for_tokens(r.tokens) for r in work)
     nb = max(a.prefill_blocks, need)
-    gpu = _GpuPrefillCache(lay, nb) if _prefill_gpu(a) else None
+    pdevs = _devices(a.prefill_devices, "--prefill-devices")
+    gpu = _GpuPrefillCache(lay, nb, pdevs[a.rank % len(pdevs)]) if _prefill_gpu(a) else None
     if gpu is not None:
         # the KV is "computed" into a pinned host mirror and copied into the GPU cache
         # layer by layer on the engine's stream; the sender waits on each layer's event
@@ -429,11 +434,11 @@ def _prefill_gpu(a: argparse.Namespace) -> bool:
 
 
 class _GpuPrefillCache:
-    """A prefill rank's cache in GPU memory (pdkv's buffer layout, device 0), filled from a
-    pinned host mirror one layer at a time on its own stream, one event per layer."""
+    """A prefill rank's cache in GPU memory (pdkv's buffer layout, on ``device``), filled
+    from a pinned host mirror one layer at a time on its own stream, one event per layer."""
 
-    def __init__(self, lay: KVLayout, nb: int) -> None:
-        _ffi.cuda.set_device(0)
+    def __init__(self, lay: KVLayout, nb: int, device: int = 0) -> None:
+        _ffi.cuda.set_device(device)  # this process's one device, as an engine rank's
         size = lay.block_bytes * nb
         self.lay, self.nb = lay, nb
         self._host = self._dev = self._stream = 0
@@ -445,7 +450,7 @@ class _GpuPrefillCache:
             self.mirror = np.frombuffer(_ffi.libc.host_view(self._host, size), np.uint8)
             self.mirror[:] = 0
             self._mspec = CacheSpec.for_buffer(lay, nb, self._host)
-            self.spec = CacheSpec.for_buffer(lay, nb, self._dev, device=0)
+            self.spec = CacheSpec.for_buffer(lay, nb, self._dev, device=device)
             self._stream = _ffi.cuda.stream_create(nonblocking=True)
             self._eng = SwapEngine(self._mspec, self.spec, strategy="auto", stream=self._stream)
             self._events = [_ffi.cuda.event_create() for _ in range(lay.total_layers)]
@@ -557,6 +562,9 @@ def print_report(rep: dict[str, Any], console: Any) -> None:
     }
     if rep.get("transports_chosen"):
         t.add_row("transport", ", ".join(rep["transports_chosen"]))
+    for side in ("prefill", "decode"):
+        if rep.get(f"{side}_devices"):
+            t.add_row(f"{side} GPUs (by rank)", ", ".join(map(str, rep[f"{side}_devices"])))
     for k, f in fmt.items():
         v = rep[k]
         t.add_row(k, "n/a" if isinstance(v, float) and math.isnan(v) else f.format(v))
@@ -620,6 +628,7 @@ def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
             "--instance", a.instance, "--time-scale", str(a.time_scale), "--duration", str(a.duration)]
     if a.prefill_gpu:
         argv.append("--prefill-gpu")
+    argv += ["--prefill-devices", a.prefill_devices]
     for opt, attr in (("--layers", "layers"), ("--kv-heads", "kv_heads"), ("--head-dim", "head_dim"),
                       ("--tokens-per-block", "tokens_per_block"), ("--dtype", "dtype"), ("--trace", "trace"),
                       ("--trace-limit", "trace_limit")):
@@ -721,6 +730,11 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
         rep["transports_chosen"] = sorted(set(chosen.values()))
         rep["layout"] = KVLayout(**lay_kw).descriptor()
         rep["prefill_tp"], rep["decode_tp"] = a.prefill_tp, a.decode_tp
+        if dec.cuda:
+            rep["decode_devices"] = [dec.devices[r % len(dec.devices)] for r in range(a.decode_tp)]
+        if _prefill_gpu(a):
+            pd = _devices(a.prefill_devices, "--prefill-devices")
+            rep["prefill_devices"] = [pd[r % len(pd)] for r in range(a.prefill_tp)]
         if errs and rep["requests_failed"] == 0:
             rep["requests_failed"] = len(errs)
     finally:
@@ -811,12 +825,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-blocks", type=int, default=0, help="decode GPU block budget (small forces the buffer path)")
     g.add_argument("--lease-s", type=float, default=30.0)
     g.add_argument("--no-gpu", action="store_true", help="use host memory for decode blocks even with a GPU")
+    g.add_argument("--decode-devices", default="0",
+                   help="CUDA devices of the decode ranks' GPU caches, comma-separated: rank r on the (r mod n)th")
     g.add_argument("--no-verify", action="store_true")
     g.add_argument("--expect-requests", type=int, default=0, help="decode: stop after this many requests ended")
     g = p.add_argument_group("prefill")
     g.add_argument("--rank", type=int, default=0)
     g.add_argument("--instance", default="pdkv-test-prefill")
     g.add_argument("--prefill-blocks", type=int, default=64, help="prefill cache blocks per rank")
+    g.add_argument("--prefill-devices", default="0",
+                   help="with a GPU prefill cache: CUDA devices of the ranks, comma-separated, rank r on the (r mod n)th")
     g.add_argument("--prefill-gpu", action="store_true",
                    help="prefill caches in GPU memory (auto, shm or cuda_ipc; implied by --transport cuda_ipc)")
     g = p.add_argument_group("output")
@@ -848,10 +866,16 @@ def _check_args(a: argparse.Namespace) -> None:
     if a.transport == "cuda_ipc" and a.no_gpu:
         raise UsageError("--transport cuda_ipc writes decode's GPU blocks: it cannot run with --no-gpu")
     gpu_here = (a.mode != "decode" and _prefill_gpu(a)) or (a.mode != "prefill" and a.transport == "cuda_ipc")
-    if gpu_here and _ffi.cuda.device_count() == 0:
+    ndev = _ffi.cuda.device_count()
+    if gpu_here and ndev == 0:
         what = "--transport cuda_ipc" if a.transport == "cuda_ipc" else "--prefill-gpu"
         why = "" if _ffi.cuda.bindings_available() else " (cuda-bindings not installed: pip install 'pdkv[cuda]')"
         raise UsageError(f"{what} needs a CUDA GPU on this host; none found{why}")
+    for flag, value, used in (("--prefill-devices", a.prefill_devices, a.mode != "decode" and _prefill_gpu(a)),
+                              ("--decode-devices", a.decode_devices, a.mode != "prefill" and ndev > 0 and not a.no_gpu)):
+        devs = _devices(value, flag)
+        if used and max(devs) >= ndev:
+            raise UsageError(f"{flag} {value}: this host has {ndev} CUDA device(s), 0..{ndev - 1}")
     try:
         lay_kw = _layout_kw(a)
         KVLayout(**lay_kw, tp_size=a.prefill_tp)
@@ -859,6 +883,17 @@ def _check_args(a: argparse.Namespace) -> None:
     except PdkvError as exc:
         raise UsageError(str(exc)) from None
 
+
+
+def _devices(value: str, flag: str) -> list[int]:
+    """A comma-separated list of CUDA device ordinals."""
+    try:
+        devs = [int(x) for x in value.split(",")]
+    except ValueError:
+        devs = []
+    if not devs or min(devs) < 0:
+        raise UsageError(f"{flag} {value!r}: expected CUDA device ordinals, comma-separated, e.g. 0 or 0,1")
+    return devs
 
 
 def _served(transport: str) -> list[str]:

@@ -22,11 +22,10 @@ def prefill(a: argparse.Namespace) -> None:
     if a.gpu:  # the same bytes in device memory (cuda_ipc, shm from a GPU cache)
         from pdkv import _ffi
 
-        _ffi.cuda.set_device(0)
+        _ffi.cuda.set_device(a.device)
         ptr = _ffi.cuda.malloc(src.nbytes)
         _ffi.cuda.memcpy(ptr, src.ctypes.data, src.nbytes)
-        spec = CacheSpec.for_buffer(lay, 64, ptr)
-        spec.device = 0
+        spec = CacheSpec.for_buffer(lay, 64, ptr, device=a.device)
     secret = bytes.fromhex(a.secret) if a.secret else None
     with PrefillSender(lay, spec, a.control, transport=a.transport, secret=secret, timeout_s=a.timeout,
                        heartbeat_s=0.2, instance=a.instance) as tx:
@@ -134,6 +133,7 @@ if __name__ == "__main__":
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--status", action="store_true")
     ap.add_argument("--slow-swap", type=float, default=0.0)
+    ap.add_argument("--device", type=int, default=0, help="prefill --gpu: the CUDA device of the cache")
     ap.add_argument("--gpu", action="store_true",
                     help="prefill: the cache in device memory; decode: serve cuda_ipc into a GPU cache")
     a = ap.parse_args()

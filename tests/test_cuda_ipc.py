@@ -4,6 +4,8 @@ GPU between two processes."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -25,7 +27,10 @@ class FakeIpc:
             self.add(a, alloc_bytes)
         self.opened: list[int] = []
         self.closed: list[int] = []
-        for name in ("address_range", "ipc_get_handle", "ipc_open", "ipc_close", "device_uuid", "set_device"):
+        self.current = [0]  # the thread's current device, innermost last
+        self.opened_on: list[int] = []  # the device current at each ipc_open
+        for name in ("address_range", "ipc_get_handle", "ipc_open", "ipc_close", "device_uuid", "set_device",
+                     "on_device"):
             monkeypatch.setattr(_ffi.cuda, name, getattr(self, name))
         # no CUDA here: the sender's swap engine falls back to host copies
         monkeypatch.setattr(_ffi.cuda, "device_count", lambda: 0)
@@ -48,7 +53,16 @@ class FakeIpc:
     def ipc_open(self, handle):
         b = int.from_bytes(handle[:8], "little")
         self.opened.append(b)
+        self.opened_on.append(self.current[-1])
         return b
+
+    @contextlib.contextmanager
+    def on_device(self, d):
+        self.current.append(d)
+        try:
+            yield
+        finally:
+            self.current.pop()
 
     def ipc_close(self, b):
         self.closed.append(b)
@@ -227,6 +241,8 @@ def test_cuda_ipc_only_where_prefill_gpu_can_map_decode_memory(monkeypatch, visi
         if expect == "cuda_ipc":
             with PrefillSender(lay, gspec, dec.rx.control_address, transport="auto", instance="pf", timeout_s=5) as tx:
                 assert tx.transport == "cuda_ipc"
+            assert dec.fake.opened_on and set(dec.fake.opened_on) == {1}  # mapped in the prefill GPU's context
+            assert dec.fake.current == [0]  # and the caller's current device given back
             assert asked == [(1, 0)]  # prefill's device (decode's ordinal 1) reaching decode's 0
             return
         with PrefillSender(lay, gspec, dec.rx.control_address, transport="auto", instance="pf", timeout_s=5) as tx:
@@ -374,26 +390,32 @@ def test_parse_refuses_a_hostile_section(breakage, match):
 
 @pytest.mark.cuda
 @pytest.mark.multiproc
-@pytest.mark.parametrize("P,D,transport", [(1, 1, "cuda_ipc"), (2, 4, "cuda_ipc"), (1, 1, "auto")])
-def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, transport, no_leaks):
+@pytest.mark.parametrize("P,D,transport,gpus", [(1, 1, "cuda_ipc", 1), (2, 4, "cuda_ipc", 1), (1, 1, "auto", 1),
+                                                (1, 2, "cuda_ipc", 2), (2, 2, "auto", 2), (2, 4, "cuda_ipc", 2)])
+def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, transport, gpus, no_leaks):
+    """gpus=2: decode rank r's cache on device r % 2 and prefill rank r on device (r + 1) % 2,
+    so prefill's kernel writes over the peer link into the other GPU's memory."""
+    if _ffi.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA devices")
     lays = [KVLayout(**BASE, tp_size=D, tp_rank=r) for r in range(D)]
     nb = 64
     bufs = [SharedBuffer.create(CacheSpec.buffer_bytes(lay, nb)) for lay in lays]
-    ptrs = [_ffi.cuda.malloc(lay.block_bytes * nb) for lay in lays]
+    ptrs = []
+    for r, lay in enumerate(lays):
+        with _ffi.cuda.on_device(r % gpus):
+            ptrs.append(_ffi.cuda.malloc(lay.block_bytes * nb))
+            _ffi.cuda.memset(ptrs[-1], 0x55, lay.block_bytes * nb)
     procs = []
     rx = None
     try:
-        for p, lay in zip(ptrs, lays):
-            _ffi.cuda.memset(p, 0x55, lay.block_bytes * nb)
-        gspecs = [CacheSpec.for_buffer(lay, nb, p) for lay, p in zip(lays, ptrs)]
-        for sp in gspecs:
-            sp.device = 0
+        gspecs = [CacheSpec.for_buffer(lay, nb, p, device=r % gpus) for r, (lay, p) in enumerate(zip(lays, ptrs))]
         # GPU blocks only: every grant is written by prefill's kernel straight into them
         sched = DecodeScheduler(num_layers=4, gpu=BlockPool(nb), buffer=None,
                                 options=SchedulerOptions(direct_to_gpu=True, lease_s=10.0))
         # auto: a GPU cache offers cuda_ipc first, and decode checks the GPU can map its memory
         rx = DecodeReceiver(sched, lays, bufs, nb, transports=("cuda_ipc", "shm"), gpu_caches=gspecs, auto_tick=True)
         procs = [_spawn("prefill", "--control", rx.control_address, "--transport", transport, "--gpu",
+                        "--device", str((r + 1) % gpus),
                         "--tp", str(P), "--rank", str(r), "--blocks", "5", "--timeout", "10", "--instance", "gpf")
                  for r in range(P)]
         outs = [_lines(p, 6, timeout=60)[-1] for p in procs]

@@ -222,6 +222,63 @@ def test_cuda_swap_every_strategy_both_directions(strategy, layerwise, n, k, tok
             _ffi.cuda.free(dptr)
 
 
+@pytest.mark.cuda
+def test_cuda_swap_on_a_second_gpu_called_from_threads_on_the_first(strategy, no_leaks):
+    """A cache on device 1, the engine made and called from threads whose current device is
+    0 (a new thread's default): the copies land, and no caller's device is changed."""
+    import threading
+
+    if _ffi.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    L = lay(num_layers=2, kv_heads=8, head_dim=128, tokens_per_block=16)
+    n = 128
+    size = L.block_bytes * n
+    with SharedBuffer.create(size, require_pinned=True) as sb:
+        bspec = CacheSpec.for_buffer(L, n, sb.address)
+        _ffi.cuda.set_device(1)
+        dptr = _ffi.cuda.malloc(size)
+        _ffi.cuda.memset(dptr, 0xEE, size)
+        _ffi.cuda.set_device(0)
+        try:
+            gspec = CacheSpec.for_buffer(L, n, dptr, device=1)
+            host = np.frombuffer(sb.buf, np.uint8)
+            host[:] = np.random.default_rng(4).integers(0, 256, size, dtype=np.uint8)
+            ref = host.copy()
+            rng = np.random.default_rng(5)
+            src, dst = rng.permutation(n)[:100].tolist(), rng.permutation(n)[:100].tolist()
+            seen: list[int] = []
+            with SwapEngine(bspec, gspec, strategy=strategy) as eng:
+                assert eng.device == 1 and _ffi.cuda.current_device() == 0
+
+                def other_thread():
+                    seen.append(_ffi.cuda.current_device())
+                    eng.copy(src, dst).wait(30)
+                    seen.append(_ffi.cuda.current_device())
+
+                t = threading.Thread(target=other_thread)
+                t.start()
+                t.join(60)
+                assert seen == [0, 0]
+                back = np.empty(size, np.uint8)
+                _ffi.cuda.memcpy(back.ctypes.data, dptr, size)
+                tb = L.tensor_block_bytes(0)
+                for layer in range(L.total_layers):
+                    for ti in range(2):
+                        for s_, d_ in zip(src, dst):
+                            so, do = bspec.address(layer, ti, s_) - sb.address, gspec.address(layer, ti, d_) - dptr
+                            assert (back[do:do + tb] == ref[so:so + tb]).all(), (layer, ti, s_, d_)
+                host[:] = 0x55
+                eng.copy(dst, src, direction="d2h").wait(30)
+                for s_, d_ in zip(src, dst):
+                    so, do = bspec.address(1, 1, s_) - sb.address, gspec.address(1, 1, d_) - dptr
+                    assert (host[so:so + tb] == back[do:do + tb]).all()
+                assert _ffi.cuda.current_device() == 0
+            del host
+        finally:
+            _ffi.cuda.free(dptr)
+            _ffi.cuda.set_device(0)
+
+
 class FakeStreamCuda:
     """Just enough of ``_ffi.cuda`` for the batch and memcpy strategies on host memory:
     copies are queued, and run when an event recorded after them is queried (the "GPU"
@@ -232,23 +289,29 @@ class FakeStreamCuda:
         self.events: dict[int, int] = {}
         self.fail_on_call = fail_on_call
         self.submits = 0
+        self.current = 0  # the calling thread's current device (one thread in these tests)
+        self.devices: set[int] = set()  # current device at each stream/event call and submission
 
     def install(self, monkeypatch):
-        for name in ("device_count", "set_device", "batch_copy_supported", "stream_create", "stream_destroy",
+        for name in ("device_count", "set_device", "current_device", "batch_copy_supported", "stream_create", "stream_destroy",
                      "stream_synchronize", "event_create", "event_record", "event_query", "event_destroy",
                      "memcpy_batch_async", "memcpy_async"):
             monkeypatch.setattr(_ffi.cuda, name, getattr(self, name))
 
     def device_count(self):
-        return 1
+        return 2
 
     def set_device(self, d):
-        pass
+        self.current = d
+
+    def current_device(self):
+        return self.current
 
     def batch_copy_supported(self):
         return True
 
     def stream_create(self, nonblocking=True):
+        self.devices.add(self.current)
         return 7
 
     def stream_destroy(self, s):
@@ -258,6 +321,7 @@ class FakeStreamCuda:
         self._run(len(self.queue))
 
     def event_create(self, timing=False):
+        self.devices.add(self.current)
         e = 100 + len(self.events)
         self.events[e] = -1
         return e
@@ -285,6 +349,7 @@ class FakeStreamCuda:
         self.events.pop(e, None)
 
     def _submit(self):
+        self.devices.add(self.current)
         self.submits += 1
         if self.fail_on_call == self.submits:
             raise RuntimeError(f"injected failure on submission {self.submits}")
@@ -316,6 +381,28 @@ def test_sub_batched_copy_lands_every_pair(strategy, monkeypatch):
         for t in range(2):
             for s_, d_ in zip(src, dst):
                 np.testing.assert_array_equal(gpu.block(layer, t, d_), buf.block(layer, t, s_))
+
+
+@pytest.mark.parametrize("strategy", ["batch", "memcpy"])
+def test_engine_works_on_its_cache_device_and_gives_the_caller_its_own_back(strategy, monkeypatch):
+    """CUDA's current device is per thread: an engine for a cache on device 1, called from a
+    thread on device 0, makes its streams, events and copies on device 1 and leaves the
+    thread on device 0."""
+    fake = FakeStreamCuda()
+    fake.install(monkeypatch)
+    L = lay()
+    buf, gpu = HostCache(L, 64), HostCache(L, 64)
+    gpu.spec.device = 1
+    buf.arr[:] = np.arange(buf.arr.size, dtype=np.uint64).astype(np.uint8)
+    with SwapEngine(buf.spec, gpu.spec, strategy=strategy) as eng:
+        assert eng.device == 1 and fake.current == 0
+        eng.copy([1, 2, 3], [4, 5, 6]).wait(10)
+        assert fake.current == 0
+    assert fake.devices == {1} and fake.current == 0
+    for s_, d_ in zip([1, 2, 3], [4, 5, 6]):
+        np.testing.assert_array_equal(gpu.block(0, 0, d_), buf.block(0, 0, s_))
+    with pytest.raises(SwapError, match="device=0, but the GPU cache is on device 1"):
+        SwapEngine(buf.spec, gpu.spec, strategy=strategy, device=0)
 
 
 @pytest.mark.parametrize("strategy", ["batch", "memcpy"])

@@ -88,11 +88,20 @@ def test_gpu_modes_say_no_gpu_on_a_cpu_host(args, tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("extra", [["--transport", "cuda_ipc"],
                                    ["--transport", "cuda_ipc", "--prefill-tp", "2", "--decode-tp", "4"],
-                                   ["--transport", "shm", "--prefill-gpu", "--prefill-tp", "4", "--decode-tp", "2"]])
+                                   ["--transport", "shm", "--prefill-gpu", "--prefill-tp", "4", "--decode-tp", "2"],
+                                   # two GPUs: prefill ranks on one, decode ranks spread over both
+                                   ["--transport", "cuda_ipc", "--prefill-tp", "2", "--decode-tp", "2",
+                                    "--prefill-devices", "1", "--decode-devices", "0,1"],
+                                   ["--transport", "shm", "--prefill-gpu", "--prefill-tp", "2", "--decode-tp", "2",
+                                    "--prefill-devices", "1,0", "--decode-devices", "0,1"]])
 def test_local_mode_gpu_caches_every_byte(cuda_device, extra, tmp_path, no_leaks):
     # 16 GPU blocks for 10 requests of 2-13 blocks sent at once: with cuda_ipc the first
     # requests get GPU blocks (written by prefill directly), the rest go through the buffer
     # and a swap; both are verified in GPU memory
+    from pdkv import _ffi
+
+    if "--decode-devices" in extra and _ffi.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
     p, rep = run(SMALL + extra, tmp_path, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     assert rep["gpu"] and rep["requests_ready"] == 10 and rep["requests_failed"] == 0
@@ -102,6 +111,8 @@ def test_local_mode_gpu_caches_every_byte(cuda_device, extra, tmp_path, no_leaks
         assert 0 < rep["requests_into_gpu_blocks"] < 10
     else:
         assert rep["requests_into_gpu_blocks"] == 0
+    if "--decode-devices" in extra:
+        assert rep["decode_devices"] == [0, 1] and rep["prefill_devices"] == ([1, 1] if "cuda_ipc" in extra else [1, 0])
 
 
 def test_unreachable_decode_is_one_line(tmp_path):

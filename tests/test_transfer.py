@@ -352,23 +352,26 @@ def test_rejected_when_full(no_leaks):
 
 @pytest.mark.cuda
 @pytest.mark.multiproc
-@pytest.mark.parametrize("P,D", [(1, 1), (1, 2), (2, 1), (4, 2)])
-def test_shm_from_gpu_caches_uses_the_swap_kernel(cuda_device, P, D, no_leaks):
+@pytest.mark.parametrize("P,D,gpus", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (4, 2, 1), (2, 1, 2), (4, 2, 2)])
+def test_shm_from_gpu_caches_uses_the_swap_kernel(cuda_device, P, D, gpus, no_leaks):
     # P > 1: several GPU-cache senders in one process, each with its own engine and its own
-    # registration of decode's buffers
+    # registration of decode's buffers; gpus=2: rank r's cache on device r % 2, every
+    # sender driven from this thread, whose current device stays 0
     from pdkv import _ffi
 
+    if _ffi.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA devices")
     dec = Decode(D=D)
     ptrs = []
     try:
         txs, hosts, specs, lays = [], [], [], []
         for r in range(P):
             lay, arr, _ = prefill_cache(P, r)
-            ptr = _ffi.cuda.malloc(arr.nbytes)
+            with _ffi.cuda.on_device(r % gpus):
+                ptr = _ffi.cuda.malloc(arr.nbytes)
             ptrs.append(ptr)
             _ffi.cuda.memcpy(ptr, arr.ctypes.data, arr.nbytes)
-            gspec = CacheSpec.for_buffer(lay, 64, ptr, )
-            gspec.device = 0
+            gspec = CacheSpec.for_buffer(lay, 64, ptr, device=r % gpus)
             hosts.append(arr)
             specs.append(CacheSpec.for_buffer(lay, 64, arr.ctypes.data))  # same bytes, host copy for checking
             lays.append(lay)
@@ -391,6 +394,7 @@ def test_shm_from_gpu_caches_uses_the_swap_kernel(cuda_device, P, D, no_leaks):
                         assert dec.block(dst.tp_rank, layer, t, b) == expected_block(lays, specs, sb, dst, layer, t, gi)
         for tx in txs:
             tx.close()
+        assert _ffi.cuda.current_device() == 0
     finally:
         for p in ptrs:
             _ffi.cuda.free(p)

@@ -10,7 +10,11 @@ ceiling) and the swap engine's kernel doing the same scattered copy with no tran
 (the bare copy). The clock runs from handing the layer to the sender until every
 request's outcome is back; grants are taken before.
 
-Needs a CUDA GPU and torch.   python tools/bench_cuda_ipc.py [--sizes-kib 32,128,1024]
+With --decode-device N the decode process's cache is on GPU N while prefill's stays on
+GPU 0: the transport writes over the peer link, and the ceiling and the bare copy also go
+from GPU 0 into GPU N's memory.
+
+Needs a CUDA GPU and torch.   python tools/bench_cuda_ipc.py [--sizes-kib 32,128,1024] [--decode-device 1]
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ def decode_main(a: argparse.Namespace) -> None:
 
     lay = layout_for(a.kib)
     nb = (a.gib << 30) // lay.block_bytes
+    torch.cuda.set_device(a.decode_device)
     gpu = torch.zeros(nb * lay.block_bytes, dtype=torch.uint8, device="cuda")
-    gspec = pdkv.CacheSpec.for_buffer(lay, nb, gpu.data_ptr())
-    gspec.device = 0
+    gspec = pdkv.CacheSpec.for_buffer(lay, nb, gpu.data_ptr(), device=a.decode_device)
     buf = pdkv.SharedBuffer.create(pdkv.CacheSpec.buffer_bytes(lay, 1))
     sched = pdkv.DecodeScheduler(num_layers=1, gpu=pdkv.BlockPool(nb),
                                  options=pdkv.SchedulerOptions(direct_to_gpu=True, lease_s=60))
@@ -80,6 +84,7 @@ def main() -> int:
     ap.add_argument("--sizes-kib", default="32,128,1024")
     ap.add_argument("--gib", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--decode-device", type=int, default=0, help="decode's GPU (prefill uses GPU 0)")
     ap.add_argument("--role", default="prefill", help=argparse.SUPPRESS)
     ap.add_argument("--kib", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -97,7 +102,8 @@ def main() -> int:
         bb = lay.block_bytes
         nb = (a.gib << 30) // bb
         total = nb * bb
-        child = subprocess.Popen([sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib)],
+        child = subprocess.Popen([sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib),
+                                  "--decode-device", str(a.decode_device)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
         def ask(cmd):
@@ -108,27 +114,33 @@ def main() -> int:
         try:
             info = json.loads(child.stdout.readline())
             src = pattern(torch, nb, bb).view(torch.uint8).view(-1)
-            spec = pdkv.CacheSpec.for_buffer(lay, nb, src.data_ptr())
-            spec.device = 0
-            local = torch.empty_like(src)
+            spec = pdkv.CacheSpec.for_buffer(lay, nb, src.data_ptr(), device=0)
+            # the ceiling's and the bare copy's destination: on decode's GPU
+            local = torch.empty_like(src, device=f"cuda:{a.decode_device}")
             lspec = pdkv.CacheSpec.for_buffer(lay, nb, local.data_ptr())
+            if a.decode_device != 0:
+                pdkv._ffi.cuda.enable_peer_access(a.decode_device)  # the bare kernel writes GPU N's memory
             perm = np.random.default_rng(kib).permutation(nb)
             nreq, per = 16, nb // 16
             tx = pdkv.PrefillSender(lay, spec, info["control"], transport="cuda_ipc", timeout_s=60, instance="bench")
             eng = SwapEngine(spec, lspec)
             counter = [0]
 
+            def sync():
+                for d in {0, a.decode_device}:
+                    torch.cuda.synchronize(d)
+
             def ceiling():
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 local.copy_(src)
-                torch.cuda.synchronize()
+                sync()
                 return total / (time.perf_counter() - t0)
 
             plan = plan_copy(spec, lspec, perm[:nreq * per], np.arange(nreq * per))
 
             def bare():
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 eng.copy_plan(plan, direction="d2d").wait(60)
                 return nreq * per * bb / (time.perf_counter() - t0)
@@ -164,7 +176,8 @@ def main() -> int:
             from pdkv.shm_clean import clean_segments
 
             clean_segments(dry_run=False)
-    print(f"{a.gib} GiB per run, random order, every block verified by decode; GB/s (ratio)")
+    where = "one GPU" if a.decode_device == 0 else f"prefill on GPU 0, decode on GPU {a.decode_device}"
+    print(f"{a.gib} GiB per run, {where}, random order, every block verified by decode; GB/s (ratio)")
     print(f"{'KiB':>6} {'cuda_ipc':>16} {'bare kernel copy':>17} {'D2D ceiling':>12}")
     for kib, r in rows:
         print(f"{kib:>6} {r['ipc'] / 1e9:>9.1f} ({r['ratio']:.2f}) {r['bare'] / 1e9:>10.1f} ({r['vs_bare']:.2f}) "
@@ -173,7 +186,8 @@ def main() -> int:
           "ceiling: one contiguous device-to-device copy of the same bytes in one process)")
     print(json.dumps({"ipc_vs_ceiling_min": round(min(r["ratio"] for r in out.values()), 3),
                       "ipc_vs_bare_min": round(min(r["vs_bare"] for r in out.values()), 3),
-                      "ipc_GBps": {str(k): round(r["ipc"] / 1e9, 1) for k, r in out.items()}}))
+                      "ipc_GBps": {str(k): round(r["ipc"] / 1e9, 1) for k, r in out.items()},
+                      "decode_device": a.decode_device}))
     return 0
 
 

@@ -8,9 +8,10 @@ driver or device; :func:`event_query` is ``False`` while work is pending.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import CudaError, CudaUnavailableError
@@ -20,8 +21,10 @@ __all__ = [
     "compile_kernel",
     "device_count",
     "compute_capability",
+    "enable_peer_access",
     "current_device",
     "set_device",
+    "on_device",
     "host_register",
     "host_unregister",
     "host_device_pointer",
@@ -191,6 +194,22 @@ def current_device() -> int:
     return int(_call(_rt().cudaGetDevice(), "cudaGetDevice"))
 
 
+@contextlib.contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Make ``device`` current in this thread for the block, and the caller's device again
+    after it. CUDA's current device is per thread and decides where events, streams,
+    kernels and IPC mappings are made; a library call must neither depend on the caller's
+    choice nor change it."""
+    prev = current_device()
+    if prev != device:
+        set_device(device)
+    try:
+        yield
+    finally:
+        if prev != device:
+            set_device(prev)
+
+
 def compute_capability(device: int) -> tuple[int, int]:
     rt = _rt()
     a = rt.cudaDeviceAttr
@@ -303,6 +322,16 @@ def device_uuids() -> list[str]:
 def can_access_peer(device: int, peer: int) -> bool:
     rt = _rt()
     return bool(_call(rt.cudaDeviceCanAccessPeer(device, peer), "cudaDeviceCanAccessPeer"))
+
+
+def enable_peer_access(peer: int) -> None:
+    """Let kernels on the current device address ``peer``'s memory (already enabled: fine)."""
+    rt = _rt()
+    (status,) = rt.cudaDeviceEnablePeerAccess(peer, 0)
+    if int(status) == int(rt.cudaError_t.cudaErrorPeerAccessAlreadyEnabled):
+        rt.cudaGetLastError()  # the runtime also keeps it as the sticky last error
+        return
+    _call((status,), "cudaDeviceEnablePeerAccess")
 
 
 def multiprocessor_count(device: int) -> int:
