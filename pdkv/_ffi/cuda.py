@@ -444,36 +444,43 @@ def memcpy_batch_async(
 
 # ---------------------------------------------------------------- NVRTC kernels
 
-_kernels: dict[tuple[str, str, tuple[int, int]], Any] = {}
+_cubins: dict[tuple[str, str, tuple[int, int]], bytes] = {}
+_kernels: dict[tuple[str, str, int], Any] = {}
 
 
 def compile_kernel(source: str, name: str, device: int | None = None) -> Any:
-    """Compile ``source`` with NVRTC for ``device``'s architecture and return the function.
+    """Compile ``source`` with NVRTC for ``device``'s architecture and return the function
+    loaded on ``device`` (the current one if None).
 
-    Cached in-process by (source, name, architecture): a kernel compiles once per process.
+    A kernel compiles once per process and architecture, and is loaded once per device: a
+    loaded function belongs to its device's context and cannot be launched on another.
     """
     dev = current_device() if device is None else device
     arch = compute_capability(dev)
-    key = (source, name, arch)
     with _lock:
-        fn = _kernels.get(key)
+        fn = _kernels.get((source, name, dev))
         if fn is not None:
             return fn
-        nv = _nvrtc()
+        cubin = _cubins.get((source, name, arch))
+        if cubin is None:
+            nv = _nvrtc()
+            prog = _check_nvrtc(nv.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []),
+                                "nvrtcCreateProgram")
+            try:
+                opts = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), b"-std=c++17", b"--use_fast_math"]
+                _check_nvrtc(nv.nvrtcCompileProgram(prog, len(opts), opts), "nvrtcCompileProgram", prog)
+                size = _check_nvrtc(nv.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+                cubin = b" " * size
+                _check_nvrtc(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            finally:
+                nv.nvrtcDestroyProgram(prog)
+            _cubins[(source, name, arch)] = cubin
         drv = _drv()
-        _call(_rt().cudaFree(0), "cudaFree(0)")  # make the primary context current
-        prog = _check_nvrtc(nv.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []), "nvrtcCreateProgram")
-        try:
-            opts = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), b"-std=c++17", b"--use_fast_math"]
-            _check_nvrtc(nv.nvrtcCompileProgram(prog, len(opts), opts), "nvrtcCompileProgram", prog)
-            size = _check_nvrtc(nv.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            cubin = b" " * size
-            _check_nvrtc(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        finally:
-            nv.nvrtcDestroyProgram(prog)
-        module = _check_drv(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
-        fn = _check_drv(drv.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
-        _kernels[key] = fn
+        with on_device(dev):
+            _call(_rt().cudaFree(0), "cudaFree(0)")  # make the device's primary context current
+            module = _check_drv(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
+            fn = _check_drv(drv.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+        _kernels[(source, name, dev)] = fn
         return fn
 
 
