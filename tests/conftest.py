@@ -67,6 +67,11 @@ def cuda_device() -> int:
 
     if _ffi.cuda.device_count() == 0:  # absent statuses map to 0; all others raise
         pytest.skip("no CUDA device")
+    # every device's context made now, once: the driver's files for a context opened inside a
+    # test would read as leaked descriptors
+    for d in range(_ffi.cuda.device_count()):
+        with _ffi.cuda.on_device(d):
+            _ffi.cuda.free(_ffi.cuda.malloc(1 << 20))
     _ffi.cuda.set_device(0)
     return 0
 

@@ -79,6 +79,9 @@ def main() -> int:
             cs.append(time.perf_counter() - t0)
         return statistics.median(ps), statistics.median(cs)
 
+    print(f"{N} scattered blocks per call, {a.reps} calls back to back, GB/s (ratio to the one-large-copy ceiling)")
+    print(f"{'KiB':>5} {'dir':>4} {'pdkv':>14} {'1 batch call':>14} {'torch loop':>14} {'ceiling':>8} {'pdkv 1 call ms':>15}",
+          flush=True)
     for kib in [int(x) for x in a.sizes_kib.split(",")]:
         size = kib << 10
         T = size // (2 * 512)
@@ -179,15 +182,14 @@ def main() -> int:
             c = res[("ceiling", direction)]
             rows.append((kib, direction, res[("auto", direction)], res[("batch", direction)], res[("torch", direction)], c,
                          res[("auto", direction, "latency_ms")]))
+            _, d, k, b, t, c, lat = rows[-1]
+            print(f"{kib:>5} {d:>4} {k:>7.1f} ({k / c:.2f}) {b:>7.1f} ({b / c:.2f}) {t:>7.1f} ({t / c:.2f}) {c:>8.1f} "
+                  f"{lat:>15.2f}", flush=True)
         out[kib] = res
         del host, hv, gv, pinned, flat, gpu
         torch.cuda.empty_cache()
         buf.close()
         buf.unlink()
-    print(f"{N} scattered blocks per call, {a.reps} calls back to back, GB/s (ratio to the one-large-copy ceiling)")
-    print(f"{'KiB':>5} {'dir':>4} {'pdkv':>14} {'1 batch call':>14} {'torch loop':>14} {'ceiling':>8} {'pdkv 1 call ms':>15}")
-    for kib, d, k, b, t, c, lat in rows:
-        print(f"{kib:>5} {d:>4} {k:>7.1f} ({k / c:.2f}) {b:>7.1f} ({b / c:.2f}) {t:>7.1f} ({t / c:.2f}) {c:>8.1f} {lat:>15.2f}")
     print("(throughput: calls submitted back to back; 1 call: submit-to-done wall time of one call, planning included)")
     h2d = [r[2] / r[5] for r in rows if r[1] == "h2d"]
     d2h = [r[2] / r[5] for r in rows if r[1] == "d2h"]
