@@ -173,6 +173,21 @@ def strategy(request, cuda_device):
     return request.param
 
 
+def _gpu_has_every_pair(L, bspec, ref, gspec, size, src, dst):
+    """The GPU cache copied back: every (src, dst) pair of every layer and tensor holds the
+    buffer's bytes (``ref``: the buffer before the copy). Returns the copy."""
+    bbase, gbase = bspec.region(0, 0)[0], gspec.region(0, 0)[0]
+    back = np.empty(size, np.uint8)
+    _ffi.cuda.memcpy(back.ctypes.data, gbase, size)
+    tb = L.tensor_block_bytes(0)
+    for layer in range(L.total_layers):
+        for t in range(2):
+            for s_, d_ in zip(src, dst):
+                so, do = bspec.address(layer, t, s_) - bbase, gspec.address(layer, t, d_) - gbase
+                assert (back[do:do + tb] == ref[so:so + tb]).all(), (layer, t, s_, d_)
+    return back
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("layerwise", [False, True])
 @pytest.mark.parametrize("n,k,tokens", [(64, 40, 16), (2048, 1500, 2)])  # 1500: launched in two parts
@@ -197,15 +212,8 @@ def test_cuda_swap_every_strategy_both_directions(strategy, layerwise, n, k, tok
                     h.wait_layer(0, 30)
                 h.wait(30)
                 assert h.error is None
-                back = np.empty(size, np.uint8)
-                _ffi.cuda.memcpy(back.ctypes.data, dptr, size)
+                back = _gpu_has_every_pair(L, bspec, ref, gspec, size, src, dst)
                 tb = L.tensor_block_bytes(0)
-                for layer in range(L.total_layers):
-                    for t in range(2):
-                        for s_, d_ in zip(src, dst):
-                            so = bspec.address(layer, t, s_) - sb.address
-                            do = gspec.address(layer, t, d_) - dptr
-                            assert (back[do:do + tb] == ref[so:so + tb]).all(), (layer, t, s_, d_)
                 untouched = sorted(set(range(n)) - set(dst))
                 for d_ in untouched:
                     do = gspec.address(0, 0, d_) - dptr
@@ -259,14 +267,8 @@ def test_cuda_swap_on_a_second_gpu_called_from_threads_on_the_first(strategy, no
                 t.start()
                 t.join(60)
                 assert seen == [0, 0]
-                back = np.empty(size, np.uint8)
-                _ffi.cuda.memcpy(back.ctypes.data, dptr, size)
+                back = _gpu_has_every_pair(L, bspec, ref, gspec, size, src, dst)
                 tb = L.tensor_block_bytes(0)
-                for layer in range(L.total_layers):
-                    for ti in range(2):
-                        for s_, d_ in zip(src, dst):
-                            so, do = bspec.address(layer, ti, s_) - sb.address, gspec.address(layer, ti, d_) - dptr
-                            assert (back[do:do + tb] == ref[so:so + tb]).all(), (layer, ti, s_, d_)
                 host[:] = 0x55
                 eng.copy(dst, src, direction="d2h").wait(30)
                 for s_, d_ in zip(src, dst):
