@@ -9,7 +9,10 @@ every byte verified in the decode's (GPU) blocks, and a summary.
 
 ``--prefill-gpu`` keeps each prefill rank's cache in GPU memory (shm then writes the
 buffer with the swap engine's kernel); ``--transport cuda_ipc`` (same host, a GPU) has
-prefill write decode's GPU blocks directly, and the buffer only when they are full.
+prefill write decode's GPU blocks directly, and the buffer only when they are full. Under
+the default ``auto``, decode with GPU blocks serves cuda_ipc too, so ``--prefill-gpu``
+alone gets what an engine's GPU-cache sender gets: cuda_ipc where the GPUs reach each
+other, else shm. Prefill ranks with host caches (the default) take shm or tcp.
 """
 
 from __future__ import annotations
@@ -186,7 +189,10 @@ class DecodeSide:
         self.nb, self.gpu_blocks = nb, gpu_blocks
         self.cuda = _ffi.cuda.device_count() > 0 and not a.no_gpu
         self.devices = _devices(a.decode_devices, "--decode-devices")  # decode rank r on devices[r % n]
-        ipc = a.transport == "cuda_ipc"  # _check_args made sure there is a GPU and no --no-gpu
+        # cuda_ipc asked for (_check_args made sure of a GPU and no --no-gpu), or under auto
+        # with GPU blocks: served beside the others, as a decode engine with GPU caches
+        # would; only prefill ranks with GPU caches on this host take it
+        ipc = a.transport == "cuda_ipc" or (a.transport == "auto" and self.cuda)
         gspecs: list[CacheSpec] = []
         self.bufs = []
         self.gpu_mem: list[Any] = []
@@ -221,7 +227,7 @@ class DecodeSide:
                 listener=self._on_event)
             self.rx = DecodeReceiver(self.sched, self.lays, self.bufs, nb, control=listen, data_host=a.data_host,
                                      secret=a.secret.encode() if a.secret else None, auto_tick=True,
-                                     transports=_served(a.transport), gpu_caches=gspecs if ipc else None,
+                                     transports=_served(a.transport, ipc), gpu_caches=gspecs if ipc else None,
                                      peer_timeout_s=a.timeout)
         except BaseException:
             self.close()
@@ -896,14 +902,14 @@ def _devices(value: str, flag: str) -> list[int]:
     return devs
 
 
-def _served(transport: str) -> list[str]:
+def _served(transport: str, gpu_blocks: bool = False) -> list[str]:
     """What the decode side serves: the one asked for, or under auto shm, rdma (where this
-    host has a device), tcp."""
+    host has a device), tcp, and cuda_ipc when decode's blocks are GPU memory. Prefill's
+    offer order decides among them."""
     if transport != "auto":
         return [transport]
-    from . import _ffi
-
-    return ["shm", "rdma", "tcp"] if _ffi.verbs.rdma_devices() else ["shm", "tcp"]
+    served = ["shm", "rdma", "tcp"] if _ffi.verbs.rdma_devices() else ["shm", "tcp"]
+    return (["cuda_ipc"] if gpu_blocks else []) + served
 
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console

@@ -86,7 +86,9 @@ def test_gpu_modes_say_no_gpu_on_a_cpu_host(args, tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.multiproc
-@pytest.mark.parametrize("extra", [["--transport", "cuda_ipc"],
+@pytest.mark.parametrize("extra", [[],  # the README's main job on a GPU host: host caches, shm, the buffer
+                                   ["--prefill-gpu"],  # auto from GPU caches: cuda_ipc, as an engine's sender
+                                   ["--transport", "cuda_ipc"],
                                    ["--transport", "cuda_ipc", "--prefill-tp", "2", "--decode-tp", "4"],
                                    ["--transport", "shm", "--prefill-gpu", "--prefill-tp", "4", "--decode-tp", "2"],
                                    # two GPUs: prefill ranks on one, decode ranks spread over both
@@ -107,7 +109,9 @@ def test_local_mode_gpu_caches_every_byte(cuda_device, extra, tmp_path, no_leaks
     assert rep["gpu"] and rep["requests_ready"] == 10 and rep["requests_failed"] == 0
     assert rep["verify_errors"] == 0 and rep["bytes_verified"] == rep["bytes_transferred"] > 0
     assert rep["peak_buffer_blocks"] > 0
-    if "cuda_ipc" in extra:
+    ipc = "cuda_ipc" in extra or extra == ["--prefill-gpu"]
+    assert rep["transports_chosen"] == (["cuda_ipc"] if ipc else ["shm"])
+    if ipc:
         assert 0 < rep["requests_into_gpu_blocks"] < 10
     else:
         assert rep["requests_into_gpu_blocks"] == 0
