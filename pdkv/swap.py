@@ -390,9 +390,9 @@ class SwapEngine:
     stream:
         CUDA stream for copies (default: one the engine creates, non-blocking).
     device:
-        CUDA device the copies run on: the GPU cache's (``gpu.device``) unless given, else 0.
-        The engine makes it current for each call and restores the caller's afterwards, so
-        it may be used from any thread.
+        CUDA device the copies run on: the GPU cache's (``gpu.device``) unless given, else
+        the device current in the constructing thread. The engine makes it current for each
+        call and restores the caller's afterwards, so it may be used from any thread.
     buffer_pinned:
         Whether ``buffer`` is registered with CUDA; GPU strategies refuse otherwise.
     layerwise:
@@ -411,14 +411,14 @@ class SwapEngine:
         if strategy not in ("auto", "kernel", "batch", "memcpy", "host"):
             raise ValueError(f"strategy={strategy!r} must be auto, kernel, batch, memcpy or host")
         if device is None:
-            device = gpu.device if gpu.device is not None else 0
+            device = gpu.device
         elif gpu.device is not None and gpu.device != device:
             raise SwapError(f"device={device}, but the GPU cache is on device {gpu.device}")
-        if not isinstance(device, int) or device < 0:
+        if device is not None and (not isinstance(device, int) or device < 0):
             raise ValueError(f"device={device!r} must be a CUDA device ordinal")
         self.buffer, self.gpu = buffer, gpu
         self.layerwise = layerwise
-        self.device = device
+        self.device: int | None = device  # GPU strategies resolve None below
         self._closed = False
         self._lock = threading.Lock()
         self._staging: list[tuple[_PinnedStaging, object]] = []
@@ -436,6 +436,9 @@ class SwapEngine:
                 raise SwapError(
                     "the CPU buffer is not pinned: GPU copies from pageable memory are synchronous and "
                     "~7x slower; create it with SharedBuffer.create(..., require_pinned=True)")
+            if device is None:  # a cache without a device: this thread's current one
+                device = _ffi.cuda.current_device()
+            self.device = self._dev = device
             # the engine's kernel, streams and events live on its device; every call makes
             # that device current for itself and gives the caller's back (on_device)
             with _ffi.cuda.on_device(device):
@@ -507,7 +510,7 @@ class SwapEngine:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self.strategy != "host":
-            with _ffi.cuda.on_device(self.device):
+            with _ffi.cuda.on_device(self._dev):
                 self._close_cuda()
 
     def _close_cuda(self) -> None:
@@ -564,7 +567,7 @@ class SwapEngine:
             return st
 
     def _run_cuda(self, plan: CopyPlan, layerwise: bool, stream: int, direction: str | None = None) -> CopyHandle:
-        with _ffi.cuda.on_device(self.device):  # events, launches and copies on the engine's device
+        with _ffi.cuda.on_device(self._dev):  # events, launches and copies on the engine's device
             return self._launch(plan, layerwise, stream, direction)
 
     def _launch(self, plan: CopyPlan, layerwise: bool, stream: int, direction: str | None) -> CopyHandle:

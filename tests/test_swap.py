@@ -405,6 +405,14 @@ def test_engine_works_on_its_cache_device_and_gives_the_caller_its_own_back(stra
         np.testing.assert_array_equal(gpu.block(0, 0, d_), buf.block(0, 0, s_))
     with pytest.raises(SwapError, match="device=0, but the GPU cache is on device 1"):
         SwapEngine(buf.spec, gpu.spec, strategy=strategy, device=0)
+    # a cache that names no device: the engine takes the constructing thread's current one
+    gpu.spec.device = None
+    fake.set_device(1)
+    with SwapEngine(buf.spec, gpu.spec, strategy=strategy) as eng:
+        fake.set_device(0)
+        assert eng.device == 1
+        eng.copy([7], [8]).wait(10)
+        assert fake.current == 0
 
 
 @pytest.mark.parametrize("strategy", ["batch", "memcpy"])
