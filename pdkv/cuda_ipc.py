@@ -76,30 +76,35 @@ def export_gpu_caches(layouts: Sequence[KVLayout], specs: Sequence[CacheSpec], p
             raise LayoutError(f"rank {lay.tp_rank}'s GPU cache has {spec.num_blocks} blocks; "
                               f"the scheduler's GPU pool hands out {pool_blocks}")
         with _ffi.cuda.on_device(spec.device):  # handles are made in the cache's device context
-            allocs: list[tuple[int, int]] = []
-            regions = []
-            for layer in range(lay.total_layers):
-                for t in range(len(lay.tensors)):
-                    base, stride = spec.region(layer, t)
-                    abase, asize = _ffi.cuda.address_range(base)
-                    if _region_end(base, stride, spec.num_blocks, lay.tensor_block_bytes(t)) > abase + asize:
-                        raise LayoutError(f"rank {lay.tp_rank}, layer {layer}, tensor {t}: the region spans more "
-                                          "than one allocation (one IPC handle per allocation)")
-                    try:
-                        idx = allocs.index((abase, asize))
-                    except ValueError:
-                        idx = len(allocs)
-                        allocs.append((abase, asize))
-                    regions.append([idx, base - abase, stride])
-            try:
-                handles = [{"handle": _ffi.cuda.ipc_get_handle(b), "size": n} for b, n in allocs]
-            except CudaError as exc:
-                raise LayoutError(f"rank {lay.tp_rank}'s GPU cache cannot be exported for CUDA IPC ({exc}); memory "
-                                  "from cuMemCreate, such as torch's expandable segments, has no legacy IPC "
-                                  "handle: allocate the cache with cudaMalloc or serve shm instead") from exc
-            ranks.append({"rank": lay.tp_rank, "device_uuid": _ffi.cuda.device_uuid(spec.device),
-                          "num_blocks": spec.num_blocks, "allocs": handles, "regions": regions})
+            ranks.append(_export_rank(lay, spec))
     return {"ranks": ranks}
+
+
+def _export_rank(lay: KVLayout, spec: CacheSpec) -> dict[str, Any]:
+    """One rank's ``Welcome.cuda`` entry; the cache's device is current."""
+    allocs: list[tuple[int, int]] = []
+    regions = []
+    for layer in range(lay.total_layers):
+        for t in range(len(lay.tensors)):
+            base, stride = spec.region(layer, t)
+            abase, asize = _ffi.cuda.address_range(base)
+            if _region_end(base, stride, spec.num_blocks, lay.tensor_block_bytes(t)) > abase + asize:
+                raise LayoutError(f"rank {lay.tp_rank}, layer {layer}, tensor {t}: the region spans more "
+                                  "than one allocation (one IPC handle per allocation)")
+            try:
+                idx = allocs.index((abase, asize))
+            except ValueError:
+                idx = len(allocs)
+                allocs.append((abase, asize))
+            regions.append([idx, base - abase, stride])
+    try:
+        handles = [{"handle": _ffi.cuda.ipc_get_handle(b), "size": n} for b, n in allocs]
+    except CudaError as exc:
+        raise LayoutError(f"rank {lay.tp_rank}'s GPU cache cannot be exported for CUDA IPC ({exc}); memory "
+                          "from cuMemCreate, such as torch's expandable segments, has no legacy IPC "
+                          "handle: allocate the cache with cudaMalloc or serve shm instead") from exc
+    return {"rank": lay.tp_rank, "device_uuid": _ffi.cuda.device_uuid(spec.device),
+            "num_blocks": spec.num_blocks, "allocs": handles, "regions": regions}
 
 
 @dataclass(frozen=True)
