@@ -1217,7 +1217,11 @@ class PrefillSender:
             if len(msg.shm_names) != len(msg.ranks):
                 raise ProtocolError(f"welcome names {len(msg.shm_names)} buffers for {len(msg.ranks)} ranks")
             for rank, name, lay in zip(msg.ranks, msg.shm_names, layouts):
-                b = SharedBuffer.open(name, pin="auto" if self.cache.device is not None else "never", populate=True)
+                if self.cache.device is None:
+                    b = SharedBuffer.open(name, pin="never", populate=True)
+                else:  # pinned for the kernel, from the cache's device (no context made on another)
+                    with _ffi.cuda.on_device(self.cache.device):
+                        b = SharedBuffer.open(name, pin="auto", populate=True)
                 self._shm[rank] = b
                 need = CacheSpec.buffer_bytes(lay, msg.buffer_blocks)
                 if b.size < need:
