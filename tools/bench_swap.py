@@ -186,7 +186,7 @@ def main() -> int:
             print(f"{kib:>5} {d:>4} {k:>7.1f} ({k / c:.2f}) {b:>7.1f} ({b / c:.2f}) {t:>7.1f} ({t / c:.2f}) {c:>8.1f} "
                   f"{lat:>15.2f}", flush=True)
         out[kib] = res
-        del host, hv, gv, pinned, flat, gpu
+        host = hv = gv = pinned = flat = gpu = None  # GPU and pinned memory freed before the next size
         torch.cuda.empty_cache()
         buf.close()
         buf.unlink()
