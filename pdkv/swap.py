@@ -418,7 +418,7 @@ class SwapEngine:
             raise ValueError(f"device={device!r} must be a CUDA device ordinal")
         self.buffer, self.gpu = buffer, gpu
         self.layerwise = layerwise
-        self.device: int | None = device  # GPU strategies resolve None below
+        self.device: int | None = device  # GPU strategies resolve None below (then always an int)
         self._closed = False
         self._lock = threading.Lock()
         self._staging: list[tuple[_PinnedStaging, object]] = []
@@ -438,32 +438,41 @@ class SwapEngine:
                     "~7x slower; create it with SharedBuffer.create(..., require_pinned=True)")
             if device is None:  # a cache without a device: this thread's current one
                 device = _ffi.cuda.current_device()
-            self.device = self._dev = device
+            self.device = device
             # the engine's kernel, streams and events live on its device; every call makes
             # that device current for itself and gives the caller's back (on_device)
             with _ffi.cuda.on_device(device):
-                if strategy == "kernel":
-                    try:
-                        self._fn = _ffi.cuda.compile_kernel(KERNEL_SOURCE, "pdkv_copy", device)
-                        # one CTA per chunk measured best on an H200 (exp: 50 vs 46.5 GB/s at
-                        # 16 KiB for a persistent 4-per-SM grid); the loop covers huge plans
-                        self._max_grid = (1 << 31) - 1
-                    except CudaUnavailableError:
-                        strategy = "batch"
-                if strategy == "batch" and not _ffi.cuda.batch_copy_supported():
-                    strategy = "memcpy"
-                if stream is None:
-                    self._stream = _ffi.cuda.stream_create(nonblocking=True)
-                    self._own_stream = True
-                else:
-                    self._stream = stream
-                if strategy == "kernel":
-                    # descriptors are uploaded on a side stream, so the upload for the next copy
-                    # overlaps the kernel of the one before instead of queueing behind it
-                    self._side = _ffi.cuda.stream_create(nonblocking=True)
+                try:
+                    strategy = self._init_cuda(strategy, stream, device)
+                except BaseException:
+                    self._close_cuda()  # a stream made before the failure is not left behind
+                    raise
         else:
             self._pool = ThreadPoolExecutor(max_workers=host_threads, thread_name_prefix="pdkv-swap")
         self.strategy: Strategy = strategy
+
+    def _init_cuda(self, strategy: Strategy, stream: int | None, device: int) -> Strategy:
+        """The kernel, streams and the strategy that runs (the device is current)."""
+        if strategy == "kernel":
+            try:
+                self._fn = _ffi.cuda.compile_kernel(KERNEL_SOURCE, "pdkv_copy", device)
+                # one CTA per chunk measured best on an H200 (exp: 50 vs 46.5 GB/s at
+                # 16 KiB for a persistent 4-per-SM grid); the loop covers huge plans
+                self._max_grid = (1 << 31) - 1
+            except CudaUnavailableError:
+                strategy = "batch"
+        if strategy == "batch" and not _ffi.cuda.batch_copy_supported():
+            strategy = "memcpy"
+        if stream is None:
+            self._stream = _ffi.cuda.stream_create(nonblocking=True)
+            self._own_stream = True
+        else:
+            self._stream = stream
+        if strategy == "kernel":
+            # descriptors are uploaded on a side stream, so the upload for the next copy
+            # overlaps the kernel of the one before instead of queueing behind it
+            self._side = _ffi.cuda.stream_create(nonblocking=True)
+        return strategy
 
     # ------------------------------------------------------------------ API
     def submit(self, request_id: str, buffer_blocks: Sequence[int], gpu_blocks: Sequence[int]) -> CopyHandle:
@@ -510,7 +519,7 @@ class SwapEngine:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self.strategy != "host":
-            with _ffi.cuda.on_device(self._dev):
+            with _ffi.cuda.on_device(self.device):
                 self._close_cuda()
 
     def _close_cuda(self) -> None:
@@ -567,7 +576,7 @@ class SwapEngine:
             return st
 
     def _run_cuda(self, plan: CopyPlan, layerwise: bool, stream: int, direction: str | None = None) -> CopyHandle:
-        with _ffi.cuda.on_device(self._dev):  # events, launches and copies on the engine's device
+        with _ffi.cuda.on_device(self.device):  # events, launches and copies on the engine's device
             return self._launch(plan, layerwise, stream, direction)
 
     def _launch(self, plan: CopyPlan, layerwise: bool, stream: int, direction: str | None) -> CopyHandle:

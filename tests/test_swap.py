@@ -415,6 +415,27 @@ def test_engine_works_on_its_cache_device_and_gives_the_caller_its_own_back(stra
         assert fake.current == 0
 
 
+def test_failed_construction_destroys_the_stream_it_made(monkeypatch):
+    fake = FakeStreamCuda()
+    fake.install(monkeypatch)
+    made, destroyed = [], []
+
+    def create(nonblocking=True):
+        if made:
+            raise RuntimeError("injected: no second stream")
+        made.append(7)
+        return 7
+
+    monkeypatch.setattr(_ffi.cuda, "stream_create", create)
+    monkeypatch.setattr(_ffi.cuda, "stream_destroy", destroyed.append)
+    monkeypatch.setattr(_ffi.cuda, "compile_kernel", lambda *a: object())
+    L = lay()
+    buf, gpu = HostCache(L, 8), HostCache(L, 8)
+    with pytest.raises(RuntimeError, match="no second stream"):
+        SwapEngine(buf.spec, gpu.spec, strategy="kernel")  # its own stream, then the side stream fails
+    assert destroyed == [7] and fake.current == 0
+
+
 @pytest.mark.parametrize("strategy", ["batch", "memcpy"])
 def test_failed_submission_drains_what_was_queued_before_raising(strategy, monkeypatch):
     fake = FakeStreamCuda(fail_on_call=3)
