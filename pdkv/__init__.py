@@ -21,7 +21,7 @@ from .scheduler import (
     SwapHandle,
 )
 from .shm import SharedBuffer
-from .interop import TensorInfo, cache_from_tensors, tensor_info
+from .interop import TensorInfo, aligned_empty, cache_from_tensors, tensor_info
 from .swap import CopyHandle, CopyPlan, SwapEngine, SwapGroup, plan_copy
 from .transfer import DecodeReceiver, PrefillSender, RequestOutcome, SendGrant
 
@@ -58,6 +58,7 @@ __all__ = [
     "TensorInfo",
     "tensor_info",
     "cache_from_tensors",
+    "aligned_empty",
     "tp_segments",
     *errors.__all__,
 ]

@@ -3,7 +3,8 @@
 
 :func:`tensor_info` reads a tensor's address, bytes, device, shape, dtype and contiguity
 without copying; :func:`cache_from_tensors` checks tensors against a :class:`KVLayout`
-(shape, dtype, contiguity, device) and builds the :class:`CacheSpec`.
+(shape, dtype, contiguity, device) and builds the :class:`CacheSpec`; :func:`aligned_empty`
+allocates a page-aligned host array for a cache built with numpy.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Literal
 from .errors import LayoutError
 from .layout import DTYPE_BITS, CacheSpec, KVLayout
 
-__all__ = ["TensorInfo", "tensor_info", "cache_from_tensors"]
+__all__ = ["TensorInfo", "tensor_info", "cache_from_tensors", "aligned_empty"]
 
 _NP_TYPESTR = {"<f2": "float16", "<u2": "bfloat16", "|u1": "uint8", "|i1": "uint8", "<i2": "bfloat16"}
 _NAMES = {
@@ -185,3 +186,30 @@ def cache_from_tensors(layout: KVLayout, tensors: Sequence[Any] | Sequence[Seque
         raise LayoutError(f"cache tensors live on several devices: {sorted(map(str, devices))}")
     out.device = devices.pop() if devices else None
     return out
+
+
+def aligned_empty(nbytes: int, align: int = 4096) -> Any:
+    """An uninitialised ``uint8`` numpy array of ``nbytes`` whose first byte is a multiple
+    of ``align`` (a power of two, at most 2 MiB).
+
+    For host KV caches built with numpy: a large ``np.empty`` / ``np.zeros`` starts 16 bytes
+    into its first page (malloc's chunk header), so every block of such a cache is 16 bytes
+    off the page and cache-line grid, and block copies from it run slower on some CPUs: on
+    the AMD EPYC development VM (glibc 2.36), 32 KiB blocks gathered in random order from
+    page offset 16 ran at 0.70 of a contiguous copy, from offsets 0, 64 or 2048 at 0.89-0.91
+    (``docs/PERF.md``). Engines' own allocators align already (torch's CPU allocator to 64
+    bytes, pinned ``cudaHostAlloc`` memory to a page).
+
+    The array owns its memory: it is a view of a slightly larger array, kept alive by
+    ``.base``.
+    """
+    import numpy as np
+
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise ValueError(f"nbytes={nbytes!r} must be a positive number of bytes")
+    if (not isinstance(align, int) or isinstance(align, bool) or align < 1 or align & (align - 1)
+            or align > 1 << 21):
+        raise ValueError(f"align={align!r} must be a power of two between 1 and 2 MiB")
+    raw = np.empty(nbytes + align, np.uint8)
+    off = -raw.ctypes.data % align
+    return raw[off:off + nbytes]

@@ -36,6 +36,7 @@ import numpy as np
 from . import _ffi
 from .blocks import BlockPool
 from .errors import PdkvError
+from .interop import aligned_empty
 from .layout import CacheSpec, KVLayout
 from .scheduler import DecodeScheduler, Event, SchedulerOptions
 from .shm import SharedBuffer
@@ -210,7 +211,8 @@ class DecodeSide:
                     self.gpu_mem.append(ptr)
                     gspecs.append(CacheSpec.for_buffer(L, gpu_blocks, ptr, device=dev))
                 else:
-                    arr = np.zeros(size, np.uint8)
+                    arr = aligned_empty(size)  # page-aligned, as a real cache would be
+                    arr[:] = 0
                     self.gpu_mem.append(arr)
                     ptr = arr.ctypes.data
                 engines.append(SwapEngine(CacheSpec.for_buffer(L, nb, b.address),
@@ -338,7 +340,10 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
         # layer by layer on the engine's stream; the sender waits on each layer's event
         cache, spec = gpu.mirror, gpu.spec
     else:
-        cache = np.zeros(lay.block_bytes * nb, np.uint8)
+        # page-aligned, as an engine's allocator gives it: np.zeros would start 16 bytes
+        # into its page, which costs block copies on some CPUs (docs/PERF.md)
+        cache = aligned_empty(lay.block_bytes * nb)
+        cache[:] = 0
         spec = CacheSpec.for_buffer(lay, nb, cache.ctypes.data)
     host_spec = CacheSpec.for_buffer(lay, nb, cache.ctypes.data)  # where the pattern is written
     pool = BlockPool(nb, "prefill")

@@ -11,7 +11,7 @@ PUBLIC = {
     "__version__", "GIB", "BlockAllocator", "BlockPool", "CacheSpec", "CopyHandle", "CopyPlan", "DecodeReceiver",
     "DecodeScheduler", "Event", "Grant", "KVLayout", "PrefillSender", "ReadyRequest", "RequestInfo", "RequestOutcome",
     "Reservation", "SchedulerOptions", "Segment", "SendGrant", "SharedBuffer", "State", "SwapBackend", "SwapEngine", "SwapGroup",
-    "SwapHandle", "TensorInfo", "cache_from_tensors", "plan_copy", "tensor_info", "tp_segments",
+    "SwapHandle", "TensorInfo", "aligned_empty", "cache_from_tensors", "plan_copy", "tensor_info", "tp_segments",
     *pdkv.errors.__all__,
 }
 

@@ -3,7 +3,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdkv import KVLayout, LayoutError, cache_from_tensors, tensor_info
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdkv import CacheSpec, KVLayout, LayoutError, aligned_empty, cache_from_tensors, tensor_info
 
 
 def lay(**kw):
@@ -83,3 +86,28 @@ def test_torch_and_cupy_cuda_tensors(cuda_device):
     cs = [[cupy.zeros((6, 4, 4, 8), dtype=cupy.float16) for _ in range(2)] for _ in range(2)]
     spec = cache_from_tensors(lay(), cs)
     assert spec.address(0, "k", 0) == cs[0][0].data.ptr and spec.device == 0
+
+
+@given(st.integers(1, 1 << 20), st.integers(0, 21))
+def test_aligned_empty_is_aligned_sized_and_owned(nbytes, k):
+    a = aligned_empty(nbytes, 1 << k)
+    assert a.dtype == np.uint8 and a.shape == (nbytes,) and a.flags.writeable and a.flags.c_contiguous
+    assert a.ctypes.data % (1 << k) == 0
+    a[:] = 7  # the whole range is ours
+    assert a.base is not None and a.base.nbytes >= nbytes  # the allocation lives as long as the view
+
+
+@pytest.mark.parametrize("nbytes, align, what", [(-1, 64, "nbytes"), (0, 64, "nbytes"), (1.5, 64, "nbytes"), (True, 64, "nbytes"),
+                                                 (64, 3, "align"), (64, 0, "align"), (64, 1 << 22, "align")])
+def test_aligned_empty_refuses_bad_arguments(nbytes, align, what):
+    with pytest.raises(ValueError, match=what):
+        aligned_empty(nbytes, align)
+
+
+def test_cache_spec_alignment_is_the_worst_address():
+    lay = KVLayout(num_layers=2, kv_heads=1, head_dim=64, tokens_per_block=16, dtype="bf16")
+    assert lay.tensor_block_bytes(0) == 2048
+    buf = aligned_empty(CacheSpec.buffer_bytes(lay, 8) + 64)
+    assert CacheSpec.for_buffer(lay, 8, buf.ctypes.data).alignment == 2048  # the stride bounds it
+    assert CacheSpec.for_buffer(lay, 8, buf.ctypes.data + 16).alignment == 16
+    assert CacheSpec.for_buffer(lay, 8, buf.ctypes.data + 64).alignment == 64

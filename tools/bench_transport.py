@@ -12,7 +12,11 @@ outcome (received, verified by decode's accounting) is back; grants are taken be
 Control overhead: one-block requests, p50 of grant -> completion (from holding the grant
 to the definite outcome) and of the whole cycle including the reservation round trip.
 
-    python tools/bench_transport.py [--gib 1] [--sizes-kib 32,128,1024] [--streams 2]
+The prefill cache is page-aligned, as engines allocate theirs; ``--src-offset 16`` puts it
+where a large ``np.empty`` would start (16 bytes into its page), which costs block copies
+on some CPUs (docs/PERF.md).
+
+    python tools/bench_transport.py [--gib 1] [--sizes-kib 32,128,1024] [--streams 2] [--src-offset 0]
 """
 
 from __future__ import annotations
@@ -103,7 +107,10 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         info = json.loads(child.stdout.readline())
         nb = info["blocks"]
         total = nb * lay.block_bytes
-        src = np.random.default_rng(kib).integers(0, 256, total, dtype=np.uint8)
+        # the prefill cache: page-aligned, as an engine's allocator gives it (np.random's
+        # own array would start 16 bytes into its page; --src-offset reproduces that)
+        src = pdkv.aligned_empty(total + a.src_offset)[a.src_offset:]
+        src[:] = np.random.default_rng(kib).integers(0, 256, total, dtype=np.uint8)
         spec = pdkv.CacheSpec.for_buffer(lay, nb, src.ctypes.data)
         view_buf = pdkv.SharedBuffer.open(info["shm"], pin="never")
         dst = np.frombuffer(view_buf.buf, dtype=np.uint8)
@@ -222,9 +229,13 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--copy-threads", type=int, default=None,
                     help="shm copy threads (default: pdkv's, a quarter of the cores, 1-4); the ceiling uses as many")
+    ap.add_argument("--src-offset", type=int, default=0,
+                    help="bytes the prefill cache starts past a page boundary (default 0; a large np.empty: 16)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--control-requests", type=int, default=200)
     a = ap.parse_args()
+    if a.src_offset < 0:
+        ap.error(f"--src-offset {a.src_offset} must be >= 0")
     if a.copy_threads is None:
         a.copy_threads = default_copy_threads()
     if a.role == "decode":
@@ -235,7 +246,8 @@ def main() -> int:
     for kib in [int(x) for x in a.sizes_kib.split(",")]:
         run_size(kib, a, rows, out)
     print(f"{a.gib:g} GiB per run, random destination order, every byte verified; GiB/s (ratio);"
-          f" shm copy threads: {a.copy_threads} (pdkv and both baselines)")
+          f" shm copy threads: {a.copy_threads} (pdkv and both baselines);"
+          f" prefill cache {a.src_offset} B past a page boundary")
     print(f"{'KiB':>6} {'shm':>14} {'shm ceiling':>12} {'bare gather':>12} {'tcp':>14} {'socket loop':>12}"
           f" {'grant->done ms shm/tcp':>23} {'+reserve ms':>12}")
     for kib, s, sr, sc, bg, t, tr, sk, c1, c2, f1, f2 in rows:
@@ -255,6 +267,7 @@ def main() -> int:
         "shm_vs_bare_gather": round(min(r["shm_vs_bare_gather"] for r in out.values()), 3),
         "streams": a.streams,
         "copy_threads": a.copy_threads,
+        "src_offset": a.src_offset,
     }))
     return 0
 
