@@ -1737,6 +1737,15 @@ class PrefillSender:
             self._post(LayerBatch(layer, items[i:i + MAX_BATCH_ITEMS]))
 
     def _copy_pieces(self, layer: int, plans: list) -> None:
+        """Host-cache pieces into decode's buffer: the streaming copy loop where it runs
+        (``_ffi.cpu``: non-temporal stores, no read-for-ownership of the destination),
+        else numpy."""
+        if _ffi.cpu.available():
+            self._stream_pieces(layer, plans)
+        else:
+            self._numpy_pieces(layer, plans)
+
+    def _numpy_pieces(self, layer: int, plans: list) -> None:
         import numpy as np
 
         takes: list[tuple[Any, Any, Any]] = []  # (source rows, row ids, destination rows)
@@ -1776,6 +1785,50 @@ class PrefillSender:
         for sv, sbase, dv, dbase, src, dst, ln in rest:
             for so, do, n in zip((src - sbase).tolist(), (dst - dbase).tolist(), ln.tolist()):
                 dv[do:do + n] = sv[so:so + n]
+
+    def _stream_pieces(self, layer: int, plans: list) -> None:
+        """Every piece of the layer copied by the streaming (non-temporal) copy loop of
+        ``_ffi.cpu``, shared among the copy threads in runs of about equal bytes. Each piece
+        is checked against its source and destination regions first: the loop writes
+        through raw addresses."""
+        import numpy as np
+
+        srcs, dsts, lens = [], [], []
+        for seg, src, dst, ln in plans:
+            sv, sbase = self._region_view(self.cache, layer, seg.tensor)
+            dv, dbase = self._region_view(self._dst_specs[seg.dst_rank], layer, seg.tensor)
+            s, d, n = src.astype(np.int64), dst.astype(np.int64), ln.astype(np.int64)
+            if n.size and (int(n.min()) < 0 or int(s.min()) < sbase or int((s + n).max()) > sbase + len(sv)
+                           or int(d.min()) < dbase or int((d + n).max()) > dbase + len(dv)):
+                raise TransferError(f"layer {layer}: a planned copy falls outside its source or destination "
+                                    f"region (tensor {seg.tensor}, decode rank {seg.dst_rank})")
+            srcs.append(s)
+            dsts.append(d)
+            lens.append(n)
+        if not lens:
+            return
+        src, dst, ln = np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens)
+        n = min(self.copy_threads, max(1, int(ln.sum()) // _GATHER_PIECE))
+        if n > 1 and int(ln.max()) > _GATHER_PIECE:  # cut long runs so the threads share evenly
+            from .swap import CopyPlan
+
+            cp = CopyPlan(src.astype(np.uint64), dst.astype(np.uint64), ln.astype(np.uint64),
+                          np.asarray([ln.size], np.int64), int(ln.sum())).chunked(_GATHER_PIECE)
+            src, dst, ln = cp.src.astype(np.int64), cp.dst.astype(np.int64), cp.lengths.astype(np.int64)
+        if n <= 1:
+            _ffi.cpu.gather(src, dst, ln)
+            return
+        cuts = np.searchsorted(np.cumsum(ln), np.arange(1, n) * (int(ln.sum()) / n)).tolist()
+        bounds = list(zip([0] + cuts, cuts + [ln.size]))
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="pdkv-copy")
+        futs = [self._copy_pool.submit(_ffi.cpu.gather, src[a:b], dst[a:b], ln[a:b]) for a, b in bounds[1:]]
+        try:
+            a, b = bounds[0]
+            _ffi.cpu.gather(src[a:b], dst[a:b], ln[a:b])
+        finally:
+            for f in futs:
+                f.result()
 
     def _gather(self, takes: list) -> None:
         """``out[:] = rows[idx]`` for every ``(rows, idx, out)``: np.take copies in C without

@@ -35,6 +35,26 @@ def _no_leaks_over_the_session():
     assert not leaked, f"shared-memory segments leaked by the test suite: {sorted(leaked)}"
 
 
+_CUDA_WARM: list[bool] = []
+
+
+def _warm_cuda() -> None:
+    """On a host with GPUs, make every device's context once, before any fd snapshot: a
+    buffer pinned inside a test (``pin="auto"``) would otherwise create the first context
+    there, and the driver's files would read as leaked descriptors."""
+    if _CUDA_WARM:
+        return
+    from pdkv import _ffi
+
+    n = _ffi.cuda.device_count()  # 0 without bindings or driver; other failures raise
+    _CUDA_WARM.append(True)
+    for d in range(n):
+        with _ffi.cuda.on_device(d):
+            _ffi.cuda.free(_ffi.cuda.malloc(1 << 20))
+    if n:
+        _ffi.cuda.set_device(0)
+
+
 @pytest.fixture
 def no_leaks():
     """Per test: pdkv segments and open fds unchanged (STYLE.md D4)."""
@@ -43,6 +63,7 @@ def no_leaks():
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()  # its one pipe is process-wide, not a leak
+    _warm_cuda()
     before_segs, before_fds = _pdkv_segments(), _fd_count()
     yield
     # sockets of stopped threads close asynchronously: allow a bounded moment
@@ -67,12 +88,7 @@ def cuda_device() -> int:
 
     if _ffi.cuda.device_count() == 0:  # absent statuses map to 0; all others raise
         pytest.skip("no CUDA device")
-    # every device's context made now, once: the driver's files for a context opened inside a
-    # test would read as leaked descriptors
-    for d in range(_ffi.cuda.device_count()):
-        with _ffi.cuda.on_device(d):
-            _ffi.cuda.free(_ffi.cuda.malloc(1 << 20))
-    _ffi.cuda.set_device(0)
+    _warm_cuda()  # every device's context made now, once (see _warm_cuda)
     return 0
 
 

@@ -4,8 +4,9 @@
 For each block size, 1 GiB moves from this (prefill) process into a decode process's
 buffer, in random destination order (the source->destination mapping is a random
 permutation, so nothing coalesces), every byte verified afterwards. Measured in the same
-run: the shm transport against a two-process shared-memory copy ceiling (one np.copyto
-of the same bytes into the decode's segment), and the tcp transport against a
+run: the shm transport against a two-process shared-memory copy ceiling (one contiguous
+copy of the same bytes into the decode's segment, by the faster of np.copyto and pdkv's
+streaming copy loop), and the tcp transport against a
 single-stream socket loop (sendall -> recv_into of the same bytes between the same two
 processes). The clock runs from handing the data to the sender until every request's
 outcome (received, verified by decode's accounting) is back; grants are taken before.
@@ -119,28 +120,54 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         per = nb // nreq
 
         # ceiling for shm: one contiguous copy of the same bytes into the other process's
-        # segment, by as many threads as pdkv copies with (np.copyto runs without the GIL)
+        # segment, by as many threads as pdkv copies with, with the faster of two copy
+        # primitives measured each time: np.copyto (glibc memcpy; non-temporal stores at
+        # this size) and pdkv's streaming copy loop where it runs (_ffi.cpu)
         from concurrent.futures import ThreadPoolExecutor
 
+        from pdkv._ffi import cpu
+
+        stream = cpu.available()
         nth = a.copy_threads
         pool = ThreadPoolExecutor(nth)
         cut = [total * i // nth for i in range(nth + 1)]
+        dbase, sbase = dst.ctypes.data, src.ctypes.data
 
-        def ceiling():
+        def contiguous(kind: str) -> float:
+            if kind == "copyto":
+                work = lambda i: np.copyto(dst[cut[i]:cut[i + 1]], src[cut[i]:cut[i + 1]])  # noqa: E731
+            else:
+                work = lambda i: cpu.copy(dbase + cut[i], sbase + cut[i], cut[i + 1] - cut[i])  # noqa: E731
             t0 = time.perf_counter()
-            list(pool.map(lambda i: np.copyto(dst[cut[i]:cut[i + 1]], src[cut[i]:cut[i + 1]]), range(nth)))
+            list(pool.map(work, range(nth)))
             return total / (time.perf_counter() - t0)
 
-        # the same scattered copy with no transport at all: one np.take (a C loop of memcpy)
-        # gathering the source blocks in the transfer's random order into the segment
+        copyto_bw: list[float] = []
+
+        def ceiling():
+            c = contiguous("copyto")
+            copyto_bw.append(c)
+            return max(c, contiguous("stream")) if stream else c
+
+        # the same scattered copy with no transport at all, by the primitive pdkv's shm
+        # transport uses here: the streaming loop over the blocks' addresses, or np.take
+        # (a C loop of memcpy) gathering the source blocks in the transfer's random order
         s2, d2 = src.reshape(nb, lay.block_bytes), dst[:total].reshape(nb, lay.block_bytes)
 
         bcut = [nb * i // nth for i in range(nth + 1)]
+        bb = lay.block_bytes
+        g_src = sbase + perm.astype(np.int64) * bb
+        g_dst = dbase + np.arange(nb, dtype=np.int64) * bb
+        g_len = np.full(nb, bb, np.int64)
 
         def bare_gather():
             t0 = time.perf_counter()
-            list(pool.map(lambda i: np.take(s2, perm[bcut[i]:bcut[i + 1]], axis=0, out=d2[bcut[i]:bcut[i + 1]],
-                                            mode="clip"), range(nth)))
+            if stream:
+                list(pool.map(lambda i: cpu.gather(g_src[bcut[i]:bcut[i + 1]], g_dst[bcut[i]:bcut[i + 1]],
+                                                   g_len[bcut[i]:bcut[i + 1]]), range(nth)))
+            else:
+                list(pool.map(lambda i: np.take(s2, perm[bcut[i]:bcut[i + 1]], axis=0, out=d2[bcut[i]:bcut[i + 1]],
+                                                mode="clip"), range(nth)))
             return total / (time.perf_counter() - t0)
 
         # socket loop baseline: one stream, sendall of the same bytes, recv_into on the far side
@@ -210,7 +237,7 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         rows.append((kib, res["shm"] / gib, res["shm_ratio"], shm_ceiling / gib, res["bare_gather"] / gib,
                      res["tcp"] / gib, res["tcp_ratio"], sock_bw / gib, res["shm_ctl_p50_ms"], res["tcp_ctl_p50_ms"],
                      res["shm_cycle_p50_ms"], res["tcp_cycle_p50_ms"]))
-        out[kib] = dict(res, shm_ceiling=shm_ceiling, socket=sock_bw)
+        out[kib] = dict(res, shm_ceiling=shm_ceiling, socket=sock_bw, copyto=med(copyto_bw))
     finally:
         child.kill()
         child.wait(10)
@@ -248,13 +275,19 @@ def main() -> int:
     print(f"{a.gib:g} GiB per run, random destination order, every byte verified; GiB/s (ratio);"
           f" shm copy threads: {a.copy_threads} (pdkv and both baselines);"
           f" prefill cache {a.src_offset} B past a page boundary")
-    print(f"{'KiB':>6} {'shm':>14} {'shm ceiling':>12} {'bare gather':>12} {'tcp':>14} {'socket loop':>12}"
+    from pdkv._ffi import cpu
+
+    print("shm copy primitive: " + ("pdkv's streaming copy loop (_ffi.cpu)" if cpu.available()
+                                    else f"np.take ({cpu.unavailable_reason()})"))
+    print(f"{'KiB':>6} {'shm':>14} {'shm ceiling':>12} {'np.copyto':>10} {'bare gather':>12} {'tcp':>14} {'socket loop':>12}"
           f" {'grant->done ms shm/tcp':>23} {'+reserve ms':>12}")
     for kib, s, sr, sc, bg, t, tr, sk, c1, c2, f1, f2 in rows:
-        print(f"{kib:>6} {s:>7.2f} ({sr:.2f}) {sc:>12.2f} {bg:>12.2f} {t:>7.2f} ({tr:.2f}) {sk:>12.2f}"
+        print(f"{kib:>6} {s:>7.2f} ({sr:.2f}) {sc:>12.2f} {out[kib]['copyto'] / (1 << 30):>10.2f} {bg:>12.2f}"
+              f" {t:>7.2f} ({tr:.2f}) {sk:>12.2f}"
               f" {c1:>13.2f}/{c2:.2f} {f1:>7.2f}/{f2:.2f}")
     print("(medians over repetitions; a ratio is the median of per-repetition ratios. shm ceiling: one contiguous")
-    print(" copy of the same bytes; bare gather: the same random-order block copy as one np.take, no transport)")
+    print(" copy of the same bytes, the faster of np.copyto and pdkv's streaming copy each time; bare gather: the")
+    print(" same random-order block copy by the shm transport's copy primitive, no transport)")
     print("reference (DESIGN.md, same machine class): NIXL/UCX TCP best 2.14 GiB/s, Mooncake TCP best 2.3 GiB/s")
     r128 = out.get(128) or next(iter(out.values()))
     print(json.dumps({
@@ -268,6 +301,7 @@ def main() -> int:
         "streams": a.streams,
         "copy_threads": a.copy_threads,
         "src_offset": a.src_offset,
+        "copy": "stream" if cpu.available() else "numpy",
     }))
     return 0
 

@@ -1,10 +1,11 @@
-"""The only package of pdkv that touches C: ``ctypes`` (libc), ``cuda.bindings`` and
-``pyverbs``. One module per library; errors are translated here, once.
+"""The only package of pdkv that touches C: ``ctypes`` (libc), ``cuda.bindings``,
+``pyverbs`` and ``llvmlite`` (a run-time-compiled CPU copy loop). One module per library;
+errors are translated here, once.
 
-``cuda`` and ``verbs`` import their bindings lazily, so ``import pdkv`` works on a host
-with neither CUDA nor pyverbs.
+``cuda``, ``verbs`` and ``cpu`` import their bindings lazily, so ``import pdkv`` works on a
+host with neither CUDA, pyverbs nor llvmlite.
 """
 
-from . import cuda, libc, verbs
+from . import cpu, cuda, libc, verbs
 
-__all__ = ["cuda", "libc", "verbs"]
+__all__ = ["cpu", "cuda", "libc", "verbs"]
