@@ -1234,6 +1234,8 @@ class PrefillSender:
                 # only copy_plan() is used: explicit GPU -> mapped-host addresses, so the
                 # engine's own pair of caches is this rank's cache on both sides
                 self._engine = SwapEngine(self.cache, self.cache, device=self.cache.device)
+            else:
+                _ffi.cpu.available()  # build the streaming copy loop now (~30 ms), not in the first layer
         elif msg.transport == "rdma":
             if self._rdma is None:
                 raise ProtocolError("decode chose rdma, which this sender did not offer")
