@@ -371,7 +371,10 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
         if gpu is not None:
             gpu.close()
         raise
-    emit({"type": "hello", "rank": a.rank, "transport": tx.transport})
+    copy = None
+    if tx.transport == "shm" and gpu is None:  # host cache into decode's buffer: which copy runs
+        copy = "streaming loop" if _ffi.cpu.available() else f"numpy ({_ffi.cpu.unavailable_reason()})"
+    emit({"type": "hello", "rank": a.rank, "transport": tx.transport, "copy": copy})
     regions = {(layer, t): host_spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))}
     base = cache.ctypes.data
     try:
@@ -573,6 +576,8 @@ def print_report(rep: dict[str, Any], console: Any) -> None:
     }
     if rep.get("transports_chosen"):
         t.add_row("transport", ", ".join(rep["transports_chosen"]))
+    if rep.get("shm_copy"):
+        t.add_row("shm copy", ", ".join(rep["shm_copy"]))
     for side in ("prefill", "decode"):
         if rep.get(f"{side}_devices"):
             t.add_row(f"{side} GPUs (by rank)", ", ".join(map(str, rep[f"{side}_devices"])))
@@ -664,6 +669,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
     outcomes: dict[str, str] = {}
     reasons: dict[str, str] = {}
     chosen: dict[int, str] = {}  # prefill rank -> the transport decode chose for it
+    copies: set[str] = set()  # which copy the shm senders from host caches run
     prefill_reports: list[dict[str, Any]] = []
     lock = threading.Lock()
     t0 = time.monotonic()
@@ -690,6 +696,8 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                         prefill_reports.append(ev)
                     elif ev.get("type") == "hello":
                         chosen[int(ev.get("rank", -1))] = str(ev.get("transport"))
+                        if ev.get("copy"):
+                            copies.add(str(ev["copy"]))
 
         readers = [threading.Thread(target=reader, args=(p,), daemon=True) for p in procs]
         for t in readers:
@@ -739,6 +747,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
         rep = build_report(dec, prefill_reports, outcomes, elapsed, lay, a.decode_tp, reasons)
         rep["transport"] = a.transport
         rep["transports_chosen"] = sorted(set(chosen.values()))
+        rep["shm_copy"] = sorted(copies)
         rep["layout"] = KVLayout(**lay_kw).descriptor()
         rep["prefill_tp"], rep["decode_tp"] = a.prefill_tp, a.decode_tp
         if dec.cuda:

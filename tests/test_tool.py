@@ -33,6 +33,11 @@ def test_local_mode_verifies_every_byte(extra, tmp_path, no_leaks):
     assert rep["verify_errors"] == 0 and rep["bytes_verified"] == rep["bytes_transferred"] > 0
     assert rep["peak_buffer_blocks"] > 0  # the buffer path was used
     assert rep["transports_chosen"] == [extra[1]]  # what decode picked for the prefill ranks
+    from pdkv._ffi import cpu
+
+    # which copy the shm senders ran: the streaming loop wherever it builds here
+    assert rep["shm_copy"] == ([] if extra[1] != "shm" else ["streaming loop"] if cpu.available()
+                               else [f"numpy ({cpu.unavailable_reason()})"])
     for k in ("throughput_GBps_mean", "time_to_received_ms_p50", "time_to_ready_ms_p99", "layer_latency_ms_p50",
               "swap_GBps", "prefill_wait_avoided_s_total"):
         assert k in rep
