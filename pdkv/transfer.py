@@ -1810,13 +1810,10 @@ class PrefillSender:
         if not lens:
             return
         src, dst, ln = np.concatenate(srcs), np.concatenate(dsts), np.concatenate(lens)
-        if src.size > 1 and bool((src[1:] < src[:-1]).any()):
-            # walk the source in address order: reads that follow each other stream through
-            # the hardware prefetcher, and streaming stores need no prefetch wherever they
-            # land (dev VM, one layer of 32768 32 KiB blocks into random destinations: 0.85
-            # of a contiguous copy in source order, 0.73 in destination order)
-            o = np.argsort(src, kind="stable")
-            src, dst, ln = src[o], dst[o], ln[o]
+        # pieces stay in destination order (grant order): sorted by source address instead,
+        # random 32 KiB blocks ran 0.69-0.73 of the ceiling against 0.79-0.81 on the H200 x2
+        # host's Xeon (ABBA, docs/perf-logs/h200x2-ab-order-s6-*), though 0.73-0.75 against
+        # 0.57-0.66 on the dev VM
         n = min(self.copy_threads, max(1, int(ln.sum()) // _GATHER_PIECE))
         if n > 1 and int(ln.max()) > _GATHER_PIECE:  # cut long runs so the threads share evenly
             from .swap import CopyPlan
