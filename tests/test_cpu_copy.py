@@ -1,8 +1,9 @@
-"""The streaming (non-temporal) CPU copy loop of ``_ffi.cpu`` and the shm sender's use of it.
+"""The streaming (non-temporal) CPU copy loop of ``_ffi.cpu``; the shm sender's use of it
+is tested in tests/test_transfer.py.
 
 llvmlite is a dependency: where it is installed the loop must build and run (a JIT failure
-fails these tests, it is not skipped); only a missing llvmlite skips the loop's own tests,
-and then the numpy path is what the sender uses.
+fails these tests, it is not skipped); only a missing llvmlite skips them, and then the
+numpy path is what the sender uses.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pdkv.transfer as tr
-from pdkv import CacheSpec, KVLayout, PrefillSender, TransferError, aligned_empty, tp_segments
+from pdkv import aligned_empty
 from pdkv._ffi import cpu
 
 HAVE_LLVMLITE = importlib.util.find_spec("llvmlite") is not None
@@ -80,64 +80,3 @@ def test_environment_turns_the_loop_off_and_says_so():
     with mock.patch.dict(cpu._state, {"reason": "test"}, clear=True):
         with pytest.raises(RuntimeError, match="streaming copy unavailable: test"):
             cpu.gather(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
-
-
-BASE = dict(num_layers=4, kv_heads=4, head_dim=8, tokens_per_block=8, dtype="bf16")
-
-
-def _planner(src_lay, dst_lays, src_spec, dsts, nb, threads):
-    tx = PrefillSender.__new__(PrefillSender)  # only the planning and copying state
-    tx.layout, tx._dst_layout, tx.cache = src_lay, dst_lays[0], src_spec
-    tx.segments = [g for g in tp_segments(src_lay, dst_lays[0]) if g.src_rank == src_lay.tp_rank]
-    tx._dst_specs = {lay.tp_rank: CacheSpec.for_buffer(lay, nb, d.ctypes.data) for lay, d in zip(dst_lays, dsts)}
-    tx._views, tx.copy_threads, tx._copy_pool = {}, threads, None
-    return tx
-
-
-@needs_loop
-@settings(max_examples=60, deadline=None)
-@given(P=st.sampled_from([1, 2, 4]), D=st.sampled_from([1, 2, 4]), nhd=st.booleans(),
-       threads=st.integers(1, 3), data=st.data())
-def test_streaming_and_numpy_copies_write_the_same_bytes(P, D, nhd, threads, data):
-    """Whole blocks, head slices, token-major pieces, runs across requests: the sender's
-    streaming path (split over threads in small shares) writes what its numpy path writes."""
-    nb = 24
-    src_lay = KVLayout(**BASE, tp_size=P, tp_rank=data.draw(st.integers(0, P - 1)), token_major=nhd)
-    dst_lays = [KVLayout(**BASE, tp_size=D, tp_rank=r, token_major=nhd) for r in range(D)]
-    src = np.random.default_rng(P * 10 + D).integers(0, 256, src_lay.block_bytes * nb, dtype=np.uint8)
-    src_spec = CacheSpec.for_buffer(src_lay, nb, src.ctypes.data)
-    dst_ids = data.draw(st.permutations(range(nb)))
-    cuts = sorted(data.draw(st.lists(st.integers(1, nb - 1), max_size=5, unique=True)))
-    groups = [dst_ids[a:b] for a, b in zip([0] + cuts, cuts + [nb])]
-    work = [(f"r{i}", None, [data.draw(st.integers(0, nb - 1)) for _ in g], list(g), 0) for i, g in enumerate(groups)]
-    out = {}
-    for path in ("_stream_pieces", "_numpy_pieces"):
-        dsts = [np.zeros(lay.block_bytes * nb, np.uint8) for lay in dst_lays]
-        tx = _planner(src_lay, dst_lays, src_spec, dsts, nb, threads)
-        with mock.patch.object(tr, "_GATHER_PIECE", 96):  # many small shares for the threads
-            for layer in range(4):
-                plans, _ = tx._pieces(layer, work)
-                getattr(tx, path)(layer, plans)
-        if tx._copy_pool is not None:
-            tx._copy_pool.shutdown()
-        out[path] = dsts
-    for a, b in zip(out["_stream_pieces"], out["_numpy_pieces"]):
-        assert np.array_equal(a, b)
-    assert any(d.any() for d in out["_stream_pieces"])
-
-
-@needs_loop
-def test_a_piece_outside_its_region_is_refused_before_anything_is_written():
-    nb = 8
-    lay = KVLayout(**BASE)
-    src = np.ones(lay.block_bytes * nb, np.uint8)
-    dst = np.zeros(lay.block_bytes * nb, np.uint8)
-    tx = _planner(lay, [lay], CacheSpec.for_buffer(lay, nb, src.ctypes.data), [dst], nb, 1)
-    plans, _ = tx._pieces(0, [("r", None, [0, 1], [6, 7], 0)])
-    seg, s, d, n = plans[0]
-    bad = [(seg, s, d + np.uint64(lay.tensor_block_bytes(seg.tensor)), n)]  # one block past the region
-    with pytest.raises(TransferError, match="outside its source or destination region"):
-        tx._stream_pieces(0, plans[1:] + bad)
-    assert not dst.any()
-    tx._stream_pieces(0, plans)  # the real plan copies
-    assert dst.any()

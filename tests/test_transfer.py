@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from pdkv import (BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, State, SwapEngine,
                   tp_segments)
+from pdkv._ffi import cpu
 from pdkv.errors import PdkvTimeoutError, PeerError, TransferError
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM, DecodeReceiver, PrefillSender
 
@@ -684,6 +686,29 @@ def test_layer_batch_items_are_credited_or_refused_each_on_its_own(no_leaks):
         dec.close()
 
 
+def _draw_layer_work(data, P, D, nhd, nb=24):
+    """A prefill rank's cache and one layer's requests: disjoint destination blocks, any
+    source blocks (prefix sharing repeats them)."""
+    src_lay = KVLayout(**BASE, tp_size=P, tp_rank=data.draw(st.integers(0, P - 1)), token_major=nhd)
+    dst_lays = [KVLayout(**BASE, tp_size=D, tp_rank=r, token_major=nhd) for r in range(D)]
+    src = np.random.default_rng(P * 10 + D).integers(0, 256, src_lay.block_bytes * nb, dtype=np.uint8)
+    dst_ids = data.draw(st.permutations(range(nb)))
+    cuts = sorted(data.draw(st.lists(st.integers(1, nb - 1), max_size=5, unique=True)))
+    groups = [dst_ids[a:b] for a, b in zip([0] + cuts, cuts + [nb])]
+    work = [(f"r{i}", None, [data.draw(st.integers(0, nb - 1)) for _ in g], list(g), 0) for i, g in enumerate(groups)]
+    return src_lay, dst_lays, src, work
+
+
+def _planner(src_lay, dst_lays, src, dsts, nb, threads=1):
+    """A sender with only its planning and copying state, writing into ``dsts``."""
+    tx = PrefillSender.__new__(PrefillSender)
+    tx.layout, tx._dst_layout, tx.cache = src_lay, dst_lays[0], CacheSpec.for_buffer(src_lay, nb, src.ctypes.data)
+    tx.segments = [g for g in tp_segments(src_lay, dst_lays[0]) if g.src_rank == src_lay.tp_rank]
+    tx._dst_specs = {lay.tp_rank: CacheSpec.for_buffer(lay, nb, d.ctypes.data) for lay, d in zip(dst_lays, dsts)}
+    tx._views, tx.copy_threads, tx._copy_pool = {}, threads, None
+    return tx
+
+
 @settings(max_examples=60, deadline=None)
 @given(P=st.sampled_from([1, 2, 4]), D=st.sampled_from([1, 2, 4]), nhd=st.booleans(), data=st.data())
 def test_one_plan_per_layer_copies_what_per_request_plans_copy(P, D, nhd, data):
@@ -692,22 +717,11 @@ def test_one_plan_per_layer_copies_what_per_request_plans_copy(P, D, nhd, data):
     import ctypes
 
     nb = 24
-    src_lay = KVLayout(**BASE, tp_size=P, tp_rank=data.draw(st.integers(0, P - 1)), token_major=nhd)
-    dst_lays = [KVLayout(**BASE, tp_size=D, tp_rank=r, token_major=nhd) for r in range(D)]
-    src = np.random.default_rng(P * 10 + D).integers(0, 256, src_lay.block_bytes * nb, dtype=np.uint8)
-    src_spec = CacheSpec.for_buffer(src_lay, nb, src.ctypes.data)
-    # requests: disjoint destination blocks, any source blocks (prefix sharing repeats them)
-    dst_ids = data.draw(st.permutations(range(nb)))
-    cuts = sorted(data.draw(st.lists(st.integers(1, nb - 1), max_size=5, unique=True)))
-    groups = [dst_ids[a:b] for a, b in zip([0] + cuts, cuts + [nb])]
-    work = [(f"r{i}", None, [data.draw(st.integers(0, nb - 1)) for _ in g], list(g), 0) for i, g in enumerate(groups)]
+    src_lay, dst_lays, src, work = _draw_layer_work(data, P, D, nhd, nb)
 
     def run(items):
         dsts = [np.zeros(lay.block_bytes * nb, np.uint8) for lay in dst_lays]
-        tx = PrefillSender.__new__(PrefillSender)  # only the planning state
-        tx.layout, tx._dst_layout, tx.cache = src_lay, dst_lays[0], src_spec
-        tx.segments = [g for g in tp_segments(src_lay, dst_lays[0]) if g.src_rank == src_lay.tp_rank]
-        tx._dst_specs = {lay.tp_rank: CacheSpec.for_buffer(lay, nb, d.ctypes.data) for lay, d in zip(dst_lays, dsts)}
+        tx = _planner(src_lay, dst_lays, src, dsts, nb)
         for layer in range(4):
             for part in items:
                 plans, _ = tx._pieces(layer, part)
@@ -720,6 +734,52 @@ def test_one_plan_per_layer_copies_what_per_request_plans_copy(P, D, nhd, data):
     for m, a in zip(merged, alone):
         assert np.array_equal(m, a)
     assert any(m.any() for m in merged)
+
+
+@pytest.mark.skipif(not cpu.available(), reason=f"streaming copy loop unavailable: {cpu.unavailable_reason()}")
+@settings(max_examples=60, deadline=None)
+@given(P=st.sampled_from([1, 2, 4]), D=st.sampled_from([1, 2, 4]), nhd=st.booleans(),
+       threads=st.integers(1, 3), data=st.data())
+def test_streaming_and_numpy_copies_write_the_same_bytes(P, D, nhd, threads, data):
+    """Whole blocks, head slices, token-major pieces, runs across requests: the sender's
+    streaming path (split over threads in small shares) writes what its numpy path writes.
+    (tests/test_cpu_copy.py fails, not skips, where llvmlite is installed and the loop
+    does not build.)"""
+    import pdkv.transfer as tr
+
+    nb = 24
+    src_lay, dst_lays, src, work = _draw_layer_work(data, P, D, nhd, nb)
+    out = {}
+    for path in ("_stream_pieces", "_numpy_pieces"):
+        dsts = [np.zeros(lay.block_bytes * nb, np.uint8) for lay in dst_lays]
+        tx = _planner(src_lay, dst_lays, src, dsts, nb, threads)
+        with mock.patch.object(tr, "_GATHER_PIECE", 96):  # many small shares for the threads
+            for layer in range(4):
+                plans, _ = tx._pieces(layer, work)
+                getattr(tx, path)(layer, plans)
+        if tx._copy_pool is not None:
+            tx._copy_pool.shutdown()
+        out[path] = dsts
+    for a, b in zip(out["_stream_pieces"], out["_numpy_pieces"]):
+        assert np.array_equal(a, b)
+    assert any(d.any() for d in out["_stream_pieces"])
+
+
+@pytest.mark.skipif(not cpu.available(), reason=f"streaming copy loop unavailable: {cpu.unavailable_reason()}")
+def test_a_streamed_piece_outside_its_region_is_refused_before_anything_is_written():
+    nb = 8
+    lay = KVLayout(**BASE)
+    src = np.ones(lay.block_bytes * nb, np.uint8)
+    dst = np.zeros(lay.block_bytes * nb, np.uint8)
+    tx = _planner(lay, [lay], src, [dst], nb)
+    plans, _ = tx._pieces(0, [("r", None, [0, 1], [6, 7], 0)])
+    seg, s_, d_, n = plans[0]
+    bad = [(seg, s_, d_ + np.uint64(lay.tensor_block_bytes(seg.tensor)), n)]  # one block past the region
+    with pytest.raises(TransferError, match="outside its source or destination region"):
+        tx._stream_pieces(0, plans[1:] + bad)
+    assert not dst.any()
+    tx._stream_pieces(0, plans)  # the real plan copies
+    assert dst.any()
 
 
 @pytest.mark.multiproc
