@@ -477,3 +477,44 @@ def test_striped_pinned_buffer_copies_across_stripes(cuda_device, no_leaks):
             assert bytes(b.buf[(2 << 20) + 7:(5 << 20)]) == data[:n - 7]
         finally:
             _ffi.cuda.free(d)
+
+
+def _shm_mount_options() -> list[str] | None:
+    """Options of the /dev/shm mount in effect (the last one listed, where mounts stack)."""
+    found = None
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if parts[1] == "/dev/shm":
+                found = parts[3].split(",") if parts[2] == "tmpfs" else None
+    return found
+
+
+def test_huge_pages_where_the_mount_allows_them_and_only_there(no_leaks):
+    """/dev/shm remounted huge=advise for the test (root only), then put back: a buffer that
+    asks gets huge pages whether it has one stripe (created without fallocate, which would
+    allocate small pages first) or several, and a process that opens it maps them as huge
+    pages too; one that does not ask, and any buffer on a huge=never mount, gets none."""
+    opts = _shm_mount_options()
+    if os.geteuid() != 0 or opts is None:
+        pytest.skip("needs root and a tmpfs /dev/shm to remount it huge=advise")
+    if any(o.startswith("huge=") and o != "huge=never" for o in opts):
+        pytest.skip(f"/dev/shm is already mounted with {opts}: left as it is")
+    size = 8 << 20
+    with SharedBuffer.create(size, pin="never", huge_pages=True, stripes=1) as b:
+        assert b.huge_pages_bytes == 0  # the default mount ignores the request
+    subprocess.run(["mount", "-o", "remount,huge=advise", "/dev/shm"], check=True)
+    try:
+        for stripes in (1, 2):
+            with SharedBuffer.create(size, pin="never", huge_pages=True, stripes=stripes) as b, \
+                 SharedBuffer.create(size, pin="never", stripes=stripes) as plain:
+                assert b.huge_pages_bytes == size, stripes
+                assert plain.huge_pages_bytes == 0
+                with SharedBuffer.open(b.name, pin="never", populate=True) as o:
+                    assert o.huge_pages_bytes == size
+    finally:
+        subprocess.run(["mount", "-o", "remount,huge=never", "/dev/shm"], check=True)
+    assert _shm_mount_options() is not None and not any(o.startswith("huge=") and o != "huge=never"
+                                                         for o in _shm_mount_options())
+    with pytest.raises(ClosedError):
+        b.huge_pages_bytes

@@ -58,7 +58,7 @@ class NullSwap:
 def decode_main(a: argparse.Namespace) -> None:
     lay = layout_for(a.kib)
     nb = int(a.gib * (1 << 30)) // lay.block_bytes
-    buf = pdkv.SharedBuffer.create(pdkv.CacheSpec.buffer_bytes(lay, nb))
+    buf = pdkv.SharedBuffer.create(pdkv.CacheSpec.buffer_bytes(lay, nb), huge_pages=a.huge_pages)
     import threading
 
     ready = threading.Event()
@@ -102,7 +102,8 @@ def decode_main(a: argparse.Namespace) -> None:
 
 def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
     lay = layout_for(kib)
-    child = subprocess.Popen([sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib)],
+    child = subprocess.Popen([sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib)]
+                             + (["--huge-pages"] if a.huge_pages else []),
                              stdout=subprocess.PIPE, text=True)
     try:
         info = json.loads(child.stdout.readline())
@@ -231,13 +232,14 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
             res[transport + "_cycle_p50_ms"] = statistics.median(full) * 1e3
             tx.close()
         pool.shutdown()
+        huge_mib = view_buf.huge_pages_bytes >> 20  # of decode's buffer, as this process maps it
         dst = s2 = d2 = None  # drop the views before closing the mapping
         view_buf.close()
         gib = 1 << 30
         rows.append((kib, res["shm"] / gib, res["shm_ratio"], shm_ceiling / gib, res["bare_gather"] / gib,
                      res["tcp"] / gib, res["tcp_ratio"], sock_bw / gib, res["shm_ctl_p50_ms"], res["tcp_ctl_p50_ms"],
                      res["shm_cycle_p50_ms"], res["tcp_cycle_p50_ms"]))
-        out[kib] = dict(res, shm_ceiling=shm_ceiling, socket=sock_bw, copyto=med(copyto_bw))
+        out[kib] = dict(res, shm_ceiling=shm_ceiling, socket=sock_bw, copyto=med(copyto_bw), huge_mib=huge_mib)
     finally:
         child.kill()
         child.wait(10)
@@ -258,6 +260,8 @@ def main() -> int:
                     help="shm copy threads (default: pdkv's, a quarter of the cores, 1-4); the ceiling uses as many")
     ap.add_argument("--src-offset", type=int, default=0,
                     help="bytes the prefill cache starts past a page boundary (default 0; a large np.empty: 16)")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="decode's buffer asks for huge pages (takes effect on a /dev/shm mounted huge=advise)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--control-requests", type=int, default=200)
     a = ap.parse_args()
@@ -274,7 +278,8 @@ def main() -> int:
         run_size(kib, a, rows, out)
     print(f"{a.gib:g} GiB per run, random destination order, every byte verified; GiB/s (ratio);"
           f" shm copy threads: {a.copy_threads} (pdkv and both baselines);"
-          f" prefill cache {a.src_offset} B past a page boundary")
+          f" prefill cache {a.src_offset} B past a page boundary; decode buffer in huge pages:"
+          f" {', '.join(str(v['huge_mib']) + ' MiB' for v in out.values())}")
     from pdkv._ffi import cpu
 
     print("shm copy primitive: " + ("pdkv's streaming copy loop (_ffi.cpu)" if cpu.available()
