@@ -12,13 +12,19 @@ per line beside the load and the store, and the caches fill with data nobody rea
 unaligned vector loads and aligned ``!nontemporal`` vector stores (``vmovntps`` /
 ``vmovntdq`` on x86-64, as wide as the host CPU has), a ``memcpy`` of the tail, and one
 ``fence seq_cst`` at the end so that every store is visible before the caller announces
-the data (a control message to decode). The loop is LLVM IR, compiled once per process
+the data (a control message to decode). Pieces go four at a time, their steps side by
+side: one stream stalls at the start of every randomly placed block until the hardware
+prefetcher has caught on, four keep more misses in flight (glibc's own large copies
+interleave four pages for the same reason). Dev VM, 32 KiB blocks in random order: 0.89-0.93
+of a one-stream contiguous copy four at a time, 0.67-0.71 one at a time
+(docs/perf-logs/devvm-ways-s6.log). The loop is LLVM IR, compiled once per process
 for the host CPU; no compiler or build step is involved. The ctypes call releases the
 GIL, so several threads copy at once.
 
 ``tools/bench_transport.py`` on an H200 host's Xeon, 4 copy threads: the shm transport
-moves 23-28 / 25-29 / 27-31 GiB/s at 32 KiB / 128 KiB / 1 MiB blocks through this loop,
-against 16.3 / 19.6 / 20.3 through ``np.take`` (docs/PERF.md).
+moved 23-28 / 25-29 / 27-31 GiB/s at 32 KiB / 128 KiB / 1 MiB blocks through this loop
+taking one piece at a time, against 16.3 / 19.6 / 20.3 through ``np.take``
+(docs/PERF.md; the four-at-a-time form has run on the dev VM only).
 
 Without llvmlite, or where the JIT cannot run (no executable memory, an LLVM without this
 target), :func:`available` is False, :func:`unavailable_reason` says why, and pdkv copies
@@ -34,82 +40,84 @@ from typing import Any
 
 __all__ = ["available", "unavailable_reason", "gather", "copy"]
 
-_IR = r"""
-declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
+_WAYS = 4  # pieces copied side by side: 4 streams keep more misses in flight than one
 
-define void @pdkv_nt_gather(i64 %n, ptr %srcs, ptr %dsts, ptr %lens) nounwind {
-entry:
-  br label %outer
-outer:
-  %i = phi i64 [0, %entry], [%i1, %after]
-  %more = icmp slt i64 %i, %n
-  br i1 %more, label %piece, label %exit
-piece:
-  %sp = getelementptr i64, ptr %srcs, i64 %i
-  %s = load i64, ptr %sp
-  %dp = getelementptr i64, ptr %dsts, i64 %i
-  %d = load i64, ptr %dp
-  %lp = getelementptr i64, ptr %lens, i64 %i
-  %l = load i64, ptr %lp
-  ; head: up to the destination's next 64-byte boundary (or the whole piece)
-  %mis = and i64 %d, 63
-  %h0 = sub i64 64, %mis
-  %h1 = and i64 %h0, 63
-  %hlt = icmp ult i64 %h1, %l
-  %head = select i1 %hlt, i64 %h1, i64 %l
-  %src0 = inttoptr i64 %s to ptr
-  %dst0 = inttoptr i64 %d to ptr
-  call void @llvm.memcpy.p0.p0.i64(ptr %dst0, ptr %src0, i64 %head, i1 false)
-  %rem = sub i64 %l, %head
-  %steps = lshr i64 %rem, 8
-  %s1 = add i64 %s, %head
-  %d1 = add i64 %d, %head
-  br label %loop
-loop:
-  %k = phi i64 [0, %piece], [%k1, %step]
-  %go = icmp ult i64 %k, %steps
-  br i1 %go, label %step, label %tail
-step:
-  %off = shl i64 %k, 8
-  %sa = add i64 %s1, %off
-  %da = add i64 %d1, %off
-  %p0 = inttoptr i64 %sa to ptr
-  %q0 = inttoptr i64 %da to ptr
-  %p1 = getelementptr i8, ptr %p0, i64 64
-  %p2 = getelementptr i8, ptr %p0, i64 128
-  %p3 = getelementptr i8, ptr %p0, i64 192
-  %q1 = getelementptr i8, ptr %q0, i64 64
-  %q2 = getelementptr i8, ptr %q0, i64 128
-  %q3 = getelementptr i8, ptr %q0, i64 192
-  %v0 = load <8 x i64>, ptr %p0, align 1
-  %v1 = load <8 x i64>, ptr %p1, align 1
-  %v2 = load <8 x i64>, ptr %p2, align 1
-  %v3 = load <8 x i64>, ptr %p3, align 1
-  store <8 x i64> %v0, ptr %q0, align 64, !nontemporal !0
-  store <8 x i64> %v1, ptr %q1, align 64, !nontemporal !0
-  store <8 x i64> %v2, ptr %q2, align 64, !nontemporal !0
-  store <8 x i64> %v3, ptr %q3, align 64, !nontemporal !0
-  %k1 = add i64 %k, 1
-  br label %loop
-tail:
-  %done = shl i64 %steps, 8
-  %rest = sub i64 %rem, %done
-  %s2 = add i64 %s1, %done
-  %d2 = add i64 %d1, %done
-  %src2 = inttoptr i64 %s2 to ptr
-  %dst2 = inttoptr i64 %d2 to ptr
-  call void @llvm.memcpy.p0.p0.i64(ptr %dst2, ptr %src2, i64 %rest, i1 false)
-  br label %after
-after:
-  %i1 = add i64 %i, 1
-  br label %outer
-exit:
-  fence seq_cst
-  ret void
-}
 
-!0 = !{i32 1}
-"""
+def _step(tag: str, s: str, d: str, k: str) -> tuple[str, str]:
+    """IR loading, then storing, the 256 bytes at step ``k`` of a piece whose 64-byte-aligned
+    part starts at source ``s`` / destination ``d`` (i64 values)."""
+    ld = [f"  %{tag}o = shl i64 {k}, 8\n  %{tag}sa = add i64 {s}, %{tag}o\n  %{tag}da = add i64 {d}, %{tag}o\n"
+          f"  %{tag}p = inttoptr i64 %{tag}sa to ptr\n  %{tag}q = inttoptr i64 %{tag}da to ptr\n"]
+    st = []
+    for j in range(4):
+        ld.append(f"  %{tag}p{j} = getelementptr i8, ptr %{tag}p, i64 {64 * j}\n"
+                  f"  %{tag}v{j} = load <8 x i64>, ptr %{tag}p{j}, align 1\n")
+        st.append(f"  %{tag}q{j} = getelementptr i8, ptr %{tag}q, i64 {64 * j}\n"
+                  f"  store <8 x i64> %{tag}v{j}, ptr %{tag}q{j}, align 64, !nontemporal !0\n")
+    return "".join(ld), "".join(st)
+
+
+def _head(w: str, s: str, d: str, n: str) -> str:
+    """IR copying a piece's bytes up to its destination's next 64-byte boundary; defines
+    %S{w} / %D{w} (where the aligned part starts), %N{w} (its 256-byte steps), %T{w} (tail)."""
+    return (f"  %mis{w} = and i64 {d}, 63\n  %h0{w} = sub i64 64, %mis{w}\n  %h1{w} = and i64 %h0{w}, 63\n"
+            f"  %hlt{w} = icmp ult i64 %h1{w}, {n}\n  %hd{w} = select i1 %hlt{w}, i64 %h1{w}, i64 {n}\n"
+            f"  %hs{w} = inttoptr i64 {s} to ptr\n  %hq{w} = inttoptr i64 {d} to ptr\n"
+            f"  call void @llvm.memcpy.p0.p0.i64(ptr %hq{w}, ptr %hs{w}, i64 %hd{w}, i1 false)\n"
+            f"  %rm{w} = sub i64 {n}, %hd{w}\n  %N{w} = lshr i64 %rm{w}, 8\n  %T{w} = and i64 %rm{w}, 255\n"
+            f"  %S{w} = add i64 {s}, %hd{w}\n  %D{w} = add i64 {d}, %hd{w}\n")
+
+
+def _load_piece(w: str, i: str) -> str:
+    return "".join(f"  %{x}p{w} = getelementptr i64, ptr %{arr}, i64 {i}\n  %{x}{w} = load i64, ptr %{x}p{w}\n"
+                   for x, arr in (("s", "srcs"), ("d", "dsts"), ("l", "lens")))
+
+
+def _build_ir() -> str:
+    """The copy loop as LLVM IR. ``@pdkv_nt_gather`` copies pieces ``_WAYS`` at a time: each
+    piece's unaligned head, then 256-byte steps of all of them side by side while every one
+    has steps left, then each one's remaining steps and tail alone (``@pdkv_rest``); the
+    pieces left over (fewer than ``_WAYS``) one at a time."""
+    W = _WAYS
+    ld, st = _step("r", "%s", "%d", "%k")
+    rest = ("define internal void @pdkv_rest(i64 %s, i64 %d, i64 %k0, i64 %n, i64 %t) nounwind {\n"
+            "entry:\n  br label %loop\nloop:\n  %k = phi i64 [%k0, %entry], [%k1, %step]\n"
+            "  %go = icmp ult i64 %k, %n\n  br i1 %go, label %step, label %tail\nstep:\n"
+            f"{ld}{st}  %k1 = add i64 %k, 1\n  br label %loop\ntail:\n  %e = shl i64 %n, 8\n"
+            "  %ts = add i64 %s, %e\n  %td = add i64 %d, %e\n  %tp = inttoptr i64 %ts to ptr\n"
+            "  %tq = inttoptr i64 %td to ptr\n"
+            "  call void @llvm.memcpy.p0.p0.i64(ptr %tq, ptr %tp, i64 %t, i1 false)\n  ret void\n}\n")
+    idx = "".join(f"  %ix{w} = add i64 %i, {w}\n" for w in range(W))
+    heads = "".join(_load_piece(str(w), f"%ix{w}") + _head(str(w), f"%s{w}", f"%d{w}", f"%l{w}") for w in range(W))
+    mins = ["%N0"]
+    for w in range(1, W):
+        mins.append(f"%mn{w}")
+        heads += (f"  %lt{w} = icmp ult i64 %N{w}, {mins[-2]}\n"
+                  f"  %mn{w} = select i1 %lt{w}, i64 %N{w}, i64 {mins[-2]}\n")
+    lds, sts = zip(*(_step(f"g{w}", f"%S{w}", f"%D{w}", "%k") for w in range(W)))
+    rests = "".join(f"  call void @pdkv_rest(i64 %S{w}, i64 %D{w}, i64 {mins[-1]}, i64 %N{w}, i64 %T{w})\n"
+                    for w in range(W))
+    gather = (
+        "define void @pdkv_nt_gather(i64 %n, ptr %srcs, ptr %dsts, ptr %lens) nounwind {\n"
+        f"entry:\n  %ng = and i64 %n, {-W}\n  br label %gouter\n"
+        "gouter:\n  %i = phi i64 [0, %entry], [%inext, %gdone]\n  %gmore = icmp slt i64 %i, %ng\n"
+        "  br i1 %gmore, label %group, label %souter\n"
+        f"group:\n{idx}{heads}  br label %gloop\n"
+        "gloop:\n  %k = phi i64 [0, %group], [%k1, %gstep]\n"
+        f"  %go = icmp ult i64 %k, {mins[-1]}\n  br i1 %go, label %gstep, label %gdone\n"
+        f"gstep:\n{''.join(lds)}{''.join(sts)}  %k1 = add i64 %k, 1\n  br label %gloop\n"
+        f"gdone:\n{rests}  %inext = add i64 %i, {W}\n  br label %gouter\n"
+        "souter:\n  %j = phi i64 [%ng, %gouter], [%j1, %single]\n  %smore = icmp slt i64 %j, %n\n"
+        "  br i1 %smore, label %single, label %exit\n"
+        f"single:\n{_load_piece('x', '%j')}{_head('x', '%sx', '%dx', '%lx')}"
+        "  call void @pdkv_rest(i64 %Sx, i64 %Dx, i64 0, i64 %Nx, i64 %Tx)\n"
+        "  %j1 = add i64 %j, 1\n  br label %souter\n"
+        "exit:\n  fence seq_cst\n  ret void\n}\n")
+    return ("declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)\n\n" + rest + "\n" + gather
+            + "\n!0 = !{i32 1}\n")
+
+
+_IR = _build_ir()
 
 _GATHER = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 
