@@ -195,10 +195,12 @@ def aligned_empty(nbytes: int, align: int = 4096) -> Any:
     For host KV caches built with numpy: a large ``np.empty`` / ``np.zeros`` starts 16 bytes
     into its first page (malloc's chunk header), so every block of such a cache is 16 bytes
     off the page and cache-line grid, and block copies from it run slower on some CPUs: on
-    the AMD EPYC development VM (glibc 2.36), 32 KiB blocks gathered in random order from
-    page offset 16 ran at 0.70 of a contiguous copy, from offsets 0, 64 or 2048 at 0.89-0.91
-    (``docs/PERF.md``). Engines' own allocators align already (torch's CPU allocator to 64
-    bytes, pinned ``cudaHostAlloc`` memory to a page).
+    the AMD EPYC development VM (glibc 2.36), 128 KiB blocks gathered with numpy in random
+    order from page offset 16 ran at 0.83 of a contiguous copy, from offsets 0, 64 or 2048
+    at 0.97-1.04; 32 KiB blocks 0.71-0.74 against 0.78-0.89
+    (``docs/perf-logs/devvm-alignment-s6.log``). Engines' own allocators align already
+    (torch's CPU allocator to 64 bytes, paddle's and pinned ``cudaHostAlloc`` memory to a
+    page).
 
     The array owns its memory: it is a view of a slightly larger array, kept alive by
     ``.base``.
