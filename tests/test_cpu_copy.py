@@ -32,11 +32,26 @@ def test_the_loop_builds_where_llvmlite_is_installed():
     assert cpu.unavailable_reason() is None
 
 
+_VARIANTS: dict[int, object] = {}
+
+
+def _gather_with(ways: int):
+    """The loop built for ``ways`` pieces side by side (pdkv uses cpu._WAYS)."""
+    if ways not in _VARIANTS:
+        import llvmlite.binding as llvm
+
+        _VARIANTS[ways] = cpu._jit(llvm, cpu._build_ir(ways))
+    fn = _VARIANTS[ways][1]
+    return lambda s, d, n: fn(n.size, s.ctypes.data, d.ctypes.data, n.ctypes.data)
+
+
 @needs_loop
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 9000), st.integers(0, 70)), min_size=0, max_size=12), st.data())
-def test_gather_copies_exactly_the_pieces(pieces, data):
-    """Any lengths (0, below a vector, unaligned heads and tails) at any offsets of either side."""
+@given(st.lists(st.tuples(st.integers(0, 9000), st.integers(0, 70)), min_size=0, max_size=12), st.data(),
+       st.sampled_from([None, 1, 3, 4, 8]))
+def test_gather_copies_exactly_the_pieces(pieces, data, ways):
+    """Any lengths (0, below a vector, unaligned heads and tails) at any offsets of either side,
+    and any number of pieces against any grouping (pdkv's, and loops built 1, 3, 4, 8 wide)."""
     src = np.random.default_rng(len(pieces)).integers(0, 256, 200_000, dtype=np.uint8)
     dst = np.zeros(200_000, np.uint8)
     want = dst.copy()
@@ -50,9 +65,10 @@ def test_gather_copies_exactly_the_pieces(pieces, data):
         want[cursor + gap:cursor + gap + n] = src[so:so + n]
         cursor += gap + n
     order = data.draw(st.permutations(range(len(lens))))
-    cpu.gather(np.array([src.ctypes.data + s_off[i] for i in order], np.int64),
-               np.array([dst.ctypes.data + d_off[i] for i in order], np.int64),
-               np.array([lens[i] for i in order], np.int64))
+    run = cpu.gather if ways is None else _gather_with(ways)
+    run(np.array([src.ctypes.data + s_off[i] for i in order], np.int64),
+        np.array([dst.ctypes.data + d_off[i] for i in order], np.int64),
+        np.array([lens[i] for i in order], np.int64))
     assert np.array_equal(dst, want)
 
 

@@ -73,12 +73,12 @@ def _load_piece(w: str, i: str) -> str:
                    for x, arr in (("s", "srcs"), ("d", "dsts"), ("l", "lens")))
 
 
-def _build_ir() -> str:
+def _build_ir(ways: int = _WAYS) -> str:
     """The copy loop as LLVM IR. ``@pdkv_nt_gather`` copies pieces ``_WAYS`` at a time: each
     piece's unaligned head, then 256-byte steps of all of them side by side while every one
     has steps left, then each one's remaining steps and tail alone (``@pdkv_rest``); the
     pieces left over (fewer than ``_WAYS``) one at a time."""
-    W = _WAYS
+    W = ways
     ld, st = _step("r", "%s", "%d", "%k")
     rest = ("define internal void @pdkv_rest(i64 %s, i64 %d, i64 %k0, i64 %n, i64 %t) nounwind {\n"
             "entry:\n  br label %loop\nloop:\n  %k = phi i64 [%k0, %entry], [%k1, %step]\n"
@@ -99,7 +99,7 @@ def _build_ir() -> str:
                     for w in range(W))
     gather = (
         "define void @pdkv_nt_gather(i64 %n, ptr %srcs, ptr %dsts, ptr %lens) nounwind {\n"
-        f"entry:\n  %ng = and i64 %n, {-W}\n  br label %gouter\n"
+        f"entry:\n  %nr = urem i64 %n, {W}\n  %ng = sub i64 %n, %nr\n  br label %gouter\n"
         "gouter:\n  %i = phi i64 [0, %entry], [%inext, %gdone]\n  %gmore = icmp slt i64 %i, %ng\n"
         "  br i1 %gmore, label %group, label %souter\n"
         f"group:\n{idx}{heads}  br label %gloop\n"
@@ -125,6 +125,27 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "fn", "engine" once compiled; "reason" once refused
 
 
+def _jit(llvm: Any, ir: str) -> tuple[Any, Any]:
+    """Compile ``ir`` for the host CPU; returns (the engine that owns the code, the loop)."""
+    try:  # llvmlite < 0.45 needs it; later ones do it themselves and refuse the call
+        llvm.initialize()
+    except (RuntimeError, AttributeError):
+        pass
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    target = llvm.Target.from_default_triple()
+    tm = target.create_target_machine(cpu=llvm.get_host_cpu_name(),
+                                      features=llvm.get_host_cpu_features().flatten(), opt=3)
+    mod = llvm.parse_assembly(ir)
+    mod.verify()
+    engine = llvm.create_mcjit_compiler(mod, tm)
+    engine.finalize_object()
+    addr = engine.get_function_address("pdkv_nt_gather")
+    if not addr:
+        raise RuntimeError("the JIT returned no address for the copy loop")
+    return engine, _GATHER(addr)
+
+
 def _compile() -> None:
     if os.environ.get("PDKV_CPU_COPY", "").lower() == "numpy":
         _state["reason"] = "turned off by PDKV_CPU_COPY=numpy"
@@ -135,27 +156,12 @@ def _compile() -> None:
         _state["reason"] = "llvmlite is not installed (pip install llvmlite)"
         return
     try:
-        try:  # llvmlite < 0.45 needs it; later ones do it themselves and refuse the call
-            llvm.initialize()
-        except (RuntimeError, AttributeError):
-            pass
-        llvm.initialize_native_target()
-        llvm.initialize_native_asmprinter()
-        target = llvm.Target.from_default_triple()
-        tm = target.create_target_machine(cpu=llvm.get_host_cpu_name(),
-                                          features=llvm.get_host_cpu_features().flatten(), opt=3)
-        mod = llvm.parse_assembly(_IR)
-        mod.verify()
-        engine = llvm.create_mcjit_compiler(mod, tm)
-        engine.finalize_object()
-        addr = engine.get_function_address("pdkv_nt_gather")
-        if not addr:
-            raise RuntimeError("the JIT returned no address for the copy loop")
+        engine, fn = _jit(llvm, _IR)
     except Exception as exc:  # any LLVM or JIT failure: report it, fall back to numpy
         _state["reason"] = f"the LLVM JIT could not build the copy loop: {type(exc).__name__}: {exc}"
         return
     _state["engine"] = engine  # owns the code: kept for the life of the process
-    _state["fn"] = _GATHER(addr)
+    _state["fn"] = fn
 
 
 def _fn() -> Any:
