@@ -286,6 +286,9 @@ class _Inflight:
     location: str = "buffer"  # where the blocks are: "buffer", or "gpu" (cuda_ipc writes them)
 
 
+_SEND_BATCH = 512  # items one batch message carries as sent (protocol limit: MAX_BATCH_ITEMS)
+
+
 def _clip(text: str) -> str:
     """``text`` cut to what one batch item may carry (``MAX_BATCH_ERROR`` characters)."""
     return text if len(text) <= MAX_BATCH_ERROR else text[:MAX_BATCH_ERROR - 3] + "..."
@@ -747,7 +750,7 @@ class DecodeReceiver:
     @contextlib.contextmanager
     def _replies_together(self) -> Iterator[None]:
         """Outcomes and grants decided in this block (this thread) go out at its end as one
-        ``OutcomeBatch`` and one ``GrantBatch`` per peer (512 items, at most
+        ``OutcomeBatch`` and one ``GrantBatch`` per peer (``_SEND_BATCH`` items, at most
         ``MAX_BATCH_BLOCKS`` block ids a message) instead of one message each."""
         box: dict[bytes, list[tuple[str, str, str]]] = {}
         grants: dict[bytes, list[GrantMsg]] = {}
@@ -760,7 +763,7 @@ class DecodeReceiver:
                 part: list[GrantMsg] = []
                 nblocks = 0
                 for g in gs:
-                    if part and (len(part) == 512 or nblocks + len(g.blocks) > MAX_BATCH_BLOCKS):
+                    if part and (len(part) == _SEND_BATCH or nblocks + len(g.blocks) > MAX_BATCH_BLOCKS):
                         self._send_grants(ident, part)
                         part, nblocks = [], 0
                     part.append(g)
@@ -770,8 +773,8 @@ class DecodeReceiver:
                 if len(items) == 1:
                     self._send(ident, Outcome(*items[0]))
                     continue
-                for i in range(0, len(items), 512):
-                    self._send(ident, OutcomeBatch(items[i:i + 512]))
+                for i in range(0, len(items), _SEND_BATCH):
+                    self._send(ident, OutcomeBatch(items[i:i + _SEND_BATCH]))
 
     def _send_grants(self, ident: bytes, part: list[GrantMsg]) -> None:
         # one grant (also one too large for a batch) goes as itself
@@ -1307,10 +1310,10 @@ class PrefillSender:
                 waiters.append(w)
         if len(requests) == 1:
             self._post(ReserveReq(*requests[0]))
-        else:  # one message per 512 requests; decode answers each with one GrantBatch
+        else:  # one message per _SEND_BATCH requests; decode answers each with one GrantBatch
             items = [(rid, n) for rid, n in requests]
-            for i in range(0, len(items), 512):
-                self._post(ReserveBatch(items[i:i + 512]))
+            for i in range(0, len(items), _SEND_BATCH):
+                self._post(ReserveBatch(items[i:i + _SEND_BATCH]))
         limit = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         out: list[SendGrant | PdkvError] = []
@@ -1403,7 +1406,7 @@ class PrefillSender:
 
     def finish_many(self, request_ids: Sequence[str], ok: bool = True, error: str = "") -> None:
         """:meth:`finish` for several requests (a batch that ends together), confirmed to
-        decode in one message per 512 requests instead of one each."""
+        decode in one message per ``_SEND_BATCH`` (512) requests instead of one each."""
         self._check()
         rids = list(request_ids)
         if rids:
@@ -1585,8 +1588,8 @@ class PrefillSender:
                 err = self._failed.pop(rid, None)
                 if g is not None:  # else already resolved (failed, expired)
                     items.append((rid, g.token, ok and err is None, _clip(error or (err or ""))))
-        for i in range(0, len(items), 512):
-            self._post(CompleteBatch(items[i:i + 512]))
+        for i in range(0, len(items), _SEND_BATCH):
+            self._post(CompleteBatch(items[i:i + _SEND_BATCH]))
 
     def _data_loop(self) -> None:
         while True:
@@ -1821,40 +1824,34 @@ class PrefillSender:
             cp = CopyPlan(src.astype(np.uint64), dst.astype(np.uint64), ln.astype(np.uint64),
                           np.asarray([ln.size], np.int64), int(ln.sum())).chunked(_GATHER_PIECE)
             src, dst, ln = cp.src.astype(np.int64), cp.dst.astype(np.int64), cp.lengths.astype(np.int64)
-        if n <= 1:
-            _ffi.cpu.gather(src, dst, ln)
-            return
         cuts = np.searchsorted(np.cumsum(ln), np.arange(1, n) * (int(ln.sum()) / n)).tolist()
-        bounds = list(zip([0] + cuts, cuts + [ln.size]))
-        if self._copy_pool is None:
-            self._copy_pool = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="pdkv-copy")
-        futs = [self._copy_pool.submit(_ffi.cpu.gather, src[a:b], dst[a:b], ln[a:b]) for a, b in bounds[1:]]
-        try:
-            a, b = bounds[0]
-            _ffi.cpu.gather(src[a:b], dst[a:b], ln[a:b])
-        finally:
-            for f in futs:
-                f.result()
+        self._share([lambda a=a, b=b: _ffi.cpu.gather(src[a:b], dst[a:b], ln[a:b])
+                     for a, b in zip([0] + cuts, cuts + [ln.size])])
 
     def _gather(self, takes: list) -> None:
         """``out[:] = rows[idx]`` for every ``(rows, idx, out)``: np.take copies in C without
-        the GIL, so ``copy_threads`` threads run at once (this thread takes a share)."""
+        the GIL, so ``copy_threads`` threads run at once."""
         import numpy as np
 
         def run(part: list) -> None:
             for rows, idx, out in part:
                 np.take(rows, idx, axis=0, out=out, mode="clip")
 
-        n = min(self.copy_threads, len(takes))
-        if n <= 1:
-            run(takes)
+        n = max(1, min(self.copy_threads, len(takes)))
+        self._share([lambda i=i: run(takes[i::n]) for i in range(n)])
+
+    def _share(self, parts: list[Callable[[], None]]) -> None:
+        """Run the copy ``parts`` at once: this thread takes the first, the copy pool the
+        rest (C loops without the GIL); returns when all are done, raising the first error."""
+        if len(parts) <= 1:
+            for part in parts:
+                part()
             return
         if self._copy_pool is None:
             self._copy_pool = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="pdkv-copy")
-        parts = [takes[i::n] for i in range(n)]
-        futs = [self._copy_pool.submit(run, p) for p in parts[1:]]
+        futs = [self._copy_pool.submit(part) for part in parts[1:]]
         try:
-            run(parts[0])
+            parts[0]()
         finally:
             for f in futs:
                 f.result()
