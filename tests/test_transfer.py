@@ -472,6 +472,17 @@ def test_chunked_prefill_sends_full_blocks_per_chunk(transport, no_leaks):
         dec.close()
 
 
+def test_default_copy_threads_follow_the_cpus_this_process_may_use(monkeypatch):
+    from pdkv.transfer import default_copy_threads
+
+    for cpus, want in ((1, 1), (2, 2), (3, 2), (8, 2), (12, 3), (16, 4), (64, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert default_copy_threads() == want, cpus
+    monkeypatch.delattr(os, "sched_getaffinity")  # not on every platform: the CPU count instead
+    monkeypatch.setattr(os, "cpu_count", lambda: 12)
+    assert default_copy_threads() == 3
+
+
 @pytest.mark.multiproc
 def test_shm_copy_threads_share_the_gather(monkeypatch, no_leaks):
     import pdkv.transfer as tr

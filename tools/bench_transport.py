@@ -283,7 +283,7 @@ def main() -> int:
     ap.add_argument("--sizes-kib", default="32,128,1024")
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--copy-threads", type=int, default=None,
-                    help="shm copy threads (default: pdkv's, a quarter of the cores, 1-4); the ceiling uses as many")
+                    help="shm copy threads (default: pdkv's default_copy_threads()); the ceiling uses as many")
     ap.add_argument("--src-offset", type=int, default=0,
                     help="bytes the prefill cache starts past a page boundary (default 0; a large np.empty: 16)")
     ap.add_argument("--huge-pages", action="store_true",
