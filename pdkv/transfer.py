@@ -74,6 +74,8 @@ _MAGIC = b"PDKV"
 _K_AUTH, _K_DATA = 1, 2
 MAX_FRAME_PAYLOAD = 256 << 20
 _ITEMS_PER_FRAME = 64  # blocks per frame: one syscall each side moves them all
+_FRAME_BYTES = 4 << 20  # a frame's payload past its first item (runs of blocks are cut to fit): 4 MiB
+# frames beat 16 and 64 MiB ones by 5-15 % on the H200 x2 host (docs/perf-logs/h200x2-tcp-frame-ab-s7.log)
 _GATHER_PIECE = 4 << 20  # bytes per np.take call when shm copies are shared among threads
 _POLL_S = 0.25  # receive-side socket timeout: how often a blocked receive checks for close
 
@@ -221,6 +223,41 @@ def _runs(sb: Any, db: Any) -> tuple[Any, Any]:
     brk[1:] = (np.diff(sb) != 1) | (np.diff(db) != 1)
     starts = np.flatnonzero(brk)
     return starts, np.diff(np.append(starts, sb.size))
+
+
+def _tcp_items(gi: Any, nb: Any, src: Any, unit: int, cap: int) -> tuple[Any, Any, Any]:
+    """A group's items ``(first grant index, blocks, source address)`` with every run of more
+    than ``cap // unit`` blocks cut into runs of at most that many (``unit``: bytes a block
+    of the run carries; only whole packed blocks form runs, so a run's source is contiguous).
+    Decode refuses a frame of more than MAX_FRAME_PAYLOAD bytes: one long run of a long
+    request's blocks used to make one."""
+    import numpy as np
+
+    most = max(1, cap // unit)
+    if not nb.size or int(nb.max()) <= most:
+        return gi, nb, src
+    k = -(-nb // most)  # pieces of each item
+    rep = np.repeat(np.arange(nb.size), k)
+    at = (np.arange(rep.size) - np.repeat(np.cumsum(k) - k, k)) * most  # blocks into its item
+    return gi[rep] + at, np.minimum(most, nb[rep] - at), src[rep] + at * unit
+
+
+def _tcp_frames(nb: Any, unit: int, cap: int, most: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` item ranges, one per frame, in order: at most ``most`` items, and no item
+    added past the first once the payload (``nb[i] * unit`` bytes an item) would pass ``cap``."""
+    n = int(nb.size)
+    if n and int(nb.max()) == 1:
+        step = max(1, min(most, cap // unit))
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+    out, lo, size = [], 0, 0
+    for i, b in enumerate((nb * unit).tolist()):
+        if i > lo and (i - lo == most or size + b > cap):
+            out.append((lo, i))
+            lo, size = i, 0
+        size += b
+    if n:
+        out.append((lo, n))
+    return out
 
 
 def _plan_layer(segs: Sequence[Segment], src_layout: KVLayout, dst_layout: KVLayout, src: CacheSpec,
@@ -1874,9 +1911,13 @@ class PrefillSender:
         for rid, g, sb, db, first in work:
             for grp in _plan_layer(self.segments, self.layout, self._dst_layout, self.cache, None, sb, db, layer):
                 seg = grp.seg
-                gis, nbs, srcs = grp.gi.tolist(), grp.nb.tolist(), grp.src.tolist()
-                for lo in range(0, len(gis), _ITEMS_PER_FRAME):
-                    hi = min(len(gis), lo + _ITEMS_PER_FRAME)
+                unit = seg.length * seg.count  # payload bytes per block
+                if unit > MAX_FRAME_PAYLOAD:
+                    raise TransferError(f"a block's {unit} bytes for tensor {seg.tensor} exceed the tcp frame "
+                                        f"limit of {MAX_FRAME_PAYLOAD} bytes")
+                gi, nb, src = _tcp_items(grp.gi, grp.nb, grp.src, unit, _FRAME_BYTES)
+                gis, nbs, srcs = gi.tolist(), nb.tolist(), src.tolist()
+                for lo, hi in _tcp_frames(nb, unit, _FRAME_BYTES, _ITEMS_PER_FRAME):
                     hdr = pack(_MAGIC, 1, _K_DATA, seg.dst_rank, g.token, layer, seg.tensor, 0, 0, hi - lo,
                                seg.dst_offset, seg.length, seg.count, seg.dst_stride)
                     hdr += b"".join(item(first + gis[i], nbs[i]) for i in range(lo, hi))

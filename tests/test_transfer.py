@@ -793,6 +793,61 @@ def test_a_streamed_piece_outside_its_region_is_refused_before_anything_is_writt
     assert dst.any()
 
 
+@settings(max_examples=200, deadline=None)
+@given(nb=st.lists(st.integers(1, 300), max_size=40), unit=st.sampled_from([1, 3, 64, 4096]),
+       cap=st.integers(1, 5000), most=st.integers(1, 70))
+def test_tcp_frames_cut_runs_and_bound_every_frame(nb, unit, cap, most):
+    """Every block of every item is sent once, in order, from the right address; no item is
+    longer than ``cap`` allows, no frame holds more than ``most`` items or (past its first)
+    more than ``cap`` bytes."""
+    from pdkv.transfer import _tcp_frames, _tcp_items
+
+    nb = np.asarray(nb, np.int64)
+    gi = np.concatenate(([0], np.cumsum(nb)[:-1])).astype(np.int64) * 2 + 5  # gaps between items
+    src = gi * unit + 1000
+    g2, n2, s2 = _tcp_items(gi, nb, src, unit, cap)
+    blocks = lambda g, n: [b for a, k in zip(g.tolist(), n.tolist()) for b in range(a, a + k)]  # noqa: E731
+    assert blocks(g2, n2) == blocks(gi, nb)
+    assert np.array_equal(s2, g2 * unit + 1000)  # each piece's source follows its first block
+    assert all(k <= max(1, cap // unit) for k in n2.tolist()) and all(k > 0 for k in n2.tolist())
+    frames = _tcp_frames(n2, unit, cap, most)
+    assert [i for lo, hi in frames for i in range(lo, hi)] == list(range(n2.size))
+    for lo, hi in frames:
+        assert 0 < hi - lo <= most
+        assert hi - lo == 1 or int(n2[lo:hi].sum()) * unit <= cap
+
+
+@pytest.mark.multiproc
+def test_a_tcp_run_longer_than_a_frame_arrives_in_several(monkeypatch, no_leaks):
+    """A long request's blocks, contiguous on both sides, are one run: it used to go as one
+    item in one frame, which decode refuses past MAX_FRAME_PAYLOAD (the connection dropped
+    and the request failed). Limits scaled down here: frames of 16 KiB, refused past 64 KiB."""
+    import pdkv.transfer as tr
+
+    monkeypatch.setattr(tr, "MAX_FRAME_PAYLOAD", 64 << 10)
+    monkeypatch.setattr(tr, "_FRAME_BYTES", 16 << 10)
+    dec = Decode(nb=128, transports=("tcp",))
+    try:
+        lay, arr, spec = prefill_cache(1, 0, nb=128)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5) as tx:
+            src = list(range(10, 110))  # 100 blocks of 2 KiB a tensor: a 200 KiB run each
+            g = tx.reserve("long", 100 * 8)
+            assert list(g.blocks) == list(range(g.blocks[0], g.blocks[0] + 100))  # one run on both sides
+            for layer in range(4):
+                tx.send_layer(layer, [("long", src)])
+            tx.finish("long")
+            out = tx.wait_outcome("long", 10)
+            assert out.ok, out
+        assert dec.rx.stats["frames_rejected"] == 0
+        for layer in range(4):
+            for t in range(2):
+                for gi in (0, 31, 99):
+                    want = expected_block([lay], [spec], src, dec.lays[0], layer, t, gi)
+                    assert dec.block(0, layer, t, g.blocks[gi]) == want
+    finally:
+        dec.close()
+
+
 @pytest.mark.multiproc
 def test_finish_many_completes_a_batch_and_each_item_stands_alone(no_leaks):
     from pdkv.protocol import CompleteBatch
