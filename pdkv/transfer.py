@@ -1850,8 +1850,8 @@ class PrefillSender:
         for seg, src, dst, ln in plans:
             sv, sbase = self._region_view(self.cache, layer, seg.tensor)
             dv, dbase = self._region_view(self._dst_specs[seg.dst_rank], layer, seg.tensor)
-            # int64 already from the planner (no copy then); the checks read each array once or twice
-            s, d, n = (np.asarray(a, dtype=np.int64) for a in (src, dst, ln))
+            # contiguous int64 already from the planner (no copy then), as the loop needs them
+            s, d, n = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, ln))
             if n.size and (int(n.min()) < 0 or int(s.min()) < sbase or int((s + n).max()) > sbase + len(sv)
                            or int(d.min()) < dbase or int((d + n).max()) > dbase + len(dv)):
                 raise TransferError(f"layer {layer}: a planned copy falls outside its source or destination "
