@@ -56,6 +56,7 @@ MAX_BATCH_ERROR = 1024  # characters of one batch item's error or reason (sender
 PROTOCOL_VERSION = 4
 GRANT_OUTCOMES = ("gpu", "buffer", "queued", "rejected")
 MAX_BATCH_BLOCKS = 1 << 16  # block ids one GrantBatch may carry (its grants' blocks together)
+MAX_GRANT_BLOCKS = 1 << 22  # block ids one grant may carry (~20 MB of message, under prefill's 64 MiB limit)
 OUTCOME_STATES = ("received", "failed", "expired", "aborted", "rejected")
 MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
 MAX_ID = 256  # characters of a request id
@@ -341,7 +342,7 @@ def _validate(m: Message) -> None:
             _validate(g)
     if isinstance(m, GrantMsg) and m.outcome not in GRANT_OUTCOMES:
         raise ProtocolError(f"grant outcome {m.outcome[:32]!r} is not one of {', '.join(GRANT_OUTCOMES)}")
-    if isinstance(m, GrantMsg) and (len(m.blocks) > 1 << 22 or (m.blocks and min(m.blocks) < 0)):
+    if isinstance(m, GrantMsg) and (len(m.blocks) > MAX_GRANT_BLOCKS or (m.blocks and min(m.blocks) < 0)):
         raise ProtocolError("grant block list out of range")
     for f in ("token",):
         v = getattr(m, f, 0)

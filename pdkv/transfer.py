@@ -52,7 +52,7 @@ from .errors import (
 from .layout import CacheSpec, KVLayout, Segment, tp_segments
 from .protocol import (
     MAX_BATCH_ERROR, MAX_BATCH_ITEMS, PROTOCOL_VERSION, Abort, Codec, Complete, CompleteBatch, ErrorMsg, GrantMsg,
-    MAX_BATCH_BLOCKS, MAX_ID, MAX_NUM_TOKENS, GrantBatch, Heartbeat, Hello, LayerBatch, LayerDone, Message, Outcome, OutcomeBatch,
+    MAX_BATCH_BLOCKS, MAX_GRANT_BLOCKS, MAX_ID, MAX_NUM_TOKENS, GrantBatch, Heartbeat, Hello, LayerBatch, LayerDone, Message, Outcome, OutcomeBatch,
     ReserveBatch, ReserveReq, Welcome, is_unauthenticated, new_nonce)
 from .scheduler import DecodeScheduler, Event
 from .rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
@@ -720,8 +720,12 @@ class DecodeReceiver:
                     inf.peers.add(peer.ident)
                 self._send_grant(peer.ident, g)
                 return
-        res = self.scheduler.reserve(rid, num_blocks=self.layouts[0].blocks_for_tokens(num_tokens),
-                                     peer=peer.instance, gpu_ok=peer.transport == "cuda_ipc")
+        nblk = self.layouts[0].blocks_for_tokens(num_tokens)
+        if nblk > MAX_GRANT_BLOCKS:  # its grant could not be sent: refuse now, holding nothing
+            self._send_grant(peer.ident, GrantMsg(rid, "rejected", reason=f"{num_tokens} tokens need {nblk} blocks, "
+                                                  f"more than the {MAX_GRANT_BLOCKS} one grant may carry"))
+            return
+        res = self.scheduler.reserve(rid, num_blocks=nblk, peer=peer.instance, gpu_ok=peer.transport == "cuda_ipc")
         if res.grant is None:
             g = GrantMsg(rid, res.outcome, reason=res.reason)
             if res.outcome == "queued":

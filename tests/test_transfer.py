@@ -849,6 +849,26 @@ def test_a_tcp_run_longer_than_a_frame_arrives_in_several(monkeypatch, no_leaks)
 
 
 @pytest.mark.multiproc
+def test_a_reservation_larger_than_one_grant_can_carry_is_refused_by_name(monkeypatch, no_leaks):
+    """A grant is one message; prefill refuses one of more than MAX_GRANT_BLOCKS ids as a
+    protocol violation. Decode refuses such a reservation up front (holding nothing) instead
+    of sending it. Limit scaled down to 4 blocks here."""
+    import pdkv.transfer as tr
+
+    monkeypatch.setattr(tr, "MAX_GRANT_BLOCKS", 4)
+    dec = Decode(nb=16)
+    try:
+        lay, arr, spec = prefill_cache(1, 0, nb=16)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=5) as tx:
+            with pytest.raises(TransferError, match="5 blocks, more than the 4 one grant may carry"):
+                tx.reserve("big", 5 * 8)
+            assert dec.sched.buffer.num_free == 16 and dec.sched.gpu.num_free == 16  # nothing held
+            assert send_one(tx, "fits", [0, 1, 2, 3]).ok  # the session goes on
+    finally:
+        dec.close()
+
+
+@pytest.mark.multiproc
 def test_finish_many_completes_a_batch_and_each_item_stands_alone(no_leaks):
     from pdkv.protocol import CompleteBatch
 
