@@ -67,6 +67,17 @@ def _batch_spans(a: int, b: int, first: int | None = None, cap: int | None = Non
     return out
 
 
+def split_runs(lengths: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every run of ``lengths[i]`` units cut into runs of at most ``most``, in order: for each
+    cut, ``(i, offset into run i, length)`` as int64 arrays. Callers move their own starts
+    (bytes, block indices) by the offsets."""
+    ln = np.asarray(lengths, dtype=np.int64)
+    n = (ln + most - 1) // most
+    idx = np.repeat(np.arange(ln.size), n)
+    off = (np.arange(idx.size, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)) * most
+    return idx, off, np.minimum(ln[idx] - off, most)
+
+
 @dataclass(frozen=True, slots=True)
 class CopyPlan:
     """Coalesced pieces of one copy: ``src[i] -> dst[i]``, ``lengths[i]`` bytes;
@@ -87,13 +98,8 @@ class CopyPlan:
         ln = self.lengths.astype(np.int64)
         if ln.size == 0 or int(ln.max()) <= chunk:
             return self
+        idx, off, lens = split_runs(ln, chunk)
         n = (ln + chunk - 1) // chunk
-        total = int(n.sum())
-        idx = np.repeat(np.arange(ln.size), n)
-        first = np.cumsum(n) - n
-        k = np.arange(total, dtype=np.int64) - np.repeat(first, n)
-        off = k * chunk
-        lens = np.minimum(ln[idx] - off, chunk)
         ends = np.cumsum(n)[self.layer_ends - 1] if self.layer_ends.size else self.layer_ends
         ends = np.where(self.layer_ends == 0, 0, ends)
         return CopyPlan(self.src[idx] + off.astype(np.uint64), self.dst[idx] + off.astype(np.uint64),

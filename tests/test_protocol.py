@@ -92,6 +92,16 @@ def test_semantic_validation(msg, what):
         Codec(None).decode(Codec(None).encode(msg))
 
 
+def test_the_largest_grant_fits_one_message_and_a_larger_one_is_refused():
+    from pdkv.protocol import MAX_GRANT_BLOCKS, MAX_ID
+
+    a, b = Codec(SECRET), Codec(SECRET)
+    big = GrantMsg("r" * MAX_ID, "buffer", "buffer", [(1 << 32) - 1] * MAX_GRANT_BLOCKS, (1 << 63) - 1, 1.0)
+    assert b.decode(a.encode(big)) == big  # under MAX_MESSAGE_BYTES with the widest ids and id
+    with pytest.raises(ProtocolError, match="grant block list"):
+        b.decode(a.encode(GrantMsg("r", "buffer", "buffer", [1] * (MAX_GRANT_BLOCKS + 1), 1, 1.0)))
+
+
 def test_schema_violations():
     enc = msgspec.msgpack.Encoder()
     dec = Codec(None)
