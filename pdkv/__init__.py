@@ -4,7 +4,12 @@
 missing when asked for.
 """
 
-from . import blocks, errors, interop, layout, protocol, rdma, scheduler, shm, swap, transfer
+import logging as _logging
+
+# a library logs only where the application configured logging (no last-resort output)
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+from . import blocks, errors, interop, layout, protocol, rdma, scheduler, shm, swap, transfer  # noqa: E402
 from .blocks import BlockAllocator, BlockPool
 from .errors import *  # noqa: F403
 from .layout import GIB, CacheSpec, KVLayout, Segment, tp_segments
@@ -19,6 +24,7 @@ from .scheduler import (
     State,
     SwapBackend,
     SwapHandle,
+    WriteTicket,
 )
 from .shm import SharedBuffer
 from .interop import TensorInfo, aligned_empty, cache_from_tensors, tensor_info
@@ -42,6 +48,7 @@ __all__ = [
     "State",
     "SwapBackend",
     "SwapHandle",
+    "WriteTicket",
     "CacheSpec",
     "KVLayout",
     "Segment",

@@ -13,9 +13,11 @@ States::
 Blocks a peer may still be writing (a reservation that expired, failed or was aborted
 while RESERVED or RECEIVING) are *quarantined*: held by nobody, counted as held, and
 returned to their pool after ``fence_grace_s`` or when :meth:`DecodeScheduler.fence`
-says the peer can no longer write. A buffer block read by a swap returns only when the
-swap has completed. Hence: a block is never handed out again while a write or a swap
-may still touch it.
+says the peer can no longer write, and in either case only once every write admitted
+with :meth:`DecodeScheduler.begin_write` has ended (:meth:`DecodeScheduler.end_write`),
+whatever the timings. A buffer block read by a swap returns only when the swap has
+completed. Hence: a block is never handed out again while a write or a swap may still
+touch it.
 
 Threading: every public method may be called from any thread. Listeners and the swap
 backend are called with no lock held.
@@ -40,6 +42,7 @@ __all__ = [
     "State",
     "SchedulerOptions",
     "Grant",
+    "WriteTicket",
     "Reservation",
     "RequestInfo",
     "ReadyRequest",
@@ -159,6 +162,33 @@ class Grant:
     lease_s: float
 
 
+class _Writers:
+    """Writes admitted into one request's blocks and not yet ended (shared by the request
+    and its quarantine entries, which outlive it)."""
+
+    __slots__ = ("n", "entries")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.entries: list[_Quarantine] = []
+
+
+class WriteTicket:
+    """An admitted write into a request's blocks (:meth:`DecodeScheduler.begin_write`).
+
+    Ownership: the transport holds it while bytes may still move into ``grant.blocks`` and
+    gives it back once with :meth:`DecodeScheduler.end_write`; until then none of those
+    blocks is handed out again, whatever happens to the request.
+    """
+
+    __slots__ = ("grant", "_writers", "_open")
+
+    def __init__(self, grant: Grant, writers: _Writers) -> None:
+        self.grant = grant
+        self._writers = writers
+        self._open = True
+
+
 @dataclass(frozen=True, slots=True)
 class Reservation:
     """The answer to :meth:`DecodeScheduler.reserve`: outcome is ``gpu``, ``buffer``,
@@ -233,14 +263,20 @@ class _Req:
     reason: str = ""
     in_ready: bool = False
     gpu_ok: bool = True  # may take GPU blocks directly (with options.direct_to_gpu)
+    writers: _Writers = field(default_factory=_Writers)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Quarantine:
     release_at: float
     peer: str
     pool: Any
     blocks: list[int]
+    writers: _Writers | None = None
+    fenced: bool = False
+
+    def releasable(self, now: float) -> bool:
+        return (self.writers is None or self.writers.n == 0) and (self.fenced or self.release_at <= now)
 
 
 @dataclass
@@ -251,7 +287,7 @@ class _Metrics:
         "requests_finished", "requests_failed", "requests_expired", "requests_aborted",
         "late_messages_rejected", "swaps_submitted", "swaps_completed", "swaps_failed", "swap_bytes",
         "swap_seconds_sum", "swap_seconds_max", "swap_busy_seconds", "prefill_wait_avoided_seconds_sum",
-        "prefill_wait_avoided_seconds_max", "quarantined_blocks_released", "buffer_blocks_peak"), 0))
+        "prefill_wait_avoided_seconds_max", "quarantined_blocks_released", "buffer_blocks_peak", "writes_admitted"), 0))
 
 
 class DecodeScheduler:
@@ -387,12 +423,16 @@ class DecodeScheduler:
         return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, o.lease_s)  # type: ignore[arg-type]
 
     def _release_blocks(self, req: _Req, *, quarantine: bool, now: float) -> None:
+        w = req.writers
         for pool, attr in ((self.buffer, "buffer_blocks"), (self.gpu, "gpu_blocks")):
             blocks = getattr(req, attr)
             if blocks:
                 setattr(req, attr, None)
-                if quarantine and self.options.fence_grace_s > 0:
-                    self._quarantine.append(_Quarantine(now + self.options.fence_grace_s, req.peer, pool, blocks))
+                # an admitted write still running holds its blocks whatever the grace says
+                if (quarantine and self.options.fence_grace_s > 0) or w.n:
+                    q = _Quarantine(now + self.options.fence_grace_s, req.peer, pool, blocks, w)
+                    w.entries.append(q)
+                    self._quarantine.append(q)
                 else:
                     pool.free(blocks)
 
@@ -504,6 +544,52 @@ class DecodeScheduler:
             assert blocks is not None
             return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, self.options.lease_s)  # type: ignore[arg-type]
 
+    def begin_write(self, request_id: str, token: int) -> WriteTicket:
+        """Admit a write into ``request_id``'s blocks: validate as :meth:`check_write`, then
+        hold the blocks until :meth:`end_write`. A request that fails, expires or is aborted
+        meanwhile still terminates at once, but its blocks stay quarantined until every
+        admitted write has ended, even past ``fence_grace_s`` and a :meth:`fence`.
+
+        Raises GrantViolation, LeaseExpiredError or RequestError; nothing is held then.
+        """
+        now = self.clock()
+        with self._lock:
+            req = self._get_live(request_id)
+            self._check_writable(req, token, now)
+            blocks = req.gpu_blocks if req.location == "gpu" else req.buffer_blocks
+            assert blocks is not None
+            req.writers.n += 1
+            self._m["writes_admitted"] += 1
+            grant = Grant(req.rid, req.location, tuple(blocks), req.token, req.expires,  # type: ignore[arg-type]
+                          self.options.lease_s)
+            return WriteTicket(grant, req.writers)
+
+    def end_write(self, ticket: WriteTicket) -> None:
+        """The write of ``ticket`` moves no more bytes (finished, failed or cut off). Its
+        request's quarantined blocks go back now if nothing else holds them. Once per
+        ticket; a second call raises RequestError."""
+        now = self.clock()
+        with self._lock:
+            if not ticket._open:
+                raise RequestError(f"write ticket of {ticket.grant.request_id!r} already ended")
+            ticket._open = False
+            w = ticket._writers
+            w.n -= 1
+            if w.n or not w.entries:
+                return
+            keep = []
+            for q in w.entries:
+                if q.releasable(now):
+                    self._free_quarantined(q)
+                else:
+                    keep.append(q)
+            w.entries = keep
+
+    def _free_quarantined(self, q: _Quarantine) -> None:
+        self._quarantine.remove(q)
+        q.pool.free(q.blocks)
+        self._m["quarantined_blocks_released"] += len(q.blocks)
+
     def land_layers(self, request_id: str, token: int, layers: Iterable[int]) -> int:
         """Record layers whose every block landed with success. Returns layers landed so far.
 
@@ -604,18 +690,19 @@ class DecodeScheduler:
         self._deliver(ev)
 
     def fence(self, peer: str) -> int:
-        """The transport guarantees ``peer`` can no longer write (connection closed, QP in
-        error, process dead): release its quarantined blocks now. Returns blocks released."""
+        """The transport guarantees ``peer`` can start no more writes (connection closed, QP
+        in error, process dead): release its quarantined blocks now, except those an
+        admitted write still holds (they go when it ends). Returns blocks released."""
+        now = self.clock()
         with self._lock:
-            keep, n = [], 0
-            for q in self._quarantine:
-                if q.peer == peer:
-                    q.pool.free(q.blocks)
+            n = 0
+            for q in [q for q in self._quarantine if q.peer == peer]:
+                q.fenced = True
+                if q.releasable(now):
+                    self._free_quarantined(q)
+                    if q.writers is not None:
+                        q.writers.entries.remove(q)
                     n += len(q.blocks)
-                else:
-                    keep.append(q)
-            self._quarantine = keep
-            self._m["quarantined_blocks_released"] += n
             return n
 
     # ------------------------------------------------------------------ hand-off
@@ -700,9 +787,11 @@ class DecodeScheduler:
             return
         keep = []
         for q in self._quarantine:
-            if q.release_at <= now:
+            if q.releasable(now):
                 q.pool.free(q.blocks)
                 self._m["quarantined_blocks_released"] += len(q.blocks)
+                if q.writers is not None:
+                    q.writers.entries.remove(q)
             else:
                 keep.append(q)
         self._quarantine = keep

@@ -3,7 +3,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test)
@@ -570,3 +570,83 @@ def test_renew_extends_a_live_lease_only():
     clock.t += 3
     with pytest.raises(LeaseExpiredError):
         s.renew("a", g.token)
+
+
+# ------------------------------------------------------------------ write tickets
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["advance", "tick", "fence", "end", "fail", "reserve_b"]),
+                                st.floats(0, 3)), max_size=25),
+       lease=st.floats(0.5, 3), grace=st.floats(0, 2))
+def test_no_block_is_granted_again_while_an_admitted_write_may_run(steps, lease, grace):
+    from pdkv import BlockPool, DecodeScheduler, SchedulerOptions
+    from pdkv.errors import PdkvError
+
+    class NoSwap:
+        def submit(self, *a):
+            raise AssertionError("no swap in this test")
+
+    clock = _Clock()
+    s = DecodeScheduler(num_layers=2, gpu=BlockPool(4), buffer=BlockPool(2), swap=NoSwap(), clock=clock,
+                        options=SchedulerOptions(direct_to_gpu=False, lease_s=lease, fence_grace_s=grace))
+    ga = s.reserve("a", num_blocks=2, peer="A").grant
+    ticket = s.begin_write("a", ga.token)
+    open_ = True
+    for op, x in steps:
+        if op == "advance":
+            clock.t += x
+        elif op == "tick":
+            s.tick()
+        elif op == "fence":
+            s.fence("A")
+        elif op == "end" and open_:
+            s.end_write(ticket)
+            open_ = False
+        elif op == "fail":
+            try:
+                s.fail("a", "peer went away")
+            except PdkvError:
+                pass  # already terminal
+        elif op == "reserve_b":
+            if "b" not in s.live_requests():
+                r = s.reserve("b", num_blocks=2, peer="B")
+                if r.grant is not None:
+                    assert not open_, "a's blocks granted to b while a's write may still land"
+        s.check_invariants()
+    if open_:
+        s.end_write(ticket)
+    with pytest.raises(Exception, match="already ended"):
+        s.end_write(ticket)
+
+
+def test_a_write_ticket_holds_its_blocks_past_grace_fence_and_expiry():
+    class NoSwap:
+        def submit(self, *a):
+            raise AssertionError("no swap here")
+
+    clock = _Clock()
+    s = DecodeScheduler(num_layers=2, gpu=BlockPool(4), buffer=BlockPool(2), swap=NoSwap(), clock=clock,
+                        options=SchedulerOptions(direct_to_gpu=False, lease_s=1.0, fence_grace_s=0.5))
+    g = s.reserve("a", num_blocks=2, peer="A").grant
+    t = s.begin_write("a", g.token)
+    assert t.grant.blocks == g.blocks and s.metrics()["writes_admitted"] == 1
+    clock.t = 5.0
+    s.tick()  # the lease expired and the grace passed: still held by the write
+    assert s.request("a").state is State.EXPIRED
+    assert s.fence("A") == 0 and s.buffer.num_free == 0
+    assert s.reserve("b", num_blocks=2, peer="B").outcome == "rejected"
+    s.end_write(t)  # the write ended: the blocks come back at once
+    assert s.buffer.num_free == 2 and s.metrics()["quarantined_blocks"] == 0
+    with pytest.raises(RequestError, match="already ended"):
+        s.end_write(t)
+    with pytest.raises(LeaseExpiredError):
+        s.begin_write("a", g.token)
+    s.check_invariants()
