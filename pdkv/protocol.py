@@ -1,10 +1,17 @@
 """Typed, validated control messages between prefill and decode.
 
 Messages are :mod:`msgspec` structs encoded as msgpack and decoded against the schema:
-nothing is unpickled, unknown message types and fields of the wrong type are refused with
-:class:`~pdkv.errors.ProtocolError`. With a shared secret every frame carries an HMAC-SHA256
-over ``session || seq || body`` under a per-session key, and sequence numbers must grow, so
-a peer without the secret is refused and a replayed frame is dropped.
+nothing is unpickled, no field is typed ``Any`` (every nested record is a struct of its
+own, so input nested deeper than the schema is refused at its first level), and every
+failure to decode, whatever its cause, is :class:`~pdkv.errors.ProtocolError`.
+
+With a shared secret every frame carries an HMAC-SHA256 over ``seq || body`` and sequence
+numbers must grow. The handshake is a challenge-response: ``Hello`` (prefill's nonce,
+MAC'd under the secret) -> ``Challenge`` (decode's fresh nonce, under the secret) ->
+``Auth`` (decode's nonce echoed, under the session key HMAC(secret, both nonces)) ->
+``Welcome`` (under the session key). A replayed ``Hello`` gets a new nonce and cannot be
+completed without the secret. Data connections authenticate against the session with
+:func:`data_auth_mac` over a nonce decode sends on that connection.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from typing import Any, Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -27,7 +34,20 @@ __all__ = [
     "unpack_frame",
     "is_unauthenticated",
     "Hello",
+    "Challenge",
+    "Auth",
     "Welcome",
+    "LayoutDesc",
+    "RdmaEndpointDesc",
+    "RdmaRegionDesc",
+    "RdmaOffer",
+    "CudaDesc",
+    "IpcAlloc",
+    "IpcRank",
+    "IpcSection",
+    "data_auth_mac",
+    "layout_desc",
+    "to_plain",
     "ReserveReq",
     "ReserveBatch",
     "GrantMsg",
@@ -52,8 +72,9 @@ _MAC_BYTES = 32  # HMAC-SHA256
 MAX_BATCH_ITEMS = 4096  # requests one LayerBatch may name (4096 x 256-byte ids fit in decode's 2 MiB limit)
 MAX_BATCH_ERROR = 1024  # characters of one batch item's error or reason (senders send 512 items a message)
 # 2: one frame per message (MAC length, MAC, body); 3: LayerBatch, CompleteBatch, cuda_ipc;
-# 4: OutcomeBatch, ReserveBatch, GrantBatch
-PROTOCOL_VERSION = 4
+# 4: OutcomeBatch, ReserveBatch, GrantBatch; 5: challenge-response handshake, typed nested
+# records, data connections authenticated by a MAC over decode's nonce
+PROTOCOL_VERSION = 5
 GRANT_OUTCOMES = ("gpu", "buffer", "queued", "rejected")
 MAX_BATCH_BLOCKS = 1 << 16  # block ids one GrantBatch may carry (its grants' blocks together)
 MAX_GRANT_BLOCKS = 1 << 17  # block ids one grant may carry: 5 bytes each below 2^32, so it fits MAX_MESSAGE_BYTES
@@ -67,38 +88,136 @@ class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen
     pass
 
 
+class _Rec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A nested record inside a message (untagged)."""
+
+
+_Name = Annotated[str, msgspec.Meta(max_length=256)]
+_Short = Annotated[str, msgspec.Meta(max_length=64)]
+_U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+_U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack carries up to 2^64 - 1
+_Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+
+
+class LayoutDesc(_Rec, kw_only=True):
+    """:meth:`pdkv.KVLayout.descriptor` on the wire (checked again by ``from_descriptor``)."""
+
+    format: _Short
+    version: int
+    num_layers: _U32
+    kv_heads: _U32
+    head_dim: _U32
+    tokens_per_block: _U32
+    dtype: _Short
+    extra_layers: _U32 = 0
+    mla: bool = False
+    scales: bool = False
+    tp_size: _U32 = 1
+    tp_rank: _U32 = 0
+    token_major: bool = False
+    block_bytes: _U64 = 0
+
+
+class RdmaEndpointDesc(_Rec, kw_only=True):
+    """A queue pair's record (``pdkv.rdma.EndpointInfo``)."""
+
+    qpn: _U32
+    psn: _U32
+    lid: _U32
+    gid: _Short
+    mtu: _U32
+
+
+class RdmaRegionDesc(_Rec, kw_only=True):
+    """A decode rank's registered buffer: where RDMA writes may land, and its key."""
+
+    rank: _U32
+    addr: _U64
+    length: _U64
+    rkey: _U32
+
+
+class RdmaOffer(_Rec, kw_only=True):
+    """``Welcome.rdma``: decode's queue pair and each rank's registered region."""
+
+    endpoint: RdmaEndpointDesc
+    regions: Annotated[list[RdmaRegionDesc], msgspec.Meta(max_length=4096)]
+
+
+class CudaDesc(_Rec, kw_only=True):
+    """``Hello.cuda``: the GPU prefill's cache lives on."""
+
+    device_uuid: _Short
+
+
+class IpcAlloc(_Rec, kw_only=True):
+    handle: Annotated[bytes, msgspec.Meta(max_length=128)]
+    size: _U64
+
+
+class IpcRank(_Rec, kw_only=True):
+    rank: _U32
+    device_uuid: _Short
+    num_blocks: _U32
+    allocs: Annotated[list[IpcAlloc], msgspec.Meta(max_length=1 << 16)]
+    # [allocation index, offset, block stride] per (layer, tensor)
+    regions: Annotated[list[Annotated[list[_U64], msgspec.Meta(min_length=3, max_length=3)]],
+                       msgspec.Meta(max_length=1 << 16)]
+
+
+class IpcSection(_Rec, kw_only=True):
+    """``Welcome.cuda`` (see :mod:`pdkv.cuda_ipc`)."""
+
+    ranks: Annotated[list[IpcRank], msgspec.Meta(max_length=4096)]
+
+
 class Hello(_Base, tag="hello"):
-    """prefill -> decode, first message of a session."""
+    """prefill -> decode, first message of a session (MAC'd under the shared secret)."""
 
     version: int
-    instance: str
+    instance: _Name
     tp_rank: int
     tp_size: int
-    layout: dict[str, Any]
-    transports: list[str]
-    boot_id: str
+    layout: LayoutDesc
+    transports: Annotated[list[_Short], msgspec.Meta(max_length=16)]
+    boot_id: _Short
     pid: int
     nonce: bytes
-    rdma: dict[str, Any] = {}  # prefill's queue-pair record when it offers rdma
-    cuda: dict[str, Any] = {}  # {"device_uuid": hex} when prefill's cache is GPU memory
+    rdma: RdmaEndpointDesc | None = None  # prefill's queue-pair record when it offers rdma
+    cuda: CudaDesc | None = None  # set when prefill's cache is GPU memory
+
+
+class Challenge(_Base, tag="challenge"):
+    """decode -> prefill, answer to a Hello (under the secret): decode's fresh nonce. The
+    session key is HMAC(secret, prefill nonce, this nonce) from here on."""
+
+    nonce: _Nonce
+
+
+class Auth(_Base, tag="auth"):
+    """prefill -> decode, under the session key: proves the secret for this session
+    (``nonce`` echoes the Challenge's)."""
+
+    nonce: _Nonce
 
 
 class Welcome(_Base, tag="welcome"):
-    """decode -> prefill: the session is accepted; how to write into decode's memory."""
+    """decode -> prefill: the session is accepted; how to write into decode's memory.
+    ``session_id`` names the session on data connections; it is no credential (a data
+    connection also proves the session key, :func:`data_auth_mac`)."""
 
     version: int
-    instance: str
+    instance: _Name
     tp_size: int
-    ranks: list[int]
-    layouts: list[dict[str, Any]]
-    transport: str
-    shm_names: list[str]
+    ranks: Annotated[list[_U32], msgspec.Meta(max_length=4096)]
+    layouts: Annotated[list[LayoutDesc], msgspec.Meta(max_length=4096)]
+    transport: _Short
+    shm_names: Annotated[list[_Name], msgspec.Meta(max_length=4096)]
     buffer_blocks: int
-    data_addr: str
-    data_token: bytes
-    nonce: bytes
-    rdma: dict[str, Any] = {}
-    cuda: dict[str, Any] = {}  # cuda_ipc: each rank's GPU cache as IPC handles and offsets
+    data_addr: _Name
+    session_id: _Nonce
+    rdma: RdmaOffer | None = None
+    cuda: IpcSection | None = None  # cuda_ipc: each rank's GPU cache as IPC handles and offsets
 
 
 class ReserveReq(_Base, tag="reserve"):
@@ -194,7 +313,7 @@ class ErrorMsg(_Base, tag="error"):
     message: str
 
 
-Message = Union[Hello, Welcome, ReserveReq, ReserveBatch, GrantMsg, GrantBatch, LayerDone, LayerBatch, Complete,
+Message = Union[Hello, Challenge, Auth, Welcome, ReserveReq, ReserveBatch, GrantMsg, GrantBatch, LayerDone, LayerBatch, Complete,
                 CompleteBatch, Outcome, OutcomeBatch, Abort, Heartbeat, ErrorMsg]
 
 
@@ -210,6 +329,25 @@ def session_key(secret: bytes, prefill_nonce: bytes, decode_nonce: bytes) -> byt
 
 def new_nonce() -> bytes:
     return os.urandom(16)
+
+
+def layout_desc(layout: object) -> LayoutDesc:
+    """A :class:`~pdkv.layout.KVLayout`'s descriptor as the typed wire record."""
+    return msgspec.convert(layout.descriptor(), LayoutDesc)  # type: ignore[attr-defined]
+
+
+def to_plain(rec: msgspec.Struct | None) -> dict:
+    """A nested wire record as plain dicts and lists (bytes kept), ``{}`` for None."""
+    return msgspec.to_builtins(rec, builtin_types=(bytes,)) if rec is not None else {}
+
+
+def data_auth_mac(session_key: bytes | None, session_id: bytes, nonce: bytes) -> bytes:
+    """What a data connection sends to prove its session: HMAC-SHA256 under a key derived
+    from the session key, over the session id and the nonce decode sent on this
+    connection. Without a secret (``session_key`` None) the key is the session id, which
+    authenticates nothing: unauthenticated operation trusts the network."""
+    key = hmac.new(session_key, b"pdkv-data-key", hashlib.sha256).digest() if session_key else session_id
+    return hmac.new(key, b"pdkv-data-auth" + session_id + nonce, hashlib.sha256).digest()
 
 
 class Codec:
@@ -266,9 +404,16 @@ class Codec:
             env = self._dec.decode(body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ProtocolError(f"invalid message: {exc}") from None
+        except Exception as exc:  # RecursionError, MemoryError, anything: never past the codec
+            raise ProtocolError(f"invalid message ({type(exc).__name__})") from None
         if env.seq <= self._recv_seq:
             raise ProtocolError(f"replayed or reordered message (seq {env.seq} after {self._recv_seq})")
-        _validate(env.msg)
+        try:
+            _validate(env.msg)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            raise ProtocolError(f"invalid message ({type(exc).__name__}: {exc})") from None
         self._recv_seq = env.seq
         return env.msg
 

@@ -30,9 +30,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
+import hmac
+import logging
 import os
 import queue
 import select
+import selectors
 import socket
 import struct
 import threading
@@ -43,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from . import _ffi
@@ -51,14 +56,15 @@ from .errors import (
     ProtocolError, RdmaError, RequestError, TransferError)
 from .layout import CacheSpec, KVLayout, Segment, tp_segments
 from .protocol import (
-    MAX_BATCH_ERROR, MAX_BATCH_ITEMS, PROTOCOL_VERSION, Abort, Codec, Complete, CompleteBatch, ErrorMsg, GrantMsg,
+    MAX_BATCH_ERROR, MAX_BATCH_ITEMS, PROTOCOL_VERSION, Abort, Auth, Challenge, Codec, Complete, CompleteBatch,
+    CudaDesc, ErrorMsg, GrantMsg, IpcSection, RdmaEndpointDesc, RdmaOffer,
     MAX_BATCH_BLOCKS, MAX_GRANT_BLOCKS, MAX_ID, MAX_NUM_TOKENS, GrantBatch, Heartbeat, Hello, LayerBatch, LayerDone, Message, Outcome, OutcomeBatch,
-    ReserveBatch, ReserveReq, Welcome, is_unauthenticated, new_nonce)
-from .scheduler import DecodeScheduler, Event
+    ReserveBatch, ReserveReq, Welcome, data_auth_mac, is_unauthenticated, layout_desc, new_nonce, to_plain)
+from .scheduler import DecodeScheduler, Event, WriteTicket
 from .rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section, unreachable
 from .shm import SharedBuffer
-from .shm_clean import pid_alive
+from .procs import boot_id, pid_alive
 
 __all__ = ["DecodeReceiver", "PrefillSender", "SendGrant", "RequestOutcome", "boot_id", "default_copy_threads",
            "FRAME_HEADER"]
@@ -67,6 +73,8 @@ __all__ = ["DecodeReceiver", "PrefillSender", "SendGrant", "RequestOutcome", "bo
 # reserved, nitems, offset, length, count, dst_stride), then nitems (grant index, blocks)
 # pairs, then the payload: for each item, its blocks' pieces in order. One frame carries
 # many blocks of one segment, received with one recvmsg_into straight into the blocks.
+_log = logging.getLogger(__name__)
+
 FRAME_HEADER = struct.Struct("<4sBBHQIHHIIIIII")
 FRAME_ITEM = struct.Struct("<II")
 MAX_FRAME_ITEMS = 1024
@@ -191,15 +199,6 @@ def default_copy_threads() -> int:
     return min(4, max(min(2, n), n // 4))
 
 
-def boot_id() -> str:
-    """Identifies this host's boot: two processes share shm only when these are equal."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
-
-
 # ---------------------------------------------------------------------- pieces
 
 @dataclass(frozen=True, slots=True)
@@ -302,12 +301,26 @@ class _Peer:
     pid: int = 0
     same_host: bool = False
     transport: str = ""
-    data_token: bytes = b""
+    session_id: bytes = b""
     last_seen: float = 0.0
     layout: KVLayout | None = None
     segs_by_src: dict[int, list[Segment]] = field(default_factory=dict)
     block_bytes_by_src: dict[int, int] = field(default_factory=dict)
     rdma_qpn: int = 0
+
+
+@dataclass
+class _Handshake:
+    """A Hello answered with a Challenge, waiting for the peer's Auth (holds no resources)."""
+
+    codec: Codec
+    hello: Hello
+    layout: KVLayout
+    segs: list[Segment]
+    transport: str
+    same_host: bool
+    nonce: bytes
+    deadline: float
 
 
 @dataclass
@@ -324,17 +337,52 @@ class _Inflight:
     landed: int = 0
     done: bool = False
     run_len: list[int] = field(default_factory=list)  # consecutive destination ids from index i
-    lease_until: float = 0.0  # mirror of the scheduler's lease, renewed on every landed layer
-    lease_s: float = 0.0
     location: str = "buffer"  # where the blocks are: "buffer", or "gpu" (cuda_ipc writes them)
+    # tcp: which (layer, source rank, segment) pieces of which blocks were admitted, so no
+    # piece is written twice and the byte count can only fill a layer with distinct pieces
+    cov: dict[tuple[int, int, int], bytearray] = field(default_factory=dict)
+    # shm/rdma/cuda_ipc: blocks each source rank reported for each layer
+    reported: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+@dataclass
+class _PreAuth:
+    """A data connection before authentication: read by the accept thread, no thread of its own."""
+
+    deadline: float
+    buf: bytearray
+    got: int = 0
+    nonce: bytes = b""
+    session_id: bytes = b""
 
 
 _SEND_BATCH = 512  # items one batch message carries as sent (protocol limit: MAX_BATCH_ITEMS)
+_AUTH_HEAD = FRAME_HEADER.size + 16  # AUTH frame header + session id
+# accept() errors that say nothing about the listener: out of descriptors or memory, a
+# connection reset before it was taken; back off and keep accepting
+_ACCEPT_RETRY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
+                           errno.EPROTO, errno.EPERM, errno.EINTR, errno.ETIMEDOUT, errno.EHOSTUNREACH,
+                           errno.ENETUNREACH, errno.ENOPROTOOPT, errno.EOPNOTSUPP})
 
 
 def _clip(text: str) -> str:
     """``text`` cut to what one batch item may carry (``MAX_BATCH_ERROR`` characters)."""
     return text if len(text) <= MAX_BATCH_ERROR else text[:MAX_BATCH_ERROR - 3] + "..."
+
+
+class _RateLimitedLog:
+    """One warning per key per ``every`` seconds: a flood of refused connections must not
+    become a flood of log lines."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self._last: dict[str, float] = {}
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) >= self.every:
+            self._last[key] = now
+            _log.warning(msg, *args)
 
 
 class DecodeReceiver:
@@ -359,9 +407,26 @@ class DecodeReceiver:
     transports:
         Transports offered, in order of preference.
     peer_timeout_s:
-        A prefill peer silent this long is considered dead and fenced.
+        A prefill peer silent this long is considered dead and fenced: its data
+        connections are closed and their threads joined before its blocks are released.
     io_timeout_s:
-        Bound on a stalled TCP payload.
+        Bound on a stalled TCP payload, and the base of every frame's deadline.
+    min_data_rate:
+        Bytes per second a tcp frame must at least move: a frame of ``n`` payload bytes
+        must arrive whole within ``io_timeout_s + n / min_data_rate`` of its header, or its
+        connection is closed and its request fails (a trickling peer cannot keep a write
+        open past its grant). Default 8 MiB/s.
+    auth_timeout_s:
+        A data connection must authenticate within this many seconds of being accepted,
+        and a control handshake must complete within it.
+    max_pending_connections:
+        Data connections accepted but not yet authenticated, at most; more are closed at
+        once (logged). Pre-authentication connections are read by the accept thread and
+        hold no thread or buffer of their own.
+    max_connections:
+        Authenticated data connections, at most (each has a thread).
+    max_handshakes:
+        Control handshakes in progress (Hello answered, Auth awaited), at most.
     auto_tick:
         Call ``scheduler.tick()`` from the receiver loop (every ~2 ms), for engines that
         do not tick themselves.
@@ -388,7 +453,9 @@ class DecodeReceiver:
                  secret: bytes | None = None, transports: Sequence[str] = ("shm", "tcp"),
                  peer_timeout_s: float = 10.0, io_timeout_s: float = 5.0, auto_tick: bool = False,
                  data_advertise: str | None = None, rdma_device: str | None = None,
-                 gpu_caches: Sequence[CacheSpec] | None = None) -> None:
+                 gpu_caches: Sequence[CacheSpec] | None = None, min_data_rate: float = 8 << 20,
+                 auth_timeout_s: float = 5.0, max_pending_connections: int = 64, max_connections: int = 1024,
+                 max_handshakes: int = 256) -> None:
         for t in transports:
             if t not in ("shm", "tcp", "rdma", "cuda_ipc"):
                 raise ValueError(f"transport {t!r} is not served by DecodeReceiver (shm, tcp, rdma, cuda_ipc)")
@@ -399,6 +466,14 @@ class DecodeReceiver:
             raise ValueError("cuda_ipc needs gpu_caches (each rank's GPU cache), and gpu_caches needs cuda_ipc")
         if len(layouts) != len(buffers) or not layouts:
             raise ValueError("give one buffer per decode rank layout")
+        for name, v in (("peer_timeout_s", peer_timeout_s), ("io_timeout_s", io_timeout_s),
+                        ("min_data_rate", min_data_rate), ("auth_timeout_s", auth_timeout_s)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{name}={v!r} must be a positive number")
+        for name, n in (("max_pending_connections", max_pending_connections), ("max_connections", max_connections),
+                        ("max_handshakes", max_handshakes)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{name}={n!r} must be a positive integer")
         self.scheduler = scheduler
         self.layouts = list(layouts)
         self.ranks = [lay.tp_rank for lay in layouts]
@@ -414,17 +489,28 @@ class DecodeReceiver:
                 raise ValueError(f"buffer {b.name} holds {b.size} bytes; rank {lay.tp_rank} needs "
                                  f"{CacheSpec.buffer_bytes(lay, buffer_blocks)} for {buffer_blocks} blocks")
         self.secret = secret
+        Codec(secret)  # checks the secret now (ValueError), not at the first hello
         self.transports = list(transports)
         self.peer_timeout_s = peer_timeout_s
         self.io_timeout_s = io_timeout_s
+        self.min_data_rate = float(min_data_rate)
+        self.auth_timeout_s = auth_timeout_s
+        self.max_pending_connections = max_pending_connections
+        self.max_connections = max_connections
+        self.max_handshakes = max_handshakes
         self.auto_tick = auto_tick
         self.instance = f"decode-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.stats = {"frames": 0, "bytes": 0, "frames_rejected": 0, "messages_rejected": 0, "peers_dead": 0}
+        self.stats = {"frames": 0, "bytes": 0, "frames_rejected": 0, "messages_rejected": 0, "peers_dead": 0,
+                      "connections_refused": 0, "auth_failed": 0, "accept_errors": 0, "loop_errors": 0,
+                      "frames_cut": 0}
+        self._stats_lock = threading.Lock()
+        self._warn = _RateLimitedLog()
         self._lock = threading.RLock()
         # outcomes of requests ended while one batch message is handled: sent together
         self._outbox = threading.local()
         self._peers: dict[bytes, _Peer] = {}
-        self._data_tokens: dict[bytes, bytes] = {}
+        self._pending: dict[bytes, _Handshake] = {}
+        self._sessions: dict[bytes, bytes] = {}  # session id -> peer ident
         self._inflight: dict[str, _Inflight] = {}
         self._by_token: dict[int, _Inflight] = {}
         self._grants: dict[tuple[str, str], GrantMsg] = {}
@@ -450,18 +536,19 @@ class DecodeReceiver:
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
             self._router.bind(control)
             self.control_address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
-            self._lsock = socket.create_server((data_host, 0), backlog=64)
+            self._lsock = socket.create_server((data_host, 0), backlog=128)
         except BaseException:
             self._ctx.destroy(linger=0)
             if self._rdma is not None:
                 self._rdma.close()
             raise
         self._ch = _Channel(self._router)
-        self._lsock.settimeout(0.2)
+        self._lsock.setblocking(False)
         self.data_address = f"{data_host}:{self._lsock.getsockname()[1]}"
         # what prefill is told to connect to (differs behind NAT, port forwarding, a proxy)
         self.data_advertise = data_advertise or self.data_address
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, bytes] = {}  # authenticated data connection -> peer ident
+        self._conn_threads: dict[socket.socket, threading.Thread] = {}
         self._threads: list[threading.Thread] = []
         self._user_listener = scheduler.listener
         scheduler.listener = self._on_event
@@ -474,6 +561,10 @@ class DecodeReceiver:
         self._threads.append(t)
         return t
 
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[key] += n
+
     # ------------------------------------------------------------------ lifetime
     @property
     def closed(self) -> bool:
@@ -485,18 +576,15 @@ class DecodeReceiver:
             return
         self._closed.set()
         self._ch.wake()
-        try:
-            self._lsock.close()
-        except OSError:
-            pass
+        for t in self._threads:  # the accept thread closes the listener and pending connections
+            t.join(timeout)
         with self._lock:
             conns = list(self._conns)
+            threads = list(self._conn_threads.values())
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for t in self._threads:
+        for t in threads:
             t.join(timeout)
         self._ch.close()
         self._ctx.term()
@@ -524,55 +612,84 @@ class DecodeReceiver:
             if got is None:
                 break
             for frames in got:
-                self._on_frames(frames)
+                # one message, whatever it holds, never ends the loop that serves every peer
+                try:
+                    self._on_frames(frames)
+                except Exception:
+                    self._count("loop_errors")
+                    self._count("messages_rejected")
+                    _log.exception("control message handling failed (message dropped)")
             now = time.monotonic()
-            if self.auto_tick:
-                self.scheduler.tick()
-            if now - last_check > 0.1:
-                last_check = now
-                self._check_peers(now)
+            try:
+                if self.auto_tick:
+                    self.scheduler.tick()
+                if now - last_check > 0.1:
+                    last_check = now
+                    self._check_peers(now)
+            except Exception:
+                self._count("loop_errors")
+                _log.exception("decode housekeeping failed (retried next round)")
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
-            self.stats["messages_rejected"] += 1
+            self._count("messages_rejected")
             return
         ident, rest = frames[0], frames[1:]
         peer = self._peers.get(ident)
-        codec = peer.codec if peer is not None else Codec(self.secret)
+        hs = self._pending.get(ident) if peer is None else None
+        codec = peer.codec if peer is not None else hs.codec if hs is not None else Codec(self.secret)
         try:
             msg = codec.decode(rest)
         except ProtocolError as exc:
-            self.stats["messages_rejected"] += 1
+            self._count("messages_rejected")
             if peer is None:  # answer once, unauthenticated, so the operator sees why
+                if hs is not None:  # an Auth that does not verify under this session's key
+                    del self._pending[ident]
+                    self._count("auth_failed")
                 refusal = [ident, *Codec(None).encode(ErrorMsg("refused", str(exc)))]
                 self._ch.send(lambda: refusal)
             return
         if peer is None:
-            if not isinstance(msg, Hello):
-                self.stats["messages_rejected"] += 1
-                return
-            self._on_hello(ident, codec, msg)
+            if hs is not None:
+                del self._pending[ident]
+                if not isinstance(msg, Auth) or not hmac.compare_digest(msg.nonce, hs.nonce):
+                    self._count("messages_rejected")
+                    self._count("auth_failed")
+                    return
+                self._accept_session(ident, hs)
+            elif isinstance(msg, Hello):
+                self._on_hello(ident, codec, msg)
+            else:
+                self._count("messages_rejected")
             return
         peer.last_seen = time.monotonic()
         try:
             self._dispatch(peer, msg)
         except PdkvError as exc:
-            self.stats["messages_rejected"] += 1
+            self._count("messages_rejected")
             rid = getattr(msg, "request_id", "")
             self._send(ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}" if rid else str(exc)))
 
     def _on_hello(self, ident: bytes, codec: Codec, h: Hello) -> None:
+        """Check a Hello and answer it with a Challenge; the session starts only on a valid
+        Auth (:meth:`_accept_session`). Nothing is allocated for the peer before that."""
         def refuse(why: str) -> None:
             self._ch.send(lambda: [ident, *codec.encode(ErrorMsg("refused", why))])
 
         try:
-            lay = KVLayout.from_descriptor(h.layout)
+            lay = KVLayout.from_descriptor(msgspec.structs.asdict(h.layout))
             lay.check_compatible(self.layouts[0])
             if lay.tp_size != h.tp_size or lay.tp_rank != h.tp_rank:
                 raise LayoutError(f"hello says rank {h.tp_rank}/{h.tp_size}, layout says {lay.tp_rank}/{lay.tp_size}")
             segs = [g for g in tp_segments(lay, self.layouts[0]) if g.dst_rank in self.specs]
         except PdkvError as exc:
             refuse(str(exc))
+            return
+        if len(self._pending) >= self.max_handshakes:
+            self._count("connections_refused")
+            self._warn.warning("handshakes", "pdkv decode: %d control handshakes in progress (max_handshakes); "
+                               "refusing more until they complete or time out", len(self._pending))
+            refuse("too many handshakes in progress; retry later")
             return
         same = h.boot_id == boot_id()
         with self._lock:
@@ -581,7 +698,7 @@ class DecodeReceiver:
         if "cuda_ipc" in h.transports and "cuda_ipc" in self.transports and same:
             no_ipc = self._ipc_unreachable(h.cuda)
         transport = next((t for t in h.transports if t in self.transports and (t not in ("shm", "cuda_ipc") or same)
-                          and (t != "rdma" or bool(h.rdma)) and (t != "cuda_ipc" or no_ipc is None)
+                          and (t != "rdma" or h.rdma is not None) and (t != "cuda_ipc" or no_ipc is None)
                           # the ranks of one instance share a grant: GPU blocks only if all write them
                           and (sibling is None or (t == "cuda_ipc") == (sibling == "cuda_ipc"))), None)
         if transport is None:
@@ -591,39 +708,49 @@ class DecodeReceiver:
                    + (f" (another rank of instance {h.instance!r} uses {sibling}; cuda_ipc is all ranks or none)"
                       if sibling is not None else ""))
             return
-        rdma: dict[str, Any] = {}
-        rdma_qpn = 0
-        if transport == "rdma":
-            assert self._rdma is not None
-            try:
-                ep = self._rdma.accept(EndpointInfo.from_dict(h.rdma))
-            except PdkvError as exc:
-                refuse(f"rdma: {exc}")
-                return
-            rdma_qpn = ep.qpn
-            rdma = {"endpoint": ep.to_dict(),
-                    "regions": [dict(rank=r, **reg.to_dict()) for r, reg in self._rdma.regions.items()]}
         nonce = new_nonce()
-        peer = _Peer(ident, codec, h.instance, h.tp_rank, h.tp_size, h.pid, same, transport,
-                     os.urandom(16), time.monotonic(), lay, rdma_qpn=rdma_qpn)
-        for g in segs:
-            peer.segs_by_src.setdefault(g.src_rank, []).append(g)
-        peer.block_bytes_by_src = {r: _layer_bytes(gs, 1) for r, gs in peer.segs_by_src.items()}
-        welcome = Welcome(PROTOCOL_VERSION, self.instance, self.tp_size, self.ranks,
-                          [x.descriptor() for x in self.layouts], transport,
-                          [b.name for b in self.buffers] if transport in ("shm", "cuda_ipc") else [],
-                          self.buffer_blocks, self.data_advertise if transport == "tcp" else "", peer.data_token,
-                          nonce, rdma, self._ipc if transport == "cuda_ipc" else {})
-        frames = codec.encode(welcome)  # under the handshake key
+        frames = codec.encode(Challenge(nonce))  # under the secret
         codec.set_session(h.nonce, nonce)
-        with self._lock:
-            self._peers[ident] = peer
-            self._data_tokens[peer.data_token] = ident
+        self._pending[ident] = _Handshake(codec, h, lay, segs, transport, same, nonce,
+                                          time.monotonic() + self.auth_timeout_s)
         self._ch.send(lambda: [ident, *frames])
 
-    def _ipc_unreachable(self, cuda: Any) -> str | None:
+    def _accept_session(self, ident: bytes, hs: _Handshake) -> None:
+        """The peer proved the session key: make the session, answer Welcome."""
+        h, codec, transport = hs.hello, hs.codec, hs.transport
+        rdma: RdmaOffer | None = None
+        rdma_qpn = 0
+        if transport == "rdma":
+            assert self._rdma is not None and h.rdma is not None
+            try:
+                ep = self._rdma.accept(EndpointInfo.from_dict(msgspec.structs.asdict(h.rdma)))
+            except PdkvError as exc:
+                self._ch.send(lambda: [ident, *codec.encode(ErrorMsg("refused", f"rdma: {exc}"))])
+                return
+            rdma_qpn = ep.qpn
+            rdma = msgspec.convert({"endpoint": ep.to_dict(),
+                                    "regions": [dict(rank=r, **reg.to_dict()) for r, reg in self._rdma.regions.items()]},
+                                   RdmaOffer)
+        peer = _Peer(ident, codec, h.instance, h.tp_rank, h.tp_size, h.pid, hs.same_host, transport,
+                     os.urandom(16), time.monotonic(), hs.layout, rdma_qpn=rdma_qpn)
+        for g in hs.segs:
+            peer.segs_by_src.setdefault(g.src_rank, []).append(g)
+        peer.block_bytes_by_src = {r: _layer_bytes(gs, 1) for r, gs in peer.segs_by_src.items()}
+        ipc = msgspec.convert(self._ipc, IpcSection) if transport == "cuda_ipc" else None
+        welcome = Welcome(PROTOCOL_VERSION, self.instance, self.tp_size, self.ranks,
+                          [layout_desc(x) for x in self.layouts], transport,
+                          [b.name for b in self.buffers] if transport in ("shm", "cuda_ipc") else [],
+                          self.buffer_blocks, self.data_advertise if transport == "tcp" else "", peer.session_id,
+                          rdma, ipc)
+        frames = codec.encode(welcome)  # under the session key
+        with self._lock:
+            self._peers[ident] = peer
+            self._sessions[peer.session_id] = ident
+        self._ch.send(lambda: [ident, *frames])
+
+    def _ipc_unreachable(self, cuda: CudaDesc | None) -> str | None:
         """Why a prefill whose ``Hello.cuda`` is ``cuda`` cannot map our GPU caches (None: it can)."""
-        uid = cuda.get("device_uuid") if isinstance(cuda, dict) else None
+        uid = cuda.device_uuid if cuda is not None else None
         if not isinstance(uid, str) or not 0 < len(uid) <= 64:
             return "the hello names no GPU"
         if uid not in self._ipc_reach:
@@ -644,7 +771,7 @@ class DecodeReceiver:
                     try:
                         self._on_reserve(peer, rid, num_tokens)
                     except PdkvError as exc:
-                        self.stats["messages_rejected"] += 1
+                        self._count("messages_rejected")
                         self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
         elif isinstance(msg, LayerDone):
             self._layers_done(peer, msg.request_id, msg.token, msg.layers, msg.blocks)
@@ -654,7 +781,7 @@ class DecodeReceiver:
                     try:
                         self._layers_done(peer, rid, token, [msg.layer], blocks)
                     except PdkvError as exc:
-                        self.stats["messages_rejected"] += 1
+                        self._count("messages_rejected")
                         self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
         elif isinstance(msg, Complete):
             self._completed(peer, msg.request_id, msg.token, msg.ok, msg.error)
@@ -664,23 +791,24 @@ class DecodeReceiver:
                     try:
                         self._completed(peer, rid, token, ok, error)
                     except PdkvError as exc:
-                        self.stats["messages_rejected"] += 1
+                        self._count("messages_rejected")
                         self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
         elif isinstance(msg, Abort):
             with self._lock:
                 inf = self._inflight.get(msg.request_id)
-            if inf is not None and peer.ident in inf.peers:
-                self._finish(inf, None)
-                try:
-                    self.scheduler.fail(msg.request_id, f"prefill aborted: {msg.reason}")
-                except PdkvError:
-                    pass
+            if inf is None or peer.ident not in inf.peers:
+                raise GrantViolation(f"request {msg.request_id!r}: no grant of this session")
+            self._finish(inf, None)
+            try:
+                self.scheduler.fail(msg.request_id, f"prefill aborted: {msg.reason}")
+            except PdkvError:
+                pass
         else:
             raise ProtocolError(f"unexpected message {type(msg).__name__} from prefill")
 
     def _completed(self, peer: _Peer, rid: str, token: int, ok: bool, error: str) -> None:
         """This prefill rank finished every write of ``rid`` (or reports that it failed)."""
-        inf = self._live(rid, token)
+        inf = self._live(peer, rid, token)
         with self._lock:
             if not ok:
                 inf.failed_completes.append(error or "prefill reported a failed write")
@@ -691,21 +819,36 @@ class DecodeReceiver:
         """Credit this rank's writes of ``layers`` for ``blocks`` blocks (0: the whole grant)."""
         if peer.transport not in ("shm", "rdma", "cuda_ipc"):
             raise ProtocolError("LayerDone is for the shm, rdma and cuda_ipc transports only")
-        inf = self._live(rid, token)
+        inf = self._live(peer, rid, token)
         if inf.location == "gpu" and peer.transport != "cuda_ipc":
             raise GrantViolation(f"request {rid!r} holds GPU blocks: only cuda_ipc writes them")
-        if blocks > len(inf.blocks):
+        n = blocks or len(inf.blocks)
+        if n > len(inf.blocks):
             raise GrantViolation(f"request {rid!r}: {blocks} blocks reported, {len(inf.blocks)} granted")
-        nbytes = peer.block_bytes_by_src.get(peer.tp_rank, 0) * (blocks or len(inf.blocks))
+        nl = len(inf.remaining)
+        if any(not 0 <= layer < nl for layer in layers) or len(set(layers)) != len(layers):
+            raise ProtocolError(f"request {rid!r}: layers {list(layers)[:8]} out of range or repeated")
+        with self._lock:  # a rank reports at most every block of each layer, once
+            keys = [(layer, peer.tp_rank) for layer in layers]
+            over = [k[0] for k in keys if inf.reported.get(k, 0) + n > len(inf.blocks)]
+            if over:
+                raise GrantViolation(f"request {rid!r}: rank {peer.tp_rank} reported more blocks of layers "
+                                     f"{over[:8]} than were granted")
+            for k in keys:
+                inf.reported[k] = inf.reported.get(k, 0) + n
+        nbytes = peer.block_bytes_by_src.get(peer.tp_rank, 0) * n
         for layer in layers:
             self._credit(inf, layer, nbytes)
 
-    def _live(self, rid: str, token: int) -> _Inflight:
+    def _live(self, peer: _Peer, rid: str, token: int) -> _Inflight:
+        """The live grant ``rid`` with ``token``, held by ``peer``'s session, or the precise error."""
         with self._lock:
             inf = self._inflight.get(rid)
         if inf is None or inf.token != token:
             self.scheduler.check_write(rid, token)  # raises the precise error
             raise GrantViolation(f"request {rid!r}: no such grant here")
+        if peer.ident not in inf.peers:
+            raise GrantViolation(f"request {rid!r}: the grant is not this session's")
         return inf
 
     def _on_reserve(self, peer: _Peer, rid: str, num_tokens: int) -> None:
@@ -745,7 +888,6 @@ class DecodeReceiver:
             old = self._inflight.get(grant.request_id)
             inf = _Inflight(grant.request_id, peer.instance, grant.token, blocks, [per_layer] * nl, peer.tp_size,
                             peers=set(old.peers) if old else {peer.ident}, run_len=_run_lengths(blocks),
-                            lease_until=time.monotonic() + grant.lease_s, lease_s=grant.lease_s,
                             location=grant.location)
             inf.peers.add(peer.ident)
             self._inflight[grant.request_id] = inf
@@ -770,7 +912,6 @@ class DecodeReceiver:
             self.scheduler.land_layer(inf.request_id, inf.token, layer)
             with self._lock:
                 inf.landed += 1
-                inf.lease_until = time.monotonic() + inf.lease_s
             self._maybe_complete(inf)
 
     def _maybe_complete(self, inf: _Inflight) -> None:
@@ -867,16 +1008,19 @@ class DecodeReceiver:
             self._user_listener(ev)
 
     def _check_peers(self, now: float) -> None:
+        for ident in [i for i, hs in self._pending.items() if hs.deadline <= now]:
+            del self._pending[ident]  # a Hello never followed by its Auth
         with self._lock:
             dead = [p for p in self._peers.values() if now - p.last_seen > self.peer_timeout_s
                     or (p.same_host and p.pid and not pid_alive(p.pid))]
             for p in dead:
                 del self._peers[p.ident]
-                self._data_tokens.pop(p.data_token, None)
+                self._sessions.pop(p.session_id, None)
         for p in dead:
-            self.stats["peers_dead"] += 1
+            self._count("peers_dead")
             if p.rdma_qpn and self._rdma is not None:
                 self._rdma.drop(p.rdma_qpn)  # the fence: no write of this peer lands after this
+            self._close_conns_of(p.ident)
             with self._lock:
                 mine = [inf for inf in self._inflight.values() if p.ident in inf.peers]
             for inf in mine:
@@ -884,32 +1028,167 @@ class DecodeReceiver:
                     self.scheduler.fail(inf.request_id, f"prefill {p.instance} rank {p.tp_rank} died")
                 except PdkvError:
                     pass
-            # it can no longer write: quarantined blocks go back now
+            # it can no longer start a write: quarantined blocks go back now (those a write
+            # admitted before still holds go when that write ends)
             if not any(q.instance == p.instance for q in self._peers.values()):
                 self.scheduler.fence(p.instance)
 
+    def _close_conns_of(self, ident: bytes, timeout: float = 2.0) -> None:
+        """Shut down a fenced peer's data connections and join their threads (bounded: a
+        thread that does not end in time still holds its write tickets, so its blocks stay
+        quarantined until it does)."""
+        with self._lock:
+            conns = [c for c, i in self._conns.items() if i == ident]
+            threads = [self._conn_threads[c] for c in conns if c in self._conn_threads]
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+
     # ------------------------------------------------------------------ TCP data
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._lsock.accept()
-            except (socket.timeout, TimeoutError):
-                continue
-            except OSError:
+        """Accepts data connections and authenticates them (non-blocking, in this thread):
+        a connection gets a thread only once it has proved its session."""
+        sel = selectors.DefaultSelector()
+        pending: dict[socket.socket, _PreAuth] = {}
+        listening = True
+        resume_at = 0.0
+        sel.register(self._lsock, selectors.EVENT_READ, None)
+        try:
+            while not self._closed.is_set():
+                now = time.monotonic()
+                if not listening and now >= resume_at:
+                    sel.register(self._lsock, selectors.EVENT_READ, None)
+                    listening = True
+                try:
+                    events = sel.select(0.1)
+                except OSError:
+                    events = []
+                now = time.monotonic()
+                for key, _ in events:
+                    if key.data is None:
+                        if self._accept_one(sel, pending, now):
+                            continue
+                        sel.unregister(self._lsock)  # out of descriptors: back off, keep serving
+                        listening, resume_at = False, now + 0.1
+                    else:
+                        self._pre_auth_step(sel, pending, key.fileobj, key.data)  # type: ignore[arg-type]
+                for c in [c for c, st in pending.items() if st.deadline <= now]:
+                    self._count("auth_failed")
+                    self._drop_pending(sel, pending, c)
+        finally:
+            for c in list(pending):
+                self._drop_pending(sel, pending, c)
+            sel.close()
+            with contextlib.suppress(OSError):
+                self._lsock.close()
+
+    def _accept_one(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _PreAuth], now: float) -> bool:
+        """Accept one connection; False when the process is out of descriptors or memory."""
+        try:
+            conn, _ = self._lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError as exc:
+            if exc.errno in _ACCEPT_RETRY:
+                self._count("accept_errors")
+                self._warn.warning("accept", "pdkv decode: accept() failed (%s); backing off, still listening",
+                                   os.strerror(exc.errno or 0))
+                return exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+            if self._closed.is_set():
+                return True
+            raise
+        with self._lock:
+            nconns = len(self._conns)
+        if len(pending) >= self.max_pending_connections or nconns >= self.max_connections:
+            self._count("connections_refused")
+            which = "max_pending_connections" if len(pending) >= self.max_pending_connections else "max_connections"
+            self._warn.warning(which, "pdkv decode: data connection refused: %s (%d) reached", which,
+                               getattr(self, which))
+            conn.close()
+            return True
+        conn.setblocking(False)
+        st = _PreAuth(now + self.auth_timeout_s, bytearray(_AUTH_HEAD))
+        pending[conn] = st
+        sel.register(conn, selectors.EVENT_READ, st)
+        return True
+
+    def _drop_pending(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _PreAuth],
+                      conn: socket.socket) -> None:
+        pending.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn)
+        conn.close()
+
+    def _pre_auth_step(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _PreAuth],
+                       conn: socket.socket, st: _PreAuth) -> None:
+        """AUTH frame + session id -> decode's nonce -> the MAC over it (32 bytes) -> b"\\x01"."""
+        try:
+            k = conn.recv_into(memoryview(st.buf)[st.got:])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            k = 0
+        if k == 0:
+            self._drop_pending(sel, pending, conn)
+            return
+        st.got += k
+        if st.got < len(st.buf):
+            return
+        if not st.nonce:
+            magic, ver, kind, *_ = FRAME_HEADER.unpack_from(st.buf)
+            sid = bytes(st.buf[FRAME_HEADER.size:])
+            if magic != _MAGIC or ver != 1 or kind != _K_AUTH or sid not in self._sessions:
+                self._count("auth_failed")
+                self._count("frames_rejected")
+                self._drop_pending(sel, pending, conn)
                 return
+            st.session_id, st.nonce = sid, new_nonce()
+            st.buf, st.got = bytearray(32), 0
+            try:
+                conn.send(st.nonce)  # 16 bytes into an empty socket buffer: never partial
+            except OSError:
+                self._drop_pending(sel, pending, conn)
+            return
+        with self._lock:
+            ident = self._sessions.get(st.session_id)
+            peer = self._peers.get(ident) if ident is not None else None
+        if peer is None or not hmac.compare_digest(bytes(st.buf), data_auth_mac(peer.codec.key, st.session_id,
+                                                                                 st.nonce)):
+            self._count("auth_failed")
+            self._drop_pending(sel, pending, conn)
+            return
+        pending.pop(conn)
+        sel.unregister(conn)
+        try:
+            conn.setblocking(True)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(_POLL_S)
-            with self._lock:
-                self._conns.add(conn)
-            self._start(self._conn_loop, "pdkv-decode-data", conn)
+            conn.sendall(b"\x01")
+        except OSError:
+            conn.close()
+            return
+        t = threading.Thread(target=self._conn_loop, args=(conn, peer.ident), name="pdkv-decode-data", daemon=True)
+        with self._lock:
+            if self._closed.is_set() or peer.ident not in self._peers:
+                conn.close()
+                return
+            self._conns[conn] = peer.ident
+            self._conn_threads[conn] = t
+        t.start()
 
-    def _recv_exact(self, conn: socket.socket, view: memoryview, idle_ok: bool) -> bool:
+    def _recv_exact(self, conn: socket.socket, view: memoryview, idle_ok: bool, deadline: float | None = None) -> bool:
         """Fill ``view``; False on a clean EOF before the first byte. A frame that stalls
-        for ``io_timeout_s`` raises; an idle connection between frames may wait forever
-        (until the receiver closes)."""
+        for ``io_timeout_s`` or passes ``deadline`` raises; an idle connection between
+        frames may wait forever (until the receiver closes or fences its peer)."""
         got, n = 0, len(view)
         stalled = 0.0
         while got < n:
+            if deadline is not None and time.monotonic() > deadline:
+                raise PdkvTimeoutError("frame not received within its deadline")
             try:
                 k = conn.recv_into(view[got:], n - got, socket.MSG_WAITALL)
             except (socket.timeout, TimeoutError):
@@ -924,44 +1203,42 @@ class DecodeReceiver:
                 if got == 0 and idle_ok:
                     return False
                 raise PeerError("connection closed mid-frame")
+            if got == 0 and idle_ok and deadline is None:
+                deadline = time.monotonic() + self.io_timeout_s  # a header, once begun, is bounded
             got += k
             stalled = 0.0
         return True
 
-    def _conn_loop(self, conn: socket.socket) -> None:
+    def _conn_loop(self, conn: socket.socket, ident: bytes) -> None:
         hdr = bytearray(FRAME_HEADER.size)
         hv = memoryview(hdr)
-        scratch = bytearray(1 << 20)
-        peer_ident = None
+        scratch = bytearray(1 << 20)  # allocated once the connection has authenticated
         try:
-            if not self._recv_exact(conn, hv, idle_ok=True):
-                return
-            magic, ver, kind, *_ = FRAME_HEADER.unpack(hdr)
-            if magic != _MAGIC or ver != 1 or kind != _K_AUTH:
-                raise ProtocolError("data connection must start with an AUTH frame")
-            tok = bytearray(16)
-            self._recv_exact(conn, memoryview(tok), idle_ok=False)
-            with self._lock:
-                peer_ident = self._data_tokens.get(bytes(tok))
-            if peer_ident is None:
-                raise ProtocolError("unknown data token")
             while self._recv_exact(conn, hv, idle_ok=True):
-                self._on_data_frame(conn, hdr, scratch)
+                if ident not in self._peers:
+                    raise ClosedError("the peer's session ended")
+                self._on_data_frame(conn, ident, hdr, scratch)
         except (PdkvError, OSError) as exc:
-            self.stats["frames_rejected"] += isinstance(exc, ProtocolError)
+            if isinstance(exc, ProtocolError):
+                self._count("frames_rejected")
+        except Exception:
+            self._count("loop_errors")
+            _log.exception("data connection handling failed (connection closed)")
         finally:
             with self._lock:
-                self._conns.discard(conn)
-            try:
+                self._conns.pop(conn, None)
+                self._conn_threads.pop(conn, None)
+            with contextlib.suppress(OSError):
                 conn.close()
-            except OSError:
-                pass
 
-    def _recv_views(self, conn: socket.socket, views: list[memoryview]) -> None:
-        """Scatter-receive into ``views`` (one syscall per up to 1000 buffers), bounded."""
+    def _recv_views(self, conn: socket.socket, views: list[memoryview], deadline: float) -> None:
+        """Scatter-receive into ``views`` (one syscall per up to 1000 buffers), bounded by a
+        stall of ``io_timeout_s`` and by ``deadline``."""
         i = 0
         stalled = 0.0
         while i < len(views):
+            if time.monotonic() > deadline:
+                raise PdkvTimeoutError("frame not received within its deadline")
             chunk = views[i:i + 1000]
             want = sum(len(v) for v in chunk)
             try:
@@ -987,37 +1264,71 @@ class DecodeReceiver:
             i += k
             views[i] = views[i][got:]
 
-    def _on_data_frame(self, conn: socket.socket, hdr: bytearray, scratch: bytearray) -> None:
+    def _frame_segment(self, peer: _Peer, rank: int, tensor: int, off: int, length: int, count: int,
+                       dstride: int) -> int:
+        """Index of the peer's own segment a frame's geometry names; GrantViolation if none:
+        a rank writes only the head ranges the TP mapping gives it."""
+        for si, g in enumerate(peer.segs_by_src.get(peer.tp_rank, ())):
+            if (g.dst_rank == rank and g.tensor == tensor and g.dst_offset == off and g.length == length
+                    and g.count == count and (count == 1 or g.dst_stride == dstride)):
+                return si
+        raise GrantViolation(f"frame geometry (rank {rank}, tensor {tensor}, offset {off}, {count} x {length} B) "
+                             f"is not one of prefill rank {peer.tp_rank}'s segments")
+
+    def _admit(self, peer: _Peer, inf: _Inflight, layer: int, si: int, items: list[tuple[int, int]]) -> None:
+        """Mark the frame's blocks of (layer, rank, segment) as written, all or none:
+        GrantViolation if any is outside the grant or was already written."""
+        nblk = len(inf.blocks)
+        key = (layer, peer.tp_rank, si)
+        with self._lock:
+            cov = inf.cov.get(key)
+            if cov is None:
+                cov = inf.cov[key] = bytearray(nblk)
+            for gi, nb in items:
+                if nb == 0 or gi + nb > nblk:
+                    raise GrantViolation("write outside the granted blocks")
+                if cov.find(1, gi, gi + nb) >= 0:
+                    raise GrantViolation(f"request {inf.request_id!r}: blocks of layer {layer} written twice")
+            for gi, nb in items:  # checked all first: a refused frame marks nothing
+                cov[gi:gi + nb] = b"\x01" * nb
+
+    def _on_data_frame(self, conn: socket.socket, ident: bytes, hdr: bytearray, scratch: bytearray) -> None:
         magic, ver, kind, rank, token, layer, tensor, _, _, nitems, off, length, count, dstride = FRAME_HEADER.unpack(hdr)
         if magic != _MAGIC or ver != 1 or kind != _K_DATA:
             raise ProtocolError("bad frame header")
         if not 0 < nitems <= MAX_FRAME_ITEMS or count == 0 or length == 0:
             raise ProtocolError(f"frame with {nitems} items, count {count}, length {length} is malformed")
+        start = time.monotonic()
         raw = bytearray(nitems * FRAME_ITEM.size)
-        self._recv_exact(conn, memoryview(raw), idle_ok=False)
+        self._recv_exact(conn, memoryview(raw), idle_ok=False, deadline=start + self.io_timeout_s)
         items = list(FRAME_ITEM.iter_unpack(raw))
         payload = sum(nb for _, nb in items) * count * length
         if payload > MAX_FRAME_PAYLOAD or payload == 0:
             raise ProtocolError(f"frame payload of {payload} bytes is out of bounds")
-        inf = self._by_token.get(token)
+        # the whole frame has a deadline: a write admitted under a live grant cannot be
+        # trickled past it (its blocks stay held until it ends, and it ends by then)
+        deadline = start + self.io_timeout_s + payload / self.min_data_rate
+        with self._lock:
+            inf = self._by_token.get(token)
+            peer = self._peers.get(ident)
         ri = self._rank_info.get(rank)
+        ticket: WriteTicket | None = None
         try:
+            if peer is None:
+                raise ClosedError("the peer's session ended")
             if inf is None or ri is None:
                 raise GrantViolation("frame for an unknown grant or a rank not hosted here")
+            if ident not in inf.peers:
+                raise GrantViolation(f"frame for request {inf.request_id!r}, whose grant is not this session's")
             if inf.location != "buffer":
                 raise GrantViolation("frame for a grant of GPU blocks (only cuda_ipc writes those)")
-            if inf.done or time.monotonic() >= inf.lease_until:
-                # the scheduler decides (and raises the precise error); blocks of an
-                # expired grant stay quarantined, so a racing write never reaches reused blocks
-                self.scheduler.check_write(inf.request_id, token)
-                if inf.done:
-                    raise RequestError(f"request {inf.request_id!r} is finished")
             view, buf_addr, spec, lay = ri
             if not (layer < lay.total_layers and tensor < len(lay.tensors)):
                 raise GrantViolation("layer or tensor out of range")
             tb = lay.tensor_block_bytes(tensor)
             if off + (count - 1) * dstride + length > tb or (count > 1 and dstride < length):
                 raise GrantViolation("write outside the granted blocks")
+            si = self._frame_segment(peer, rank, tensor, off, length, count, dstride)
             rbase, stride = spec.region(layer, tensor)
             rbase -= buf_addr
             blocks, run_len, nblk = inf.blocks, inf.run_len, len(inf.blocks)
@@ -1036,24 +1347,41 @@ class DecodeReceiver:
                     for i in range(count):
                         a = base + off + i * dstride
                         views.append(view[a:a + length])
-        except PdkvError:
+            # the scheduler decides whether the grant is live, and holds its blocks until
+            # end_write; then the frame's pieces are claimed (never written twice)
+            ticket = self.scheduler.begin_write(inf.request_id, token)
+            self._admit(peer, inf, layer, si, items)
+        except PdkvError as exc:
+            if ticket is not None:
+                self.scheduler.end_write(ticket)
+            if isinstance(exc, ClosedError):
+                raise
             # stale or forged: read and drop the payload, never into the buffer
-            self.stats["frames_rejected"] += 1
+            self._count("frames_rejected")
             left = payload
             sv = memoryview(scratch)
             while left:
                 k = min(left, len(scratch))
-                self._recv_exact(conn, sv[:k], idle_ok=False)
+                self._recv_exact(conn, sv[:k], idle_ok=False, deadline=deadline)
                 left -= k
             return
-        self._recv_views(conn, views)
-        self.stats["frames"] += 1
-        self.stats["bytes"] += payload
+        try:
+            self._recv_views(conn, views, deadline)
+        except BaseException as exc:
+            # part of a layer is written and the rest never will be: the request fails now,
+            # and its blocks stay held until this write has ended (end_write below)
+            self.scheduler.end_write(ticket)
+            self._count("frames_cut")
+            with contextlib.suppress(PdkvError):
+                self.scheduler.fail(inf.request_id, f"tcp data frame failed mid-payload: {exc}", token=token)
+            raise
+        self.scheduler.end_write(ticket)
+        self._count("frames")
+        self._count("bytes", payload)
         try:
             self._credit(inf, layer, payload)
         except PdkvError:
-            self.stats["frames_rejected"] += 1
-
+            self._count("frames_rejected")
 
 def _run_lengths(blocks: Sequence[int]) -> list[int]:
     """r[i] = how many ids from index i on advance by one (r[i] >= 1)."""
@@ -1218,7 +1546,7 @@ class PrefillSender:
         elif transport == "auto":
             # rdma only where this host has a device
             offer = ["shm", "rdma", "tcp"] if _ffi.verbs.rdma_devices() else ["shm", "tcp"]
-        rdma: dict[str, Any] = {}
+        rdma: RdmaEndpointDesc | None = None
         if "rdma" in offer:
             # the cache registered (one region per contiguous range of its layers and
             # tensors) and a queue pair made before the hello, which carries its record;
@@ -1228,31 +1556,28 @@ class PrefillSender:
                                      (spec.region(layer, t) for layer in range(self.layout.total_layers)
                                       for t in range(len(self.layout.tensors)))],
                                     device=self._rdma_device, timeout_s=timeout_s)
-            rdma = self._rdma.local_info().to_dict()
-        cuda: dict[str, Any] = {}
+            rdma = msgspec.convert(self._rdma.local_info().to_dict(), RdmaEndpointDesc)
+        cuda: CudaDesc | None = None
         if "cuda_ipc" in offer:
             assert self.cache.device is not None
-            cuda = {"device_uuid": _ffi.cuda.device_uuid(self.cache.device)}
+            cuda = CudaDesc(device_uuid=_ffi.cuda.device_uuid(self.cache.device))
         nonce = new_nonce()
+        deadline = time.monotonic() + timeout_s
         self._sock.send_multipart(self._codec.encode(Hello(
-            PROTOCOL_VERSION, self.instance, self.layout.tp_rank, self.layout.tp_size, self.layout.descriptor(),
+            PROTOCOL_VERSION, self.instance, self.layout.tp_rank, self.layout.tp_size, layout_desc(self.layout),
             offer, boot_id(), os.getpid(), nonce, rdma, cuda)))
-        if not self._sock.poll(int(timeout_s * 1000)):
-            raise PdkvTimeoutError(f"decode did not answer the handshake within {timeout_s}s (is it running?)")
-        frames = self._sock.recv_multipart()
-        try:
-            msg = self._codec.decode(frames)
-        except ProtocolError:
-            msg = Codec(None).decode(frames) if is_unauthenticated(frames) else None  # a refusal is sent unauthenticated
-            if not isinstance(msg, ErrorMsg):
-                raise
-        if isinstance(msg, ErrorMsg):
-            raise PeerError(f"decode refused the session: {msg.message}")
+        ch = self._handshake_reply(deadline, timeout_s)
+        if not isinstance(ch, Challenge):
+            raise ProtocolError(f"expected challenge, got {type(ch).__name__}")
+        # from here on the session key: HMAC(secret, our nonce, decode's fresh nonce)
+        self._codec.set_session(nonce, ch.nonce)
+        self._sock.send_multipart(self._codec.encode(Auth(ch.nonce)))
+        msg = self._handshake_reply(deadline, timeout_s)
         if not isinstance(msg, Welcome):
             raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
-        self._codec.set_session(nonce, msg.nonce)
         self.transport = msg.transport
-        layouts = [KVLayout.from_descriptor(d) for d in msg.layouts]
+        self._session_id = msg.session_id  # names this session on data connections (no credential)
+        layouts = [KVLayout.from_descriptor(msgspec.structs.asdict(d)) for d in msg.layouts]
         for lay in layouts:
             lay.check_compatible(self.layout)
         self._dst_layout = layouts[0]
@@ -1263,7 +1588,8 @@ class PrefillSender:
                 if self.cache.device is None or "cuda_ipc" not in offer:
                     raise ProtocolError("decode chose cuda_ipc, which this sender did not offer")
                 # validated before anything is opened; closed again by _teardown on failure
-                self._ipc = IpcMapping(parse_ipc_section(msg.cuda, msg.ranks, layouts), layouts, self.cache.device)
+                self._ipc = IpcMapping(parse_ipc_section(to_plain(msg.cuda), msg.ranks, layouts), layouts,
+                                       self.cache.device)
             if len(msg.shm_names) != len(msg.ranks):
                 raise ProtocolError(f"welcome names {len(msg.shm_names)} buffers for {len(msg.ranks)} ranks")
             for rank, name, lay in zip(msg.ranks, msg.shm_names, layouts):
@@ -1289,9 +1615,11 @@ class PrefillSender:
         elif msg.transport == "rdma":
             if self._rdma is None:
                 raise ProtocolError("decode chose rdma, which this sender did not offer")
+            if msg.rdma is None:
+                raise ProtocolError("decode chose rdma but sent no rdma section")
             try:
-                ep = EndpointInfo.from_dict(msg.rdma.get("endpoint", {}))
-                regions = {int(r["rank"]): RemoteRegion.from_dict(r) for r in msg.rdma.get("regions", [])}
+                ep = EndpointInfo.from_dict(to_plain(msg.rdma.endpoint))
+                regions = {r.rank: RemoteRegion.from_dict(to_plain(r)) for r in msg.rdma.regions}
             except (TypeError, ValueError, KeyError, AttributeError) as exc:
                 raise ProtocolError(f"bad rdma section in the welcome: {exc}") from None
             for rank, lay in zip(msg.ranks, layouts):
@@ -1308,15 +1636,55 @@ class PrefillSender:
             if self.cache.device is not None:
                 raise LayoutError("the tcp transport sends from host caches; stage GPU caches or use shm")
             for _ in range(self._streams):
-                s = socket.create_connection((host, int(port)), timeout=timeout_s)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                s.sendall(FRAME_HEADER.pack(_MAGIC, 1, _K_AUTH, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) + msg.data_token)
-                s.settimeout(timeout_s)
-                self._data_socks.append(s)
+                self._data_socks.append(self._data_connect(host, int(port), msg.session_id, deadline, timeout_s))
         if msg.transport != "rdma" and self._rdma is not None:
             self._rdma.close()  # offered, not chosen
             self._rdma = None
         self._last_heard = time.monotonic()
+
+    def _handshake_reply(self, deadline: float, timeout_s: float) -> Message:
+        """The next handshake message from decode; a refusal raises PeerError."""
+        if not self._sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            raise PdkvTimeoutError(f"decode did not answer the handshake within {timeout_s}s (is it running?)")
+        frames = self._sock.recv_multipart()
+        try:
+            msg = self._codec.decode(frames)
+        except ProtocolError:
+            msg = Codec(None).decode(frames) if is_unauthenticated(frames) else None  # a refusal is sent unauthenticated
+            if not isinstance(msg, ErrorMsg):
+                raise
+        if isinstance(msg, ErrorMsg):
+            raise PeerError(f"decode refused the session: {msg.message}")
+        return msg
+
+    def _data_connect(self, host: str, port: int, session_id: bytes, deadline: float,
+                      timeout_s: float) -> socket.socket:
+        """One authenticated data connection: AUTH frame and session id, decode's nonce back,
+        the MAC over it under the session's data key, decode's one-byte acceptance. A refusal
+        (decode at its cap of connections still authenticating) is retried until the
+        handshake's deadline."""
+        delay = 0.02
+        while True:
+            try:
+                s = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+            except OSError as exc:
+                raise PeerError(f"data connection to {host}:{port} failed: {exc}") from None
+            try:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.sendall(FRAME_HEADER.pack(_MAGIC, 1, _K_AUTH, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) + session_id)
+                nonce = _recv_n(s, 16)
+                s.sendall(data_auth_mac(self._codec.key, session_id, nonce))
+                if _recv_n(s, 1) != b"\x01":
+                    raise PeerError("decode refused the data connection")
+                s.settimeout(timeout_s)
+                return s
+            except (OSError, PeerError) as exc:
+                s.close()
+                if time.monotonic() + delay >= deadline:
+                    raise PeerError(f"data connection to {host}:{port} was not accepted within {timeout_s}s: "
+                                    f"{exc}") from None
+            time.sleep(delay)
+            delay = min(0.2, delay * 2)
 
     # ------------------------------------------------------------------ API
     def reserve(self, request_id: str, num_tokens: int, timeout: float | None = None) -> SendGrant:
@@ -1971,6 +2339,17 @@ class PrefillSender:
                 t.join()
         if errors:
             raise TransferError(f"tcp send failed: {errors[0]}")
+
+
+def _recv_n(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes (the socket's timeout applies); PeerError on EOF."""
+    out = bytearray()
+    while len(out) < n:
+        k = sock.recv(n - len(out))
+        if not k:
+            raise PeerError("connection closed")
+        out += k
+    return bytes(out)
 
 
 def _sendmsg_all(sock: socket.socket, bufs: list) -> None:

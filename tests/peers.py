@@ -92,7 +92,13 @@ def decode(a: argparse.Namespace) -> None:
     sched = DecodeScheduler(num_layers=lay.total_layers, gpu=BlockPool(nb), buffer=BlockPool(nb), swap=swap,
                             options=SchedulerOptions(direct_to_gpu=False, lease_s=a.timeout))
     rx = DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, peer_timeout_s=a.timeout,
-                        control=f"tcp://{a.host}:0", data_host=a.host)
+                        control=f"tcp://{a.host}:0", data_host=a.host, auth_timeout_s=a.auth_timeout)
+    if a.nofile:  # a process short of descriptors: this many more than it has open now
+        import os
+        import resource
+
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + a.nofile, hard))
     print(json.dumps({"control": rx.control_address, "shm": buf.name}), flush=True)
     import signal
 
@@ -133,6 +139,8 @@ if __name__ == "__main__":
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--status", action="store_true")
     ap.add_argument("--slow-swap", type=float, default=0.0)
+    ap.add_argument("--nofile", type=int, default=0, help="decode: RLIMIT_NOFILE this many above the fds open")
+    ap.add_argument("--auth-timeout", type=float, default=5.0)
     ap.add_argument("--device", type=int, default=0, help="prefill --gpu: the CUDA device of the cache")
     ap.add_argument("--gpu", action="store_true",
                     help="prefill: the cache in device memory; decode: serve cuda_ipc into a GPU cache")

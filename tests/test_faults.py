@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from faultproxy import FaultProxy
+from hostile import RawSession, data_conn
 from pdkv import PrefillSender, State
-from pdkv.protocol import PROTOCOL_VERSION, Codec, Complete, Hello, LayerDone, ReserveReq, pack_frame
+from pdkv.protocol import Codec, Complete, Hello, LayerDone, ReserveReq, layout_desc, pack_frame
 from pdkv.transfer import FRAME_HEADER
 from test_transfer import BASE, Decode, _lines, _spawn, prefill_cache, reap, send_one, wait_until
 
@@ -56,16 +57,10 @@ def test_hostile_control_messages_change_nothing(no_leaks):
         for f in junk:
             s.send_multipart(f)
         c = Codec(None)
-        s.send_multipart(c.encode(Hello(99, "evil", 0, 1, lay.descriptor(), ["tcp"], "b", 1, b"n" * 16)))
+        s.send_multipart(c.encode(Hello(99, "evil", 0, 1, layout_desc(lay), ["tcp"], "b", 1, b"n" * 16)))
         # a proper session, then misbehaviour inside it
-        s2 = ctx.socket(zmq.DEALER)
-        s2.setsockopt(zmq.LINGER, 0)
-        s2.connect(dec.rx.control_address)
-        c2 = Codec(None)
-        frames = c2.encode(Hello(PROTOCOL_VERSION, "evil2", 0, 1, lay.descriptor(), ["tcp"], "b", 1, b"n" * 16))
-        s2.send_multipart(frames)
-        assert s2.poll(5000)
-        s2.recv_multipart()  # welcome
+        raw = RawSession(dec.rx.control_address, lay, instance="evil2", ctx=ctx)
+        s2, c2, frames = raw.sock, raw.codec, raw.hello_frames
         s2.send_multipart(frames)  # replayed hello
         s2.send_multipart(c2.encode(ReserveReq("mine", 16)))
         assert s2.poll(5000)
@@ -88,15 +83,10 @@ def test_hostile_control_messages_change_nothing(no_leaks):
 def test_peer_that_stalls_forever_is_reclaimed(no_leaks):
     dec = Decode(lease_s=1.0, peer_timeout_s=1.5)
     ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(dec.rx.control_address)
     try:
-        c = Codec(None)
         lay = KVLayout(**BASE)
-        s.send_multipart(c.encode(Hello(PROTOCOL_VERSION, "staller", 0, 1, lay.descriptor(), ["tcp"], "b", 1, b"n" * 16)))
-        assert s.poll(5000)
-        s.recv_multipart()  # welcome
+        raw = RawSession(dec.rx.control_address, lay, instance="staller", ctx=ctx)
+        s, c = raw.sock, raw.codec
         s.send_multipart(c.encode(ReserveReq("stuck", 40)))
         assert s.poll(5000)
         # ... and then nothing, ever: no data, no heartbeat
@@ -217,9 +207,8 @@ def test_fuzzed_tcp_framing_changes_nothing(shared_decode, data):
     dec, token, grant_token = shared_decode
     host, port = dec.rx.data_address.split(":")
     before = (dec.sched.metrics()["layers_landed"], dec.sched.buffer.num_free)
-    s = socket.create_connection((host, int(port)), timeout=5)
+    s = data_conn(dec.rx.data_address, *token)
     try:
-        s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) + token)
         s.sendall(data)
     finally:
         s.close()
@@ -234,8 +223,7 @@ def shared_decode():
     lay, arr, spec = prefill_cache(1, 0)
     tx = PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5)
     g = tx.reserve("fuzz", 16)
-    token = next(iter(dec.rx._peers.values())).data_token
-    yield dec, token, g.token
+    yield dec, (tx._session_id, tx._codec.key), g.token
     tx.close()
     dec.close()
 

@@ -6,14 +6,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv.errors import AuthenticationError, PdkvError, ProtocolError
-from pdkv.protocol import (PROTOCOL_VERSION, Codec, pack_frame, Complete, CompleteBatch, GrantBatch, Outcome, OutcomeBatch, ReserveBatch, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, ReserveReq,
+from pdkv import KVLayout
+from pdkv.protocol import (PROTOCOL_VERSION, Auth, Challenge, Codec, layout_desc, pack_frame, Complete, CompleteBatch, GrantBatch, Outcome, OutcomeBatch, ReserveBatch, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, ReserveReq,
                            session_key)
 
 SECRET = b"k" * 32
 
 
 def hello(**kw):
-    base = dict(version=PROTOCOL_VERSION, instance="p", tp_rank=0, tp_size=1, layout={}, transports=["tcp"],
+    base = dict(version=PROTOCOL_VERSION, instance="p", tp_rank=0, tp_size=1,
+                layout=layout_desc(KVLayout(num_layers=2, kv_heads=2, head_dim=8, tokens_per_block=4)),
+                transports=["tcp"],
                 boot_id="b", pid=1, nonce=b"n" * 16)
     base.update(kw)
     return Hello(**base)
@@ -21,7 +24,7 @@ def hello(**kw):
 
 def test_round_trip_and_replay():
     a, b = Codec(SECRET), Codec(SECRET)
-    for m in (hello(), ReserveReq("r", 10), GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0),
+    for m in (hello(), Challenge(b"c" * 16), Auth(b"c" * 16), ReserveReq("r", 10), GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0),
               LayerDone("r", 5, [0, 1]), LayerBatch(3, [("r", 5, 0), ("s", 6, 2)]), Complete("r", 5, True),
               CompleteBatch([("r", 5, True, ""), ("s", 6, False, "disk on fire")]),
               Outcome("r", "received"), OutcomeBatch([("r", "received", ""), ("s", "expired", "lease ran out")]),

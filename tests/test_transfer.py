@@ -22,6 +22,7 @@ from pdkv.errors import PdkvTimeoutError, PeerError, TransferError
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM, DecodeReceiver, PrefillSender
 
 import fake_verbs
+from hostile import AUTH_HEADER, sender_conn
 
 HERE = os.path.dirname(__file__)
 BASE = dict(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf16")
@@ -30,7 +31,7 @@ BASE = dict(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf
 class Decode:
     """An in-process decode instance: D ranks, one receiver, host 'GPU' caches."""
 
-    def __init__(self, D=1, nb=64, token_major=False, lease_s=5.0, **rx):
+    def __init__(self, D=1, nb=64, token_major=False, lease_s=5.0, fence_grace_s=0.5, **rx):
         self.lays = [KVLayout(**BASE, tp_size=D, tp_rank=r, token_major=token_major) for r in range(D)]
         self.nb = nb
         self.bufs = [SharedBuffer.create(CacheSpec.buffer_bytes(lay, nb)) for lay in self.lays]
@@ -39,7 +40,8 @@ class Decode:
                          CacheSpec.for_buffer(self.lays[0], nb, self.gpu.ctypes.data), strategy="host", buffer_pinned=False)
         self.engine = eng
         self.sched = DecodeScheduler(num_layers=self.lays[0].total_layers, gpu=BlockPool(nb), buffer=BlockPool(nb), swap=eng,
-                                     options=SchedulerOptions(direct_to_gpu=False, lease_s=lease_s, fence_grace_s=0.5))
+                                     options=SchedulerOptions(direct_to_gpu=False, lease_s=lease_s,
+                                                              fence_grace_s=fence_grace_s))
         rx.setdefault("auto_tick", True)
         rx.setdefault("peer_timeout_s", 3.0)
         self.rx = DecodeReceiver(self.sched, self.lays, self.bufs, nb, **rx)
@@ -220,13 +222,14 @@ def test_hostile_tcp_frames_never_land(no_leaks):
         lay, arr, spec = prefill_cache(1, 0)
         with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5) as tx:
             g = tx.reserve("a", 16)
-            peer = next(iter(dec.rx._peers.values()))  # white box: the data token the peer got
             host, port = dec.rx.data_address.split(":")
             before = [dec.block(0, 0, 0, b) for b in range(64)]
 
-            def conn(token=peer.data_token):
+            def conn(sid=None):
+                if sid is None:  # white box: the sender's own session
+                    return sender_conn(dec.rx.data_address, tx)
                 s = socket.create_connection((host, int(port)), timeout=5)
-                s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) + token)
+                s.sendall(AUTH_HEADER + sid)
                 return s
 
             tb = lay.tensor_block_bytes(0)
@@ -244,7 +247,7 @@ def test_hostile_tcp_frames_never_land(no_leaks):
                           + FRAME_ITEM.pack(gi, nb))
                 s.sendall(b"\xAB" * (nb * cnt * ln))
                 s.close()
-            s = conn(b"\0" * 16)  # unknown data token: connection dropped
+            s = conn(b"\0" * 16)  # unknown session: connection dropped
             s.sendall(b"x" * 100)
             s.close()
             s = conn()  # oversized frame: connection dropped

@@ -1,0 +1,601 @@
+"""Hostile and careless peers, on loopback: each test plays an attacker (or a broken peer)
+against a decode that also serves a good peer, and checks, by comparing the whole CPU
+buffer, that nothing outside the attacker's own live grants changed.
+
+Extend it by adding a case: an attacker built from :mod:`hostile` (a raw control session
+and raw data connections), the good peer's transfer beside it, and ``outside_unchanged``.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hostile import AUTH_HEADER, RawSession, data_conn, recv_n, sender_conn
+from pdkv import CacheSpec, KVLayout, PrefillSender, State
+from pdkv.errors import ProtocolError, TransferError
+from pdkv.protocol import (PROTOCOL_VERSION, Abort, Auth, Challenge, Codec, Complete, CompleteBatch, ErrorMsg,
+                           Heartbeat, Hello, LayerBatch, LayerDone, Message, ReserveBatch, ReserveReq, Welcome,
+                           layout_desc, pack_frame)
+from pdkv.transfer import FRAME_HEADER, FRAME_ITEM
+from test_transfer import BASE, HERE, Decode, prefill_cache, reap, send_one, wait_until
+
+SECRET = b"s" * 32
+TB = KVLayout(**BASE).tensor_block_bytes(0)  # one block of one layer of one tensor
+
+
+def frame(token, items, *, rank=0, layer=0, tensor=0, off=0, length=TB, count=1, dstride=0) -> bytes:
+    """A tcp data frame's header and items (the payload follows)."""
+    return (FRAME_HEADER.pack(b"PDKV", 1, 2, rank, token, layer, tensor, 0, 0, len(items), off, length, count, dstride)
+            + b"".join(FRAME_ITEM.pack(gi, nb) for gi, nb in items))
+
+
+def block_ranges(dec, rank, blocks):
+    """Byte ranges (in rank's buffer) of every layer and tensor of ``blocks``."""
+    lay = dec.lays[rank]
+    spec = CacheSpec.for_buffer(lay, dec.nb, dec.bufs[rank].address)
+    out = []
+    for layer in range(lay.total_layers):
+        for t in range(len(lay.tensors)):
+            for b in blocks:
+                a = spec.address(layer, t, b) - dec.bufs[rank].address
+                out.append((a, a + lay.tensor_block_bytes(t)))
+    return out
+
+
+def snapshot(dec):
+    return [bytes(b.buf) for b in dec.bufs]
+
+
+def outside_unchanged(dec, before, allowed=()):
+    """Every byte of every buffer equals ``before`` except inside ``allowed`` blocks."""
+    for r, (b, old) in enumerate(zip(dec.bufs, before)):
+        now = np.frombuffer(bytes(b.buf), np.uint8).copy()
+        was = np.frombuffer(old, np.uint8).copy()
+        for lo, hi in block_ranges(dec, r, allowed):
+            now[lo:hi] = was[lo:hi] = 0
+        diff = np.flatnonzero(now != was)
+        assert diff.size == 0, f"rank {r}: {diff.size} bytes changed outside the allowed blocks, first at {diff[0]}"
+
+
+def good_peer(dec, rid="good", blocks=(0, 1), instance="good", transport="tcp", secret=None):
+    """A real prefill serving one request at the same time as the attacker."""
+    lay, arr, spec = prefill_cache(1, 0, seed=7)
+    with PrefillSender(lay, spec, dec.rx.control_address, transport=transport, timeout_s=5, instance=instance,
+                       secret=secret) as tx:
+        out = send_one(tx, rid, list(blocks))
+    assert out.ok, out
+    return arr
+
+
+def expected_layer_block(arr, layer, t, b):
+    lay = KVLayout(**BASE)
+    spec = CacheSpec.for_buffer(lay, 64, arr.ctypes.data)
+    a = spec.address(layer, t, b) - arr.ctypes.data
+    return arr[a:a + lay.tensor_block_bytes(t)].tobytes()
+
+
+# ------------------------------------------------------------------ 1. late and trickled writes
+
+def _trickle_then_overwrite(lease_s, grace_s, io_timeout_s, peer_timeout_s, trickle_s, trickles):
+    """Peer A's frame, validated while its grant was live, trickles past its lease, its
+    fence and the grant of the same blocks to B, then delivers its tail after B's first
+    layer landed. B's KV must be B's."""
+    dec = Decode(nb=2, lease_s=lease_s, fence_grace_s=grace_s, io_timeout_s=io_timeout_s,
+                 peer_timeout_s=peer_timeout_s)
+    ctx = zmq.Context()
+    try:
+        lay = KVLayout(**BASE)
+        a = RawSession(dec.rx.control_address, lay, instance="slow-a", ctx=ctx)
+        a.send(ReserveReq("a", 16))
+        ga = a.recv()
+        assert ga.outcome == "buffer" and list(ga.blocks) == [0, 1]
+        conn = a.data_conn(dec.rx.data_address)
+        conn.sendall(frame(ga.token, [(0, 1)]))  # admitted under A's live grant
+        for _ in range(trickles):  # one byte at a time: never a stall of io_timeout_s
+            try:
+                conn.send(b"\xEE")
+            except OSError:
+                break
+            time.sleep(trickle_s)
+        # B gets the same blocks once A's are back
+        lay_b, arr, spec = prefill_cache(1, 0, seed=3)
+        with PrefillSender(lay_b, spec, dec.rx.control_address, transport="tcp", timeout_s=10, instance="b") as tx:
+            deadline = time.monotonic() + 15
+            while True:  # rejected while A's blocks are held (on_full=reject): ask again
+                try:
+                    gb = tx.reserve("b", 16)
+                    break
+                except TransferError:
+                    assert time.monotonic() < deadline, "A's blocks never came back"
+                    time.sleep(0.05)
+            assert set(gb.blocks) == {0, 1}
+            tx.send_layer(0, [("b", [0, 1])])
+            wait_until(lambda: dec.sched.request("b").layers_landed >= 1, 10, "B's first layer")
+            try:  # A's tail, all at once
+                conn.sendall(b"\xEE" * (TB - trickles))
+            except OSError:
+                pass
+            time.sleep(0.3)
+            for layer in range(1, 4):
+                tx.send_layer(layer, [("b", [0, 1])])
+            tx.finish("b")
+            assert tx.wait_outcome("b", 10).ok
+        for gi, b in enumerate(gb.blocks):
+            assert dec.block(0, 0, 0, b) == expected_layer_block(arr, 0, 0, gi), "A's late bytes landed in B's block"
+        conn.close()
+        a.close()
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+@pytest.mark.multiproc
+def test_a_trickled_frame_never_lands_in_reused_blocks(no_leaks):
+    # the timings of the report: lease 1 s, grace 1 s, io_timeout 0.5 s, peer_timeout 1.5 s, a byte every 0.15 s
+    _trickle_then_overwrite(1.0, 1.0, 0.5, 1.5, 0.15, 20)
+
+
+@pytest.mark.multiproc
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lease=st.floats(0.4, 1.5), grace=st.floats(0.0, 1.0), io=st.floats(0.3, 1.0), peer=st.floats(0.6, 2.0),
+       trickle=st.floats(0.05, 0.25), n=st.integers(1, 25))
+def test_trickled_frames_never_land_in_reused_blocks_random_timings(no_leaks, lease, grace, io, peer, trickle, n):
+    _trickle_then_overwrite(lease, grace, io, peer, trickle, n)
+
+
+def test_a_fenced_peer_loses_its_data_connections(no_leaks):
+    dec = Decode(peer_timeout_s=0.8)
+    ctx = zmq.Context()
+    try:
+        a = RawSession(dec.rx.control_address, KVLayout(**BASE), ctx=ctx)
+        conn = a.data_conn(dec.rx.data_address)
+        # no heartbeat: the peer is declared dead, and its idle connection is closed and joined
+        conn.settimeout(10)
+        t0 = time.monotonic()
+        assert conn.recv(1) == b""
+        assert time.monotonic() - t0 < 5
+        wait_until(lambda: not dec.rx._conn_threads, 5, "the data thread joined and forgotten")
+        conn.close()
+        a.close()
+        good_peer(dec)
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+# ------------------------------------------------------------------ 2. cross-session tokens
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_another_sessions_grant_token_is_refused_everywhere(no_leaks, secret):
+    dec = Decode(secret=secret)
+    ctx = zmq.Context()
+    try:
+        lay, arr, spec = prefill_cache(1, 0, seed=5)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5, instance="victim",
+                           secret=secret) as tx:
+            g = tx.reserve("v", 16)  # the attacker observed this grant on the wire
+            atk = RawSession(dec.rx.control_address, KVLayout(**BASE), secret=secret, instance="attacker", ctx=ctx)
+            before = snapshot(dec)
+            conn = atk.data_conn(dec.rx.data_address)  # its own, authenticated, data connection
+            conn.sendall(frame(g.token, [(0, 1)]) + b"\x66" * TB)
+            conn.sendall(frame(g.token, [(1, 1)], tensor=1) + b"\x66" * TB)
+            for m in (LayerDone("v", g.token, [0]), LayerBatch(0, [("v", g.token, 0)]), Complete("v", g.token, True),
+                      Complete("v", g.token, False, "attacker says it failed"),
+                      CompleteBatch([("v", g.token, True, "")]), Abort("v", "attacker")):
+                atk.send(m)
+            wait_until(lambda: dec.rx.stats["frames_rejected"] >= 2, 5, "both frames refused")
+            time.sleep(0.3)
+            outside_unchanged(dec, before)  # not a byte of the victim's blocks moved
+            info = dec.sched.request("v")
+            assert info.state is State.RESERVED and info.layers_landed == 0
+            for layer in range(4):
+                tx.send_layer(layer, [("v", [0, 1])])
+            tx.finish("v")
+            assert tx.wait_outcome("v", 5).ok
+            conn.close()
+            atk.close()
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_a_frame_that_would_overfill_a_layer_is_refused_before_it_is_written(no_leaks):
+    dec = Decode()
+    ctx = zmq.Context()
+    try:
+        a = RawSession(dec.rx.control_address, KVLayout(**BASE), ctx=ctx)
+        a.send(ReserveReq("dup", 16))
+        g = a.recv()
+        conn = a.data_conn(dec.rx.data_address)
+        conn.sendall(frame(g.token, [(0, 1)]) + b"\x11" * TB)
+        wait_until(lambda: dec.rx.stats["frames"] >= 1, 5, "the first write")
+        blk = g.blocks[0]
+        assert dec.block(0, 0, 0, blk) == b"\x11" * TB
+        before = snapshot(dec)
+        conn.sendall(frame(g.token, [(0, 1)]) + b"\x22" * TB)  # the same piece again: would credit twice
+        conn.sendall(frame(g.token, [(0, 2)]) + b"\x33" * (2 * TB))  # overlaps it
+        wait_until(lambda: dec.rx.stats["frames_rejected"] >= 2, 5, "both refused")
+        outside_unchanged(dec, before)  # refused before a byte was written, its own block included
+        assert dec.sched.request("dup").layers_landed == 0  # half of layer 0 is still missing
+        conn.close()
+        a.close()
+        good_peer(dec, blocks=(2, 3))
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_a_rank_writes_only_its_own_head_range(no_leaks):
+    # prefill TP 2 -> decode TP 1: each prefill rank's frames must carry its own segment
+    dec = Decode()
+    ctx = zmq.Context()
+    try:
+        r0 = RawSession(dec.rx.control_address, KVLayout(**BASE, tp_size=2, tp_rank=0), instance="pf", ctx=ctx)
+        r0.send(ReserveReq("tp", 8))
+        g = r0.recv()
+        conn = r0.data_conn(dec.rx.data_address)
+        before = snapshot(dec)
+        half = TB // 2
+        # rank 0 holds heads 0-1: the second half of each block is rank 1's
+        conn.sendall(frame(g.token, [(0, 1)], off=half, length=half) + b"\x44" * half)
+        conn.sendall(frame(g.token, [(0, 1)], off=0, length=TB) + b"\x44" * TB)  # the whole block
+        wait_until(lambda: dec.rx.stats["frames_rejected"] >= 2, 5, "both refused")
+        outside_unchanged(dec, before)
+        conn.sendall(frame(g.token, [(0, 1)], off=0, length=half) + b"\x55" * half)  # its own: lands
+        wait_until(lambda: dec.rx.stats["frames"] >= 1, 5, "rank 0's own piece")
+        assert dec.block(0, 0, 0, g.blocks[0])[:half] == b"\x55" * half
+        conn.close()
+        r0.close()
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_layer_reports_cannot_be_repeated_to_fill_another_ranks_share(no_leaks):
+    dec = Decode(transports=("shm",))
+    ctx = zmq.Context()
+    try:
+        r0 = RawSession(dec.rx.control_address, KVLayout(**BASE, tp_size=2, tp_rank=0), instance="pf",
+                        transports=("shm",), ctx=ctx)
+        r0.send(ReserveReq("rep", 8))
+        g = r0.recv()
+        r0.send(LayerDone("rep", g.token, [0]))
+        r0.send(LayerDone("rep", g.token, [0]))  # again: would stand in for rank 1's half
+        r0.send(LayerDone("rep", g.token, [1, 1]))
+        err = [r0.recv(), r0.recv()]
+        assert all(isinstance(e, ErrorMsg) for e in err), err
+        assert dec.sched.request("rep").layers_landed == 0
+        r0.close()
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+# ------------------------------------------------------------------ 3. replayed handshakes
+
+def test_a_replayed_hello_gets_no_session_and_no_data_access(no_leaks):
+    dec = Decode(secret=SECRET)
+    ctx = zmq.Context()
+    try:
+        lay = KVLayout(**BASE)
+        victim = RawSession(dec.rx.control_address, lay, secret=SECRET, instance="victim", ctx=ctx)
+        victim.send(ReserveReq("v", 16))
+        g = victim.recv()
+        captured = victim.hello_frames  # everything an observer of the wire saw
+        captured_auth = victim.codec.encode(Auth(victim.challenge.nonce))
+        npeers = len(dec.rx._peers)
+        before = snapshot(dec)
+        atk = ctx.socket(zmq.DEALER)
+        atk.setsockopt(zmq.LINGER, 0)
+        atk.connect(dec.rx.control_address)
+        atk.send_multipart(captured)  # replayed from a new connection
+        assert atk.poll(5000)
+        ch = Codec(SECRET).decode(atk.recv_multipart())  # (the test may read it; the attacker cannot forge)
+        assert isinstance(ch, Challenge) and ch.nonce != victim.challenge.nonce  # fresh: the old Auth cannot answer it
+        atk.send_multipart(captured_auth)
+        assert atk.poll(5000)
+        frames = atk.recv_multipart()
+        assert isinstance(Codec(None).decode(frames), ErrorMsg)  # refused, in the clear: no Welcome
+        assert len(dec.rx._peers) == npeers and dec.rx.stats["auth_failed"] >= 1
+        # the observed session id and grant token, without the session key: no data connection
+        host, port = dec.rx.data_address.split(":")
+        s = socket.create_connection((host, int(port)), timeout=5)
+        s.sendall(AUTH_HEADER + victim.welcome.session_id)
+        nonce = recv_n(s, 16)
+        s.sendall(b"\0" * 32)  # a guess at the MAC
+        assert s.recv(1) == b""
+        s.close()
+        with pytest.raises(ConnectionError):
+            data_conn(dec.rx.data_address, victim.welcome.session_id, None)  # the unauthenticated MAC
+        outside_unchanged(dec, before)
+        assert dec.sched.request("v").state is State.RESERVED
+        atk.close(0)
+        victim.close()
+        good_peer(dec, secret=SECRET, blocks=(4, 5))
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_handshakes_in_progress_are_bounded_and_expire(no_leaks):
+    dec = Decode(secret=SECRET, max_handshakes=4, auth_timeout_s=0.5)
+    ctx = zmq.Context()
+    try:
+        lay = KVLayout(**BASE)
+        half = [RawSession(dec.rx.control_address, lay, secret=SECRET, instance=f"h{i}", complete=False, ctx=ctx)
+                for i in range(6)]
+        got = [h.recv() for h in half]
+        assert sum(isinstance(m, Challenge) for m in got) == 4
+        assert sum(isinstance(m, ErrorMsg) and "too many handshakes" in m.message for m in got) == 2
+        wait_until(lambda: not dec.rx._pending, 5, "unanswered challenges forgotten")
+        for h in half:
+            h.close()
+        good_peer(dec, secret=SECRET)
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+# ------------------------------------------------------------------ 4. decoder input
+
+def _nested_body(fields, key, depth, in_map=True):
+    """A msgpack envelope whose ``key`` holds ``{"x": [[[...]]]}``, ``depth`` arrays nested
+    in each other (built as bytes: no encoder nests that deep). A map first: a field typed
+    as a free-form dict (as ``Hello.layout`` once was) accepted it and recursed."""
+    body = msgspec.msgpack.encode([1, {**fields, key: "@@NEST@@"}])
+    return body.replace(msgspec.msgpack.encode("@@NEST@@"), (b"\x81\xa1x" if in_map else b"") + b"\x91" * depth + b"\x00")
+
+
+def test_deeply_nested_hello_is_a_protocol_error_and_the_loop_serves_on(no_leaks):
+    body = _nested_body({"type": "hello", "version": PROTOCOL_VERSION, "instance": "x", "tp_rank": 0, "tp_size": 1,
+                         "transports": ["tcp"], "boot_id": "b", "pid": 1, "nonce": b"n" * 16}, "layout", 5000)
+    assert len(body) < 10_000
+    with pytest.raises(ProtocolError):
+        Codec(None).decode([pack_frame(b"", body)])
+    deep = _nested_body({"type": "hb"}, "t", 100_000, in_map=False)
+    with pytest.raises(ProtocolError):
+        Codec(None).decode([pack_frame(b"", deep)])
+    dec = Decode()
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(dec.rx.control_address)
+        for b in (body, deep):
+            s.send_multipart([pack_frame(b"", b)])
+        assert s.poll(5000)
+        assert isinstance(Codec(None).decode(s.recv_multipart()), ErrorMsg)
+        good_peer(dec)
+        assert dec.rx.stats["loop_errors"] == 0
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_an_exception_in_one_message_does_not_end_the_control_loop(no_leaks, monkeypatch):
+    dec = Decode()
+    ctx = zmq.Context()
+    try:
+        real = dec.rx._dispatch
+        calls = []
+
+        def boom(peer, msg):
+            if isinstance(msg, Heartbeat) and not calls:
+                calls.append(msg)
+                raise RuntimeError("a bug in one handler")
+            return real(peer, msg)
+
+        monkeypatch.setattr(dec.rx, "_dispatch", boom)
+        a = RawSession(dec.rx.control_address, KVLayout(**BASE), ctx=ctx)
+        a.send(Heartbeat(1.0))
+        wait_until(lambda: dec.rx.stats["loop_errors"] == 1, 5, "the failure counted")
+        good_peer(dec)
+        a.close()
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(allow_nan=False),
+                     st.text(max_size=20), st.binary(max_size=20))
+_values = st.recursive(_scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                       max_leaves=30)
+_TYPES = ["hello", "challenge", "auth", "welcome", "reserve", "reserves", "grant", "grants", "layer", "layers",
+          "complete", "completes", "outcome", "outcomes", "abort", "hb", "error", "nope"]
+
+
+def _fuzz_body(draw_seq, draw_type, fields):
+    return msgspec.msgpack.encode([draw_seq, {"type": draw_type, **fields}])
+
+
+def _decode_only_protocol_errors(body):
+    for secret in (None, SECRET):
+        c = Codec(secret)
+        try:
+            c.decode([pack_frame(b"", body)])
+        except ProtocolError:
+            assert c._recv_seq == -1
+
+
+@given(seq=_scalars, kind=st.sampled_from(_TYPES), fields=st.dictionaries(st.text(max_size=12), _values, max_size=8))
+def test_fuzzed_messages_raise_only_protocol_errors(seq, kind, fields):
+    _decode_only_protocol_errors(_fuzz_body(seq, kind, fields))
+
+
+@pytest.mark.slow
+@settings(max_examples=20_000, deadline=None)
+@given(seq=_scalars, kind=st.sampled_from(_TYPES), fields=st.dictionaries(st.text(max_size=12), _values, max_size=8),
+       depth=st.integers(0, 6000))
+def test_fuzzed_messages_raise_only_protocol_errors_many(seq, kind, fields, depth):
+    body = _fuzz_body(seq, kind, fields)
+    if depth > 5000:
+        body = _nested_body({"type": kind, **fields}, "layout", depth)
+    _decode_only_protocol_errors(body)
+
+
+# ------------------------------------------------------------------ every message type, misused
+
+def _all_messages(token, lay):
+    desc = layout_desc(lay)
+    return [
+        Hello(PROTOCOL_VERSION, "x", 0, 1, desc, ["tcp"], "b", 1, b"n" * 16),  # a second hello inside a session
+        Challenge(b"c" * 16), Auth(b"c" * 16),  # handshake messages out of order
+        Welcome(PROTOCOL_VERSION, "x", 1, [0], [desc], "tcp", [], 1, "", b"s" * 16),  # decode's message, from prefill
+        ReserveReq("m", 1 << 20),  # more than the buffer
+        ReserveBatch([("m", 8), ("m", 8)]),  # the same id twice
+        LayerDone("m", token, [99]), LayerDone("m", token + 1, [0]), LayerDone("nobody", 1, [0]),
+        LayerBatch(7, [("m", token, 0)]), LayerBatch(0, [("m", token, 9999)]),
+        Complete("m", token + 1, True), Complete("nobody", 3, True), CompleteBatch([("m", token, True, "")]),
+        Abort("nobody"),
+        ErrorMsg("x", "y"),
+    ]
+
+
+def test_every_message_type_misused_inside_a_session(no_leaks):
+    dec = Decode(lease_s=2.0)
+    ctx = zmq.Context()
+    try:
+        lay = KVLayout(**BASE)
+        a = RawSession(dec.rx.control_address, lay, ctx=ctx)
+        a.send(ReserveReq("m", 16))
+        g = a.recv()
+        before = snapshot(dec)
+        rejected = dec.rx.stats["messages_rejected"]
+        for m in _all_messages(g.token, lay):
+            a.send(m)
+        a.send_raw(a.hello_frames)  # a replayed frame of this session
+        wait_until(lambda: dec.rx.stats["messages_rejected"] - rejected >= 10, 5, "misuse refused")
+        outside_unchanged(dec, before)
+        info = dec.sched.request("m")
+        assert info.state is State.RESERVED and info.layers_landed == 0
+        good_peer(dec, blocks=(5, 6))
+        a.close()
+        wait_until(lambda: dec.sched.buffer.num_free == dec.nb, 10, "the abandoned grant's blocks")
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rank", 7), ("layer", 99), ("tensor", 9), ("off", TB), ("length", TB + 1), ("count", 3),
+    ("gi", 2), ("gi", 1 << 31), ("nb", 0), ("nb", 3), ("nitems", 0), ("nitems", 5000), ("magic", b"XXXX"),
+    ("version", 9), ("kind", 7),
+])
+def test_every_data_frame_field_out_of_range(no_leaks, field, value):
+    dec = Decode()
+    ctx = zmq.Context()
+    try:
+        a = RawSession(dec.rx.control_address, KVLayout(**BASE), ctx=ctx)
+        a.send(ReserveReq("f", 16))
+        g = a.recv()
+        conn = a.data_conn(dec.rx.data_address)
+        before = snapshot(dec)
+        hdr = dict(magic=b"PDKV", version=1, kind=2, rank=0, token=g.token, layer=0, tensor=0, nitems=1, off=0,
+                   length=TB, count=1, dstride=0)
+        it = dict(gi=0, nb=1)
+        (it if field in it else hdr)[field] = value
+        raw = FRAME_HEADER.pack(hdr["magic"], hdr["version"], hdr["kind"], hdr["rank"], hdr["token"], hdr["layer"],
+                                hdr["tensor"], 0, 0, hdr["nitems"], hdr["off"], hdr["length"], hdr["count"],
+                                hdr["dstride"])
+        payload = max(1, it["nb"]) * hdr["count"] * hdr["length"]
+        try:
+            conn.sendall(raw + FRAME_ITEM.pack(it["gi"], it["nb"]) * max(1, min(hdr["nitems"], 8)) + b"\x77" * payload)
+        except OSError:
+            pass
+        wait_until(lambda: dec.rx.stats["frames_rejected"] >= 1, 5, "the frame refused")
+        time.sleep(0.1)
+        outside_unchanged(dec, before)
+        assert dec.sched.request("f").layers_landed == 0
+        conn.close()
+        a.close()
+        good_peer(dec, blocks=(2, 3))
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+# ------------------------------------------------------------------ 5. and 6. connection floods
+
+def _threads():
+    return threading.active_count()
+
+
+def test_silent_connections_hold_no_thread_and_are_closed(no_leaks):
+    dec = Decode(auth_timeout_s=0.5, max_pending_connections=32)
+    host, port = dec.rx.data_address.split(":")
+    socks = []
+    try:
+        t0 = _threads()
+        for _ in range(200):
+            socks.append(socket.create_connection((host, int(port)), timeout=5))
+        time.sleep(0.3)
+        assert _threads() <= t0 + 1  # pre-authentication connections have no thread
+        good_peer(dec)  # served while they wait
+        for s in socks:  # every one closed: refused over the cap at once, the rest at their deadline
+            s.settimeout(5)
+            assert s.recv(1) == b""
+        assert dec.rx.stats["connections_refused"] >= 200 - 32
+        # authenticated connections come and go: their threads are forgotten
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5) as tx:
+            for _ in range(100):
+                sender_conn(dec.rx.data_address, tx).close()
+            wait_until(lambda: len(dec.rx._conn_threads) == len(tx._data_socks), 5, "finished threads forgotten")
+            assert send_one(tx, "after", [0, 1]).ok
+    finally:
+        for s in socks:
+            s.close()
+        dec.close()
+
+
+@pytest.mark.multiproc
+def test_fd_exhaustion_does_not_end_accepting(no_leaks):
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    d = subprocess.Popen([sys.executable, os.path.join(HERE, "peers.py"), "decode", "--nofile", "20",
+                          "--auth-timeout", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    socks = []
+    ctx = zmq.Context()
+    try:
+        import json
+
+        info = json.loads(d.stdout.readline())
+        lay = KVLayout(**BASE)
+        a = RawSession(info["control"], lay, ctx=ctx)
+        host, port = a.welcome.data_addr.split(":")
+        for _ in range(120):  # far more than the decode may have open
+            try:
+                socks.append(socket.create_connection((host, int(port)), timeout=2))
+            except OSError:
+                break
+        time.sleep(1.5)
+        for s in socks:
+            s.close()
+        socks.clear()
+        a.close()
+        time.sleep(1.0)
+        _, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, info["control"], transport="tcp", timeout_s=5) as tx:
+            assert send_one(tx, "after-emfile", [0, 1]).ok
+    finally:
+        for s in socks:
+            s.close()
+        ctx.destroy(linger=0)
+        d.send_signal(signal.SIGTERM)
+        try:
+            d.wait(10)
+        finally:
+            reap(d)
