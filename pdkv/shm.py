@@ -7,21 +7,26 @@ the swap engine's kernels read it directly; on a CPU-only host it works unpinned
 
 from __future__ import annotations
 
+import atexit
 import errno
+import json
 import mmap
 import os
 import re
+import signal
 import stat
 import threading
+import time
 import uuid
 import weakref
 from contextlib import ExitStack
 from typing import Literal
 
-from . import _ffi
+from . import _ffi, procs
 from .errors import BusyError, ClosedError, CudaUnavailableError, PdkvError
 
-__all__ = ["SharedBuffer", "default_name", "validate_name", "NAME_PREFIX"]
+__all__ = ["SharedBuffer", "default_name", "validate_name", "NAME_PREFIX", "ORIGIN_SUFFIX", "ORIGIN_MAGIC",
+           "read_origin", "available_memory"]
 
 NAME_PREFIX = "pdkv"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
@@ -32,6 +37,15 @@ _POPULATE_CHUNK = 64 << 20
 # speed whatever the thread count; k files fill k times in parallel. '@' is not allowed
 # in user names, so a part can never collide with another buffer's name.
 STRIPE_SEP = "@"
+# Beside every buffer it creates, pdkv writes a small origin record "<name>@origin" (0600;
+# '@' cannot appear in a user name, so it never collides): who made the buffer (uid, boot,
+# pid namespace, pid and its start time). ``pdkv-shm clean`` removes only buffers whose
+# record proves them pdkv's and their creator dead.
+ORIGIN_SUFFIX = STRIPE_SEP + "origin"
+ORIGIN_MAGIC = "pdkv-shm-origin/1"
+_ORIGIN_MAX = 4096
+# memory left to the host when a buffer is sized: the larger of 1 GiB and a tenth of what is available
+_MEM_MARGIN_MIN = 1 << 30
 _STRIPE_MIN = 256 << 20  # auto striping: at least this much per stripe
 _STRIPE_ALIGN = 2 << 20  # stripes start on huge-page boundaries
 _MAX_STRIPES = 64
@@ -146,6 +160,121 @@ def _populate(addr: int, size: int, threads: int, *, fresh: bool = True,
         raise errors[0]
 
 
+def _origin_record(name: str, size: int, stripes: int) -> bytes:
+    me = procs.start_time(os.getpid())
+    rec = {"magic": ORIGIN_MAGIC, "name": name, "size": size, "stripes": stripes, "uid": os.geteuid(),
+           "boot_id": procs.boot_id(), "pidns": procs.pidns(), "pid": os.getpid(), "start_time": me,
+           "created": time.time()}
+    return json.dumps(rec, sort_keys=True).encode()
+
+
+def read_origin(name: str, shm_dir: str = "/dev/shm") -> dict | None:
+    """The origin record of buffer ``name`` (a dict), or None when it has none or it is not
+    one pdkv wrote (wrong magic, malformed, too large, or not a regular file)."""
+    path = os.path.join(shm_dir, name + ORIGIN_SUFFIX)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _ORIGIN_MAX:
+            return None
+        rec = json.loads(os.read(fd, _ORIGIN_MAX))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(rec, dict) or rec.get("magic") != ORIGIN_MAGIC or rec.get("name") != name:
+        return None
+    if rec.get("uid") != st.st_uid:
+        return None  # a record claiming someone else made it
+    return rec
+
+
+def available_memory() -> tuple[int, str]:
+    """``(bytes, where)``: memory a new buffer may take, the lower of ``MemAvailable`` and what
+    this process's memory cgroup (v2 or v1) has left, and which of the two it was."""
+    best, where = 1 << 62, "unknown"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    best, where = int(line.split()[1]) * 1024, "MemAvailable"
+                    break
+    except (OSError, ValueError):
+        pass
+    for limit_f, usage_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_f) as f:
+                raw = f.read().strip()
+            if raw == "max":
+                continue
+            with open(usage_f) as f:
+                left = int(raw) - int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if left < best:
+            best, where = max(0, left), f"the memory cgroup ({limit_f})"
+    return best, where
+
+
+def _check_memory(size: int, name: str) -> None:
+    avail, where = available_memory()
+    margin = max(_MEM_MARGIN_MIN, avail // 10)
+    if size > avail - margin:
+        raise OSError(errno.ENOMEM, f"a shared buffer of {size} bytes ({size / (1 << 30):.2f} GiB) does not fit in "
+                      f"memory: {where} leaves {avail} bytes ({avail / (1 << 30):.2f} GiB), less a margin of "
+                      f"{margin} bytes for the rest of the host; use a smaller buffer, or pass "
+                      "allow_overcommit=True if that memory will be there", name)
+
+
+# Buffers this process created and has not unlinked: removed at exit and on SIGTERM, so a
+# process that ends normally or by SIGTERM leaves no segment behind (SIGKILL leaves it for
+# pdkv-shm clean). Keyed by name; the pid guards against a forked child removing them.
+_OWNED: dict[str, tuple[int, list[str]]] = {}
+_OWNED_LOCK = threading.Lock()
+_HOOKS: list[bool] = []
+
+
+def _unlink_owned() -> None:
+    with _OWNED_LOCK:
+        items = [(n, parts) for n, (pid, parts) in _OWNED.items() if pid == os.getpid()]
+        _OWNED.clear()
+    for _, parts in items:
+        for part in parts:
+            try:
+                _ffi.libc.shm_unlink("/" + part)
+            except OSError:
+                pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    # remove the names, then die of SIGTERM as the default action would (exit status kept)
+    _unlink_owned()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _own(name: str, parts: list[str]) -> None:
+    with _OWNED_LOCK:
+        _OWNED[name] = (os.getpid(), parts)
+        if _HOOKS:
+            return
+        _HOOKS.append(True)
+    atexit.register(_unlink_owned)
+    # only where SIGTERM would kill the process outright: a handler of the program's own
+    # stays (it decides how to end; a with-block or atexit then removes the names)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _disown(name: str) -> None:
+    with _OWNED_LOCK:
+        _OWNED.pop(name, None)
+
+
 def _release(mm: mmap.mmap | None, names: list[str] | None, pinned_addr: int | None) -> None:
     # finalizer: raw handles only, never self. Order: unregister, munmap, (unlink)
     if pinned_addr is not None:
@@ -163,6 +292,8 @@ def _release(mm: mmap.mmap | None, names: list[str] | None, pinned_addr: int | N
             _ffi.libc.shm_unlink("/" + name)
         except FileNotFoundError:
             pass
+    if names:
+        _disown(names[0])
 
 
 class SharedBuffer:
@@ -172,9 +303,12 @@ class SharedBuffer:
     writable memoryview; ``address`` the first byte's address in this process.
 
     Ownership: :meth:`close` releases this process's mapping (and CUDA registration);
-    :meth:`unlink` removes the name and is allowed to the creator only. A creator that is
-    garbage-collected or exits without closing unlinks the name through its finalizer;
-    one killed with SIGKILL leaves it for ``pdkv-shm clean``.
+    :meth:`unlink` removes the name and is allowed to the creator only. The creator's
+    ``with`` block does both. A name the creator has not unlinked lives as long as the
+    creating process: it is removed when the creator's object is garbage-collected, when
+    the process exits, and on SIGTERM (where the program has no SIGTERM handler of its
+    own); one killed with SIGKILL leaves it for ``pdkv-shm clean``, which the origin record
+    beside it lets prove dead.
     """
 
     def __init__(self, *, _token: object = None) -> None:
@@ -205,6 +339,7 @@ class SharedBuffer:
         populate_threads: int | None = None,
         huge_pages: bool = False,
         stripes: int | None = None,
+        allow_overcommit: bool = False,
     ) -> SharedBuffer:
         """Create a new segment of ``size`` bytes, mode 0600, ``O_EXCL``.
 
@@ -235,6 +370,11 @@ class SharedBuffer:
             The kernel fills one file at one thread's speed, so striping is what makes
             parallel population fast (8 GiB on an H200 host: 1.8-2.1 s in one file,
             0.7 s in 8). Default: one stripe per 256 MiB, at most 8 and the cpu count.
+        allow_overcommit:
+            Skip the memory check: by default a buffer larger than the memory available
+            (``MemAvailable`` and the memory cgroup's limit, less the larger of 1 GiB and a
+            tenth) is refused, since shared memory that fits /dev/shm but not memory takes
+            the whole host down.
 
         Raises
         ------
@@ -243,7 +383,8 @@ class SharedBuffer:
         FileExistsError
             The name (or one of its stripes' names) exists.
         OSError
-            ``ENOSPC``: /dev/shm has too little room.
+            ``ENOSPC``: /dev/shm has too little room; ``ENOMEM``: memory has too little
+            (the message names the numbers).
         CudaUnavailableError
             Pinning required but no CUDA device. Nothing is left behind on any failure.
         """
@@ -257,8 +398,18 @@ class SharedBuffer:
             raise ValueError(f"stripes={stripes!r} must be an integer in [1, {_MAX_STRIPES}]")
         sizes = stripe_sizes(size, stripes)
         threads = populate_threads or _default_threads(stripes)
+        if not allow_overcommit:
+            _check_memory(size, name)
         self = cls(_token=_FACTORY)
         with ExitStack() as undo:
+            # the origin record first: a crash at any later point leaves a buffer clean can prove
+            ofd = _ffi.libc.shm_open("/" + name + ORIGIN_SUFFIX, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            undo.callback(_ffi.libc.shm_unlink, "/" + name + ORIGIN_SUFFIX)
+            try:
+                os.fchmod(ofd, 0o600)
+                os.write(ofd, _origin_record(name, size, stripes))
+            finally:
+                os.close(ofd)
             fds = []
             for i, n in enumerate(sizes):
                 part = "/" + part_name(name, i)
@@ -310,6 +461,7 @@ class SharedBuffer:
                 undo.callback(_ffi.cuda.host_unregister, addr)
             self._finish(name, sizes, fds, mm, addr, pinned, owner=True, pin_mode=mode)
             undo.pop_all()
+        _own(name, self.owned_names)
         return self
 
     @classmethod
@@ -394,13 +546,18 @@ class SharedBuffer:
         # fds closed right away: the mapping keeps the segments alive, and no fd leaks
         for fd in fds:
             os.close(fd)
-        self._fin = weakref.finalize(self, _release, mm, self.part_names if owner else None,
+        self._fin = weakref.finalize(self, _release, mm, self.owned_names if owner else None,
                                      addr if pinned else None)
 
     @property
     def part_names(self) -> list[str]:
         """Names of the segment files, stripe 0 (``name``) first."""
         return [part_name(self.name, i) for i in range(self.stripes)]
+
+    @property
+    def owned_names(self) -> list[str]:
+        """What the creator removes: the stripes, then the origin record."""
+        return [*self.part_names, self.name + ORIGIN_SUFFIX]
 
     # ------------------------------------------------------------ properties
     @property
@@ -498,11 +655,12 @@ class SharedBuffer:
             self._fin.detach()
             self._fin = weakref.finalize(self, _release, self._mm, None,
                                          self._addr if self._pinned else None)
-        for part in self.part_names:
+        for part in self.owned_names:
             try:
                 _ffi.libc.shm_unlink("/" + part)
             except FileNotFoundError:
                 pass
+        _disown(self.name)
 
     def __enter__(self) -> SharedBuffer:
         return self

@@ -1,29 +1,39 @@
-"""``pdkv-shm``: list pdkv shared-memory segments and remove those whose owner is dead.
+"""``pdkv-shm``: list pdkv shared-memory buffers and remove those provably left by a dead creator.
 
-A segment is *stale* when the pid in its name (``pdkv-<pid>-...``) is not running and no
-live process maps it. Only stale segments are removed, and only with ``--yes``; the
-default is a dry run. A reused pid makes a segment look alive: that errs on keeping it.
+Every buffer pdkv creates has an origin record beside it (``<name>@origin``: uid, boot,
+pid namespace, pid and the pid's start time). ``clean`` removes a buffer (its stripes
+and its record) only when all of these hold: the record is pdkv's and owned by the same
+user as every stripe; that user is the caller (or the caller is root); no process visible
+from here maps the buffer; and the record proves the creator dead: another boot, or no
+process with that pid and start time in its pid namespace, seen from that namespace or
+one above it. Anything it cannot prove (no record, another user's, a creator in a pid
+namespace invisible from here, a file it may not remove) is skipped and reported, never
+removed. The default is a dry run; ``--yes`` removes.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from dataclasses import dataclass
 
 from . import _ffi
-from .shm import NAME_PREFIX
+from .procs import creator_verdict, pid_alive
+from .shm import NAME_PREFIX, ORIGIN_SUFFIX, STRIPE_SEP, read_origin
 
-__all__ = ["SegmentInfo", "scan_segments", "clean_segments", "pid_alive", "main"]
+__all__ = ["SegmentInfo", "CleanReport", "scan_segments", "clean_segments", "clean", "pid_alive", "main"]
 
 SHM_DIR = "/dev/shm"
-_PID_RE = re.compile(rf"^{NAME_PREFIX}[-_](\d+)[-_]")
 
 
 @dataclass(frozen=True, slots=True)
 class SegmentInfo:
+    """One pdkv buffer (all its stripes) as ``pdkv-shm`` sees it.
+
+    ``verdict`` is ``live``, ``stale`` (provably left by a dead creator: the only kind
+    clean removes) or ``unproven``; ``why`` says what decided it."""
+
     name: str
     size: int
     mode: int
@@ -31,31 +41,31 @@ class SegmentInfo:
     owner_pid: int | None
     owner_alive: bool
     mapped_by: tuple[int, ...]
+    files: tuple[str, ...] = ()
+    verdict: str = "unproven"
+    why: str = ""
 
     @property
     def stale(self) -> bool:
-        return self.owner_pid is not None and not self.owner_alive and not self.mapped_by
+        return self.verdict == "stale"
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as dead; another user's process as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return True
+@dataclass(frozen=True, slots=True)
+class CleanReport:
+    """What a clean did: files removed (or that would be, on a dry run), buffers skipped with why."""
+
+    removed: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]
 
 
 def _mappers(shm_dir: str) -> dict[str, set[int]]:
     out: dict[str, set[int]] = {}
     prefix = shm_dir.rstrip("/") + "/"
-    for entry in os.listdir("/proc"):
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
         if not entry.isdigit():
             continue
         try:
@@ -71,50 +81,98 @@ def _mappers(shm_dir: str) -> dict[str, set[int]]:
     return out
 
 
+def _buffer_of(fname: str) -> str:
+    """The buffer a file belongs to: ``name``, ``name@3`` and ``name@origin`` all give ``name``."""
+    return fname.split(STRIPE_SEP, 1)[0]
+
+
 def scan_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
-    """Every ``pdkv*`` segment with its owner pid, liveness and mapping processes."""
+    """Every buffer with files named ``pdkv*`` in ``shm_dir``, with its verdict."""
     try:
-        names = sorted(n for n in os.listdir(shm_dir) if n.startswith(NAME_PREFIX))
+        files = sorted(n for n in os.listdir(shm_dir) if n.startswith(NAME_PREFIX))
     except FileNotFoundError:
         return []
-    maps = _mappers(shm_dir) if names else {}
+    groups: dict[str, list[str]] = {}
+    for n in files:
+        groups.setdefault(_buffer_of(n), []).append(n)
+    maps = _mappers(shm_dir) if files else {}
+    me = os.geteuid()
     out = []
-    for n in names:
-        try:
-            st = os.stat(os.path.join(shm_dir, n))
-        except FileNotFoundError:
+    for name, members in groups.items():
+        stats = {}
+        for m in members:
+            try:
+                stats[m] = os.lstat(os.path.join(shm_dir, m))
+            except OSError:
+                continue
+        if not stats:
             continue
-        m = _PID_RE.match(n)
-        pid = int(m.group(1)) if m else None
-        out.append(SegmentInfo(n, st.st_size, st.st_mode & 0o777, st.st_uid, pid,
-                               pid_alive(pid) if pid is not None else False,
-                               tuple(sorted(maps.get(n, ())))))
+        data = [m for m in stats if not m.endswith(ORIGIN_SUFFIX)]
+        first = stats.get(name) or next(iter(stats.values()))
+        mapped = tuple(sorted(set().union(*(maps.get(m, set()) for m in stats))))
+        rec = read_origin(name, shm_dir)
+        pid = rec.get("pid") if rec else None
+        uids = {st.st_uid for st in stats.values()}
+        verdict, why = "unproven", ""
+        if rec is None:
+            why = "no pdkv origin record (not made by pdkv, or by a pdkv before origin records)"
+        elif uids != {rec["uid"]}:
+            why = f"files owned by uid(s) {sorted(uids)}, the origin record says {rec['uid']}"
+        elif me != 0 and rec["uid"] != me:
+            why = f"belongs to uid {rec['uid']}"
+        elif mapped:
+            verdict, why = "live", f"mapped by pid(s) {', '.join(map(str, mapped))}"
+        else:
+            v, why = creator_verdict(rec)
+            verdict = {"alive": "live", "dead": "stale"}.get(v, "unproven")
+        out.append(SegmentInfo(name, sum(stats[m].st_size for m in data), first.st_mode & 0o777, first.st_uid,
+                               pid if isinstance(pid, int) else None, verdict == "live", mapped,
+                               tuple(sorted(stats)), verdict, why))
     return out
 
 
-def clean_segments(*, dry_run: bool = True, shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove stale segments; return their names (those that would go, on a dry run)."""
-    removed = []
+def clean(*, dry_run: bool = True, shm_dir: str = SHM_DIR) -> CleanReport:
+    """Remove the stale buffers (stripes first, the origin record last); report the rest."""
+    removed: list[str] = []
+    skipped: list[tuple[str, str]] = []
     for seg in scan_segments(shm_dir):
         if not seg.stale:
+            if seg.verdict == "unproven":
+                skipped.append((seg.name, seg.why))
             continue
-        if not dry_run:
+        order = sorted(seg.files, key=lambda f: f.endswith(ORIGIN_SUFFIX))
+        failed = False
+        for f in order:
+            if dry_run:
+                removed.append(f)
+                continue
+            if failed and f.endswith(ORIGIN_SUFFIX):
+                break  # a stripe is left: keep the record that proves it stale for the next clean
             try:
                 if shm_dir == SHM_DIR:
-                    _ffi.libc.shm_unlink("/" + seg.name)
+                    _ffi.libc.shm_unlink("/" + f)
                 else:
-                    os.unlink(os.path.join(shm_dir, seg.name))
+                    os.unlink(os.path.join(shm_dir, f))
             except FileNotFoundError:
                 continue
-        removed.append(seg.name)
-    return removed
+            except OSError as exc:  # PermissionError and the like: report it, go on with the rest
+                skipped.append((f, f"could not remove: {exc.strerror or exc}"))
+                failed = True
+                continue
+            removed.append(f)
+    return CleanReport(tuple(removed), tuple(skipped))
+
+
+def clean_segments(*, dry_run: bool = True, shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove stale buffers; return the files removed (those that would go, on a dry run)."""
+    return list(clean(dry_run=dry_run, shm_dir=shm_dir).removed)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pdkv-shm", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="pdkv-shm", description=(__doc__ or "").splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="list pdkv segments")
-    c = sub.add_parser("clean", help="remove segments whose owner is dead (dry run unless --yes)")
+    sub.add_parser("list", help="list pdkv buffers and what is known of their creators")
+    c = sub.add_parser("clean", help="remove buffers provably left by a dead creator (dry run unless --yes)")
     c.add_argument("--yes", action="store_true", help="really remove them")
     args = ap.parse_args(argv)
     if args.cmd == "list":
@@ -122,16 +180,16 @@ def main(argv: list[str] | None = None) -> int:
         if not segs:
             print("no pdkv segments")
         for s in segs:
-            state = "stale" if s.stale else ("live" if s.owner_alive else
-                                            "mapped" if s.mapped_by else "unknown-owner")
-            print(f"{s.name}\t{s.size}\tmode={s.mode:o}\towner={s.owner_pid}\t{state}"
+            print(f"{s.name}\t{s.size}\tmode={s.mode:o}\towner={s.owner_pid}\t{s.verdict}\t{s.why}"
                   f"\tmapped_by={','.join(map(str, s.mapped_by)) or '-'}")
         return 0
-    names = clean_segments(dry_run=not args.yes)
+    rep = clean(dry_run=not args.yes)
     verb = "removed" if args.yes else "would remove"
-    for n in names:
+    for n in rep.removed:
         print(f"{verb} {n}")
-    if not names:
+    for n, why in rep.skipped:
+        print(f"kept {n}: {why}")
+    if not rep.removed:
         print("nothing to clean")
     elif not args.yes:
         print("dry run: pass --yes to remove", file=sys.stderr)

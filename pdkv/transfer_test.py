@@ -18,6 +18,7 @@ other, else shm. Prefill ranks with host caches (the default) take shm or tcp.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -143,6 +144,13 @@ def make_workload(a: argparse.Namespace) -> list[Req]:
     return [Req(f"r{i}", float(arrivals[i]), int(lens[i]), 1) for i in range(n)]
 
 
+def workload_buffer_blocks(reqs: list[Req], concurrency: int, tokens_per_block: int) -> int:
+    """Buffer blocks per rank that hold the ``concurrency`` largest requests of the workload
+    at once: what the tool's decode needs when it sizes the buffer itself."""
+    sizes = sorted((-(-r.tokens // tokens_per_block) for r in reqs), reverse=True)
+    return sum(sizes[:max(1, concurrency)])
+
+
 def _layout_kw(a: argparse.Namespace) -> dict[str, Any]:
     if a.model not in PRESETS:
         raise UsageError(f"--model {a.model!r}: choose one of {', '.join(PRESETS)}")
@@ -183,7 +191,12 @@ class DecodeSide:
         D = a.decode_tp
         self.lays = [KVLayout(**self.lay_kw, tp_size=D, tp_rank=r) for r in range(D)]
         lay = self.lays[0]
-        nb = a.buffer_blocks or lay.blocks_for_bytes(int(a.buffer_gib * (1 << 30)))
+        if a.buffer_blocks:
+            nb = a.buffer_blocks
+        elif a.buffer_gib is not None:
+            nb = lay.blocks_for_bytes(int(a.buffer_gib * (1 << 30)))
+        else:  # sized to the workload: room for the largest requests that can be in flight at once
+            nb = workload_buffer_blocks(make_workload(a), a.concurrency, lay.tokens_per_block)
         if nb <= 0:
             raise UsageError(f"--buffer-gib {a.buffer_gib} holds no block of {lay.block_bytes} bytes")
         gpu_blocks = a.gpu_blocks or nb
@@ -200,7 +213,13 @@ class DecodeSide:
         engines = []
         try:
             for L in self.lays:
-                b = SharedBuffer.create(CacheSpec.buffer_bytes(L, nb), pin="always" if self.cuda else "never")
+                try:
+                    b = SharedBuffer.create(CacheSpec.buffer_bytes(L, nb), pin="always" if self.cuda else "never")
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOMEM, errno.ENOSPC):
+                        raise
+                    raise UsageError(f"the decode buffer of {nb} blocks per rank cannot be made: {exc.strerror} "
+                                     "(size it with --buffer-gib or --buffer-blocks)") from None
                 self.bufs.append(b)
                 size = L.block_bytes * gpu_blocks
                 dev = None
@@ -840,7 +859,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--duration", type=float, default=0.0, help="stop issuing requests after this many seconds")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("decode")
-    g.add_argument("--buffer-gib", type=float, default=1.0, help="CPU buffer per decode rank")
+    g.add_argument("--buffer-gib", type=float, default=None,
+                   help="CPU buffer per decode rank (default: sized to the workload, its --concurrency largest "
+                        "requests)")
     g.add_argument("--buffer-blocks", type=int, default=0, help="CPU buffer in blocks (overrides --buffer-gib)")
     g.add_argument("--gpu-blocks", type=int, default=0, help="decode GPU block budget (small forces the buffer path)")
     g.add_argument("--lease-s", type=float, default=30.0)
@@ -868,7 +889,7 @@ def _check_args(a: argparse.Namespace) -> None:
     for name in ("requests", "concurrency", "prefill_tp", "decode_tp", "streams", "prefill_blocks"):
         if getattr(a, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
-    if a.buffer_gib <= 0 or a.timeout <= 0 or a.time_scale <= 0:
+    if (a.buffer_gib is not None and a.buffer_gib <= 0) or a.timeout <= 0 or a.time_scale <= 0:
         raise UsageError("--buffer-gib, --timeout and --time-scale must be positive")
     if a.secret and len(a.secret) < 16:
         raise UsageError("--secret must be at least 16 characters")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+import errno
 import multiprocessing as mp
 import os
 import pickle
@@ -7,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -210,23 +213,27 @@ def test_killed_creator_segment_is_cleaned(no_leaks):
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
+@pytest.mark.multiproc
 def test_clean_keeps_segments_mapped_by_live_processes(no_leaks):
-    # a segment whose named owner is dead but which this process maps is not stale
-    name = "pdkv-999999999-mapped"
-    fd = _ffi.libc.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    os.ftruncate(fd, 4096)
-    os.close(fd)
+    # the creator is dead, but this process still maps the buffer: not stale until it closes
+    code = ("import time; from pdkv import SharedBuffer; b = SharedBuffer.create(65536); "
+            "print(b.name, flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
+        name = p.stdout.readline().strip()
         b = SharedBuffer.open(name)
-        try:
-            seg = {s.name: s for s in scan_segments()}[name]
-            assert not seg.owner_alive and os.getpid() in seg.mapped_by and not seg.stale
-        finally:
-            b.close()
-        assert name in clean_segments(dry_run=False)
     finally:
-        if os.path.exists(f"/dev/shm/{name}"):
-            _ffi.libc.shm_unlink("/" + name)
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        p.stdout.close()
+    try:
+        seg = {s.name: s for s in scan_segments()}[name]
+        assert os.getpid() in seg.mapped_by and not seg.stale and seg.verdict == "live"
+        assert name not in clean_segments(dry_run=False)
+    finally:
+        b.close()
+    assert name in clean_segments(dry_run=False)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(name)]
 
 
 def test_cli_list_and_clean(capsys, no_leaks):
@@ -518,3 +525,166 @@ def test_huge_pages_where_the_mount_allows_them_and_only_there(no_leaks):
                                                          for o in _shm_mount_options())
     with pytest.raises(ClosedError):
         b.huge_pages_bytes
+
+
+# ------------------------------------------------------------------ origin records, memory, exit
+
+def test_clean_never_removes_what_it_cannot_prove_is_pdkvs(no_leaks):
+    from pdkv.shm_clean import clean
+
+    names = ["pdkv_999999_not_a_pdkv_file", "pdkv-999999-forged"]
+    for n in names:
+        fd = _ffi.libc.shm_open("/" + n, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.close(fd)
+    # a forged record: right magic, but naming another uid than the file's
+    fd = _ffi.libc.shm_open("/pdkv-999999-forged@origin", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.write(fd, b'{"magic": "pdkv-shm-origin/1", "name": "pdkv-999999-forged", "uid": 12345, "pid": 999999}')
+    os.close(fd)
+    try:
+        rep = clean(dry_run=False)
+        for n in names:
+            assert os.path.exists(f"/dev/shm/{n}")
+            assert any(k == n for k, _ in rep.skipped), rep.skipped
+        assert "no pdkv origin record" in dict(rep.skipped)["pdkv_999999_not_a_pdkv_file"]
+    finally:
+        for n in names + ["pdkv-999999-forged@origin"]:
+            with contextlib.suppress(FileNotFoundError):
+                _ffi.libc.shm_unlink("/" + n)
+
+
+def _origin(name):
+    import json
+
+    with open(f"/dev/shm/{name}@origin") as f:
+        return json.load(f)
+
+
+def test_every_buffer_carries_its_origin_record(no_leaks):
+    from pdkv import procs
+
+    with SharedBuffer.create(65536) as b:
+        rec = _origin(b.name)
+        assert rec["pid"] == os.getpid() and rec["start_time"] == procs.start_time(os.getpid())
+        assert rec["pidns"] == procs.pidns() and rec["boot_id"] == procs.boot_id() and rec["uid"] == os.geteuid()
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{b.name}@origin").st_mode) == 0o600
+        name = b.name
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(name)]  # the record goes with the buffer
+
+
+def _unshare():
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to make a pid namespace")
+    return ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGKILL"]
+
+
+@pytest.mark.multiproc
+def test_clean_from_another_pid_namespace_keeps_live_segments(no_leaks):
+    cmd = _unshare()
+    with SharedBuffer.create(65536) as b:
+        out = subprocess.run([*cmd, sys.executable, "-m", "pdkv.shm_clean", "clean", "--yes"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert os.path.exists(f"/dev/shm/{b.name}")  # its pid means nothing over there: kept
+        assert f"kept {b.name}: " in out.stdout and "cannot be seen" in out.stdout
+
+
+@pytest.mark.multiproc
+def test_clean_sees_a_creator_in_a_child_pid_namespace(no_leaks):
+    cmd = _unshare()
+    code = ("import time; from pdkv import SharedBuffer; b = SharedBuffer.create(65536); "
+            "print(b.name, flush=True); time.sleep(60)")
+    p = subprocess.Popen([*cmd, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = p.stdout.readline().strip()
+        assert _origin(name)["pid"] == 1  # pid 1 of its namespace; some other process here
+        from pdkv import procs
+
+        seg = {s.name: s for s in scan_segments()}[name]
+        assert seg.verdict == "live", seg  # it maps the buffer; and its record alone proves it alive:
+        verdict, why = procs.creator_verdict(_origin(name))
+        assert verdict == "alive" and "pid namespace" in why, why
+        assert name not in clean_segments(dry_run=False)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        p.stdout.close()
+    wait = time.monotonic() + 10
+    while {s.name: s for s in scan_segments()}[name].verdict != "stale":
+        assert time.monotonic() < wait
+        time.sleep(0.05)
+    removed = clean_segments(dry_run=False)
+    assert name in removed and f"{name}@origin" in removed
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(name)]
+
+
+@pytest.mark.multiproc
+def test_clean_goes_on_after_a_file_it_may_not_remove(monkeypatch, no_leaks):
+    from pdkv.shm_clean import clean
+
+    code = ("import sys; from pdkv import SharedBuffer; bs = [SharedBuffer.create(65536) for _ in range(2)]; "
+            "print(' '.join(b.name for b in bs), flush=True); import os; os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    a, b = out.stdout.split()
+    real = _ffi.libc.shm_unlink
+
+    def unlink(n):
+        if n == "/" + a:
+            raise PermissionError(1, "Operation not permitted", n)
+        return real(n)
+
+    monkeypatch.setattr(_ffi.libc, "shm_unlink", unlink)
+    rep = clean(dry_run=False)
+    assert b in rep.removed and a not in rep.removed
+    assert any(n == a and "could not remove" in why for n, why in rep.skipped)
+    monkeypatch.setattr(_ffi.libc, "shm_unlink", real)
+    assert a in clean_segments(dry_run=False)
+
+
+def test_a_buffer_larger_than_memory_is_refused(monkeypatch, shm_name, no_leaks):
+    from pdkv import shm as shm_mod
+
+    monkeypatch.setattr(shm_mod, "available_memory", lambda: (10 << 30, "MemAvailable"))
+    with pytest.raises(OSError, match=r"does not fit in memory: MemAvailable leaves 10737418240 bytes") as e:
+        SharedBuffer.create(20 << 30, shm_name)
+    assert e.value.errno == errno.ENOMEM and "allow_overcommit" in str(e.value)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(shm_name)]
+    monkeypatch.undo()
+    # and on this host, for real: more than it has
+    avail, where = shm_mod.available_memory()
+    with pytest.raises(OSError, match="does not fit in memory"):
+        SharedBuffer.create(avail + (1 << 30), shm_name, populate=False)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(shm_name)]
+    with SharedBuffer.create(1 << 20, shm_name, allow_overcommit=True):
+        pass
+
+
+@pytest.mark.multiproc
+def test_ordinary_endings_leave_no_segment(no_leaks):
+    # closed but never unlinked, then a normal exit
+    code = "from pdkv import SharedBuffer; b = SharedBuffer.create(65536); print(b.name, flush=True); b.close()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    name = out.stdout.strip()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(name)]
+    # SIGTERM inside the creator's with-block
+    code = ("import time; from pdkv import SharedBuffer\n"
+            "with SharedBuffer.create(65536) as b:\n    print(b.name, flush=True); time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = p.stdout.readline().strip()
+        assert os.path.exists(f"/dev/shm/{name}")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == -signal.SIGTERM  # still dies of SIGTERM
+    finally:
+        reap_proc(p)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(name)]
+
+
+def reap_proc(p):
+    if p.poll() is None:
+        p.kill()
+        p.wait(10)
+    if p.stdout:
+        p.stdout.close()

@@ -153,3 +153,24 @@ def test_layout_mismatch_between_two_hosts_is_one_line(tmp_path):
         d.stdout.close()
         d.stderr.close()
     time.sleep(0.1)
+
+
+@pytest.mark.multiproc
+def test_the_buffer_is_sized_to_the_workload_unless_told(tmp_path, no_leaks):
+    from pdkv import KVLayout
+    from pdkv.transfer_test import PRESETS
+
+    tpb = KVLayout(**PRESETS["tiny"]).tokens_per_block
+    args = ["--model", "tiny", "--requests", "6", "--prompt-len", "100", "--concurrency", "3", "--timeout", "10"]
+    p, rep = run(args, tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert rep["buffer_blocks"] == 3 * -(-100 // tpb)  # the three largest requests in flight at once
+    p, rep = run([*args, "--buffer-blocks", "40"], tmp_path)
+    assert p.returncode == 0 and rep["buffer_blocks"] == 40
+
+
+def test_a_buffer_larger_than_memory_is_a_usage_error(tmp_path, no_leaks):
+    p, rep = run(["--model", "llama3-8b", "--buffer-gib", "100000", "--requests", "1"], tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "does not fit in memory" in p.stderr and "--buffer-gib" in p.stderr and "Traceback" not in p.stderr
+    assert rep is None
