@@ -12,6 +12,7 @@ from it, and :class:`BlockPool` is one implementation.
 from __future__ import annotations
 
 import heapq
+import numbers
 import threading
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -60,6 +61,11 @@ def runs_of(blocks: Sequence[int]) -> list[tuple[int, int]]:
         prev = b
     out.append((start, prev + 1))
     return out
+
+
+def _is_id(b: object, n: int) -> bool:
+    """``b`` is an integer id (numpy integers too, bools not) in ``[0, n)``."""
+    return isinstance(b, numbers.Integral) and not isinstance(b, bool) and 0 <= b < n  # type: ignore[operator]
 
 
 class BlockPool:
@@ -169,10 +175,15 @@ class BlockPool:
             return
         n = len(blocks)
         first = blocks[0]
-        if (type(blocks) is list and type(first) is int and 0 <= first and blocks[-1] - first == n - 1
-                and blocks == self._ids[first:first + n]):
+        last_id = blocks[-1]
+        if (type(blocks) is list and type(first) is int and type(last_id) is int and 0 <= first
+                and last_id - first == n - 1 and blocks == self._ids[first:first + n]
+                and (n <= 2 or set(map(type, blocks)) == {int})):  # == alone would take 1.0 for 1
             runs = [(first, first + n)]  # the common case: one run, as handed out
         else:
+            bad = [b for b in blocks if not _is_id(b, self._n)]
+            if bad:  # before any arithmetic on them: a float or a string is a BlockError too
+                raise BlockError(f"{self.name}: block ids {bad[:8]} are not in this pool of {self._n}")
             runs = runs_of(blocks)
             if len(runs) > 1:
                 runs = runs_of(sorted(blocks))
@@ -184,9 +195,6 @@ class BlockPool:
                 if s < last:
                     raise BlockError(f"{self.name}: duplicate block ids in one free() call")
                 last = e
-                if not (isinstance(s, int) and 0 <= s and e <= self._n):
-                    bad = [b for b in blocks if not (isinstance(b, int) and 0 <= b < self._n)]
-                    raise BlockError(f"{self.name}: block ids {bad[:8]} are not in this pool of {self._n}")
                 if held.count(0, s, e):
                     bad = [b for b in range(s, e) if not held[b]]
                     raise BlockError(f"{self.name}: blocks {bad[:8]} are already free (double free)")
@@ -211,13 +219,19 @@ class BlockPool:
             self._free += total
 
     def check(self) -> None:
-        """Verify internal consistency (tests): runs cover exactly the free blocks."""
+        """Verify internal consistency (tests): runs cover exactly the free blocks, each run
+        is maximal (no free run touches another), and every run start is in the heap."""
         with self._lock:
             covered = sum(e - s for s, e in self._starts.items())
             assert covered == self._free, (covered, self._free)
             assert self._held.count(0) == self._free
+            assert len(self._ends) == len(self._starts)
+            heap = set(self._heap)
             for s, e in self._starts.items():
-                assert self._ends[e] == s and not any(self._held[s:e])
+                assert s < e and self._ends[e] == s and not any(self._held[s:e])
+                assert e not in self._starts, f"free runs {s}-{e} and {e}-{self._starts[e]} are not merged"
+                assert s == 0 or self._held[s - 1] and (e == self._n or self._held[e]), "a run is not maximal"
+                assert s in heap, f"free run {s}-{e} missing from the heap"
 
     def __repr__(self) -> str:
         return f"<BlockPool {self.name!r} {self._free}/{self._n} free>"

@@ -25,13 +25,14 @@ backend are called with no lock held.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import heapq
 import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -381,6 +382,24 @@ class DecodeScheduler:
             raise RequestError(f"unknown request {rid!r}")
         return req
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock, and the events made under it delivered after it, also when the call
+        raises (a write refused because the lease just ran out still tells the listener
+        that the request expired)."""
+        try:
+            with self._lock:
+                yield
+                ev = self._emit() if self._events else None
+        except BaseException:
+            with self._lock:
+                ev = self._emit() if self._events else None
+            if ev:
+                self._deliver(ev)
+            raise
+        if ev:
+            self._deliver(ev)
+
     def _check_writable(self, req: _Req, token: int, now: float) -> None:
         if req.token != token:
             self._m["late_messages_rejected"] += 1
@@ -537,7 +556,7 @@ class DecodeScheduler:
         Raises GrantViolation, LeaseExpiredError or RequestError; nothing changes then.
         """
         now = self.clock()
-        with self._lock:
+        with self._locked():
             req = self._get_live(request_id)
             self._check_writable(req, token, now)
             blocks = req.gpu_blocks if req.location == "gpu" else req.buffer_blocks
@@ -553,7 +572,7 @@ class DecodeScheduler:
         Raises GrantViolation, LeaseExpiredError or RequestError; nothing is held then.
         """
         now = self.clock()
-        with self._lock:
+        with self._locked():
             req = self._get_live(request_id)
             self._check_writable(req, token, now)
             blocks = req.gpu_blocks if req.location == "gpu" else req.buffer_blocks
@@ -610,7 +629,7 @@ class DecodeScheduler:
                 if mask & bit:
                     raise RequestError(f"request {request_id!r}: layer {layer} given twice")
                 mask |= bit
-        with self._lock:
+        with self._locked():
             req = self._get_live(request_id)
             self._check_writable(req, token, now)
             if req.landed & mask:
@@ -632,7 +651,7 @@ class DecodeScheduler:
     def renew(self, request_id: str, token: int) -> float:
         """Extend a live lease (a prefill heartbeat). Returns the new expiry."""
         now = self.clock()
-        with self._lock:
+        with self._locked():
             req = self._get_live(request_id)
             self._check_writable(req, token, now)
             req.expires = now + self.options.lease_s
@@ -644,7 +663,7 @@ class DecodeScheduler:
         GPU-direct requests become READY; buffer requests RECEIVED (awaiting a swap).
         """
         now = self.clock()
-        with self._lock:
+        with self._locked():
             req = self._get_live(request_id)
             self._check_writable(req, token, now)
             if req.landed != self._all_layers:
@@ -901,14 +920,16 @@ class DecodeScheduler:
             return list(self._reqs)
 
     def metrics(self) -> dict[str, float]:
-        """Counters and gauges as a flat dict."""
+        """Counters and gauges as a flat dict. ``live_<state>`` counts the live requests in
+        each state now (``live_ready``); ``requests_<event>`` are counters since start."""
         with self._lock:
             out = dict(self._m)
             by_state = {s: 0 for s in State if s not in TERMINAL}
             for r in self._reqs.values():
                 by_state[r.state] += 1
             for s, n in by_state.items():
-                out[f"requests_{s.value}"] = n
+                # a name of its own: "requests_received"/"requests_ready" are counters
+                out[f"live_{s.value}"] = n
             out["gpu_blocks_free"] = self.gpu.num_free
             out["gpu_blocks_total"] = self.gpu.num_total
             if self.buffer is not None:

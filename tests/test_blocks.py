@@ -3,7 +3,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
@@ -109,3 +109,177 @@ def test_pool_is_thread_safe():
         t.join()
     assert not errors and p.num_free == 1000
     p.check()
+
+
+# ------------------------------------------------------------------ a model of the pool
+
+_ID = st.one_of(st.integers(-3, 70), st.sampled_from([1.0, "3", None, True]))
+
+
+def _expected_free_error(model_free, n_total, blocks):
+    """The error BlockPool.free must raise for ``blocks`` (None: it must succeed), in the
+    order the pool checks: ids outside the pool, then double frees, then duplicates."""
+    ok_ids = [b for b in blocks if type(b) is int and 0 <= b < n_total]
+    if len(ok_ids) != len(blocks):
+        return "not in this pool"
+    if len(set(blocks)) != len(blocks):
+        return "duplicate|already free"  # which comes first depends on where the repeat sits
+    if any(b in model_free for b in blocks):
+        return "already free"
+    return None
+
+
+class ModelPoolMachine(RuleBasedStateMachine):
+    """The pool against a model (the set of free ids): every allocation is exactly the n
+    lowest free ids, every free succeeds or fails exactly as the model says, whatever the
+    input: unsorted, duplicated, foreign (another allocation's), out of range, not ints."""
+
+    N = 64
+
+    def __init__(self):
+        super().__init__()
+        self.pool = BlockPool(self.N, "m")
+        self.free_ids: set[int] = set(range(self.N))
+        self.allocs: list[list[int]] = []
+
+    @rule(n=st.integers(-2, 70))
+    def allocate(self, n):
+        if n <= 0:
+            with pytest.raises(ValueError, match="must be a positive integer"):
+                self.pool.try_allocate(n)
+            return
+        got = self.pool.try_allocate(n)
+        if n > len(self.free_ids):
+            assert got is None
+            with pytest.raises(OutOfBlocksError, match=f"asked for {n} blocks, {len(self.free_ids)} of {self.N} free"):
+                self.pool.allocate(n)
+            return
+        assert got == sorted(self.free_ids)[:n]
+        self.free_ids -= set(got)
+        self.allocs.append(got)
+
+    @rule(data=st.data())
+    def free_an_allocation_in_any_order(self, data):
+        if not self.allocs:
+            return
+        blocks = self.allocs.pop(data.draw(st.integers(0, len(self.allocs) - 1)))
+        blocks = data.draw(st.permutations(blocks))
+        self.pool.free(list(blocks))
+        self.free_ids |= set(blocks)
+
+    @rule(data=st.data())
+    def free_part_of_an_allocation(self, data):
+        if not self.allocs:
+            return
+        i = data.draw(st.integers(0, len(self.allocs) - 1))
+        part = data.draw(st.lists(st.sampled_from(self.allocs[i]), unique=True, min_size=1))
+        self.pool.free(part)
+        self.allocs[i] = [b for b in self.allocs[i] if b not in part]
+        if not self.allocs[i]:
+            del self.allocs[i]
+        self.free_ids |= set(part)
+
+    @rule(blocks=st.lists(_ID, max_size=6))
+    def free_anything(self, blocks):
+        want = _expected_free_error(self.free_ids, self.N, blocks)
+        before = (self.pool.num_free, bytes(self.pool._held))
+        if want is None:
+            self.pool.free(blocks)
+            self.free_ids |= set(blocks)
+            for a in self.allocs:
+                a[:] = [b for b in a if b not in blocks]
+            self.allocs = [a for a in self.allocs if a]
+            return
+        with pytest.raises(BlockError, match=want):
+            self.pool.free(blocks)
+        assert (self.pool.num_free, bytes(self.pool._held)) == before  # refused: nothing changed
+
+    @invariant()
+    def matches_the_model(self):
+        assert self.pool.num_free == len(self.free_ids)
+        assert self.pool.num_held == self.N - len(self.free_ids)
+        assert all(self.pool.is_held(b) == (b not in self.free_ids) for b in range(self.N))
+        self.pool.check()  # runs exact and maximal
+
+
+ModelPoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+TestModelPool = ModelPoolMachine.TestCase
+
+
+@pytest.mark.parametrize("blocks, why", [
+    ([0, 1, 1, 3], "duplicate"),  # a repeat inside a run-shaped list: never frees block 2
+    ([1, 1], "duplicate"),
+    ([3, 1, 3], "duplicate"),
+    ([5, 0, 5], "duplicate"),
+])
+def test_duplicates_are_refused_whatever_their_order(blocks, why):
+    p = BlockPool(8)
+    p.allocate(8)
+    with pytest.raises(BlockError, match=why):
+        p.free(blocks)
+    assert p.num_free == 0 and all(p.is_held(b) for b in range(8))
+
+
+def test_unsorted_and_foreign_ids_free_exactly_those():
+    p = BlockPool(10, "gpu")
+    a, b = p.allocate(4), p.allocate(4)
+    p.free([5, 0])  # unsorted, one from each allocation: legal, both go
+    assert not p.is_held(5) and not p.is_held(0) and p.num_free == 4 and p.num_held == 6
+    p.free([3, 1, 2])
+    assert p.num_free == 7 and sorted(p.allocate(7)) == [0, 1, 2, 3, 5, 8, 9]
+    p.check()
+    assert repr(p) == "<BlockPool 'gpu' 0/10 free>"
+    assert a and b
+
+
+def test_freed_runs_merge_on_both_sides():
+    p = BlockPool(9)
+    p.allocate(9)
+    for blocks in ([1], [3], [2], [7, 8], [0], [5], [4, 6]):
+        p.free(blocks)
+        p.check()
+    assert p._starts == {0: 9}
+    assert p.allocate(9) == list(range(9))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "3", None])
+def test_bad_sizes_and_pool_sizes(bad):
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        BlockPool(bad)
+    p = BlockPool(4)
+    with pytest.raises(ValueError, match=r"cannot allocate n=.* blocks \(must be a positive integer\)"):
+        p.try_allocate(bad)
+
+
+def test_out_of_range_ids_are_named():
+    p = BlockPool(4, "buf")
+    p.allocate(4)
+    with pytest.raises(BlockError, match=r"buf: block ids \[4, -1\] are not in this pool of 4"):
+        p.free([4, -1])
+    with pytest.raises(BlockError, match=r"buf: block ids \[1.0\] are not in this pool"):
+        p.free([1.0])
+    p.free([3])
+    with pytest.raises(BlockError, match=r"buf: blocks \[3\] are already free \(double free\)"):
+        p.free([2, 3])
+    assert p.num_free == 1
+
+
+@given(st.lists(st.integers(0, 40), max_size=30))
+def test_runs_of_any_order_are_maximal_and_in_order(ids):
+    runs = runs_of(ids)
+    assert [i for s, e in runs for i in range(s, e)] == ids  # same ids, same order
+    for (s0, e0), (s1, e1) in zip(runs, runs[1:]):
+        assert s1 != e0  # maximal: a run never continues the previous one
+    assert runs_of(tuple(ids)) == runs
+
+
+def test_the_heap_is_compacted_and_stays_exact():
+    p = BlockPool(2000)
+    held = p.allocate(2000)
+    for b in held[::2]:  # many one-block runs: stale heap entries pile up as they are taken
+        p.free([b])
+    for _ in range(300):
+        got = p.allocate(3)  # takes from three runs at once
+        p.free(got[::-1])
+    p.check()
+    assert len(p._heap) <= 4 * len(p._starts) + 64

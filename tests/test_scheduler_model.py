@@ -1,0 +1,672 @@
+"""The decode scheduler against a model of itself.
+
+``ModelScheduler`` is a second, plain implementation of the lifecycle the scheduler
+promises (states, lowest-first block ids, leases on a fake clock, quarantine and write
+tickets, the FIFO queue, swaps, the GPU reserve, every counter). The state machine drives
+both with the same steps, drawn so that most are legal (reservations that fit, the real
+tokens, queued grants learned from the listener), and after every step asserts that each
+call had exactly the outcome the model predicts (the result, or the precise error class
+and message) and that states, block ids, queue, quarantine and metrics agree. Nothing is
+caught and discarded.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pdkv.blocks import BlockPool
+from pdkv.errors import GrantViolation, LeaseExpiredError, RequestError
+from pdkv.scheduler import DecodeScheduler, SchedulerOptions, State
+
+WRITABLE = (State.RESERVED, State.RECEIVING)
+LAYERS = 3
+BLOCK_BYTES = 100
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+class Handle:
+    def __init__(self):
+        self.finished = False
+        self.error = None
+
+    def done(self):
+        return self.finished
+
+
+class Swap:
+    def __init__(self):
+        self.handles: dict[str, Handle] = {}
+        self.fail_submit = False
+
+    def submit(self, rid, buf, gpu):
+        if self.fail_submit:
+            raise RuntimeError("launch failed")
+        h = self.handles[rid] = Handle()
+        return h
+
+
+@dataclass
+class MReq:
+    rid: str
+    n: int
+    peer: str
+    gpu_ok: bool
+    state: State = State.QUEUED
+    loc: str = ""
+    token: int | None = None
+    expires: float = 0.0
+    landed: set[int] = field(default_factory=set)
+    buf: list[int] | None = None
+    gpu: list[int] | None = None
+    queue_deadline: float = 0.0
+    received_at: float = 0.0
+    cancel: tuple[State, str] | None = None
+    in_ready: bool = False
+    writers: list[int] = field(default_factory=lambda: [0])  # shared with quarantine entries
+
+
+@dataclass
+class MQuar:
+    release_at: float
+    peer: str
+    pool: str
+    blocks: list[int]
+    writers: list[int]
+    fenced: bool = False
+
+    def releasable(self, now):
+        return self.writers[0] == 0 and (self.fenced or self.release_at <= now)
+
+
+class ModelScheduler:
+    """What the scheduler must do, written out plainly."""
+
+    def __init__(self, gpu: int, buf: int | None, o: SchedulerOptions):
+        self.o = o
+        self.total = {"gpu": gpu, "buffer": buf or 0}
+        self.free = {"gpu": set(range(gpu)), "buffer": set(range(buf or 0))}
+        self.has_buffer = buf is not None
+        self.reqs: dict[str, MReq] = {}
+        self.tomb: dict[str, State] = {}
+        self.queue: list[str] = []
+        self.swapq: list[str] = []
+        self.swapping: list[str] = []
+        self.ready: list[str] = []
+        self.quar: list[MQuar] = []
+        self.events: list[tuple[str, str]] = []
+        self.m = dict.fromkeys((
+            "reservations_gpu", "reservations_buffer", "reservations_queued", "reservations_rejected",
+            "grants_from_queue", "queue_timeouts", "layers_landed", "requests_received", "requests_ready",
+            "requests_finished", "requests_failed", "requests_expired", "requests_aborted",
+            "late_messages_rejected", "swaps_submitted", "swaps_completed", "swaps_failed", "swap_bytes",
+            "quarantined_blocks_released", "buffer_blocks_peak", "writes_admitted"), 0)
+
+    # -- blocks
+    def alloc(self, pool, n):
+        ids = sorted(self.free[pool])[:n]
+        self.free[pool] -= set(ids)
+        return ids
+
+    def release(self, req, now):
+        quarantine = req.state in WRITABLE
+        for pool, attr in (("buffer", "buf"), ("gpu", "gpu")):
+            blocks = getattr(req, attr)
+            if blocks:
+                setattr(req, attr, None)
+                if (quarantine and self.o.fence_grace_s > 0) or req.writers[0]:
+                    self.quar.append(MQuar(now + self.o.fence_grace_s, req.peer, pool, blocks, req.writers))
+                else:
+                    self.free[pool] |= set(blocks)
+
+    def free_quar(self, q):
+        self.quar.remove(q)
+        self.free[q.pool] |= set(q.blocks)
+        self.m["quarantined_blocks_released"] += len(q.blocks)
+
+    # -- transitions
+    def grant(self, req, now):
+        o, n = self.o, req.n
+        if o.direct_to_gpu and req.gpu_ok and len(self.free["gpu"]) - n >= o.gpu_reserve_blocks:
+            req.loc, req.gpu = "gpu", self.alloc("gpu", n)
+        elif self.has_buffer and len(self.free["buffer"]) >= n:
+            req.loc, req.buf = "buffer", self.alloc("buffer", n)
+            self.m["buffer_blocks_peak"] = max(self.m["buffer_blocks_peak"],
+                                               self.total["buffer"] - len(self.free["buffer"]))
+        else:
+            return False
+        req.state, req.expires = State.RESERVED, now + o.lease_s
+        self.m["reservations_" + req.loc] += 1
+        return True
+
+    def terminate(self, req, state, reason, now):
+        if req.state is State.SWAPPING:
+            if req.cancel is None:
+                req.cancel = (state, reason)
+            return
+        self.release(req, now)
+        if req.state is State.QUEUED and req.rid in self.queue:
+            self.queue.remove(req.rid)
+        if req.rid in self.swapq:
+            self.swapq.remove(req.rid)
+        if req.state is State.READY and req.in_ready:
+            self.ready.remove(req.rid)
+        req.state = state
+        del self.reqs[req.rid]
+        self.tomb[req.rid] = state
+        key = {State.FAILED: "requests_failed", State.EXPIRED: "requests_expired",
+               State.ABORTED: "requests_aborted"}.get(state)
+        if key:
+            self.m[key] += 1
+        self.events.append((state.value, req.rid))
+
+    def live(self, rid):
+        """The live request, or the exception the scheduler must raise for ``rid``."""
+        req = self.reqs.get(rid)
+        if req is not None:
+            return req
+        self.m["late_messages_rejected"] += 1
+        t = self.tomb.get(rid)
+        if t is State.EXPIRED:
+            return LeaseExpiredError(f"request {rid!r}: its lease expired; the message is refused")
+        if t is not None:
+            return RequestError(f"request {rid!r} is already {t.value}")
+        return RequestError(f"unknown request {rid!r}")
+
+    def writable(self, req, token, now):
+        if req.token != token:
+            self.m["late_messages_rejected"] += 1
+            return GrantViolation(f"request {req.rid!r}: grant token does not match (stale or forged)")
+        if req.state not in WRITABLE:
+            self.m["late_messages_rejected"] += 1
+            return RequestError(f"request {req.rid!r} is {req.state.value}; no more writes are accepted")
+        if now >= req.expires:
+            self.terminate(req, State.EXPIRED, "lease expired", now)
+            self.m["late_messages_rejected"] += 1
+            return LeaseExpiredError(f"request {req.rid!r}: its lease expired; the message is refused")
+        return None
+
+    def tick(self, now, swap: Swap):
+        for req in sorted([r for r in self.reqs.values() if r.state in WRITABLE and r.expires <= now],
+                          key=lambda r: r.expires):
+            self.terminate(req, State.EXPIRED, "lease expired", now)
+        while self.queue and self.reqs[self.queue[0]].queue_deadline <= now:
+            self.m["queue_timeouts"] += 1
+            self.terminate(self.reqs[self.queue[0]], State.REJECTED, "timed out in the reservation queue", now)
+        for q in [q for q in self.quar if q.releasable(now)]:
+            self.free_quar(q)
+        while self.queue:
+            req = self.reqs[self.queue[0]]
+            if not self.grant(req, now):
+                break
+            self.queue.pop(0)
+            self.m["grants_from_queue"] += 1
+            self.events.append(("granted", req.rid))
+        for rid in list(self.swapping):
+            if rid in swap.handles and swap.handles[rid].finished:
+                self.swap_finished(self.reqs[rid], swap.handles.pop(rid).error, now)
+        admitted = []
+        while self.swapq:
+            rid = self.swapq[0]
+            if self.o.swap_order == "shortest" and now - self.reqs[rid].received_at < self.o.starvation_s:
+                rid = min(self.swapq, key=lambda k: self.reqs[k].n)
+            req = self.reqs[rid]
+            if len(self.free["gpu"]) - req.n < self.o.gpu_reserve_blocks or len(self.free["gpu"]) < req.n:
+                break
+            self.swapq.remove(rid)
+            req.gpu, req.state = self.alloc("gpu", req.n), State.SWAPPING
+            self.swapping.append(rid)
+            admitted.append(req)
+        for req in admitted:
+            self.m["swaps_submitted"] += 1
+            if swap.fail_submit:
+                self.swap_finished(req, RuntimeError("launch failed"), now)
+
+    def swap_finished(self, req, err, now):
+        self.swapping.remove(req.rid)
+        self.free["buffer"] |= set(req.buf)
+        req.buf = None
+        if err is not None:
+            self.m["swaps_failed"] += 1
+            req.state = State.RECEIVED
+            self.terminate(req, State.FAILED, f"swap failed: {err}", now)
+            return
+        self.m["swaps_completed"] += 1
+        self.m["swap_bytes"] += req.n * BLOCK_BYTES
+        req.state = State.READY
+        if req.cancel is not None:
+            self.terminate(req, *req.cancel, now)
+            return
+        req.in_ready = True
+        self.ready.append(req.rid)
+        self.m["requests_ready"] += 1
+        self.events.append(("ready", req.rid))
+
+
+def _raises(expected, call):
+    """Run ``call``; assert it raised exactly ``expected``'s class with a message starting
+    alike (or returned, when ``expected`` is None). Returns the call's result."""
+    rule_name = sys._getframe(1).f_code.co_name
+    event(f"{rule_name}: {'ok' if expected is None else type(expected).__name__}")
+    if expected is None:
+        return call()
+    with pytest.raises(type(expected)) as e:
+        call()
+    assert type(e.value) is type(expected)
+    head = re.split(r"[;(]", str(expected))[0].strip()[:30]
+    assert str(e.value).startswith(head), (str(e.value), head)
+    return None
+
+
+class SchedulerModelMachine(RuleBasedStateMachine):
+    GPU, BUF = 12, 16
+    OPTS = dict(lease_s=5.0, fence_grace_s=1.0, gpu_reserve_blocks=2, on_full="queue", queue_timeout_s=8.0,
+                max_queue=3, direct_to_gpu=True)
+    BUFFER = True
+
+    def __init__(self):
+        super().__init__()
+        self.clock = Clock()
+        self.swap = Swap()
+        o = SchedulerOptions(**self.OPTS)
+        self.real_events: list = []
+        self.s = DecodeScheduler(num_layers=LAYERS, gpu=BlockPool(self.GPU, "gpu"),
+                                 buffer=BlockPool(self.BUF, "buffer") if self.BUFFER else None,
+                                 swap=self.swap if self.BUFFER else None, block_bytes=BLOCK_BYTES, options=o,
+                                 clock=self.clock, listener=self.real_events.append)
+        self.m = ModelScheduler(self.GPU, self.BUF if self.BUFFER else None, o)
+        self.k = 0
+        self.tickets: list[tuple[object, MReq]] = []
+        self.kept: list[list[int]] = []  # GPU blocks the engine kept past finish(free_gpu_blocks=False)
+
+    # -- helpers
+    def _events(self, ordered=True):
+        got = [(e.kind, e.request_id) for e in self.real_events]
+        for e in self.real_events:  # the listener is how a transport learns queued grants' tokens
+            if e.grant is not None:
+                self.m.reqs[e.request_id].token = e.grant.token
+                assert list(e.grant.blocks) == (self.m.reqs[e.request_id].gpu or self.m.reqs[e.request_id].buf)
+        want = self.m.events
+        if not ordered:
+            got, want = sorted(got), sorted(want)
+        assert got == want, (got, want)
+        self.real_events.clear()
+        self.m.events = []
+
+    def _pick(self, data, states):
+        rids = sorted(r for r, q in self.m.reqs.items() if q.state in states)
+        return data.draw(st.sampled_from(rids)) if rids else None
+
+    def _any_rid(self, data):
+        """Mostly a live request; sometimes a terminal one or one never seen."""
+        live = sorted(self.m.reqs)
+        if live and data.draw(st.integers(0, 4)):
+            return data.draw(st.sampled_from(live))
+        return data.draw(st.sampled_from(sorted(self.m.tomb) + ["never-seen"]))
+
+    # -- rules
+    @rule(n=st.integers(1, 9), gpu_ok=st.booleans(), peer=st.sampled_from(["A", "B"]))
+    def reserve(self, n, gpu_ok, peer):
+        self.k += 1
+        rid = f"r{self.k}"
+        o, m = self.m.o, self.m
+        direct = o.direct_to_gpu and gpu_ok
+        if n > self.GPU - o.gpu_reserve_blocks or (not direct and n > m.total["buffer"]):
+            _raises(RequestError(f"request {rid!r} needs {n} blocks"),
+                    lambda: self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok))
+            return
+        req = MReq(rid, n, peer, gpu_ok)
+        now = self.clock.t
+        m.tomb.pop(rid, None)
+        if not m.queue and m.grant(req, now):
+            m.reqs[rid] = req
+            m.events.append(("reserved", rid))
+            want = req.loc
+        elif o.on_full == "queue" and len(m.queue) < o.max_queue:
+            req.queue_deadline = now + o.queue_timeout_s
+            m.reqs[rid] = req
+            m.queue.append(rid)
+            m.m["reservations_queued"] += 1
+            want = "queued"
+        else:
+            m.m["reservations_rejected"] += 1
+            want = "rejected"
+        r = self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok)
+        assert r.outcome == want, (r, want)
+        if r.grant is not None:
+            assert list(r.grant.blocks) == (req.gpu or req.buf)
+            assert r.grant.lease_expires == req.expires
+            req.token = r.grant.token
+        self._events()
+
+    @rule(n=st.integers(1, 6), gpu_ok=st.booleans(), peer=st.sampled_from(["A", "B"]), data=st.data())
+    def serve_one(self, n, gpu_ok, peer, data):
+        """The common path in one step: reserve, every layer, complete (then tick)."""
+        self.reserve(n, gpu_ok, peer)
+        rid = f"r{self.k}"
+        if rid in self.m.reqs and self.m.reqs[rid].state in WRITABLE:
+            self.complete_rid(rid, early=1)
+        self.tick()
+
+    @rule(data=st.data())
+    def reserve_a_live_id_again(self, data):
+        rid = self._pick(data, tuple(State))
+        if rid is not None:
+            _raises(RequestError(f"request {rid!r} is already live"), lambda: self.s.reserve(rid, num_blocks=1))
+
+    @rule(data=st.data(), honest=st.integers(0, 9))
+    def land(self, data, honest):
+        rid = self._pick(data, WRITABLE)
+        if rid is None:
+            return
+        req = self.m.reqs[rid]
+        left = sorted(set(range(LAYERS)) - req.landed)
+        layers = data.draw(st.lists(st.sampled_from(left), min_size=1, unique=True)) if left and honest else [0]
+        token = req.token if honest != 1 else req.token ^ 1
+        now = self.clock.t
+        err = self.m.writable(req, token, now)
+        if err is None and set(layers) & req.landed:
+            err = RequestError(f"request {rid!r}: layers")
+        if err is None:
+            req.landed |= set(layers)
+            req.state, req.expires = State.RECEIVING, now + self.m.o.lease_s
+            self.m.m["layers_landed"] += len(layers)
+        got = _raises(err, lambda: self.s.land_layers(rid, token, layers))
+        if err is None:
+            assert got == len(req.landed)
+        self._events()
+
+    @rule(data=st.data(), early=st.integers(0, 5))
+    def complete(self, data, early):
+        rid = self._pick(data, WRITABLE)
+        if rid is not None:
+            self.complete_rid(rid, early)
+
+    def complete_rid(self, rid, early):
+        req, m, now = self.m.reqs[rid], self.m, self.clock.t
+        if early:  # land what is missing first (the usual way)
+            left = sorted(set(range(LAYERS)) - req.landed)
+            if left:
+                if m.writable(req, req.token, now) is None:
+                    req.landed |= set(left)
+                    req.state, req.expires = State.RECEIVING, now + m.o.lease_s
+                    m.m["layers_landed"] += len(left)
+                    assert self.s.land_layers(rid, req.token, left) == LAYERS
+                else:
+                    _raises(LeaseExpiredError(f"request {rid!r}: its lease expired"),
+                            lambda: self.s.land_layers(rid, req.token, left))
+                    self._events()
+                    return
+        err = m.writable(req, req.token, now)
+        if err is None and len(req.landed) < LAYERS:
+            err = RequestError(f"request {rid!r}: completion before layers")
+        if err is None:
+            m.m["requests_received"] += 1
+            req.received_at = now
+            if req.loc == "gpu":
+                req.state, req.in_ready = State.READY, True
+                m.ready.append(rid)
+                m.m["requests_ready"] += 1
+                m.events.append(("ready", rid))
+            else:
+                req.state = State.RECEIVED
+                m.swapq.append(rid)
+                m.events.append(("received", rid))
+        got = _raises(err, lambda: self.s.complete(rid, req.token))
+        if err is None:
+            assert got is req.state
+        self._events()
+
+    @rule(data=st.data(), with_token=st.integers(0, 2))
+    def fail(self, data, with_token):
+        rid = self._any_rid(data)
+        req = self.m.live(rid)
+        token = None
+        if isinstance(req, MReq) and with_token:
+            token = req.token if with_token == 1 else (req.token or 0) ^ 1
+        if isinstance(req, MReq):
+            if token is not None and token != req.token:
+                self.m.m["late_messages_rejected"] += 1
+                err = GrantViolation(f"request {rid!r}: grant token does not match (stale or forged)")
+            else:
+                err = None
+                self.m.terminate(req, State.FAILED, "peer said so", self.clock.t)
+        else:
+            err = req
+        _raises(err, lambda: self.s.fail(rid, "peer said so", token=token))
+        self._events()
+
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = self._any_rid(data)
+        req = self.m.live(rid)
+        err = req if not isinstance(req, MReq) else None
+        if err is None:
+            self.m.terminate(req, State.ABORTED, "aborted", self.clock.t)
+        _raises(err, lambda: self.s.abort(rid))
+        self._events()
+
+    @rule(data=st.data())
+    def late_message_for_a_terminal_or_unknown_request(self, data):
+        rids = sorted(self.m.tomb) + ["never-seen"]
+        rid = data.draw(st.sampled_from(rids))
+        if rid in self.m.reqs:
+            return
+        err = self.m.live(rid)
+        _raises(err, lambda: self.s.land_layer(rid, 1, 0))
+
+    @rule(dt=st.sampled_from([0.25, 1.0, 3.0, 5.0, 8.0]))
+    def advance(self, dt):
+        self.clock.t += dt
+
+    @rule(data=st.data())
+    def advance_to_a_lease_boundary(self, data):
+        rid = self._pick(data, WRITABLE)
+        if rid is not None:  # exactly at expiry: the lease is over (now >= expires)
+            self.clock.t = max(self.clock.t, self.m.reqs[rid].expires)
+
+    @rule()
+    def tick(self):
+        self.m.tick(self.clock.t, self.swap)
+        self.s.tick()
+        self._events(ordered=False)
+
+    @rule(ok=st.booleans(), data=st.data())
+    def a_swap_ends(self, ok, data):
+        pending = sorted(r for r, h in self.swap.handles.items() if not h.finished)
+        if pending:
+            h = self.swap.handles[data.draw(st.sampled_from(pending))]
+            h.finished, h.error = True, None if ok else RuntimeError("copy failed")
+
+    @precondition(lambda self: self.BUFFER)
+    @rule(fail=st.booleans())
+    def swap_submission_fails(self, fail):
+        self.swap.fail_submit = fail
+
+    @rule(keep=st.integers(0, 4))
+    def engine_step(self, keep):
+        got = self.s.take_ready()
+        assert [r.request_id for r in got] == self.m.ready
+        for r in got:
+            req = self.m.reqs[r.request_id]
+            assert list(r.gpu_blocks) == req.gpu
+            req.in_ready = False
+        self.m.ready = []
+        for r in got:
+            req = self.m.reqs[r.request_id]
+            free_them = keep != 0
+            blocks, req.gpu = req.gpu, None
+            if free_them:
+                self.m.free["gpu"] |= set(blocks)
+            else:
+                self.kept.append(blocks)
+            req.state = State.FINISHED
+            del self.m.reqs[req.rid]
+            self.m.tomb[req.rid] = State.FINISHED
+            self.m.m["requests_finished"] += 1
+            self.s.finish(r.request_id, free_gpu_blocks=free_them)
+        self._events()
+
+    @rule(data=st.data())
+    def finish_what_is_not_ready(self, data):
+        rid = self._any_rid(data)
+        req = self.m.reqs.get(rid)
+        if req is not None and req.state is State.READY:
+            return
+        err = self.m.live(rid) if req is None else RequestError(f"request {rid!r} is {req.state.value}, not ready")
+        _raises(err, lambda: self.s.finish(rid))
+
+    @rule()
+    def engine_frees_kept_blocks(self):
+        if self.kept:
+            blocks = self.kept.pop(0)
+            self.s.gpu.free(blocks)
+            self.m.free["gpu"] |= set(blocks)
+
+    @rule(peer=st.sampled_from(["A", "B"]))
+    def fence(self, peer):
+        n = 0
+        for q in [q for q in self.m.quar if q.peer == peer]:
+            q.fenced = True
+            if q.releasable(self.clock.t):
+                self.m.free_quar(q)
+                n += len(q.blocks)
+        assert self.s.fence(peer) == n
+
+    @rule(data=st.data())
+    def begin_write(self, data):
+        rid = self._pick(data, WRITABLE)
+        if rid is None:
+            return
+        req = self.m.reqs[rid]
+        err = self.m.writable(req, req.token, self.clock.t)
+        if err is None:
+            req.writers[0] += 1
+            self.m.m["writes_admitted"] += 1
+        t = _raises(err, lambda: self.s.begin_write(rid, req.token))
+        if err is None:
+            assert list(t.grant.blocks) == (req.gpu or req.buf)
+            self.tickets.append((t, req))
+        self._events()
+
+    @rule(data=st.data())
+    def end_write(self, data):
+        if not self.tickets:
+            return
+        t, req = self.tickets.pop(data.draw(st.integers(0, len(self.tickets) - 1)))
+        req.writers[0] -= 1
+        if req.writers[0] == 0:
+            for q in [q for q in self.m.quar if q.writers is req.writers and q.releasable(self.clock.t)]:
+                self.m.free_quar(q)
+        self.s.end_write(t)
+        _raises(RequestError("write ticket"), lambda: self.s.end_write(t))
+
+    @rule(data=st.data())
+    def renew(self, data):
+        rid = self._pick(data, WRITABLE)
+        if rid is None:
+            return
+        req = self.m.reqs[rid]
+        err = self.m.writable(req, req.token, self.clock.t)
+        if err is None:
+            req.expires = self.clock.t + self.m.o.lease_s
+        got = _raises(err, lambda: self.s.renew(rid, req.token))
+        if err is None:
+            assert got == req.expires
+        self._events()
+
+    @rule(data=st.data())
+    def check_write(self, data):
+        rid = self._pick(data, WRITABLE)
+        if rid is None:
+            return
+        req = self.m.reqs[rid]
+        err = self.m.writable(req, req.token, self.clock.t)
+        g = _raises(err, lambda: self.s.check_write(rid, req.token))
+        if err is None:
+            assert list(g.blocks) == (req.gpu or req.buf) and g.token == req.token
+        self._events()
+
+    # -- invariants
+    @invariant()
+    def states_blocks_queue_quarantine_and_metrics_match_the_model(self):
+        s, m = self.s, self.m
+        assert sorted(s.live_requests()) == sorted(m.reqs)
+        for rid, req in m.reqs.items():
+            info = s.request(rid)
+            assert info.state is req.state, (rid, info.state, req.state)
+            assert list(info.buffer_blocks) == (req.buf or []) and list(info.gpu_blocks) == (req.gpu or [])
+            assert info.layers_landed == len(req.landed)
+        for pool, real in (("gpu", s.gpu), ("buffer", s.buffer)):
+            if real is None:
+                continue
+            assert all(real.is_held(b) == (b not in m.free[pool]) for b in range(m.total[pool]))
+        assert list(s._queue) == m.queue
+        got = s.metrics()
+        assert got["quarantined_blocks"] == sum(len(q.blocks) for q in m.quar)
+        assert got["queue_length"] == len(m.queue)
+        for k, v in m.m.items():
+            assert got[k] == v, (k, got[k], v)
+        if not self.kept:  # blocks an engine kept past finish() have no owner the scheduler knows
+            s.check_invariants()
+
+    def teardown(self):
+        for t, _ in self.tickets:
+            self.s.end_write(t)
+        for h in self.swap.handles.values():
+            h.finished = True
+        self.swap.fail_submit = False
+        for _ in range(3):
+            self.clock.t += 100
+            self.s.tick()
+            for r in self.s.take_ready():
+                self.s.finish(r.request_id)
+        for rid in self.s.live_requests():
+            self.s.abort(rid)
+        for h in self.swap.handles.values():
+            h.finished = True
+        self.clock.t += 100
+        self.s.tick()
+        for b in self.kept:
+            self.s.gpu.free(b)
+        assert self.s.gpu.num_free == self.GPU
+        assert self.s.buffer is None or self.s.buffer.num_free == self.BUF
+
+
+SchedulerModelMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+TestSchedulerModel = SchedulerModelMachine.TestCase
+
+
+class BufferOnlyMachine(SchedulerModelMachine):
+    """Everything through the buffer (a transport that writes host memory), swaps shortest-first."""
+
+    OPTS = dict(SchedulerModelMachine.OPTS, direct_to_gpu=False, swap_order="shortest", starvation_s=4.0,
+                on_full="reject", gpu_reserve_blocks=1, fence_grace_s=0.0)
+
+
+BufferOnlyMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+TestBufferOnlyModel = BufferOnlyMachine.TestCase
+
+
+class GpuOnlyMachine(SchedulerModelMachine):
+    """No buffer (``buffer=None``, documented): GPU grants or the queue, nothing else."""
+
+    BUFFER = False
+    OPTS = dict(SchedulerModelMachine.OPTS, gpu_reserve_blocks=3)
+
+
+GpuOnlyMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
+TestGpuOnlyModel = GpuOnlyMachine.TestCase
