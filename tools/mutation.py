@@ -1,0 +1,127 @@
+"""Mutation score of pdkv's accounting and layout modules, each against its own tests.
+
+For every module named (default: blocks, scheduler, layout) this copies ``pdkv/``,
+``tests/`` and ``pyproject.toml`` into a scratch folder, sets mutmut's ``only_mutate`` and
+test selection from ``[tool.pdkv.mutation]`` in ``pyproject.toml``, runs ``mutmut run``
+on every mutant (none sampled), and prints per module: mutants, killed (time-outs count as
+killed), survived (no test covering the line counts as survived), equivalent mutants
+excluded, and the score ``killed / (total - equivalent)``; then the survivors by name
+with their diffs (``--diffs``), and as the very last line one JSON object.
+
+Equivalent mutants (the same behaviour as the original, so no test can kill them) are
+listed by name with a one-line reason in ``tools/mutation_equivalent.txt``.
+
+Not part of CI (it takes tens of minutes on 2 cores). Needs ``pip install mutmut``.
+
+    python tools/mutation.py                       # all three modules
+    python tools/mutation.py blocks --diffs        # one, with the survivors' diffs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EQUIVALENT = os.path.join(ROOT, "tools", "mutation_equivalent.txt")
+
+
+def equivalents() -> dict[str, str]:
+    """name -> reason, from tools/mutation_equivalent.txt (``name  # reason`` a line)."""
+    out: dict[str, str] = {}
+    if os.path.exists(EQUIVALENT):
+        with open(EQUIVALENT) as f:
+            for line in f:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    name, _, why = line.partition("#")
+                    out[name.strip()] = why.strip()
+    return out
+
+
+def run_module(module: str, tests: list[str], children: int, diffs: bool) -> dict:
+    work = tempfile.mkdtemp(prefix=f"pdkv-mutation-{module}-")
+    try:
+        shutil.copytree(os.path.join(ROOT, "pdkv"), os.path.join(work, "pdkv"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(work, "tests"),
+                        ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+        with open(os.path.join(ROOT, "pyproject.toml")) as f:
+            text = f.read()
+        sel = ", ".join(json.dumps(t) for t in tests)
+        # this run's module and tests, in mutmut's own table
+        text = re.sub(r"(?m)^only_mutate = .*$", f'only_mutate = ["pdkv/{module}.py"]', text)
+        text = re.sub(r"(?m)^pytest_add_cli_args_test_selection = .*$",
+                      f"pytest_add_cli_args_test_selection = [{sel}]", text)
+        with open(os.path.join(work, "pyproject.toml"), "w") as f:
+            f.write(text)
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        mm = [sys.executable, "-m", "mutmut"]
+        run = subprocess.run([*mm, "run", "--max-children", str(children)], cwd=work, env=env,
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"mutmut run failed for {module}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+        res = subprocess.run([*mm, "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True)
+        status: dict[str, str] = {}
+        for line in res.stdout.splitlines():
+            name, sep, st = line.strip().rpartition(": ")
+            if sep:
+                status[name] = st
+        eq = equivalents()
+        survivors = sorted(n for n, s in status.items() if s not in ("killed", "timeout") and n not in eq)
+        excluded = sorted(n for n in status if n in eq)
+        killed = sum(1 for n, s in status.items() if s in ("killed", "timeout") and n not in eq)
+        total = len(status) - len(excluded)
+        out = {"module": module, "mutants": len(status), "killed": killed, "survived": len(survivors),
+               "equivalent": len(excluded), "score": killed / total if total else 1.0,
+               "survivors": survivors, "by_status": {}}
+        for s in status.values():
+            out["by_status"][s] = out["by_status"].get(s, 0) + 1
+        if diffs:
+            out["diffs"] = {}
+            for n in survivors:
+                d = subprocess.run([*mm, "show", n], cwd=work, env=env, capture_output=True, text=True)
+                out["diffs"][n] = d.stdout
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        table = tomllib.load(f)["tool"]["pdkv"]["mutation"]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("modules", nargs="*", default=list(table), help=f"of {', '.join(table)}")
+    ap.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--diffs", action="store_true", help="print each survivor's diff")
+    a = ap.parse_args()
+    results = []
+    for m in a.modules:
+        if m not in table:
+            ap.error(f"unknown module {m!r}: choose from {', '.join(table)}")
+        results.append(run_module(m, table[m], a.max_children, a.diffs))
+    print(f"{'module':12} {'mutants':>8} {'killed':>7} {'survived':>9} {'equivalent':>11} {'score':>7}")
+    for r in results:
+        print(f"{r['module']:12} {r['mutants']:8d} {r['killed']:7d} {r['survived']:9d} {r['equivalent']:11d} "
+              f"{r['score']:7.1%}")
+    for r in results:
+        if r["survivors"]:
+            print(f"\nsurvivors in pdkv/{r['module']}.py ({r['by_status']}):")
+            for n in r["survivors"]:
+                print(f"  {n}")
+                if a.diffs:
+                    print("    " + r["diffs"][n].replace("\n", "\n    "))
+    print(json.dumps({r["module"]: {k: r[k] for k in ("mutants", "killed", "survived", "equivalent", "score")}
+                      for r in results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
