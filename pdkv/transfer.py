@@ -725,7 +725,8 @@ class DecodeReceiver:
             try:
                 ep = self._rdma.accept(EndpointInfo.from_dict(msgspec.structs.asdict(h.rdma)))
             except PdkvError as exc:
-                self._ch.send(lambda: [ident, *codec.encode(ErrorMsg("refused", f"rdma: {exc}"))])
+                refusal = ErrorMsg("refused", f"rdma: {exc}")
+                self._ch.send(lambda: [ident, *codec.encode(refusal)])
                 return
             rdma_qpn = ep.qpn
             rdma = msgspec.convert({"endpoint": ep.to_dict(),

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -283,3 +285,101 @@ def test_the_heap_is_compacted_and_stays_exact():
         p.free(got[::-1])
     p.check()
     assert len(p._heap) <= 4 * len(p._starts) + 64
+
+
+def test_a_one_block_pool_and_the_default_name():
+    p = BlockPool(1)
+    assert p.name == "pool" and repr(p) == "<BlockPool 'pool' 1/1 free>"
+    assert p.allocate(1) == [0] and p.try_allocate(1) is None
+    p.free([0])
+    p.check()
+
+
+def test_messages_list_at_most_eight_ids_and_only_the_offending_ones():
+    p = BlockPool(32, "buf")
+    p.allocate(32)
+    with pytest.raises(BlockError) as e:
+        p.free(list(range(40, 50)))  # ten foreign ids
+    assert str(e.value) == "buf: block ids [40, 41, 42, 43, 44, 45, 46, 47] are not in this pool of 32"
+    p.free([0])  # free, below the run freed next
+    p.free(list(range(10, 20)))
+    with pytest.raises(BlockError) as e:
+        p.free(list(range(8, 22)))  # 8, 9, 20, 21 held; 10-19 already free
+    assert str(e.value) == "buf: blocks [10, 11, 12, 13, 14, 15, 16, 17] are already free (double free)"
+
+
+def test_non_integer_ids_never_take_the_fast_path():
+    p = BlockPool(8)
+    p.allocate(8)
+    for bad in ([0, 1.0, 2], [0, 1, 2.0, 3], [4, np.float64(5), 6]):
+        with pytest.raises(BlockError, match="are not in this pool"):
+            p.free(bad)
+    p.free([np.int64(0), np.int32(1), 2])  # numpy integers are ids
+    assert p.num_free == 3
+    p.check()
+
+
+def test_check_catches_a_corrupted_pool():
+    def fresh():
+        p = BlockPool(8)
+        p.allocate(8)
+        p.free([2, 3])
+        return p
+
+    p = fresh()  # a free run split in two without merging
+    p._starts = {2: 3, 3: 4}
+    p._ends = {3: 2, 4: 3}
+    p._heap = [2, 3]
+    with pytest.raises(AssertionError, match="not merged"):
+        p.check()
+    p = fresh()  # a free block beside a run that does not include it
+    p._held[1] = 0
+    p._free += 1
+    p._starts, p._ends = {2: 4}, {4: 2}
+    with pytest.raises(AssertionError):
+        p.check()
+    p = fresh()
+    p._held[4] = 0
+    p._free += 1
+    p._starts, p._ends = {2: 4, 4: 4}, {4: 2}
+    with pytest.raises(AssertionError):
+        p.check()
+    p = fresh()  # a held block inside a free run
+    p._held[2] = 1
+    with pytest.raises(AssertionError):
+        p.check()
+    p = fresh()  # a run start missing from the heap
+    p._heap = []
+    with pytest.raises(AssertionError, match="missing from the heap"):
+        p.check()
+    p = fresh()  # a run that does not reach the next held block
+    p._held[4] = 0
+    p._free += 1
+    with pytest.raises(AssertionError):
+        p.check()
+    p = fresh()
+    p._starts, p._ends = {2: 2}, {2: 2}
+    with pytest.raises(AssertionError):
+        p.check()
+    p = BlockPool(8)
+    p.allocate(8)
+    p.free([3])
+    p._held[2] = 0
+    p._free += 1
+    p._starts[2], p._ends[3] = 3, 2  # [2, 3) and [3, 4) both listed: equal-sized, not merged
+    with pytest.raises(AssertionError, match="not merged|not maximal"):
+        p.check()
+
+
+def test_heap_compaction_on_the_multi_run_path():
+    p = BlockPool(2000)
+    p.allocate(2000)
+    for b in range(0, 2000):
+        if b != 5:
+            p.free([b])  # each merges with its left neighbour: stale heap entries pile up
+    assert len(p._heap) > 4 * len(p._starts) + 64
+    got = p.allocate(10)  # the lowest run [0, 5) is too short: the multi-run path, then compaction
+    assert got == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+    assert sorted(p._heap) == sorted(p._starts)
+    assert p.allocate(3) == [11, 12, 13]
+    p.check()

@@ -245,3 +245,169 @@ def test_engine_layouts():
 
 def test_gib_constant():
     assert GIB == 1073741824
+
+
+# ------------------------------------------------------------------ every rule, its exact message
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(num_layers=0), "num_layers=0 must be a positive integer"),
+    (dict(num_layers=True), "num_layers=True must be a positive integer"),
+    (dict(num_layers=4097), "num_layers=4097 is absurd (more than 4096)"),
+    (dict(kv_heads=4097 * 2), "kv_heads=8194 is absurd (more than 4096)"),
+    (dict(head_dim=65537), "head_dim=65537 is absurd (more than 65536)"),
+    (dict(tokens_per_block=65537), "tokens_per_block=65537 is absurd (more than 65536)"),
+    (dict(tp_size=8192), "tp_size=8192 is absurd (more than 4096)"),
+    (dict(extra_layers=257), "extra_layers=257 is absurd (more than 256)"),
+    (dict(extra_layers=True), "extra_layers=True must be a non-negative integer"),
+    (dict(tp_rank=-1), "tp_rank=-1 must be a non-negative integer"),
+    (dict(tp_size=4, tp_rank=4), "tp_rank=4 must be < tp_size=4"),
+    (dict(mla=True, kv_heads=2), "kv_heads=2 with mla=True"),
+    (dict(tp_size=3), "kv_heads=8 and tp_size=3: one must divide the other"),
+    (dict(dtype="int4", head_dim=3), "head_dim=3 with dtype=int4 is not a whole number of bytes"),
+    (dict(dtype="float64"), "dtype='float64' is not supported"),
+])
+def test_every_layout_rule_and_its_message(kw, msg):
+    with pytest.raises(LayoutError) as e:
+        llama8b(**kw)
+    assert str(e.value).startswith(msg), str(e.value)
+
+
+def test_limits_are_inclusive():
+    KVLayout(num_layers=4096, kv_heads=4096, head_dim=8, tokens_per_block=1, extra_layers=256, tp_size=4096,
+             tp_rank=4095)
+    KVLayout(num_layers=1, kv_heads=1, head_dim=65536, tokens_per_block=65536)
+    KVLayout(num_layers=1, kv_heads=1, head_dim=2, tokens_per_block=1, dtype="int4")  # 2 x 4 bits: one byte
+
+
+@pytest.mark.parametrize("alias, canon", [("bf16", "bfloat16"), ("FP16", "float16"), ("half", "float16"),
+                                          ("fp8", "float8_e4m3"), ("float8", "float8_e4m3"),
+                                          ("e5m2", "float8_e5m2"), ("int8", "uint8"), ("int4", "int4")])
+def test_dtype_aliases(alias, canon):
+    assert llama8b(dtype=alias).dtype == canon
+
+
+def test_sizes_and_conversions_exactly():
+    lay = llama8b(extra_layers=2, tp_size=2, tp_rank=1)
+    assert lay.total_layers == 34 and lay.heads_per_rank == 4 and lay.head_range() == (4, 8)
+    assert lay.head_range(0) == (0, 4)
+    assert lay.elem_bytes_per_head_token == 256 and lay.unit_bytes("v") == 256
+    assert lay.tensor_block_bytes(1) == 4 * 64 * 256 and lay.layer_block_bytes == 2 * 4 * 64 * 256
+    assert lay.block_bytes == 34 * 2 * 4 * 64 * 256 and lay.instance_block_bytes == 2 * lay.block_bytes
+    assert lay.blocks_for_tokens(0) == 0 and lay.blocks_for_tokens(1) == 1 and lay.blocks_for_tokens(64) == 1
+    assert lay.blocks_for_tokens(65) == 2
+    assert lay.blocks_for_tokens(65, full_only=True) == 1 and lay.blocks_for_tokens(63, full_only=True) == 0
+    assert lay.blocks_for_tokens(128, full_only=True) == 2
+    assert lay.bytes_for_blocks(0) == 0 and lay.bytes_for_blocks(3) == 3 * lay.block_bytes
+    assert lay.blocks_for_bytes(lay.block_bytes) == 1 and lay.blocks_for_bytes(lay.block_bytes - 1) == 0
+    assert lay.blocks_for_gib(1) == GIB // lay.block_bytes
+    assert lay.tokens_for_blocks(3) == 192
+    assert lay.with_rank(0).tp_rank == 0 and lay.with_rank(0).tp_size == 2
+    for bad in (-1, 1.5):
+        with pytest.raises(LayoutError, match=f"blocks={bad!r} must be a non-negative integer"):
+            lay.bytes_for_blocks(bad)
+        with pytest.raises(LayoutError, match=f"tokens={bad!r} must be a non-negative integer"):
+            lay.blocks_for_tokens(bad)
+    with pytest.raises(LayoutError, match="gib=-1 must be positive"):
+        lay.blocks_for_gib(-1)
+    with pytest.raises(LayoutError, match="rank 2 out of range for tp_size=2"):
+        lay.head_range(2)
+    with pytest.raises(LayoutError, match="rank -1 out of range"):
+        lay.head_range(-1)
+
+
+def test_replicated_heads_ranges():
+    lay = llama8b(kv_heads=2, tp_size=8)
+    assert [lay.head_range(r) for r in range(8)] == [(0, 1)] * 4 + [(1, 2)] * 4
+    assert lay.heads_per_rank == 1
+
+
+def test_tensors_and_their_indices():
+    sc = llama8b(scales=True)
+    assert sc.tensor_index("v_scale") == 3 and sc.tensor_index(2) == 2
+    assert sc.is_scale("k_scale") and not sc.is_scale(1) and sc.unit_bytes("k_scale") == 2
+    with pytest.raises(LayoutError, match=r"tensor index 4 out of range for tensors \('k', 'v', 'k_scale', 'v_scale'\)"):
+        sc.tensor_index(4)
+    with pytest.raises(LayoutError, match="tensor index -1 out of range"):
+        sc.tensor_index(-1)
+    with pytest.raises(LayoutError, match="tensor 'q' not in this layout's tensors"):
+        sc.tensor_index("q")
+    mla_sc = KVLayout(num_layers=2, kv_heads=1, head_dim=576, tokens_per_block=64, mla=True, scales=True)
+    assert mla_sc.tensors == ("k", "k_scale")
+
+
+def test_descriptor_fields_and_every_rejection():
+    lay = llama8b(scales=True, extra_layers=1, tp_size=2, tp_rank=1, token_major=True)
+    d = lay.descriptor()
+    assert d["format"] == "pdkv.layout" and d["version"] == 1 and d["block_bytes"] == lay.block_bytes
+    assert KVLayout.from_descriptor(d) == lay
+    assert KVLayout.from_descriptor({k: v for k, v in d.items() if k != "block_bytes"}) == lay
+    for bad, msg in ((5, "not a pdkv layout descriptor"), ({**d, "format": "x"}, "not a pdkv layout descriptor"),
+                     ({k: v for k, v in d.items() if k != "version"}, "version None is not supported"),
+                     ({k: v for k, v in d.items() if k != "num_layers"}, "layout descriptor is incomplete"),
+                     ({**d, "evil": 1, "bad": 2}, r"unknown fields \['bad', 'evil'\]"),
+                     ({**d, "block_bytes": 7}, f"block_bytes: descriptor says 7, computed {lay.block_bytes}")):
+        with pytest.raises(LayoutMismatchError, match=msg):
+            KVLayout.from_descriptor(bad)
+
+
+@pytest.mark.parametrize("field, value", [("num_layers", 16), ("extra_layers", 1), ("kv_heads", 16), ("head_dim", 64),
+                                          ("tokens_per_block", 32), ("dtype", "fp8"), ("scales", True)])
+def test_check_compatible_names_the_first_difference(field, value):
+    a, b = llama8b(), llama8b(**{field: value})
+    with pytest.raises(LayoutMismatchError, match=f"layout mismatch: {field} is"):
+        a.check_compatible(b)
+    llama8b(tp_size=2).check_compatible(llama8b(token_major=True, tp_size=4, tp_rank=3))  # these may differ
+    mla = dict(num_layers=2, kv_heads=1, head_dim=576, tokens_per_block=64)
+    with pytest.raises(LayoutMismatchError, match="mla"):
+        KVLayout(**mla).check_compatible(KVLayout(**mla, mla=True))
+
+
+def test_cache_spec_checks_and_addresses():
+    lay = llama8b(num_layers=2)
+    tb = lay.tensor_block_bytes(0)
+    regions = [[(4096, tb), (8192, tb + 64)], [(1 << 20, tb), (2 << 20, tb)]]
+    spec = CacheSpec(lay, 10, regions, device=3)
+    assert spec.device == 3 and spec.num_blocks == 10
+    assert spec.address(0, "k", 0) == 4096 and spec.address(0, "v", 2) == 8192 + 2 * (tb + 64)
+    assert spec.address(1, 1, 9) == (2 << 20) + 9 * tb
+    assert spec.region(0, 1) == (8192, tb + 64)
+    assert spec.alignment == 64
+    bases, strides = spec.region_arrays()
+    assert bases.tolist() == [[4096, 8192], [1 << 20, 2 << 20]] and strides.tolist() == [[tb, tb + 64], [tb, tb]]
+    assert spec.region_arrays()[0] is bases  # cached
+    for layer, block, msg in ((2, 0, r"layer 2 out of range \[0, 2\)"), (-1, 0, "layer -1 out of range"),
+                              (0, 10, r"block 10 out of range \[0, 10\)"), (0, -1, "block -1 out of range")):
+        with pytest.raises(LayoutError, match=msg):
+            spec.address(layer, 0, block)
+    for bad_regions, msg in (
+            (regions[:1], "regions has 1 layers; the layout has 2"),
+            ([regions[0][:1], regions[1]], r"layer 0 has 1 tensors; the layout has 2 \('k', 'v'\)"),
+            ([[(0, tb), (8192, tb)], regions[1]], "layer 0 tensor k: base pointer 0 is not a valid address"),
+            ([[(4096, tb), (8192, tb - 1)], regions[1]], f"layer 0 tensor v: block stride {tb - 1} is smaller than")):
+        with pytest.raises(LayoutError, match=msg):
+            CacheSpec(lay, 10, bad_regions)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(LayoutError, match=f"num_blocks={bad!r} must be a positive integer"):
+            CacheSpec(lay, bad, regions)
+    assert CacheSpec(lay, 1, [[(4096 + 16, tb), (8192, tb)]] * 2).alignment == 16
+
+
+def test_engine_layout_builders_exactly():
+    lay = llama8b(num_layers=2)
+    tb = lay.tensor_block_bytes(0)
+    fd = CacheSpec.fastdeploy(lay, 5, [[0x10000, 0x20000], [0x30000, 0x40000]], device=1)
+    assert fd.device == 1 and fd.region(1, 0) == (0x30000, tb) and fd.address(0, "v", 3) == 0x20000 + 3 * tb
+    with pytest.raises(LayoutError, match="FastDeploy caches are head-major"):
+        CacheSpec.fastdeploy(llama8b(num_layers=2, token_major=True), 5, [[1, 2], [3, 4]])
+    fa = CacheSpec.vllm_flash_attn(lay, 5, [0x100000, 0x200000], device=2)
+    assert fa.region(0, 0) == (0x100000, tb) and fa.region(0, 1) == (0x100000 + 5 * tb, tb) and fa.device == 2
+    fi = CacheSpec.flashinfer(lay, 5, [0x100000, 0x200000])
+    assert fi.region(1, 0) == (0x200000, 2 * tb) and fi.region(1, 1) == (0x200000 + tb, 2 * tb)
+    mla = KVLayout(num_layers=2, kv_heads=1, head_dim=576, tokens_per_block=64, mla=True)
+    for kind in ("vllm_flash_attn", "flashinfer"):
+        for bad in (mla, llama8b(num_layers=2, scales=True)):  # MLA alone, scales alone: each refused
+            with pytest.raises(LayoutError, match="expects a K\\+V cache without scale tensors"):
+                getattr(CacheSpec, kind)(bad, 5, [1 << 20, 2 << 20])
+    buf = CacheSpec.for_buffer(lay, 5, 1 << 20, device=0)
+    assert buf.device == 0 and CacheSpec.buffer_bytes(lay, 5) == 5 * lay.block_bytes
+    assert buf.region(1, 1) == ((1 << 20) + 3 * 5 * tb, tb)
