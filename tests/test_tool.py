@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "synthetic_trace.jsonl")
+TRACE = os.path.join(os.path.dirname(__file__), "data", "mooncake_synthetic_200.jsonl")  # ships with the tests
 SMALL = ["--model", "tiny", "--requests", "10", "--prompt-len", "uniform:20:200", "--buffer-blocks", "24",
          "--gpu-blocks", "16", "--timeout", "10"]
 
@@ -45,8 +45,6 @@ def test_local_mode_verifies_every_byte(extra, tmp_path, no_leaks):
 
 @pytest.mark.multiproc
 def test_trace_replay_and_plot(tmp_path, no_leaks):
-    if not os.path.exists(TRACE):
-        pytest.skip("shared/traces is not beside this checkout")
     plot = tmp_path / "p.html"
     p, rep = run(["--model", "tiny", "--trace", TRACE, "--trace-limit", "6", "--time-scale", "0.001",
                   "--buffer-blocks", "4096", "--gpu-blocks", "4096", "--plot", str(plot), "--prefill-blocks", "4096"],
