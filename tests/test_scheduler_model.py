@@ -76,6 +76,8 @@ class MReq:
     received_at: float = 0.0
     cancel: tuple[State, str] | None = None
     in_ready: bool = False
+    reserved_at: float = 0.0
+    swap_started: float = 0.0
     writers: list[int] = field(default_factory=lambda: [0])  # shared with quarantine entries
 
 
@@ -113,7 +115,10 @@ class ModelScheduler:
             "grants_from_queue", "queue_timeouts", "layers_landed", "requests_received", "requests_ready",
             "requests_finished", "requests_failed", "requests_expired", "requests_aborted",
             "late_messages_rejected", "swaps_submitted", "swaps_completed", "swaps_failed", "swap_bytes",
-            "quarantined_blocks_released", "buffer_blocks_peak", "writes_admitted"), 0)
+            "quarantined_blocks_released", "buffer_blocks_peak", "writes_admitted", "swap_seconds_sum",
+            "swap_seconds_max", "swap_busy_seconds", "prefill_wait_avoided_seconds_sum",
+            "prefill_wait_avoided_seconds_max"), 0)
+        self.busy_since = 0.0
 
     # -- blocks
     def alloc(self, pool, n):
@@ -148,7 +153,7 @@ class ModelScheduler:
                                                self.total["buffer"] - len(self.free["buffer"]))
         else:
             return False
-        req.state, req.expires = State.RESERVED, now + o.lease_s
+        req.state, req.expires, req.reserved_at = State.RESERVED, now + o.lease_s, now
         self.m["reservations_" + req.loc] += 1
         return True
 
@@ -227,7 +232,12 @@ class ModelScheduler:
             if len(self.free["gpu"]) - req.n < self.o.gpu_reserve_blocks or len(self.free["gpu"]) < req.n:
                 break
             self.swapq.remove(rid)
-            req.gpu, req.state = self.alloc("gpu", req.n), State.SWAPPING
+            req.gpu, req.state, req.swap_started = self.alloc("gpu", req.n), State.SWAPPING, now
+            wait = now - req.reserved_at
+            self.m["prefill_wait_avoided_seconds_sum"] += wait
+            self.m["prefill_wait_avoided_seconds_max"] = max(self.m["prefill_wait_avoided_seconds_max"], wait)
+            if not self.swapping:
+                self.busy_since = now
             self.swapping.append(rid)
             admitted.append(req)
         for req in admitted:
@@ -237,6 +247,10 @@ class ModelScheduler:
 
     def swap_finished(self, req, err, now):
         self.swapping.remove(req.rid)
+        if not self.swapping:
+            self.m["swap_busy_seconds"] += now - self.busy_since
+        self.m["swap_seconds_sum"] += now - req.swap_started
+        self.m["swap_seconds_max"] = max(self.m["swap_seconds_max"], now - req.swap_started)
         self.free["buffer"] |= set(req.buf)
         req.buf = None
         if err is not None:
