@@ -246,7 +246,6 @@ class _Req:
     n: int
     tokens: int | None
     peer: str
-    arrival: float
     state: State = State.QUEUED
     location: str = ""
     token: int = 0
@@ -273,11 +272,11 @@ class _Quarantine:
     peer: str
     pool: Any
     blocks: list[int]
-    writers: _Writers | None = None
+    writers: _Writers
     fenced: bool = False
 
     def releasable(self, now: float) -> bool:
-        return (self.writers is None or self.writers.n == 0) and (self.fenced or self.release_at <= now)
+        return self.writers.n == 0 and (self.fenced or self.release_at <= now)
 
 
 @dataclass
@@ -526,7 +525,7 @@ class DecodeScheduler:
             if request_id in self._reqs:
                 raise RequestError(f"request {request_id!r} is already live ({self._reqs[request_id].state.value})")
             self._tomb.pop(request_id, None)
-            req = _Req(request_id, num_blocks, num_tokens, peer, now, gpu_ok=gpu_ok)
+            req = _Req(request_id, num_blocks, num_tokens, peer, gpu_ok=gpu_ok)
             # queued requests go first: a new one may not overtake them
             grant = None if self._queue else self._grant(req, now)
             if grant is not None:
@@ -636,7 +635,7 @@ class DecodeScheduler:
                 dup = [i for i in range(self.num_layers) if req.landed & mask & (1 << i)]
                 raise RequestError(f"request {request_id!r}: layers {dup[:8]} already landed")
             req.landed |= mask
-            added = mask.bit_count() if hasattr(mask, "bit_count") else bin(mask).count("1")
+            added = mask.bit_count()
             req.nlanded += added
             self._m["layers_landed"] += added
             req.state = State.RECEIVING
@@ -681,10 +680,7 @@ class DecodeScheduler:
                 req.state = State.RECEIVED
                 self._swapq[req.rid] = None
                 self._event("received", req.rid, t=now)
-            state = req.state
-            ev = self._emit()
-        self._deliver(ev)
-        return state
+            return req.state
 
     def fail(self, request_id: str, reason: str, token: int | None = None) -> None:
         """Fail a request (prefill reported an error, a write failed). Blocks a peer may
@@ -712,15 +708,13 @@ class DecodeScheduler:
         """The transport guarantees ``peer`` can start no more writes (connection closed, QP
         in error, process dead): release its quarantined blocks now, except those an
         admitted write still holds (they go when it ends). Returns blocks released."""
-        now = self.clock()
         with self._lock:
             n = 0
             for q in [q for q in self._quarantine if q.peer == peer]:
                 q.fenced = True
-                if q.releasable(now):
+                if q.writers.n == 0:  # fenced: only an admitted write still running holds it
                     self._free_quarantined(q)
-                    if q.writers is not None:
-                        q.writers.entries.remove(q)
+                    q.writers.entries.remove(q)
                     n += len(q.blocks)
             return n
 
@@ -755,10 +749,7 @@ class DecodeScheduler:
             tomb[request_id] = (State.FINISHED, req.token, "")
             if len(tomb) > self.options.max_tombstones:
                 tomb.popitem(last=False)
-            self._m["requests_finished"] += 1
-            ev = self._emit() if self._events else None
-        if ev:
-            self._deliver(ev)
+            self._m["requests_finished"] += 1  # FINISHED makes no event
 
     # ------------------------------------------------------------------ the loop
     def tick(self) -> list[Event]:
@@ -809,8 +800,7 @@ class DecodeScheduler:
             if q.releasable(now):
                 q.pool.free(q.blocks)
                 self._m["quarantined_blocks_released"] += len(q.blocks)
-                if q.writers is not None:
-                    q.writers.entries.remove(q)
+                q.writers.entries.remove(q)
             else:
                 keep.append(q)
         self._quarantine = keep

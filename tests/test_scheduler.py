@@ -650,3 +650,202 @@ def test_a_write_ticket_holds_its_blocks_past_grace_fence_and_expiry():
     with pytest.raises(LeaseExpiredError):
         s.begin_write("a", g.token)
     s.check_invariants()
+
+
+# ------------------------------------------------------------------ every validation, its exact message
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(lease_s=0), "lease_s=0 must be a positive number of seconds"),
+    (dict(queue_timeout_s=-1), "queue_timeout_s=-1 must be a positive number of seconds"),
+    (dict(starvation_s="5"), "starvation_s='5' must be a positive number of seconds"),
+    (dict(fence_grace_s=-1), "fence_grace_s=-1 must be >= 0"),
+    (dict(fence_grace_s="1"), "fence_grace_s='1' must be >= 0"),
+    (dict(gpu_reserve_blocks=-1), "gpu_reserve_blocks=-1 must be a non-negative integer"),
+    (dict(max_queue=1.5), "max_queue=1.5 must be a non-negative integer"),
+    (dict(max_tombstones=-3), "max_tombstones=-3 must be a non-negative integer"),
+    (dict(on_full="drop"), "on_full='drop' must be 'reject' or 'queue'"),
+    (dict(swap_order="lifo"), "swap_order='lifo' must be 'fifo' or 'shortest'"),
+])
+def test_options_validation_messages(kw, msg):
+    with pytest.raises(ValueError) as e:
+        SchedulerOptions(**kw)
+    assert str(e.value) == msg
+    SchedulerOptions(fence_grace_s=0, gpu_reserve_blocks=0, max_queue=0)  # the boundaries are allowed
+
+
+def test_scheduler_construction_and_reserve_validation_messages():
+    def fails(msg, **kw):
+        with pytest.raises(ValueError) as e:
+            DecodeScheduler(gpu=BlockPool(4), **{"num_layers": 2, **kw})
+        assert str(e.value) == msg
+
+    fails("num_layers=0 must be a positive integer", num_layers=0)
+    fails("num_layers=1.0 must be a positive integer", num_layers=1.0)
+    fails("num_layers=4097 is absurd (more than 4096)", num_layers=4097)
+    fails("a buffer needs a swap backend (swap=...) to move blocks to the GPU", buffer=BlockPool(4))
+    DecodeScheduler(num_layers=4096, gpu=BlockPool(4))
+    DecodeScheduler(num_layers=1, gpu=BlockPool(4))
+    s = DecodeScheduler(num_layers=2, gpu=BlockPool(8), options=SchedulerOptions(gpu_reserve_blocks=2))
+    for kw, msg in (
+            (dict(request_id=""), "request_id='' must be a non-empty string of at most 256 characters"),
+            (dict(request_id=5), "request_id=5 must be a non-empty string of at most 256 characters"),
+            (dict(request_id="x" * 257), f"request_id={'x' * 257!r} must be a non-empty string of at most 256 characters"),
+            (dict(num_tokens=10), "give num_blocks, or num_tokens with tokens_per_block set on the scheduler"),
+            (dict(), "give num_blocks, or num_tokens with tokens_per_block set on the scheduler"),
+            (dict(num_blocks=True), "num_blocks=True must be a positive integer"),
+            (dict(num_blocks=0), "num_blocks=0 must be a positive integer"),
+            (dict(num_blocks=1, gpu_ok=1), "gpu_ok=1 must be a bool"),
+            (dict(num_blocks=7), "request 'a' needs 7 blocks: more than the GPU pool can ever give (6 above the reserve)"),
+            (dict(num_blocks=1, gpu_ok=False), "request 'a' needs 1 blocks: more than the GPU pool can ever give "
+                                               "(6 above the reserve) or the buffer holds (0)")):
+        with pytest.raises(RequestError) as e:
+            s.reserve(**{"request_id": "a", **kw})
+        assert str(e.value) == msg
+    assert s.reserve("x" * 256, num_blocks=6).outcome == "gpu"  # the limits themselves are allowed
+    t = DecodeScheduler(num_layers=2, gpu=BlockPool(8), tokens_per_block=16)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(RequestError) as e:
+            t.reserve("a", num_tokens=bad)
+        assert str(e.value) == f"num_tokens={bad!r} must be a positive integer"
+    assert t.reserve("one", num_tokens=1).grant.blocks == (0,)  # one token: one block
+    assert t.reserve("two", num_tokens=17).grant.blocks == (1, 2)
+    with pytest.raises(RequestError) as e:
+        t.request("nobody")
+    assert str(e.value) == "unknown request 'nobody'"
+
+
+def test_swap_bytes_count_only_with_block_bytes_and_tick_returns_submit_failures():
+    clock = Clock()
+    swap = FakeSwap()
+    seen = []
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(4), buffer=BlockPool(4), swap=swap, clock=clock,
+                        options=SchedulerOptions(direct_to_gpu=False), listener=seen.append)
+    g = s.reserve("a", num_blocks=2).grant
+    s.land_layers("a", g.token, [0])
+    s.complete("a", g.token)
+    s.tick()
+    swap.finish("a")
+    s.tick()
+    assert s.metrics()["swap_bytes"] == 0  # block_bytes not given: bytes are not counted
+    g = s.reserve("b", num_blocks=1).grant
+    s.land_layers("b", g.token, range(1))
+    s.complete("b", g.token)
+    swap.fail_submit = True
+    seen.clear()
+    ev = s.tick()  # the failed submission's event is returned and delivered
+    assert [(e.kind, e.request_id, e.reason, e.t) for e in ev] == [("failed", "b", "swap failed: launch failed",
+                                                                     clock.t)]
+    assert [e.kind for e in seen] == ["failed"]
+    e = ev[0]
+    assert e.grant is None
+
+
+def test_swaps_shortest_first_until_the_head_waited_starvation_s():
+    clock = Clock()
+    swap = FakeSwap()
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(10), buffer=BlockPool(10), swap=swap, clock=clock,
+                        options=SchedulerOptions(direct_to_gpu=False, swap_order="shortest", starvation_s=4.0))
+    for rid, n in (("big", 6), ("small", 2)):
+        g = s.reserve(rid, num_blocks=n).grant
+        s.land_layers(rid, g.token, [0])
+        s.complete(rid, g.token)
+    hog = s.gpu.allocate(10)  # no room yet
+    clock.t += 4.0  # exactly starvation_s: the head has waited enough, it goes first
+    s.gpu.free(hog)
+    s.tick()
+    assert sorted(swap.handles) == ["big", "small"] and swap.submitted[0][0] == "big"
+    clock2 = Clock()
+    swap2 = FakeSwap()
+    s2 = DecodeScheduler(num_layers=1, gpu=BlockPool(10), buffer=BlockPool(10), swap=swap2, clock=clock2,
+                         options=SchedulerOptions(direct_to_gpu=False, swap_order="shortest", starvation_s=4.0))
+    for rid, n in (("big", 6), ("small", 2)):
+        g = s2.reserve(rid, num_blocks=n).grant
+        s2.land_layers(rid, g.token, [0])
+        s2.complete(rid, g.token)
+    hog = s2.gpu.allocate(10)
+    clock2.t += 3.99
+    s2.gpu.free(hog)
+    s2.tick()
+    assert swap2.submitted[0][0] == "small"  # not starved yet: the shortest first
+
+
+def test_fence_counts_every_entry_it_releases():
+    clock = Clock()
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(8), buffer=BlockPool(8), swap=FakeSwap(), clock=clock,
+                        options=SchedulerOptions(direct_to_gpu=False, fence_grace_s=5.0))
+    for rid, n in (("a", 2), ("b", 3), ("c", 1)):
+        s.reserve(rid, num_blocks=n, peer="P" if rid != "c" else "Q")
+        s.fail(rid, "gone")
+    assert s.metrics()["quarantined_blocks"] == 6
+    assert s.fence("P") == 5 and s.metrics()["quarantined_blocks"] == 1
+    assert s.fence("P") == 0 and s.fence("Q") == 1
+    assert s.metrics()["quarantined_blocks_released"] == 6
+
+
+def test_prometheus_text():
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(4))
+    text = s.prometheus("x_")
+    lines = text.splitlines()
+    assert text.endswith("\n") and not text.endswith("\n\n")
+    assert "# TYPE x_reservations_gpu counter" in lines and "x_reservations_gpu 0" in lines
+    assert "# TYPE x_swap_seconds_max gauge" in lines and "# TYPE x_buffer_blocks_peak gauge" in lines
+    assert "# TYPE x_gpu_blocks_free gauge" in lines and "x_gpu_blocks_free 4" in lines
+    assert "# TYPE x_live_ready gauge" in lines
+    names = [ln.split()[2] for ln in lines if ln.startswith("# TYPE")]
+    assert names == sorted(names) and len(lines) == 2 * len(names)
+
+
+def test_check_invariants_catches_planted_corruption():
+    def build():
+        s = DecodeScheduler(num_layers=1, gpu=BlockPool(8), buffer=BlockPool(8), swap=FakeSwap(),
+                            options=SchedulerOptions(direct_to_gpu=False, on_full="queue", fence_grace_s=1.0))
+        g = s.reserve("a", num_blocks=2).grant
+        return s, g
+
+    s, g = build()
+    s.check_invariants()
+    s._reqs["a"].buffer_blocks.append(0)  # a block held twice by one request
+    with pytest.raises(AssertionError, match="block 0 held by a and a"):
+        s.check_invariants()
+    s, g = build()
+    s.reserve("q", num_blocks=8)  # queued
+    s._reqs["q"].gpu_blocks = [7]
+    with pytest.raises(AssertionError):
+        s.check_invariants()
+    s, g = build()
+    s._reqs["a"].state = State.READY
+    s._reqs["a"].gpu_blocks = s.gpu.allocate(2)  # ready but still holding buffer blocks
+    with pytest.raises(AssertionError):
+        s.check_invariants()
+    s, g = build()
+    s.fail("a", "x")  # quarantined
+    s._quarantine[0].blocks.append(s._quarantine[0].blocks[0])
+    with pytest.raises(AssertionError, match="quarantined block 0 also held by <quarantine>"):
+        s.check_invariants()
+    s, g = build()
+    s.buffer.allocate(1)  # held by nobody the scheduler knows
+    with pytest.raises(AssertionError, match="pool: pool holds 3, owners 2"):
+        s.check_invariants()
+
+
+def test_tombstones_are_bounded_oldest_first():
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(8), options=SchedulerOptions(max_tombstones=2))
+    for rid in ("a", "b", "c"):
+        g = s.reserve(rid, num_blocks=1).grant
+        s.land_layers(rid, g.token, [0])
+        s.complete(rid, g.token)
+        s.take_ready()
+        s.finish(rid)
+    with pytest.raises(RequestError, match="unknown request 'a'"):
+        s.request("a")
+    assert s.request("b").state is State.FINISHED and s.request("c").reason == ""
+    with pytest.raises(RequestError) as e:
+        s.land_layer("c", 1, 0)
+    assert str(e.value) == "request 'c' is already finished"
+    s.reserve("d", num_blocks=1)
+    s.abort("d", "client went away")
+    with pytest.raises(RequestError) as e:
+        s.abort("d")
+    assert str(e.value) == "request 'd' is already aborted (client went away)"
+    with pytest.raises(RequestError, match="unknown request 'b'"):
+        s.request("b")

@@ -67,7 +67,7 @@ class MReq:
     gpu_ok: bool
     state: State = State.QUEUED
     loc: str = ""
-    token: int | None = None
+    token: int = 0  # what a queued request has until it is granted
     expires: float = 0.0
     landed: set[int] = field(default_factory=set)
     buf: list[int] | None = None
@@ -103,13 +103,14 @@ class ModelScheduler:
         self.free = {"gpu": set(range(gpu)), "buffer": set(range(buf or 0))}
         self.has_buffer = buf is not None
         self.reqs: dict[str, MReq] = {}
-        self.tomb: dict[str, State] = {}
+        self.tomb: dict[str, tuple[State, str]] = {}  # insertion-ordered, at most o.max_tombstones
         self.queue: list[str] = []
         self.swapq: list[str] = []
         self.swapping: list[str] = []
         self.ready: list[str] = []
         self.quar: list[MQuar] = []
-        self.events: list[tuple[str, str]] = []
+        self.events: list[tuple] = []  # (kind, rid, reason, t, grant fields or None)
+        self.now = 0.0
         self.m = dict.fromkeys((
             "reservations_gpu", "reservations_buffer", "reservations_queued", "reservations_rejected",
             "grants_from_queue", "queue_timeouts", "layers_landed", "requests_received", "requests_ready",
@@ -157,6 +158,15 @@ class ModelScheduler:
         self.m["reservations_" + req.loc] += 1
         return True
 
+    def grant_fields(self, req):
+        return (req.rid, req.loc, tuple(req.gpu or req.buf), req.expires, self.o.lease_s)
+
+    def entomb(self, rid, state, reason):
+        self.tomb.pop(rid, None)
+        self.tomb[rid] = (state, reason)
+        if len(self.tomb) > self.o.max_tombstones:
+            del self.tomb[next(iter(self.tomb))]
+
     def terminate(self, req, state, reason, now):
         if req.state is State.SWAPPING:
             if req.cancel is None:
@@ -171,12 +181,12 @@ class ModelScheduler:
             self.ready.remove(req.rid)
         req.state = state
         del self.reqs[req.rid]
-        self.tomb[req.rid] = state
+        self.entomb(req.rid, state, reason)
         key = {State.FAILED: "requests_failed", State.EXPIRED: "requests_expired",
                State.ABORTED: "requests_aborted"}.get(state)
         if key:
             self.m[key] += 1
-        self.events.append((state.value, req.rid))
+        self.events.append((state.value, req.rid, reason, now, None))
 
     def live(self, rid):
         """The live request, or the exception the scheduler must raise for ``rid``."""
@@ -185,10 +195,10 @@ class ModelScheduler:
             return req
         self.m["late_messages_rejected"] += 1
         t = self.tomb.get(rid)
-        if t is State.EXPIRED:
+        if t is not None and t[0] is State.EXPIRED:
             return LeaseExpiredError(f"request {rid!r}: its lease expired; the message is refused")
         if t is not None:
-            return RequestError(f"request {rid!r} is already {t.value}")
+            return RequestError(f"request {rid!r} is already {t[0].value}" + (f" ({t[1]})" if t[1] else ""))
         return RequestError(f"unknown request {rid!r}")
 
     def writable(self, req, token, now):
@@ -199,7 +209,7 @@ class ModelScheduler:
             self.m["late_messages_rejected"] += 1
             return RequestError(f"request {req.rid!r} is {req.state.value}; no more writes are accepted")
         if now >= req.expires:
-            self.terminate(req, State.EXPIRED, "lease expired", now)
+            self.terminate(req, State.EXPIRED, f"lease of {self.o.lease_s}s expired", now)
             self.m["late_messages_rejected"] += 1
             return LeaseExpiredError(f"request {req.rid!r}: its lease expired; the message is refused")
         return None
@@ -207,7 +217,7 @@ class ModelScheduler:
     def tick(self, now, swap: Swap):
         for req in sorted([r for r in self.reqs.values() if r.state in WRITABLE and r.expires <= now],
                           key=lambda r: r.expires):
-            self.terminate(req, State.EXPIRED, "lease expired", now)
+            self.terminate(req, State.EXPIRED, f"lease of {self.o.lease_s}s expired", now)
         while self.queue and self.reqs[self.queue[0]].queue_deadline <= now:
             self.m["queue_timeouts"] += 1
             self.terminate(self.reqs[self.queue[0]], State.REJECTED, "timed out in the reservation queue", now)
@@ -219,7 +229,7 @@ class ModelScheduler:
                 break
             self.queue.pop(0)
             self.m["grants_from_queue"] += 1
-            self.events.append(("granted", req.rid))
+            self.events.append(("granted", req.rid, "", now, self.grant_fields(req)))
         for rid in list(self.swapping):
             if rid in swap.handles and swap.handles[rid].finished:
                 self.swap_finished(self.reqs[rid], swap.handles.pop(rid).error, now)
@@ -267,7 +277,26 @@ class ModelScheduler:
         req.in_ready = True
         self.ready.append(req.rid)
         self.m["requests_ready"] += 1
-        self.events.append(("ready", req.rid))
+        self.events.append(("ready", req.rid, "", now, None))
+
+    def info(self, rid):
+        """The RequestInfo fields the scheduler must report for ``rid``."""
+        req = self.reqs.get(rid)
+        if req is not None:
+            return (rid, req.state, req.loc, req.n, len(req.landed), tuple(req.buf or ()), tuple(req.gpu or ()), "")
+        state, reason = self.tomb[rid]
+        return (rid, state, "", 0, 0, (), (), reason)
+
+    def metrics(self):
+        out = dict(self.m)
+        for st_ in (State.QUEUED, State.RESERVED, State.RECEIVING, State.RECEIVED, State.SWAPPING, State.READY):
+            out[f"live_{st_.value}"] = sum(1 for r in self.reqs.values() if r.state is st_)
+        out["gpu_blocks_free"], out["gpu_blocks_total"] = len(self.free["gpu"]), self.total["gpu"]
+        if self.has_buffer:
+            out["buffer_blocks_free"], out["buffer_blocks_total"] = len(self.free["buffer"]), self.total["buffer"]
+        out["quarantined_blocks"] = sum(len(q.blocks) for q in self.quar)
+        out["queue_length"] = len(self.queue)
+        return out
 
 
 def _raises(expected, call):
@@ -280,8 +309,7 @@ def _raises(expected, call):
     with pytest.raises(type(expected)) as e:
         call()
     assert type(e.value) is type(expected)
-    head = re.split(r"[;(]", str(expected))[0].strip()[:30]
-    assert str(e.value).startswith(head), (str(e.value), head)
+    assert str(e.value) == str(expected), (str(e.value), str(expected))
     return None
 
 
@@ -307,15 +335,20 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         self.kept: list[list[int]] = []  # GPU blocks the engine kept past finish(free_gpu_blocks=False)
 
     # -- helpers
-    def _events(self, ordered=True):
-        got = [(e.kind, e.request_id) for e in self.real_events]
+    def _events(self, ordered=True, returned=None):
+        def fields(g):
+            return None if g is None else (g.request_id, g.location, g.blocks, g.lease_expires, g.lease_s)
+
+        got = [(e.kind, e.request_id, e.reason, e.t, fields(e.grant)) for e in self.real_events]
+        if returned is not None:  # tick() returns what it delivered
+            assert [(e.kind, e.request_id, e.reason, e.t, fields(e.grant)) for e in returned] == got
         for e in self.real_events:  # the listener is how a transport learns queued grants' tokens
             if e.grant is not None:
+                assert 0 <= e.grant.token < 1 << 63  # what the wire carries
                 self.m.reqs[e.request_id].token = e.grant.token
-                assert list(e.grant.blocks) == (self.m.reqs[e.request_id].gpu or self.m.reqs[e.request_id].buf)
         want = self.m.events
-        if not ordered:
-            got, want = sorted(got), sorted(want)
+        if not ordered:  # leases expiring at one instant: no order among them is promised
+            got, want = sorted(got, key=repr), sorted(want, key=repr)
         assert got == want, (got, want)
         self.real_events.clear()
         self.m.events = []
@@ -332,45 +365,57 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(sorted(self.m.tomb) + ["never-seen"]))
 
     # -- rules
-    @rule(n=st.integers(1, 9), gpu_ok=st.booleans(), peer=st.sampled_from(["A", "B"]))
-    def reserve(self, n, gpu_ok, peer):
-        self.k += 1
-        rid = f"r{self.k}"
+    @rule(n=st.integers(1, 15), gpu_ok=st.booleans(), peer=st.sampled_from(["A", "B"]), data=st.data())
+    def reserve(self, n, gpu_ok, peer, data=None):
+        reuse = sorted(r for r in self.m.tomb)
+        if data is not None and reuse and data.draw(st.integers(0, 3)) == 0:
+            rid = data.draw(st.sampled_from(reuse))  # an id whose request ended: allowed again
+        else:
+            self.k += 1
+            rid = f"r{self.k}"
         o, m = self.m.o, self.m
         direct = o.direct_to_gpu and gpu_ok
-        if n > self.GPU - o.gpu_reserve_blocks or (not direct and n > m.total["buffer"]):
-            _raises(RequestError(f"request {rid!r} needs {n} blocks"),
+        cap = self.GPU - o.gpu_reserve_blocks
+        if n > cap or (not direct and n > m.total["buffer"]):
+            _raises(RequestError(f"request {rid!r} needs {n} blocks: more than the GPU pool can ever give "
+                                 f"({cap} above the reserve)"
+                                 + ("" if direct else f" or the buffer holds ({m.total['buffer']})")),
                     lambda: self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok))
             return
+        self.last_rid = rid
         req = MReq(rid, n, peer, gpu_ok)
         now = self.clock.t
         m.tomb.pop(rid, None)
         if not m.queue and m.grant(req, now):
             m.reqs[rid] = req
-            m.events.append(("reserved", rid))
-            want = req.loc
+            m.events.append(("reserved", rid, "", now, m.grant_fields(req)))
+            want, why = req.loc, ""
         elif o.on_full == "queue" and len(m.queue) < o.max_queue:
             req.queue_deadline = now + o.queue_timeout_s
             m.reqs[rid] = req
             m.queue.append(rid)
             m.m["reservations_queued"] += 1
-            want = "queued"
+            want, why = "queued", "no room; queued"
         else:
             m.m["reservations_rejected"] += 1
-            want = "rejected"
+            want, why = "rejected", "queue full" if o.on_full == "queue" else "no free GPU or buffer blocks"
         r = self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok)
-        assert r.outcome == want, (r, want)
+        assert (r.request_id, r.outcome, r.reason) == (rid, want, why), (r, want, why)
         if r.grant is not None:
-            assert list(r.grant.blocks) == (req.gpu or req.buf)
-            assert r.grant.lease_expires == req.expires
-            req.token = r.grant.token
+            g = r.grant
+            assert (g.request_id, g.location, g.blocks, g.lease_expires, g.lease_s) == m.grant_fields(req)
+            assert 0 <= g.token < 1 << 63
+            req.token = g.token
+        else:
+            assert r.grant is None
         self._events()
 
     @rule(n=st.integers(1, 6), gpu_ok=st.booleans(), peer=st.sampled_from(["A", "B"]), data=st.data())
     def serve_one(self, n, gpu_ok, peer, data):
         """The common path in one step: reserve, every layer, complete (then tick)."""
+        self.last_rid = None
         self.reserve(n, gpu_ok, peer)
-        rid = f"r{self.k}"
+        rid = self.last_rid
         if rid in self.m.reqs and self.m.reqs[rid].state in WRITABLE:
             self.complete_rid(rid, early=1)
         self.tick()
@@ -379,7 +424,8 @@ class SchedulerModelMachine(RuleBasedStateMachine):
     def reserve_a_live_id_again(self, data):
         rid = self._pick(data, tuple(State))
         if rid is not None:
-            _raises(RequestError(f"request {rid!r} is already live"), lambda: self.s.reserve(rid, num_blocks=1))
+            _raises(RequestError(f"request {rid!r} is already live ({self.m.reqs[rid].state.value})"),
+                    lambda: self.s.reserve(rid, num_blocks=1))
 
     @rule(data=st.data(), honest=st.integers(0, 9))
     def land(self, data, honest):
@@ -389,11 +435,16 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         req = self.m.reqs[rid]
         left = sorted(set(range(LAYERS)) - req.landed)
         layers = data.draw(st.lists(st.sampled_from(left), min_size=1, unique=True)) if left and honest else [0]
+        if honest == 2 and left:  # the same layers as a range, where they are one
+            layers = range(min(left), min(left) + 1 + (len(left) > 1 and max(left) == min(left) + 1))
+        if honest == 3:  # an empty list: lands nothing, renews the lease
+            layers = []
         token = req.token if honest != 1 else req.token ^ 1
         now = self.clock.t
         err = self.m.writable(req, token, now)
-        if err is None and set(layers) & req.landed:
-            err = RequestError(f"request {rid!r}: layers")
+        dup = sorted(set(layers) & req.landed)
+        if err is None and dup:
+            err = RequestError(f"request {rid!r}: layers {dup[:8]} already landed")
         if err is None:
             req.landed |= set(layers)
             req.state, req.expires = State.RECEIVING, now + self.m.o.lease_s
@@ -420,13 +471,14 @@ class SchedulerModelMachine(RuleBasedStateMachine):
                     m.m["layers_landed"] += len(left)
                     assert self.s.land_layers(rid, req.token, left) == LAYERS
                 else:
-                    _raises(LeaseExpiredError(f"request {rid!r}: its lease expired"),
+                    _raises(LeaseExpiredError(f"request {rid!r}: its lease expired; the message is refused"),
                             lambda: self.s.land_layers(rid, req.token, left))
                     self._events()
                     return
         err = m.writable(req, req.token, now)
         if err is None and len(req.landed) < LAYERS:
-            err = RequestError(f"request {rid!r}: completion before layers")
+            missing = sorted(set(range(LAYERS)) - req.landed)
+            err = RequestError(f"request {rid!r}: completion before layers {missing[:8]} landed")
         if err is None:
             m.m["requests_received"] += 1
             req.received_at = now
@@ -434,11 +486,11 @@ class SchedulerModelMachine(RuleBasedStateMachine):
                 req.state, req.in_ready = State.READY, True
                 m.ready.append(rid)
                 m.m["requests_ready"] += 1
-                m.events.append(("ready", rid))
+                m.events.append(("ready", rid, "", now, None))
             else:
                 req.state = State.RECEIVED
                 m.swapq.append(rid)
-                m.events.append(("received", rid))
+                m.events.append(("received", rid, "", now, None))
         got = _raises(err, lambda: self.s.complete(rid, req.token))
         if err is None:
             assert got is req.state
@@ -450,7 +502,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         req = self.m.live(rid)
         token = None
         if isinstance(req, MReq) and with_token:
-            token = req.token if with_token == 1 else (req.token or 0) ^ 1
+            token = req.token if with_token == 1 else req.token ^ 1
         if isinstance(req, MReq):
             if token is not None and token != req.token:
                 self.m.m["late_messages_rejected"] += 1
@@ -495,8 +547,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
     @rule()
     def tick(self):
         self.m.tick(self.clock.t, self.swap)
-        self.s.tick()
-        self._events(ordered=False)
+        self._events(ordered=False, returned=self.s.tick())
 
     @rule(ok=st.booleans(), data=st.data())
     def a_swap_ends(self, ok, data):
@@ -529,7 +580,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
                 self.kept.append(blocks)
             req.state = State.FINISHED
             del self.m.reqs[req.rid]
-            self.m.tomb[req.rid] = State.FINISHED
+            self.m.entomb(req.rid, State.FINISHED, "")
             self.m.m["requests_finished"] += 1
             self.s.finish(r.request_id, free_gpu_blocks=free_them)
         self._events()
@@ -540,8 +591,51 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         req = self.m.reqs.get(rid)
         if req is not None and req.state is State.READY:
             return
-        err = self.m.live(rid) if req is None else RequestError(f"request {rid!r} is {req.state.value}, not ready")
+        err = self.m.live(rid) if req is None else RequestError(
+            f"request {rid!r} is {req.state.value}, not ready; cannot finish it")
         _raises(err, lambda: self.s.finish(rid))
+
+    @rule(data=st.data())
+    def finish_before_take_ready(self, data):
+        """An engine may finish a ready request it has not taken yet."""
+        rid = self._pick(data, (State.READY,))
+        if rid is None:
+            return
+        req = self.m.reqs[rid]
+        if req.in_ready:
+            self.m.ready.remove(rid)
+        self.m.free["gpu"] |= set(req.gpu)
+        del self.m.reqs[rid]
+        self.m.entomb(rid, State.FINISHED, "")
+        self.m.m["requests_finished"] += 1
+        self.s.finish(rid)
+        self._events()
+
+    @rule(data=st.data(), how=st.sampled_from(["land", "complete", "renew", "check", "begin"]))
+    def write_to_a_request_past_receiving(self, data, how):
+        rid = self._pick(data, (State.QUEUED, State.RECEIVED, State.SWAPPING, State.READY))
+        if rid is None:
+            return
+        req = self.m.reqs[rid]
+        token = req.token
+        err = self.m.writable(req, token, self.clock.t)
+        call = {"land": lambda: self.s.land_layers(rid, token, [0]), "complete": lambda: self.s.complete(rid, token),
+                "renew": lambda: self.s.renew(rid, token), "check": lambda: self.s.check_write(rid, token),
+                "begin": lambda: self.s.begin_write(rid, token)}[how]
+        _raises(err, call)
+
+    @rule(data=st.data(), bad=st.sampled_from([[LAYERS], [-1], [0, 0], range(0, LAYERS + 1), range(-1, 1)]))
+    def land_bad_layers(self, data, bad):
+        rid = self._pick(data, WRITABLE)
+        if rid is None:
+            return
+        if isinstance(bad, range):
+            err = RequestError(f"layers {bad} out of range [0, {LAYERS})")
+        elif bad == [0, 0]:
+            err = RequestError(f"request {rid!r}: layer 0 given twice")
+        else:
+            err = RequestError(f"layer {bad[0]!r} out of range [0, {LAYERS})")
+        _raises(err, lambda: self.s.land_layers(rid, self.m.reqs[rid].token, bad))
 
     @rule()
     def engine_frees_kept_blocks(self):
@@ -572,7 +666,9 @@ class SchedulerModelMachine(RuleBasedStateMachine):
             self.m.m["writes_admitted"] += 1
         t = _raises(err, lambda: self.s.begin_write(rid, req.token))
         if err is None:
-            assert list(t.grant.blocks) == (req.gpu or req.buf)
+            g = t.grant
+            assert (g.request_id, g.location, g.blocks, g.lease_expires, g.lease_s) == self.m.grant_fields(req)
+            assert g.token == req.token
             self.tickets.append((t, req))
         self._events()
 
@@ -586,7 +682,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
             for q in [q for q in self.m.quar if q.writers is req.writers and q.releasable(self.clock.t)]:
                 self.m.free_quar(q)
         self.s.end_write(t)
-        _raises(RequestError("write ticket"), lambda: self.s.end_write(t))
+        _raises(RequestError(f"write ticket of {req.rid!r} already ended"), lambda: self.s.end_write(t))
 
     @rule(data=st.data())
     def renew(self, data):
@@ -611,7 +707,8 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         err = self.m.writable(req, req.token, self.clock.t)
         g = _raises(err, lambda: self.s.check_write(rid, req.token))
         if err is None:
-            assert list(g.blocks) == (req.gpu or req.buf) and g.token == req.token
+            assert (g.request_id, g.location, g.blocks, g.lease_expires, g.lease_s) == self.m.grant_fields(req)
+            assert g.token == req.token
         self._events()
 
     # -- invariants
@@ -619,21 +716,18 @@ class SchedulerModelMachine(RuleBasedStateMachine):
     def states_blocks_queue_quarantine_and_metrics_match_the_model(self):
         s, m = self.s, self.m
         assert sorted(s.live_requests()) == sorted(m.reqs)
-        for rid, req in m.reqs.items():
-            info = s.request(rid)
-            assert info.state is req.state, (rid, info.state, req.state)
-            assert list(info.buffer_blocks) == (req.buf or []) and list(info.gpu_blocks) == (req.gpu or [])
-            assert info.layers_landed == len(req.landed)
+        for rid in [*m.reqs, *m.tomb]:
+            i = s.request(rid)
+            got = (i.request_id, i.state, i.location, i.num_blocks, i.layers_landed, i.buffer_blocks, i.gpu_blocks,
+                   i.reason)
+            assert got == m.info(rid), (got, m.info(rid))
         for pool, real in (("gpu", s.gpu), ("buffer", s.buffer)):
             if real is None:
                 continue
             assert all(real.is_held(b) == (b not in m.free[pool]) for b in range(m.total[pool]))
         assert list(s._queue) == m.queue
-        got = s.metrics()
-        assert got["quarantined_blocks"] == sum(len(q.blocks) for q in m.quar)
-        assert got["queue_length"] == len(m.queue)
-        for k, v in m.m.items():
-            assert got[k] == v, (k, got[k], v)
+        got, want = s.metrics(), m.metrics()
+        assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
         if not self.kept:  # blocks an engine kept past finish() have no owner the scheduler knows
             s.check_invariants()
 
@@ -673,6 +767,16 @@ class BufferOnlyMachine(SchedulerModelMachine):
 
 BufferOnlyMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
 TestBufferOnlyModel = BufferOnlyMachine.TestCase
+
+
+class FewTombstonesMachine(SchedulerModelMachine):
+    """Only three terminal requests remembered: older ones become unknown, oldest first."""
+
+    OPTS = dict(SchedulerModelMachine.OPTS, max_tombstones=3)
+
+
+FewTombstonesMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)
+TestFewTombstonesModel = FewTombstonesMachine.TestCase
 
 
 class GpuOnlyMachine(SchedulerModelMachine):
