@@ -182,12 +182,22 @@ class WriteTicket:
     blocks is handed out again, whatever happens to the request.
     """
 
-    __slots__ = ("grant", "_writers", "_open")
+    __slots__ = ("_fields", "_blocks", "_writers", "_open")
 
-    def __init__(self, grant: Grant, writers: _Writers) -> None:
-        self.grant = grant
+    def __init__(self, fields: tuple[str, str, int, float, float], blocks: list[int], writers: _Writers) -> None:
+        # the grant is built when asked for: a transport admits one ticket per frame, and a
+        # tuple of every block id per frame would cost O(grant) each time (the list is
+        # never changed after it is granted, so keeping it is keeping the snapshot)
+        self._fields = fields
+        self._blocks = blocks
         self._writers = writers
         self._open = True
+
+    @property
+    def grant(self) -> Grant:
+        """The grant the write was admitted under (its blocks, token and lease then)."""
+        rid, loc, token, expires, lease = self._fields
+        return Grant(rid, loc, tuple(self._blocks), token, expires, lease)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -578,9 +588,8 @@ class DecodeScheduler:
             assert blocks is not None
             req.writers.n += 1
             self._m["writes_admitted"] += 1
-            grant = Grant(req.rid, req.location, tuple(blocks), req.token, req.expires,  # type: ignore[arg-type]
-                          self.options.lease_s)
-            return WriteTicket(grant, req.writers)
+            return WriteTicket((req.rid, req.location, req.token, req.expires, self.options.lease_s), blocks,
+                               req.writers)
 
     def end_write(self, ticket: WriteTicket) -> None:
         """The write of ``ticket`` moves no more bytes (finished, failed or cut off). Its
@@ -589,7 +598,7 @@ class DecodeScheduler:
         now = self.clock()
         with self._lock:
             if not ticket._open:
-                raise RequestError(f"write ticket of {ticket.grant.request_id!r} already ended")
+                raise RequestError(f"write ticket of {ticket._fields[0]!r} already ended")
             ticket._open = False
             w = ticket._writers
             w.n -= 1

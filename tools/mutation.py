@@ -46,15 +46,21 @@ def equivalents() -> dict[str, str]:
     return out
 
 
-def run_module(module: str, tests: list[str], children: int, diffs: bool) -> dict:
-    work = tempfile.mkdtemp(prefix=f"pdkv-mutation-{module}-")
+def run_module(module: str, tests: list[str], children: int, diffs: bool, keep: str | None = None) -> dict:
+    resume = keep is not None and os.path.isdir(os.path.join(keep, module, "mutants"))
+    work = os.path.join(keep, module) if keep else tempfile.mkdtemp(prefix=f"pdkv-mutation-{module}-")
     try:
-        shutil.copytree(os.path.join(ROOT, "pdkv"), os.path.join(work, "pdkv"),
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(work, "tests"),
-                        ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+        if not resume:  # a kept folder with results goes on where it stopped (mutmut is incremental)
+            os.makedirs(work, exist_ok=True)
+            shutil.copytree(os.path.join(ROOT, "pdkv"), os.path.join(work, "pdkv"),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(work, "tests"),
+                            ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
         with open(os.path.join(ROOT, "pyproject.toml")) as f:
             text = f.read()
+        if resume:
+            with open(os.path.join(work, "pyproject.toml")) as f:
+                text = f.read()
         sel = ", ".join(json.dumps(t) for t in tests)
         # this run's module and tests, in mutmut's own table
         text = re.sub(r"(?m)^only_mutate = .*$", f'only_mutate = ["pdkv/{module}.py"]', text)
@@ -91,7 +97,8 @@ def run_module(module: str, tests: list[str], children: int, diffs: bool) -> dic
                 out["diffs"][n] = d.stdout
         return out
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if keep is None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> int:
@@ -101,12 +108,13 @@ def main() -> int:
     ap.add_argument("modules", nargs="*", default=list(table), help=f"of {', '.join(table)}")
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--diffs", action="store_true", help="print each survivor's diff")
+    ap.add_argument("--keep", metavar="DIR", help="work in DIR/<module> and keep it; a second run resumes there")
     a = ap.parse_args()
     results = []
     for m in a.modules:
         if m not in table:
             ap.error(f"unknown module {m!r}: choose from {', '.join(table)}")
-        results.append(run_module(m, table[m], a.max_children, a.diffs))
+        results.append(run_module(m, table[m], a.max_children, a.diffs, a.keep))
     print(f"{'module':12} {'mutants':>8} {'killed':>7} {'survived':>9} {'equivalent':>11} {'score':>7}")
     for r in results:
         print(f"{r['module']:12} {r['mutants']:8d} {r['killed']:7d} {r['survived']:9d} {r['equivalent']:11d} "
