@@ -849,3 +849,87 @@ def test_tombstones_are_bounded_oldest_first():
     assert str(e.value) == "request 'd' is already aborted (client went away)"
     with pytest.raises(RequestError, match="unknown request 'b'"):
         s.request("b")
+
+
+def test_many_layers_ranges_and_their_messages():
+    s = DecodeScheduler(num_layers=12, gpu=BlockPool(4))
+    g = s.reserve("a", num_blocks=1).grant
+    assert s.land_layers("a", g.token, range(1, 3)) == 2  # a range from 1: layers 1 and 2
+    assert s.request("a").layers_landed == 2
+    assert s.land_layers("a", g.token, [0]) == 3
+    with pytest.raises(RequestError) as e:
+        s.land_layers("a", g.token, range(0, 12))
+    assert str(e.value) == "request 'a': layers [0, 1, 2] already landed"
+    s.land_layers("a", g.token, range(3, 12))
+    g2 = s.reserve("b", num_blocks=1).grant
+    s.land_layers("b", g2.token, range(2, 3))
+    with pytest.raises(RequestError) as e:
+        s.complete("b", g2.token)
+    assert str(e.value) == "request 'b': completion before layers [0, 1, 3, 4, 5, 6, 7, 8] landed"
+    g3 = s.reserve("c", num_blocks=1).grant
+    s.land_layers("c", g3.token, range(12))
+    with pytest.raises(RequestError) as e:
+        s.land_layers("c", g3.token, list(range(12)))
+    assert str(e.value) == "request 'c': layers [0, 1, 2, 3, 4, 5, 6, 7] already landed"
+    assert s.complete("a", g.token) is State.READY
+
+
+def test_counters_accumulate():
+    clock = Clock()
+    swap = FakeSwap()
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(8), buffer=BlockPool(8), swap=swap, clock=clock,
+                        options=SchedulerOptions(direct_to_gpu=False, on_full="queue", queue_timeout_s=2.0,
+                                                 fence_grace_s=1.0, max_queue=8), listener=lambda e: None)
+    for rid in ("a", "b"):  # two swaps: the sums add, busy time covers both
+        g = s.reserve(rid, num_blocks=2).grant
+        clock.t += 1.0
+        s.land_layers(rid, g.token, [0])
+        s.complete(rid, g.token)
+    s.tick()
+    clock.t += 3.0
+    swap.finish("a")
+    s.tick()
+    clock.t += 1.0
+    swap.finish("b")
+    s.tick()
+    m = s.metrics()
+    assert m["prefill_wait_avoided_seconds_sum"] == 2.0 + 1.0 and m["prefill_wait_avoided_seconds_max"] == 2.0
+    assert m["swap_seconds_sum"] == 3.0 + 4.0 and m["swap_seconds_max"] == 4.0
+    assert m["swap_busy_seconds"] == 4.0 and m["swaps_completed"] == 2
+    for rid in ("c", "d"):  # two quarantines released: the counter adds
+        s.reserve(rid, num_blocks=1)
+        s.fail(rid, "x")
+    clock.t += 1.0
+    s.tick()
+    assert s.metrics()["quarantined_blocks_released"] == 2
+    s.buffer.allocate(s.buffer.num_free)  # no room: three queue, two time out
+    for rid in ("q1", "q2", "q3"):
+        assert s.reserve(rid, num_blocks=1).outcome == "queued"
+    clock.t += 2.0
+    ev = s.tick()
+    m = s.metrics()
+    assert m["queue_timeouts"] == 3 and m["queue_length"] == 0
+    assert [(e.kind, e.reason, e.t) for e in ev] == [("rejected", "timed out in the reservation queue", clock.t)] * 3
+    with pytest.raises(RequestError) as e:
+        s.abort("q1")
+    assert str(e.value) == "request 'q1' is already rejected (timed out in the reservation queue)"
+    assert s.prometheus().startswith("# TYPE pdkv_")
+
+
+def test_a_queue_deadline_is_inclusive_and_a_rejected_reuse_is_unknown():
+    clock = Clock()
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(2), clock=clock,
+                        options=SchedulerOptions(on_full="queue", queue_timeout_s=2.0, max_queue=1))
+    s.gpu.allocate(2)
+    assert s.reserve("q", num_blocks=1).outcome == "queued"
+    clock.t += 1.999
+    s.tick()
+    assert s.request("q").state is State.QUEUED
+    clock.t += 0.001  # exactly at the deadline: rejected
+    s.tick()
+    assert s.request("q").state is State.REJECTED
+    s.reserve("z", num_blocks=1)  # the queue is empty again: z waits
+    assert s.reserve("q", num_blocks=1).outcome == "rejected"  # queue full; q's old tombstone is gone
+    with pytest.raises(RequestError) as e:
+        s.request("q")
+    assert str(e.value) == "unknown request 'q'"

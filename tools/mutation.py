@@ -109,12 +109,15 @@ def main() -> int:
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--diffs", action="store_true", help="print each survivor's diff")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR/<module> and keep it; a second run resumes there")
+    ap.add_argument("--tests", help="comma-separated test files instead of the module's own (to see what one "
+                                    "file alone kills)")
     a = ap.parse_args()
     results = []
     for m in a.modules:
         if m not in table:
             ap.error(f"unknown module {m!r}: choose from {', '.join(table)}")
-        results.append(run_module(m, table[m], a.max_children, a.diffs, a.keep))
+        tests = a.tests.split(",") if a.tests else table[m]
+        results.append(run_module(m, tests, a.max_children, a.diffs, a.keep))
     print(f"{'module':12} {'mutants':>8} {'killed':>7} {'survived':>9} {'equivalent':>11} {'score':>7}")
     for r in results:
         print(f"{r['module']:12} {r['mutants']:8d} {r['killed']:7d} {r['survived']:9d} {r['equivalent']:11d} "
