@@ -437,6 +437,7 @@ def test_fuzzed_messages_raise_only_protocol_errors(seq, kind, fields):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 20,000 examples take minutes on 2 cores (and -o faulthandler_timeout=0)
 @settings(max_examples=20_000, deadline=None)
 @given(seq=_scalars, kind=st.sampled_from(_TYPES), fields=st.dictionaries(st.text(max_size=12), _values, max_size=8),
        depth=st.integers(0, 6000))

@@ -24,18 +24,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pdkv.blocks import BlockPool
 from pdkv.errors import GrantViolation, LeaseExpiredError, RequestError
 from pdkv.scheduler import DecodeScheduler, SchedulerOptions, State
+from test_scheduler import Clock
 
 WRITABLE = (State.RESERVED, State.RECEIVING)
 LAYERS = 3
 BLOCK_BYTES = 100
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
 
 
 class Handle:
