@@ -921,3 +921,66 @@ def test_a_queue_deadline_is_inclusive_and_a_rejected_reuse_is_unknown():
     with pytest.raises(RequestError) as e:
         s.request("q")
     assert str(e.value) == "unknown request 'q'"
+
+
+def test_two_tickets_on_one_request_both_hold_its_blocks():
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(4), options=SchedulerOptions(fence_grace_s=0.0))
+    g = s.reserve("a", num_blocks=2).grant
+    t1, t2 = s.begin_write("a", g.token), s.begin_write("a", g.token)
+    s.fail("a", "gone")
+    s.end_write(t1)
+    assert s.gpu.num_free == 2  # the second write still holds them
+    s.end_write(t2)
+    assert s.gpu.num_free == 4
+
+
+def test_finish_keeping_the_gpu_blocks_frees_nothing():
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(4))
+    g = s.reserve("a", num_blocks=2).grant
+    s.land_layers("a", g.token, [0])
+    s.complete("a", g.token)
+    s.take_ready()
+    s.finish("a", free_gpu_blocks=False)
+    assert s.gpu.num_free == 2 and s.request("a").state is State.FINISHED
+
+
+def test_a_renewed_lease_still_expires_in_tick():
+    clock = Clock()
+    clock.t = 0.0  # expiry times and the heap's tie-break counter of similar size
+    s = DecodeScheduler(num_layers=2, gpu=BlockPool(4), clock=clock, options=SchedulerOptions(lease_s=1.0))
+    g = s.reserve("a", num_blocks=1).grant
+    clock.t = 0.5
+    s.land_layers("a", g.token, [0])  # the lease now ends at 1.5
+    clock.t = 1.0
+    s.tick()
+    assert s.request("a").state is State.RECEIVING
+    clock.t = 1.6
+    s.tick()
+    assert s.request("a").state is State.EXPIRED
+
+
+def test_busy_time_adds_separate_busy_spells():
+    clock = Clock()
+    swap = FakeSwap()
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(8), buffer=BlockPool(8), swap=swap, clock=clock,
+                        options=SchedulerOptions(direct_to_gpu=False))
+    for rid in ("a", "b"):  # one swap at a time: two spells of 2 s
+        g = s.reserve(rid, num_blocks=1).grant
+        s.land_layers(rid, g.token, [0])
+        s.complete(rid, g.token)
+        s.tick()
+        clock.t += 2.0
+        swap.finish(rid)
+        s.tick()
+        clock.t += 5.0
+    assert s.metrics()["swap_busy_seconds"] == 4.0
+
+
+def test_check_invariants_catches_a_queued_request_holding_blocks():
+    s = DecodeScheduler(num_layers=1, gpu=BlockPool(4), options=SchedulerOptions(on_full="queue"))
+    s.reserve("big", num_blocks=3)
+    assert s.reserve("q", num_blocks=2).outcome == "queued"
+    s.check_invariants()
+    s._reqs["q"].gpu_blocks = s.gpu.allocate(1)  # held in the pool and owned: only the state is wrong
+    with pytest.raises(AssertionError):
+        s.check_invariants()

@@ -81,13 +81,17 @@ def run_module(module: str, tests: list[str], children: int, diffs: bool, keep: 
             if sep:
                 status[name] = st
         eq = equivalents()
-        survivors = sorted(n for n, s in status.items() if s not in ("killed", "timeout") and n not in eq)
-        excluded = sorted(n for n in status if n in eq)
-        killed = sum(1 for n, s in status.items() if s in ("killed", "timeout") and n not in eq)
+        dead = ("killed", "timeout")
+        # an entry naming a mutant that was killed is stale (mutmut numbers mutants per function,
+        # so editing a function renumbers them): reported, never excluded
+        stale = sorted(n for n, s in status.items() if n in eq and s in dead)
+        excluded = sorted(n for n, s in status.items() if n in eq and s not in dead)
+        survivors = sorted(n for n, s in status.items() if s not in dead and n not in eq)
+        killed = sum(1 for s in status.values() if s in dead)
         total = len(status) - len(excluded)
         out = {"module": module, "mutants": len(status), "killed": killed, "survived": len(survivors),
                "equivalent": len(excluded), "score": killed / total if total else 1.0,
-               "survivors": survivors, "by_status": {}}
+               "survivors": survivors, "stale_equivalents": stale, "by_status": {}}
         for s in status.values():
             out["by_status"][s] = out["by_status"].get(s, 0) + 1
         if diffs:
@@ -123,6 +127,9 @@ def main() -> int:
         print(f"{r['module']:12} {r['mutants']:8d} {r['killed']:7d} {r['survived']:9d} {r['equivalent']:11d} "
               f"{r['score']:7.1%}")
     for r in results:
+        if r["stale_equivalents"]:
+            print(f"\nlisted as equivalent but killed (stale entries in {os.path.basename(EQUIVALENT)}): "
+                  + ", ".join(r["stale_equivalents"]))
         if r["survivors"]:
             print(f"\nsurvivors in pdkv/{r['module']}.py ({r['by_status']}):")
             for n in r["survivors"]:
