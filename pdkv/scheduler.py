@@ -564,12 +564,8 @@ class DecodeScheduler:
 
         Raises GrantViolation, LeaseExpiredError or RequestError; nothing changes then.
         """
-        now = self.clock()
         with self._locked():
-            req = self._get_live(request_id)
-            self._check_writable(req, token, now)
-            blocks = req.gpu_blocks if req.location == "gpu" else req.buffer_blocks
-            assert blocks is not None
+            req, blocks = self._writable_blocks(request_id, token)
             return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, self.options.lease_s)  # type: ignore[arg-type]
 
     def begin_write(self, request_id: str, token: int) -> WriteTicket:
@@ -580,16 +576,20 @@ class DecodeScheduler:
 
         Raises GrantViolation, LeaseExpiredError or RequestError; nothing is held then.
         """
-        now = self.clock()
         with self._locked():
-            req = self._get_live(request_id)
-            self._check_writable(req, token, now)
-            blocks = req.gpu_blocks if req.location == "gpu" else req.buffer_blocks
-            assert blocks is not None
+            req, blocks = self._writable_blocks(request_id, token)
             req.writers.n += 1
             self._m["writes_admitted"] += 1
             return WriteTicket((req.rid, req.location, req.token, req.expires, self.options.lease_s), blocks,
                                req.writers)
+
+    def _writable_blocks(self, request_id: str, token: int) -> tuple[_Req, list[int]]:
+        """The live request and the blocks a write with ``token`` may fill now (under the lock)."""
+        req = self._get_live(request_id)
+        self._check_writable(req, token, self.clock())
+        blocks = req.gpu_blocks if req.location == "gpu" else req.buffer_blocks
+        assert blocks is not None
+        return req, blocks
 
     def end_write(self, ticket: WriteTicket) -> None:
         """The write of ``ticket`` moves no more bytes (finished, failed or cut off). Its
