@@ -26,18 +26,34 @@ backend are called with no lock held.
 from __future__ import annotations
 
 import contextlib
-import enum
 import heapq
 import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator
 
 from .blocks import BlockAllocator, BlockPool
 from .errors import GrantViolation, LeaseExpiredError, RequestError
+from .lifecycle import (
+    _COUNTER_OF,
+    _WRITABLE,
+    TERMINAL,
+    Event,
+    EventKind,
+    Grant,
+    ReadyRequest,
+    RequestInfo,
+    Reservation,
+    SchedulerOptions,
+    State,
+    SwapBackend,
+    SwapHandle,
+    WriteTicket,
+    _Metrics,
+    _Quarantine,
+    _Req,
+)
 
 __all__ = [
     "State",
@@ -48,256 +64,11 @@ __all__ = [
     "RequestInfo",
     "ReadyRequest",
     "Event",
+    "EventKind",
     "SwapBackend",
     "SwapHandle",
     "DecodeScheduler",
 ]
-
-
-class State(enum.Enum):
-    """Where a request is in its decode-side lifecycle (see the module docstring)."""
-
-    QUEUED = "queued"
-    RESERVED = "reserved"
-    RECEIVING = "receiving"
-    RECEIVED = "received"
-    SWAPPING = "swapping"
-    READY = "ready"
-    FINISHED = "finished"
-    FAILED = "failed"
-    EXPIRED = "expired"
-    ABORTED = "aborted"
-    REJECTED = "rejected"
-
-
-TERMINAL = frozenset({State.FINISHED, State.FAILED, State.EXPIRED, State.ABORTED, State.REJECTED})
-_WRITABLE = (State.RESERVED, State.RECEIVING)
-_COUNTER_OF = {State.FAILED: "requests_failed", State.EXPIRED: "requests_expired",
-               State.ABORTED: "requests_aborted", State.FINISHED: "requests_finished"}
-
-
-@runtime_checkable
-class SwapHandle(Protocol):
-    """An in-flight swap. ``done()`` never blocks; ``error`` is set if it failed."""
-
-    def done(self) -> bool: ...
-
-    @property
-    def error(self) -> BaseException | None: ...
-
-
-@runtime_checkable
-class SwapBackend(Protocol):
-    """Copies a request's buffer blocks into its GPU blocks, asynchronously."""
-
-    def submit(self, request_id: str, buffer_blocks: Sequence[int], gpu_blocks: Sequence[int]) -> SwapHandle: ...
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SchedulerOptions:
-    """Policy of a :class:`DecodeScheduler`.
-
-    Parameters
-    ----------
-    lease_s:
-        Seconds a reservation lives without progress; each landed layer or
-        :meth:`~DecodeScheduler.renew` extends it by as much.
-    direct_to_gpu:
-        Reserve GPU blocks straight away when the GPU has room above ``gpu_reserve_blocks``.
-    gpu_reserve_blocks:
-        GPU blocks kept free for running requests; reservations and swaps leave them alone.
-    on_full:
-        ``reject`` answers "no room" at once; ``queue`` queues FIFO until room appears.
-    max_queue, queue_timeout_s:
-        Bound on queued reservations and on how long one may wait.
-    swap_order:
-        ``fifo`` by arrival of the last layer (strict: no overtaking), or ``shortest``
-        (fewest blocks first; a request waiting longer than ``starvation_s`` goes first).
-    fence_grace_s:
-        How long blocks a peer may still write stay quarantined after expiry or abort.
-    max_tombstones:
-        Terminal requests remembered so that late messages get a precise answer.
-    """
-
-    lease_s: float = 30.0
-    direct_to_gpu: bool = True
-    gpu_reserve_blocks: int = 0
-    on_full: Literal["reject", "queue"] = "reject"
-    max_queue: int = 4096
-    queue_timeout_s: float = 60.0
-    swap_order: Literal["fifo", "shortest"] = "fifo"
-    starvation_s: float = 5.0
-    fence_grace_s: float = 2.0
-    max_tombstones: int = 65536
-
-    def __post_init__(self) -> None:
-        for f in ("lease_s", "queue_timeout_s", "starvation_s"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{f}={v!r} must be a positive number of seconds")
-        if not isinstance(self.fence_grace_s, (int, float)) or self.fence_grace_s < 0:
-            raise ValueError(f"fence_grace_s={self.fence_grace_s!r} must be >= 0")
-        for f in ("gpu_reserve_blocks", "max_queue", "max_tombstones"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{f}={v!r} must be a non-negative integer")
-        if self.on_full not in ("reject", "queue"):
-            raise ValueError(f"on_full={self.on_full!r} must be 'reject' or 'queue'")
-        if self.swap_order not in ("fifo", "shortest"):
-            raise ValueError(f"swap_order={self.swap_order!r} must be 'fifo' or 'shortest'")
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """Destination blocks granted to prefill for one request.
-
-    Ownership: the blocks stay the scheduler's; the peer may write into them until the
-    lease expires or the request completes.
-    """
-
-    request_id: str
-    location: Literal["gpu", "buffer"]
-    blocks: tuple[int, ...]
-    token: int
-    lease_expires: float
-    lease_s: float
-
-
-class _Writers:
-    """Writes admitted into one request's blocks and not yet ended (shared by the request
-    and its quarantine entries, which outlive it)."""
-
-    __slots__ = ("n", "entries")
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.entries: list[_Quarantine] = []
-
-
-class WriteTicket:
-    """An admitted write into a request's blocks (:meth:`DecodeScheduler.begin_write`).
-
-    Ownership: the transport holds it while bytes may still move into ``grant.blocks`` and
-    gives it back once with :meth:`DecodeScheduler.end_write`; until then none of those
-    blocks is handed out again, whatever happens to the request.
-    """
-
-    __slots__ = ("_fields", "_blocks", "_writers", "_open")
-
-    def __init__(self, fields: tuple[str, str, int, float, float], blocks: list[int], writers: _Writers) -> None:
-        # the grant is built when asked for: a transport admits one ticket per frame, and a
-        # tuple of every block id per frame would cost O(grant) each time (the list is
-        # never changed after it is granted, so keeping it is keeping the snapshot)
-        self._fields = fields
-        self._blocks = blocks
-        self._writers = writers
-        self._open = True
-
-    @property
-    def grant(self) -> Grant:
-        """The grant the write was admitted under (its blocks, token and lease then)."""
-        rid, loc, token, expires, lease = self._fields
-        return Grant(rid, loc, tuple(self._blocks), token, expires, lease)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """The answer to :meth:`DecodeScheduler.reserve`: outcome is ``gpu``, ``buffer``,
-    ``queued`` or ``rejected``; ``grant`` is set for the first two."""
-
-    request_id: str
-    outcome: Literal["gpu", "buffer", "queued", "rejected"]
-    grant: Grant | None = None
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadyRequest:
-    """A request whose KV cache is in GPU blocks. Ownership: the GPU blocks are the
-    engine's to use until it calls :meth:`DecodeScheduler.finish`."""
-
-    request_id: str
-    gpu_blocks: tuple[int, ...]
-    num_tokens: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class RequestInfo:
-    request_id: str
-    state: State
-    location: str
-    num_blocks: int
-    layers_landed: int
-    buffer_blocks: tuple[int, ...]
-    gpu_blocks: tuple[int, ...]
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """Something the engine or the transport should hear about.
-
-    kind: ``reserved`` (blocks granted at once), ``granted`` (a queued reservation got
-    blocks), ``received`` (every layer landed; a buffer request now waits for its swap),
-    ``ready``, ``failed``, ``expired``, ``aborted``, ``rejected``. ``t`` is the
-    scheduler's clock when it happened. Events are made only while a listener is set.
-    """
-
-    kind: str
-    request_id: str
-    grant: Grant | None = None
-    reason: str = ""
-    t: float = 0.0
-
-
-@dataclass(slots=True, eq=False)
-class _Req:
-    rid: str
-    n: int
-    tokens: int | None
-    peer: str
-    state: State = State.QUEUED
-    location: str = ""
-    token: int = 0
-    expires: float = 0.0
-    queue_deadline: float = 0.0
-    buffer_blocks: list[int] | None = None
-    gpu_blocks: list[int] | None = None
-    landed: int = 0
-    nlanded: int = 0
-    reserved_at: float = 0.0
-    received_at: float = 0.0
-    swap_started: float = 0.0
-    handle: Any = None
-    cancel: tuple[State, str] | None = None
-    reason: str = ""
-    in_ready: bool = False
-    gpu_ok: bool = True  # may take GPU blocks directly (with options.direct_to_gpu)
-    writers: _Writers = field(default_factory=_Writers)
-
-
-@dataclass(slots=True, eq=False)
-class _Quarantine:
-    release_at: float
-    peer: str
-    pool: Any
-    blocks: list[int]
-    writers: _Writers
-    fenced: bool = False
-
-    def releasable(self, now: float) -> bool:
-        return self.writers.n == 0 and (self.fenced or self.release_at <= now)
-
-
-@dataclass
-class _Metrics:
-    counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys((
-        "reservations_gpu", "reservations_buffer", "reservations_queued", "reservations_rejected",
-        "grants_from_queue", "queue_timeouts", "layers_landed", "requests_received", "requests_ready",
-        "requests_finished", "requests_failed", "requests_expired", "requests_aborted",
-        "late_messages_rejected", "swaps_submitted", "swaps_completed", "swaps_failed", "swap_bytes",
-        "swap_seconds_sum", "swap_seconds_max", "swap_busy_seconds", "prefill_wait_avoided_seconds_sum",
-        "prefill_wait_avoided_seconds_max", "quarantined_blocks_released", "buffer_blocks_peak", "writes_admitted"), 0))
 
 
 class DecodeScheduler:
@@ -349,6 +120,7 @@ class DecodeScheduler:
         self.options = options or SchedulerOptions()
         self.clock = clock
         self.listener = listener
+        self._listeners: tuple[Callable[[Event], None], ...] = ()  # add_listener's, after ``listener``
         self._lock = threading.Lock()
         self._reqs: dict[str, _Req] = {}
         self._tomb: OrderedDict[str, tuple[State, int, str]] = OrderedDict()
@@ -369,14 +141,31 @@ class DecodeScheduler:
         ev, self._events = self._events, []
         return ev
 
-    def _event(self, kind: str, rid: str, grant: Grant | None = None, reason: str = "", t: float = 0.0) -> None:
-        if self.listener is not None:
+    def _event(self, kind: EventKind, rid: str, grant: Grant | None = None, reason: str = "", t: float = 0.0) -> None:
+        if self.listener is not None or self._listeners:
             self._events.append(Event(kind, rid, grant, reason, t))
 
     def _deliver(self, events: list[Event]) -> None:
-        if events and self.listener is not None:
-            for e in events:
-                self.listener(e)
+        if not events:
+            return
+        fns = ((self.listener,) if self.listener is not None else ()) + self._listeners
+        for e in events:
+            for fn in fns:
+                fn(e)
+
+    def add_listener(self, fn: Callable[[Event], None]) -> None:
+        """Also call ``fn`` with every event (after ``listener``), e.g. a transport's; as
+        ``listener``, from whichever thread caused the event, with no lock held."""
+        with self._lock:
+            self._listeners = (*self._listeners, fn)
+
+    def remove_listener(self, fn: Callable[[Event], None]) -> None:
+        """Stop calling ``fn`` (added by :meth:`add_listener`); ValueError if it was not."""
+        with self._lock:
+            if fn not in self._listeners:
+                raise ValueError("remove_listener: that function is not a listener of this scheduler")
+            i = self._listeners.index(fn)
+            self._listeners = self._listeners[:i] + self._listeners[i + 1:]
 
     def _get_live(self, rid: str) -> _Req:
         req = self._reqs.get(rid)
@@ -491,7 +280,7 @@ class DecodeScheduler:
         if key:
             self._m[key] += 1
         if state is not State.FINISHED:
-            self._event(state.value, req.rid, reason=reason, t=now)
+            self._event(EventKind(state.value), req.rid, reason=reason, t=now)
 
     def _expire(self, req: _Req, now: float) -> None:
         self._terminate(req, State.EXPIRED, f"lease of {self.options.lease_s}s expired", now)
@@ -541,7 +330,7 @@ class DecodeScheduler:
             if grant is not None:
                 self._reqs[request_id] = req
                 res = Reservation(request_id, grant.location, grant)
-                self._event("reserved", request_id, grant=grant, t=now)
+                self._event(EventKind.RESERVED, request_id, grant=grant, t=now)
             elif self.options.on_full == "queue" and len(self._queue) < self.options.max_queue:
                 req.queue_deadline = now + self.options.queue_timeout_s
                 self._reqs[request_id] = req
@@ -684,11 +473,11 @@ class DecodeScheduler:
                 req.in_ready = True
                 self._ready.append(req)
                 self._m["requests_ready"] += 1
-                self._event("ready", req.rid, t=now)
+                self._event(EventKind.READY, req.rid, t=now)
             else:
                 req.state = State.RECEIVED
                 self._swapq[req.rid] = None
-                self._event("received", req.rid, t=now)
+                self._event(EventKind.RECEIVED, req.rid, t=now)
             return req.state
 
     def fail(self, request_id: str, reason: str, token: int | None = None) -> None:
@@ -786,14 +575,16 @@ class DecodeScheduler:
     def _expire_due(self, now: float) -> None:
         heap = self._expiry
         while heap and heap[0][0] <= now:
-            _, _, rid = heapq.heappop(heap)
+            t, _, rid = heapq.heappop(heap)
             req = self._reqs.get(rid)
             if req is None or req.state not in _WRITABLE:
                 continue
-            if req.expires <= now:
-                self._expire(req, now)
-            else:
+            if req.expires != t:
+                # a renewed lease, or the entry of an earlier request of this id: due at its
+                # own time (leases end in the order they run out)
                 self._push_expiry(req)
+                continue
+            self._expire(req, now)
         while self._queue:
             req = self._reqs[self._queue[0]]
             if req.queue_deadline > now:
@@ -822,7 +613,7 @@ class DecodeScheduler:
                 return
             self._queue.popleft()
             self._m["grants_from_queue"] += 1
-            self._event("granted", req.rid, grant=grant, t=now)
+            self._event(EventKind.GRANTED, req.rid, grant=grant, t=now)
 
     def _admit_swaps(self, now: float) -> list[_Req]:
         out: list[_Req] = []
@@ -899,7 +690,7 @@ class DecodeScheduler:
         req.in_ready = True
         self._ready.append(req)
         m["requests_ready"] += 1
-        self._event("ready", req.rid, t=now)
+        self._event(EventKind.READY, req.rid, t=now)
 
     # ------------------------------------------------------------------ observability
     def request(self, request_id: str) -> RequestInfo:

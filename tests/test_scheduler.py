@@ -984,3 +984,23 @@ def test_check_invariants_catches_a_queued_request_holding_blocks():
     s._reqs["q"].gpu_blocks = s.gpu.allocate(1)  # held in the pool and owned: only the state is wrong
     with pytest.raises(AssertionError):
         s.check_invariants()
+
+
+def test_leases_end_in_the_order_they_run_out_also_for_a_reused_id():
+    """An aborted request's id reserved again leaves the first lease's expiry entry behind;
+    the second request still expires at its own time, after a lease that ran out before it
+    (found by the model machine: with few tombstones the order decides which are forgotten)."""
+    s, clock, _, events = make(lease_s=5.0, max_tombstones=2)
+    s.reserve("r1", num_blocks=1)
+    s.reserve("r2", num_blocks=1)
+    s.abort("r1")
+    clock.t += 0.25
+    s.reserve("r1", num_blocks=1)  # expires 0.25 s after r2
+    clock.t += 5.0
+    s.tick()
+    assert [(e.kind, e.request_id) for e in events if e.kind == "expired"] == [("expired", "r2"), ("expired", "r1")]
+    s.reserve("r3", num_blocks=1)
+    s.abort("r3")  # a third tombstone: the oldest (r2) is forgotten, r1 is remembered
+    assert s.request("r1").state is State.EXPIRED
+    with pytest.raises(RequestError, match="unknown request 'r2'"):
+        s.request("r2")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -207,9 +208,12 @@ class ModelScheduler:
             return LeaseExpiredError(f"request {req.rid!r}: its lease expired; the message is refused")
         return None
 
-    def tick(self, now, swap: Swap):
+    def tick(self, now, swap: Swap, expiry_order: Sequence[str] = ()):
+        # leases that end at one instant end in no promised order: the real one's order is
+        # taken (it decides which tombstones the oldest-first eviction drops)
+        rank = {rid: i for i, rid in enumerate(expiry_order)}
         for req in sorted([r for r in self.reqs.values() if r.state in WRITABLE and r.expires <= now],
-                          key=lambda r: r.expires):
+                          key=lambda r: (r.expires, rank.get(r.rid, len(rank)))):
             self.terminate(req, State.EXPIRED, f"lease of {self.o.lease_s}s expired", now)
         while self.queue and self.reqs[self.queue[0]].queue_deadline <= now:
             self.m["queue_timeouts"] += 1
@@ -539,8 +543,9 @@ class SchedulerModelMachine(RuleBasedStateMachine):
 
     @rule()
     def tick(self):
-        self.m.tick(self.clock.t, self.swap)
-        self._events(ordered=False, returned=self.s.tick())
+        returned = self.s.tick()
+        self.m.tick(self.clock.t, self.swap, [e.request_id for e in returned if e.kind == "expired"])
+        self._events(ordered=False, returned=returned)
 
     @rule(ok=st.booleans(), data=st.data())
     def a_swap_ends(self, ok, data):
