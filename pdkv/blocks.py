@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from .errors import BlockError, OutOfBlocksError
+from .plan import runs_of
 
 __all__ = ["BlockAllocator", "BlockPool", "runs_of"]
 
@@ -40,27 +41,6 @@ class BlockAllocator(Protocol):
 
     @property
     def num_total(self) -> int: ...
-
-
-def runs_of(blocks: Sequence[int]) -> list[tuple[int, int]]:
-    """Split ids into maximal ``(start, stop)`` runs of consecutive ids, in the given order."""
-    n = len(blocks)
-    if n == 0:
-        return []
-    first = blocks[0]
-    if blocks[-1] - first == n - 1:
-        seq = blocks if type(blocks) is list else list(blocks)
-        if seq == list(range(first, first + n)):
-            return [(first, first + n)]
-    out = []
-    start = prev = blocks[0]
-    for b in blocks[1:]:
-        if b != prev + 1:
-            out.append((start, prev + 1))
-            start = b
-        prev = b
-    out.append((start, prev + 1))
-    return out
 
 
 def _is_id(b: object, n: int) -> bool:

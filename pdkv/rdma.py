@@ -23,6 +23,7 @@ from typing import Any
 
 from . import _ffi
 from .errors import PdkvTimeoutError, ProtocolError, RdmaError
+from .plan import coalesce
 
 __all__ = ["WriteWR", "plan_writes", "batch_chains", "CompletionTracker", "EndpointInfo", "RemoteRegion",
            "merge_regions", "RdmaWriter", "RdmaTarget", "WC_STATUS"]
@@ -51,29 +52,12 @@ def plan_writes(request: str, local: Sequence[int], remote: Sequence[int], lengt
 
     Raises ProtocolError for a write outside ``[remote_base, remote_base+remote_len)``.
     """
-    out: list[WriteWR] = []
-    cur: list[int] | None = None
     for la, ra, n in zip(local, remote, lengths):
         if n <= 0:
             raise ProtocolError(f"write of {n} bytes")
         if ra < remote_base or ra + n > remote_base + remote_len:
             raise ProtocolError(f"write [{ra:#x}, +{n}) outside the peer's region [{remote_base:#x}, +{remote_len})")
-        if cur is not None and cur[0] + cur[2] == la and cur[1] + cur[2] == ra and cur[2] + n <= max_bytes:
-            cur[2] += n
-        else:
-            if cur is not None:
-                out.append(WriteWR(request, *cur))
-            cur = [la, ra, n]
-    if cur is not None:
-        out.append(WriteWR(request, *cur))
-    split: list[WriteWR] = []
-    for w in out:
-        off = 0
-        while off < w.length:
-            k = min(max_bytes, w.length - off)
-            split.append(WriteWR(request, w.local + off, w.remote + off, k))
-            off += k
-    return split
+    return [WriteWR(request, la, ra, n) for la, ra, n in coalesce(local, remote, lengths, max_bytes)]
 
 
 def batch_chains(wrs: Sequence[WriteWR], max_chain: int, signal_every: int) -> list[list[tuple[WriteWR, bool]]]:

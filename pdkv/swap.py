@@ -23,19 +23,20 @@ import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from . import _ffi
 from .errors import ClosedError, CudaUnavailableError, PdkvError, PdkvTimeoutError, SwapError
+from .kernels import KERNEL_SOURCE
 from .layout import CacheSpec
+from .plan import CopyPlan, plan_copy, split_runs
 
-__all__ = ["CopyPlan", "plan_copy", "CopyHandle", "SwapEngine", "SwapGroup", "Strategy", "KERNEL_SOURCE"]
+# CopyPlan, plan_copy and split_runs live in pdkv.plan (re-exported here); the kernel in pdkv.kernels
+__all__ = ["CopyPlan", "plan_copy", "split_runs", "CopyHandle", "SwapEngine", "SwapGroup", "Strategy", "KERNEL_SOURCE"]
 
 Strategy = Literal["auto", "kernel", "batch", "memcpy", "host"]
-_CHUNK = 64 << 10  # bytes one kernel CTA copies
 # auto: mean piece at least this -> cudaMemcpyBatchAsync (H200, 4096 blocks, batches
 # submitted in growing sub-batches). The copy engines beat the kernel from 64 KiB
 # host->GPU (54.4 vs 50.9 GB/s) but only from 256 KiB GPU->host (51.4 vs 52.2 at 128 KiB).
@@ -65,149 +66,6 @@ def _batch_spans(a: int, b: int, first: int | None = None, cap: int | None = Non
         a += n
         n = min(cap, 2 * n)
     return out
-
-
-def split_runs(lengths: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every run of ``lengths[i]`` units cut into runs of at most ``most``, in order: for each
-    cut, ``(i, offset into run i, length)`` as int64 arrays. Callers move their own starts
-    (bytes, block indices) by the offsets."""
-    ln = np.asarray(lengths, dtype=np.int64)
-    n = (ln + most - 1) // most
-    idx = np.repeat(np.arange(ln.size), n)
-    off = (np.arange(idx.size, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)) * most
-    return idx, off, np.minimum(ln[idx] - off, most)
-
-
-@dataclass(frozen=True, slots=True)
-class CopyPlan:
-    """Coalesced pieces of one copy: ``src[i] -> dst[i]``, ``lengths[i]`` bytes;
-    ``layer_ends[l]`` is the end index of layer ``l``'s pieces (pieces are in layer order)."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    lengths: np.ndarray
-    layer_ends: np.ndarray
-    nbytes: int
-
-    @property
-    def pieces(self) -> int:
-        return int(self.lengths.size)
-
-    def chunked(self, chunk: int = _CHUNK) -> CopyPlan:
-        """The same copy with every piece split into pieces of at most ``chunk`` bytes."""
-        ln = self.lengths.astype(np.int64)
-        if ln.size == 0 or int(ln.max()) <= chunk:
-            return self
-        idx, off, lens = split_runs(ln, chunk)
-        n = (ln + chunk - 1) // chunk
-        ends = np.cumsum(n)[self.layer_ends - 1] if self.layer_ends.size else self.layer_ends
-        ends = np.where(self.layer_ends == 0, 0, ends)
-        return CopyPlan(self.src[idx] + off.astype(np.uint64), self.dst[idx] + off.astype(np.uint64),
-                        lens.astype(np.uint64), ends.astype(np.int64), self.nbytes)
-
-
-def _as_ids(x: Sequence[int] | np.ndarray) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x.astype(np.int64, copy=False).reshape(-1)
-    return np.fromiter(x, dtype=np.int64, count=len(x))
-
-
-def _check_blocks(name: str, blocks: np.ndarray, limit: int) -> None:
-    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= limit):
-        bad = blocks[(blocks < 0) | (blocks >= limit)]
-        raise SwapError(f"{name} block ids {bad[:8].tolist()} out of range [0, {limit})")
-
-
-def _regions(spec: CacheSpec, layers: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    bases, strides = spec.region_arrays()
-    if layers is None:
-        return bases, strides
-    return bases[layers], strides[layers]
-
-
-def plan_copy(src: CacheSpec, dst: CacheSpec, src_blocks: Sequence[int] | np.ndarray,
-              dst_blocks: Sequence[int] | np.ndarray, layers: Sequence[int] | None = None) -> CopyPlan:
-    """Plan copying ``src_blocks[i]`` of ``src`` into ``dst_blocks[i]`` of ``dst`` for every
-    layer (or ``layers``) and tensor. Runs contiguous in both memories become one piece.
-
-    Raises
-    ------
-    SwapError
-        Different layouts, mismatched lengths, ids out of range, duplicate destinations.
-    """
-    if src.layout.block_bytes != dst.layout.block_bytes or src.layout.tensors != dst.layout.tensors:
-        raise SwapError("source and destination caches have different layouts")
-    sb, db = _as_ids(src_blocks), _as_ids(dst_blocks)
-    if sb.size != db.size:
-        raise SwapError(f"{sb.size} source blocks but {db.size} destination blocks")
-    _check_blocks("source", sb, src.num_blocks)
-    _check_blocks("destination", db, dst.num_blocks)
-    if db.size > 1 and np.bincount(db, minlength=1).max() > 1:
-        raise SwapError("duplicate destination block ids (two copies would race into one block)")
-    lay = src.layout
-    L = None if layers is None else np.asarray(list(layers), dtype=np.int64)
-    if L is not None and L.size and (L.min() < 0 or L.max() >= lay.total_layers):
-        raise SwapError(f"layers {L.tolist()[:8]} out of range [0, {lay.total_layers})")
-    nl = lay.total_layers if L is None else L.size
-    nt = len(lay.tensors)
-    tb = np.array([lay.tensor_block_bytes(t) for t in range(nt)], dtype=np.int64)
-    sbase, sstr = _regions(src, L)
-    dbase, dstr = _regions(dst, L)
-    if sb.size == 0:
-        z = np.zeros(0, np.uint64)
-        return CopyPlan(z, z, z, np.zeros(nl, np.int64), 0)
-    # runs of consecutive ids on both sides; they are contiguous memory only where the
-    # block stride equals the block's bytes (not for K/V-interleaved caches)
-    dense = bool((sstr == tb).all() and (dstr == tb).all())
-    if dense:
-        brk = np.empty(sb.size, dtype=bool)
-        brk[0] = True
-        np.not_equal(np.diff(sb), 1, out=brk[1:])
-        brk[1:] |= np.diff(db) != 1
-        starts = np.flatnonzero(brk)
-        run = np.diff(np.append(starts, sb.size))
-        s0, d0 = sb[starts], db[starts]
-    else:
-        s0, d0, run = sb, db, np.ones(sb.size, np.int64)
-    # [layer, tensor, piece]
-    sa = sbase[:, :, None] + sstr[:, :, None] * s0[None, None, :]
-    da = dbase[:, :, None] + dstr[:, :, None] * d0[None, None, :]
-    ln = np.broadcast_to(tb[None, :, None] * run[None, None, :], sa.shape)
-    per_layer = nt * s0.size
-    ends = np.arange(1, nl + 1, dtype=np.int64) * per_layer
-    lengths = ln.reshape(-1).astype(np.uint64)
-    return CopyPlan(sa.reshape(-1).astype(np.uint64), da.reshape(-1).astype(np.uint64), lengths, ends,
-                    int(lengths.sum()))
-
-
-KERNEL_SOURCE = r"""
-extern "C" __global__ void __launch_bounds__(512)
-pdkv_copy(const unsigned long long* __restrict__ src, const unsigned long long* __restrict__ dst,
-          const unsigned long long* __restrict__ len, long long n)
-{
-    for (long long i = blockIdx.x; i < n; i += gridDim.x) {
-        const char* s = (const char*)src[i];
-        char* d = (char*)dst[i];
-        unsigned long long L = len[i];
-        if ((((unsigned long long)s | (unsigned long long)d | L) & 15ull) == 0) {
-            const uint4* s4 = (const uint4*)s;
-            uint4* d4 = (uint4*)d;
-            long long n4 = (long long)(L >> 4), bd = blockDim.x;
-            // every load of a round is issued before any store: a PCIe round trip is
-            // long, and the compiler may not reorder loads past stores that could alias
-            for (long long base = threadIdx.x; base < n4; base += 4 * bd) {
-                uint4 r[4];
-                #pragma unroll
-                for (int k = 0; k < 4; k++) { long long j = base + k * bd; if (j < n4) r[k] = s4[j]; }
-                #pragma unroll
-                for (int k = 0; k < 4; k++) { long long j = base + k * bd; if (j < n4) d4[j] = r[k]; }
-            }
-        } else {
-            for (unsigned long long j = threadIdx.x; j < L; j += blockDim.x) d[j] = s[j];
-        }
-    }
-}
-"""
 
 
 class CopyHandle:
