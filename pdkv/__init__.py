@@ -9,13 +9,14 @@ import logging as _logging
 # a library logs only where the application configured logging (no last-resort output)
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
-from . import blocks, errors, interop, layout, protocol, rdma, scheduler, shm, swap, transfer  # noqa: E402
+from . import blocks, errors, interop, layout, native, plan, protocol, rdma, scheduler, shm, swap, transfer  # noqa: E402
 from .blocks import BlockAllocator, BlockPool
 from .errors import *  # noqa: F403
 from .layout import GIB, CacheSpec, KVLayout, Segment, tp_segments
 from .scheduler import (
     DecodeScheduler,
     Event,
+    EventKind,
     Grant,
     ReadyRequest,
     RequestInfo,
@@ -29,7 +30,7 @@ from .scheduler import (
 from .shm import SharedBuffer
 from .interop import TensorInfo, aligned_empty, cache_from_tensors, tensor_info
 from .swap import CopyHandle, CopyPlan, SwapEngine, SwapGroup, plan_copy
-from .transfer import DecodeReceiver, PrefillSender, RequestOutcome, SendGrant
+from .transfer import DecodeReceiver, PrefillSender, ReceiverOptions, RequestOutcome, SenderOptions, SendGrant
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = [
     "BlockPool",
     "DecodeScheduler",
     "Event",
+    "EventKind",
     "Grant",
     "ReadyRequest",
     "RequestInfo",
@@ -57,6 +59,8 @@ __all__ = [
     "SwapGroup",
     "DecodeReceiver",
     "PrefillSender",
+    "ReceiverOptions",
+    "SenderOptions",
     "RequestOutcome",
     "SendGrant",
     "CopyHandle",

@@ -93,7 +93,7 @@ def data_conn(data_address: str, session_id: bytes, key: bytes | None, timeout: 
 
 def sender_conn(data_address: str, tx) -> socket.socket:
     """A data connection of a real PrefillSender's session (white box: its session id and key)."""
-    return data_conn(data_address, tx._session_id, tx._codec.key)
+    return data_conn(data_address, tx.session_id, tx.session_key)
 
 
 def recv_n(s: socket.socket, n: int) -> bytes:

@@ -12,7 +12,7 @@ PUBLIC = {
     "DecodeScheduler", "Event", "Grant", "KVLayout", "PrefillSender", "ReadyRequest", "RequestInfo", "RequestOutcome",
     "Reservation", "SchedulerOptions", "Segment", "SendGrant", "SharedBuffer", "State", "SwapBackend", "SwapEngine", "SwapGroup",
     "SwapHandle", "TensorInfo", "aligned_empty", "cache_from_tensors", "plan_copy", "tensor_info", "tp_segments",
-    "WriteTicket",
+    "WriteTicket", "EventKind", "ReceiverOptions", "SenderOptions",
     *pdkv.errors.__all__,
 }
 

@@ -223,7 +223,7 @@ def shared_decode():
     lay, arr, spec = prefill_cache(1, 0)
     tx = PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5)
     g = tx.reserve("fuzz", 16)
-    yield dec, (tx._session_id, tx._codec.key), g.token
+    yield dec, (tx.session_id, tx.session_key), g.token
     tx.close()
     dec.close()
 
@@ -232,7 +232,7 @@ def shared_decode():
 @pytest.mark.parametrize("point", ["handshake", "mid-layer", "during-swap"])
 def test_decode_kill_points(point, no_leaks):
     from pdkv.errors import PdkvTimeoutError, PeerError
-    from pdkv.shm_clean import clean_segments
+    from pdkv.shmclean import clean_segments
 
     d = _spawn("decode", "--timeout", "2", "--slow-swap", "30" if point == "during-swap" else "0")
     info = None

@@ -168,7 +168,7 @@ def test_a_fenced_peer_loses_its_data_connections(no_leaks):
         t0 = time.monotonic()
         assert conn.recv(1) == b""
         assert time.monotonic() - t0 < 5
-        wait_until(lambda: not dec.rx._conn_threads, 5, "the data thread joined and forgotten")
+        wait_until(lambda: not dec.rx.transport("tcp").connections, 5, "the data thread joined and forgotten")
         conn.close()
         a.close()
         good_peer(dec)
@@ -555,7 +555,7 @@ def test_silent_connections_hold_no_thread_and_are_closed(no_leaks):
         with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5) as tx:
             for _ in range(100):
                 sender_conn(dec.rx.data_address, tx).close()
-            wait_until(lambda: len(dec.rx._conn_threads) == len(tx._data_socks), 5, "finished threads forgotten")
+            wait_until(lambda: dec.rx.transport("tcp").connections == tx.transport_impl.connections, 5, "finished threads forgotten")
             assert send_one(tx, "after", [0, 1]).ok
     finally:
         for s in socks:

@@ -337,7 +337,7 @@ def test_decode_killed_prefill_fails_in_bounded_time(no_leaks):
     finally:
         reap(d)
         # the killed decode's segment is left for pdkv-shm clean
-        from pdkv.shm_clean import clean_segments
+        from pdkv.shmclean import clean_segments
 
         assert info["shm"] in clean_segments(dry_run=False)
 
@@ -488,9 +488,9 @@ def test_default_copy_threads_follow_the_cpus_this_process_may_use(monkeypatch):
 
 @pytest.mark.multiproc
 def test_shm_copy_threads_share_the_gather(monkeypatch, no_leaks):
-    import pdkv.transfer as tr
+    import pdkv.transfer.hostcopy as hc
 
-    monkeypatch.setattr(tr, "_GATHER_PIECE", 8 << 10)  # many small takes, so that every thread gets some
+    monkeypatch.setattr(hc, "GATHER_PIECE", 8 << 10)  # many small takes, so that every thread gets some
     dec = Decode(nb=256, transports=("shm",))
     try:
         lay, arr, spec = prefill_cache(1, 0, nb=256)
@@ -501,7 +501,7 @@ def test_shm_copy_threads_share_the_gather(monkeypatch, no_leaks):
                 tx.send_layer(layer, [("r", src)])
             tx.finish("r")
             assert tx.wait_outcome("r", 10).ok
-            assert tx._copy_pool is not None  # the threaded path ran
+            assert tx.transport_impl.copier.threaded  # the threaded path ran
             for layer in range(4):
                 for t in range(2):
                     for gi in (0, 1, 77, 199):
@@ -548,7 +548,7 @@ def test_many_engine_threads_share_one_sender(transport, no_leaks):
 def test_channel_wake_after_close_touches_no_reused_fd(tmp_path):
     import zmq
 
-    from pdkv.transfer import _Channel
+    from pdkv.transfer.channel import Channel as _Channel
 
     ctx = zmq.Context()
     try:
@@ -593,7 +593,7 @@ class _TrickleSocket:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 300), max_size=1500), st.lists(st.integers(1, 5000), min_size=1, max_size=8))
 def test_sendmsg_all_sends_every_byte_in_order_through_partial_sends(sizes, caps):
-    from pdkv.transfer import _sendmsg_all
+    from pdkv.transfer.tcp import _sendmsg_all
 
     rng = np.random.default_rng(len(sizes))
     bufs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
@@ -691,7 +691,7 @@ def test_layer_batch_items_are_credited_or_refused_each_on_its_own(no_leaks):
             ga, gb = tx.reserve("a", 16), tx.reserve("b", 16)
             before = dec.rx.stats["messages_rejected"]
             # one good item between a forged token and an unknown request
-            tx._post(LayerBatch(0, [("b", gb.token ^ 1, 0), ("a", ga.token, 0), ("ghost", 5, 0)]))
+            tx.post(LayerBatch(0, [("b", gb.token ^ 1, 0), ("a", ga.token, 0), ("ghost", 5, 0)]))
             wait_until(lambda: dec.rx.stats["messages_rejected"] >= before + 2, 5, "the bad items were not refused")
             time.sleep(0.05)
             assert dec.sched.request("a").layers_landed == 1  # credited despite its neighbours
@@ -713,14 +713,24 @@ def _draw_layer_work(data, P, D, nhd, nb=24):
     return src_lay, dst_lays, src, work
 
 
-def _planner(src_lay, dst_lays, src, dsts, nb, threads=1):
-    """A sender with only its planning and copying state, writing into ``dsts``."""
-    tx = PrefillSender.__new__(PrefillSender)
-    tx.layout, tx._dst_layout, tx.cache = src_lay, dst_lays[0], CacheSpec.for_buffer(src_lay, nb, src.ctypes.data)
-    tx.segments = [g for g in tp_segments(src_lay, dst_lays[0]) if g.src_rank == src_lay.tp_rank]
-    tx._dst_specs = {lay.tp_rank: CacheSpec.for_buffer(lay, nb, d.ctypes.data) for lay, d in zip(dst_lays, dsts)}
-    tx._views, tx.copy_threads, tx._copy_pool = {}, threads, None
-    return tx
+class _Planner:
+    """A prefill rank's planning and host copying, writing into ``dsts`` (no session)."""
+
+    def __init__(self, src_lay, dst_lays, src, dsts, nb, threads=1):
+        from pdkv.transfer.hostcopy import HostCopier
+
+        self.src_lay, self.dst_lay = src_lay, dst_lays[0]
+        self.cache = CacheSpec.for_buffer(src_lay, nb, src.ctypes.data)
+        self.segs = [g for g in tp_segments(src_lay, dst_lays[0]) if g.src_rank == src_lay.tp_rank]
+        self.dst_specs = {lay.tp_rank: CacheSpec.for_buffer(lay, nb, d.ctypes.data) for lay, d in zip(dst_lays, dsts)}
+        self.copier = HostCopier(self.cache, self.dst_specs, threads)
+
+    def pieces(self, layer, work):
+        from pdkv.plan import layer_pieces
+
+        sb = np.concatenate([np.asarray(w[2], np.int64) for w in work])
+        db = np.concatenate([np.asarray(w[3], np.int64) for w in work])
+        return layer_pieces(self.segs, self.src_lay, self.dst_lay, self.cache, self.dst_specs, sb, db, layer)
 
 
 @settings(max_examples=60, deadline=None)
@@ -735,10 +745,10 @@ def test_one_plan_per_layer_copies_what_per_request_plans_copy(P, D, nhd, data):
 
     def run(items):
         dsts = [np.zeros(lay.block_bytes * nb, np.uint8) for lay in dst_lays]
-        tx = _planner(src_lay, dst_lays, src, dsts, nb)
+        tx = _Planner(src_lay, dst_lays, src, dsts, nb)
         for layer in range(4):
             for part in items:
-                plans, _ = tx._pieces(layer, part)
+                plans, _ = tx.pieces(layer, part)
                 for _, s_, d_, ln in plans:
                     for a, b, n in zip(s_.tolist(), d_.tolist(), np.broadcast_to(ln, s_.shape).tolist()):
                         ctypes.memmove(b, a, n)
@@ -759,24 +769,21 @@ def test_streaming_and_numpy_copies_write_the_same_bytes(P, D, nhd, threads, dat
     streaming path (split over threads in small shares) writes what its numpy path writes.
     (tests/test_cpu_copy.py fails, not skips, where llvmlite is installed and the loop
     does not build.)"""
-    import pdkv.transfer as tr
-
     nb = 24
     src_lay, dst_lays, src, work = _draw_layer_work(data, P, D, nhd, nb)
     out = {}
-    for path in ("_stream_pieces", "_numpy_pieces"):
+    for path in ("stream", "numpy"):
         dsts = [np.zeros(lay.block_bytes * nb, np.uint8) for lay in dst_lays]
-        tx = _planner(src_lay, dst_lays, src, dsts, nb, threads)
-        with mock.patch.object(tr, "_GATHER_PIECE", 96):  # many small shares for the threads
-            for layer in range(4):
-                plans, _ = tx._pieces(layer, work)
-                getattr(tx, path)(layer, plans)
-        if tx._copy_pool is not None:
-            tx._copy_pool.shutdown()
+        tx = _Planner(src_lay, dst_lays, src, dsts, nb, threads)
+        tx.copier.piece = 96  # many small shares for the threads
+        for layer in range(4):
+            plans, _ = tx.pieces(layer, work)
+            getattr(tx.copier, path)(layer, plans)
+        tx.copier.close()
         out[path] = dsts
-    for a, b in zip(out["_stream_pieces"], out["_numpy_pieces"]):
+    for a, b in zip(out["stream"], out["numpy"]):
         assert np.array_equal(a, b)
-    assert any(d.any() for d in out["_stream_pieces"])
+    assert any(d.any() for d in out["stream"])
 
 
 @pytest.mark.skipif(not cpu.available(), reason=f"streaming copy loop unavailable: {cpu.unavailable_reason()}")
@@ -785,14 +792,14 @@ def test_a_streamed_piece_outside_its_region_is_refused_before_anything_is_writt
     lay = KVLayout(**BASE)
     src = np.ones(lay.block_bytes * nb, np.uint8)
     dst = np.zeros(lay.block_bytes * nb, np.uint8)
-    tx = _planner(lay, [lay], src, [dst], nb)
-    plans, _ = tx._pieces(0, [("r", None, [0, 1], [6, 7], 0)])
+    tx = _Planner(lay, [lay], src, [dst], nb)
+    plans, _ = tx.pieces(0, [("r", None, [0, 1], [6, 7], 0)])
     seg, s_, d_, n = plans[0]
     bad = [(seg, s_, d_ + np.uint64(lay.tensor_block_bytes(seg.tensor)), n)]  # one block past the region
-    with pytest.raises(TransferError, match="outside its source or destination region"):
-        tx._stream_pieces(0, plans[1:] + bad)
+    with pytest.raises(TransferError, match="falls outside its destination region"):
+        tx.copier.stream(0, plans[1:] + bad)
     assert not dst.any()
-    tx._stream_pieces(0, plans)  # the real plan copies
+    tx.copier.stream(0, plans)  # the real plan copies
     assert dst.any()
 
 
@@ -803,7 +810,7 @@ def test_tcp_frames_cut_runs_and_bound_every_frame(nb, unit, cap, most):
     """Every block of every item is sent once, in order, from the right address; no item is
     longer than ``cap`` allows, no frame holds more than ``most`` items or (past its first)
     more than ``cap`` bytes."""
-    from pdkv.transfer import _tcp_frames, _tcp_items
+    from pdkv.plan import tcp_frames as _tcp_frames, tcp_items as _tcp_items
 
     nb = np.asarray(nb, np.int64)
     gi = np.concatenate(([0], np.cumsum(nb)[:-1])).astype(np.int64) * 2 + 5  # gaps between items
@@ -825,7 +832,7 @@ def test_a_tcp_run_longer_than_a_frame_arrives_in_several(monkeypatch, no_leaks)
     """A long request's blocks, contiguous on both sides, are one run: it used to go as one
     item in one frame, which decode refuses past MAX_FRAME_PAYLOAD (the connection dropped
     and the request failed). Limits scaled down here: frames of 16 KiB, refused past 64 KiB."""
-    import pdkv.transfer as tr
+    import pdkv.transfer.tcp as tr
 
     monkeypatch.setattr(tr, "MAX_FRAME_PAYLOAD", 64 << 10)
     monkeypatch.setattr(tr, "_FRAME_BYTES", 16 << 10)
@@ -856,7 +863,7 @@ def test_a_reservation_larger_than_one_grant_can_carry_is_refused_by_name(monkey
     """A grant is one message; prefill refuses one of more than MAX_GRANT_BLOCKS ids as a
     protocol violation. Decode refuses such a reservation up front (holding nothing) instead
     of sending it. Limit scaled down to 4 blocks here."""
-    import pdkv.transfer as tr
+    import pdkv.transfer.decode as tr
 
     monkeypatch.setattr(tr, "MAX_GRANT_BLOCKS", 4)
     dec = Decode(nb=16)
@@ -891,7 +898,7 @@ def test_finish_many_completes_a_batch_and_each_item_stands_alone(no_leaks):
             # an item for a request decode does not know, next to the last real one: the
             # real one still completes
             before = dec.rx.stats["messages_rejected"]
-            tx._post(CompleteBatch([("ghost", 5, True, ""), ("b5", grants[5].token, True, "")]))
+            tx.post(CompleteBatch([("ghost", 5, True, ""), ("b5", grants[5].token, True, "")]))
             assert tx.wait_outcome("b5", 10).ok
             assert dec.rx.stats["messages_rejected"] == before + 1
             tx.finish_many([])  # nothing to do

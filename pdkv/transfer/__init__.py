@@ -1,0 +1,38 @@
+"""Moving KV cache from prefill ranks into the blocks decode granted, layer by layer.
+
+Decode runs a :class:`DecodeReceiver` (control plane on a ZeroMQ ROUTER socket, the
+:class:`~pdkv.scheduler.DecodeScheduler` behind it); each prefill rank runs a
+:class:`PrefillSender` (DEALER socket, a data thread that writes layer after layer while
+the engine computes the next one). The bytes move through a transport, chosen per peer
+from those both sides have registered (:mod:`.base`: the interface and the registry):
+
+``cuda_ipc`` (:mod:`.cuda_ipc`) a GPU cache on decode's host into decode's GPU blocks.
+``shm``      (:mod:`.shm`) decode's shared buffers written directly by a same-host prefill.
+``rdma``     (:mod:`.rdma`) one-sided RDMA writes (pyverbs); not run on RDMA hardware.
+``tcp``      (:mod:`.tcp`) framed payloads received straight into the granted blocks.
+
+``auto`` offers, for a host cache, shm, rdma (where this host has a device) and tcp; for a
+GPU cache, cuda_ipc and shm; decode picks the first it serves and can use for the peer.
+A new transport is one module with a :class:`SenderTransport` and a
+:class:`ReceiverTransport` subclass, made available by :func:`register`.
+"""
+
+from . import base
+from .base import (ReceiverTransport, SenderTransport, SendGrant, WriteItem, auto_offer, names, register,
+                   unregister)
+from .cuda_ipc import CudaIpcReceiver, CudaIpcSender
+from .decode import DecodeReceiver
+from .options import ReceiverOptions, SenderOptions, default_copy_threads
+from .prefill import PrefillSender, RequestOutcome
+from .rdma import RdmaReceiver, RdmaSender
+from .shm import ShmReceiver, ShmSender
+from .tcp import FRAME_HEADER, FRAME_ITEM, TcpReceiver, TcpSender
+
+__all__ = ["DecodeReceiver", "PrefillSender", "SendGrant", "RequestOutcome", "ReceiverOptions", "SenderOptions",
+           "default_copy_threads", "SenderTransport", "ReceiverTransport", "WriteItem", "register", "unregister",
+           "names", "auto_offer", "FRAME_HEADER", "FRAME_ITEM", "base"]
+
+for _s, _r in ((CudaIpcSender, CudaIpcReceiver), (ShmSender, ShmReceiver), (RdmaSender, RdmaReceiver),
+               (TcpSender, TcpReceiver)):
+    if _s.name not in base._REGISTRY:  # a reload keeps what is registered
+        register(_s, _r)

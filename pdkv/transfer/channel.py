@@ -1,0 +1,138 @@
+"""The control channel: a ZeroMQ socket any thread may send on, and small helpers both
+control sessions share (a rate-limited warning, batch-item clipping)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from ..protocol import MAX_BATCH_ERROR
+
+__all__ = ["Channel", "RateLimitedLog", "clip", "SEND_BATCH"]
+
+SEND_BATCH = 512  # items one batch message carries as sent (protocol limit: MAX_BATCH_ITEMS)
+
+_log = logging.getLogger("pdkv.transfer")
+
+# plain ints: pyzmq's enum flags cost microseconds per operation on the hot path
+_NB, _MORE_NB = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+class Channel:
+    """A zmq socket that any thread may send on: a send goes out at once, under a lock,
+    instead of hopping through the I/O thread (each hop costs a thread wake-up, and the
+    control round trips are what a one-block request waits for). The I/O thread waits on
+    the socket's file descriptor and a wake pipe with an OS poll and receives under the
+    same lock. The callable given to :meth:`send` runs under the lock too, so message
+    sequence numbers go out in the order they were assigned.
+
+    zmq's descriptor is edge-triggered: any operation on the socket, a send included,
+    may consume the signal that input is waiting, so after each send the sender checks
+    ``EVENTS`` and wakes the I/O thread if input is there."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._poll = select.poll()
+        self._poll.register(sock.getsockopt(zmq.FD), select.POLLIN)
+        self._poll.register(self._r, select.POLLIN)
+        self._closed = False
+        # the pipe's fds are touched only under this lock and never after close(): a late
+        # wake-up must not write into whatever file reuses the number
+        self._pipe_lock = threading.Lock()
+
+    def wake(self) -> None:
+        with self._pipe_lock:
+            if self._w < 0:
+                return
+            try:
+                os.write(self._w, b"x")
+            except OSError:  # pipe full: a wake-up is pending anyway
+                pass
+
+    def send(self, frames: Callable[[], list[bytes]]) -> bool:
+        """Send the frames ``frames()`` returns; False if the socket would block or is closed."""
+        with self.lock:
+            if self._closed:
+                return False
+            parts = frames()
+            try:
+                for f in parts[:-1]:
+                    self.sock.send(f, _MORE_NB)
+                self.sock.send(parts[-1], _NB)
+            except zmq.ZMQError:
+                return False
+            pending = bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
+        if pending:
+            self.wake()
+        return True
+
+    def _drain(self) -> list[list[bytes]] | None:
+        out: list[list[bytes]] = []
+        with self.lock:
+            if self._closed:
+                return None
+            try:
+                while len(out) < 256 and self.sock.getsockopt(_EVENTS) & _POLLIN:
+                    out.append(self.sock.recv_multipart(_NB))
+            except zmq.Again:
+                pass
+            except zmq.ZMQError:
+                return None
+        return out
+
+    def wait(self, timeout_ms: int) -> list[list[bytes]] | None:
+        """Messages waiting now; if none, wait up to ``timeout_ms`` for input or a wake-up.
+        None once the channel is closed."""
+        out = self._drain()
+        if out is None or out:
+            return out
+        self._poll.poll(timeout_ms)
+        with self._pipe_lock:
+            if self._r >= 0:
+                try:
+                    os.read(self._r, 4096)
+                except BlockingIOError:
+                    pass
+        return self._drain()
+
+    def close(self) -> None:
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.sock.close(0)
+        with self._pipe_lock:
+            os.close(self._r)
+            os.close(self._w)
+            self._r = self._w = -1
+
+
+def clip(text: str) -> str:
+    """``text`` cut to what one batch item may carry (``MAX_BATCH_ERROR`` characters)."""
+    return text if len(text) <= MAX_BATCH_ERROR else text[:MAX_BATCH_ERROR - 3] + "..."
+
+
+class RateLimitedLog:
+    """One warning per key per ``every`` seconds: a flood of refused connections must not
+    become a flood of log lines."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self._last: dict[str, float] = {}
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) >= self.every:
+            self._last[key] = now
+            _log.warning(msg, *args)

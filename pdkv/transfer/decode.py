@@ -1,0 +1,650 @@
+"""The decode side's control session: :class:`DecodeReceiver`.
+
+It binds a ZeroMQ ROUTER socket, authenticates each prefill rank (Hello, Challenge, Auth,
+Welcome), picks the transport for it from those served (each a
+:class:`~.base.ReceiverTransport` from the registry), answers reservations with the
+scheduler's grants, credits landed layers (reported by the peer or counted by the
+transport), completes requests, and fences silent or dead peers. Every request ends in a
+definite outcome on both sides in bounded time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from ..errors import GrantViolation, LayoutError, PdkvError, ProtocolError, RequestError
+from ..layout import CacheSpec, KVLayout, Segment, tp_segments
+from ..plan import run_lengths
+from ..procs import boot_id, pid_alive
+from ..protocol import (
+    MAX_BATCH_BLOCKS, MAX_GRANT_BLOCKS, PROTOCOL_VERSION, Abort, Auth, Challenge, Codec, Complete, CompleteBatch,
+    ErrorMsg, GrantBatch, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, Message, Outcome, OutcomeBatch,
+    ReserveBatch, ReserveReq, Welcome, layout_desc, new_nonce)
+from ..scheduler import DecodeScheduler, Event, EventKind
+from ..shm import SharedBuffer
+from . import base as registry
+from .base import Inflight, Peer, ReceiverTransport
+from .channel import SEND_BATCH, Channel, RateLimitedLog, clip
+from .options import ReceiverOptions, merge_options
+
+__all__ = ["DecodeReceiver"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Handshake:
+    """A Hello answered with a Challenge, waiting for the peer's Auth (holds no resources)."""
+
+    codec: Codec
+    hello: Hello
+    layout: KVLayout
+    segs: list[Segment]
+    transport: str
+    same_host: bool
+    nonce: bytes
+    deadline: float
+
+
+class DecodeReceiver:
+    """Decode side of the transfer path: serves grants, receives writes, feeds the scheduler.
+
+    Parameters
+    ----------
+    scheduler:
+        The decode scheduler. ``direct_to_gpu`` needs a transport that writes GPU blocks
+        served (``cuda_ipc``, with ``gpu_caches``): only its peers are granted GPU blocks;
+        the others are always granted buffer blocks.
+    layouts:
+        The layout of each decode rank hosted by this receiver (``tp_rank`` set).
+    buffers:
+        One :class:`~pdkv.shm.SharedBuffer` per rank, each holding ``buffer_blocks`` blocks.
+    buffer_blocks:
+        Blocks each buffer holds.
+    options:
+        A :class:`~pdkv.transfer.ReceiverOptions` (control endpoint, secret, transports
+        served, timeouts, caps); its field names are also accepted as keywords, which
+        replace the given options' fields.
+
+    Ownership: the receiver owns its sockets and threads (:meth:`close`); buffers and the
+    scheduler stay the caller's.
+    """
+
+    def __init__(self, scheduler: DecodeScheduler, layouts: Sequence[KVLayout], buffers: Sequence[SharedBuffer],
+                 buffer_blocks: int, options: ReceiverOptions | None = None, **kw: Any) -> None:
+        opts: ReceiverOptions = merge_options(ReceiverOptions, options, kw, "DecodeReceiver")
+        entries = []
+        for t in opts.transports:
+            try:
+                entries.append(registry.get(t))
+            except ValueError as exc:
+                raise ValueError(f"transport {t!r} is not served by DecodeReceiver: {exc}") from None
+        if scheduler.options.direct_to_gpu and not any(e.receiver.writes_gpu for e in entries):
+            raise ValueError(f"{', '.join(opts.transports)} write into the CPU buffer: create the scheduler with "
+                             "SchedulerOptions(direct_to_gpu=False), or serve cuda_ipc with gpu_caches")
+        if opts.gpu_caches is not None and not any(e.receiver.writes_gpu for e in entries):
+            raise ValueError("gpu_caches are served by cuda_ipc only: add it to transports")
+        if len(layouts) != len(buffers) or not layouts:
+            raise ValueError("give one buffer per decode rank layout")
+        self.options = opts
+        self.scheduler = scheduler
+        self.layouts = list(layouts)
+        self.ranks = [lay.tp_rank for lay in layouts]
+        self.tp_size = layouts[0].tp_size
+        self.buffers = list(buffers)
+        self.buffer_blocks = buffer_blocks
+        self.specs = {lay.tp_rank: CacheSpec.for_buffer(lay, buffer_blocks, b.address)
+                      for lay, b in zip(layouts, buffers)}
+        for lay, b in zip(layouts, buffers):
+            if b.size < CacheSpec.buffer_bytes(lay, buffer_blocks):
+                raise ValueError(f"buffer {b.name} holds {b.size} bytes; rank {lay.tp_rank} needs "
+                                 f"{CacheSpec.buffer_bytes(lay, buffer_blocks)} for {buffer_blocks} blocks")
+        self.secret = opts.secret
+        Codec(opts.secret)  # checks the secret now (ValueError), not at the first hello
+        self.instance = f"decode-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.stats = {"frames": 0, "bytes": 0, "frames_rejected": 0, "messages_rejected": 0, "peers_dead": 0,
+                      "connections_refused": 0, "auth_failed": 0, "accept_errors": 0, "loop_errors": 0,
+                      "frames_cut": 0}
+        self._stats_lock = threading.Lock()
+        self._warn = RateLimitedLog()
+        self.lock = threading.RLock()
+        self.stopping = threading.Event()
+        # outcomes of requests ended while one batch message is handled: sent together
+        self._outbox = threading.local()
+        self._peers: dict[bytes, Peer] = {}
+        self._pending: dict[bytes, _Handshake] = {}
+        self._sessions: dict[bytes, bytes] = {}  # session id -> peer ident
+        self._inflight: dict[str, Inflight] = {}
+        self._by_token: dict[int, Inflight] = {}
+        self._grants: dict[tuple[str, str], GrantMsg] = {}
+        self._threads: list[threading.Thread] = []
+        self._transports: dict[str, ReceiverTransport] = {}
+        self._ctx = zmq.Context()
+        try:  # a half-built receiver (address in use, a transport that cannot start) leaves nothing open
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            self._router.bind(opts.control)
+            self.control_address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            for e in entries:
+                self._transports[e.name] = e.receiver(self)
+        except BaseException:
+            self.stopping.set()
+            for tr in self._transports.values():
+                tr.close()
+            self._ctx.destroy(linger=0)
+            raise
+        self._ch = Channel(self._router)
+        scheduler.add_listener(self._on_event)
+        self._start(self._control_loop, "pdkv-decode-control")
+
+    def _start(self, fn: Callable[..., None], name: str, *args: Any) -> threading.Thread:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def closed(self) -> bool:
+        return self.stopping.is_set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop threads, close sockets and every transport, stop listening to the
+        scheduler. Idempotent."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self._ch.wake()
+        for t in self._threads:
+            t.join(timeout)
+        for tr in self._transports.values():  # each ends its own threads and connections
+            tr.close()
+        self._ch.close()
+        self._ctx.term()
+        self.scheduler.remove_listener(self._on_event)
+
+    def transport(self, name: str) -> ReceiverTransport:
+        """The served transport ``name`` (KeyError if not served)."""
+        return self._transports[name]
+
+    @property
+    def data_address(self) -> str:
+        """The tcp transport's data listener, ``host:port`` (AttributeError if tcp is not served)."""
+        return self._tcp().address
+
+    @property
+    def data_advertise(self) -> str:
+        """What prefill is told to connect to for tcp data (settable: NAT, a proxy)."""
+        return self._tcp().advertise
+
+    @data_advertise.setter
+    def data_advertise(self, v: str) -> None:
+        self._tcp().advertise = v
+
+    def _tcp(self) -> Any:
+        tr = self._transports.get("tcp")
+        if tr is None:
+            raise AttributeError("this receiver does not serve the tcp transport (no data listener)")
+        return tr
+
+    # ------------------------------------------------------------------ host surface (base.ReceiverHost)
+    def peer(self, ident: bytes) -> Peer | None:
+        with self.lock:
+            return self._peers.get(ident)
+
+    def peer_of_session(self, session_id: bytes) -> Peer | None:
+        with self.lock:
+            ident = self._sessions.get(session_id)
+            return self._peers.get(ident) if ident is not None else None
+
+    def inflight_of_token(self, token: int) -> Inflight | None:
+        with self.lock:
+            return self._by_token.get(token)
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[key] += n
+
+    def warn(self, key: str, msg: str, *args: object) -> None:
+        self._warn.warning(key, msg, *args)
+
+    def __enter__(self) -> DecodeReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, ident: bytes, msg: Message) -> None:
+        """Send to a peer from any thread (dropped if the peer is gone or its queue is full)."""
+        peer = self._peers.get(ident)
+        if peer is not None:
+            self._ch.send(lambda: [ident, *peer.codec.encode(msg)])
+
+    # ------------------------------------------------------------------ control loop
+    def _control_loop(self) -> None:
+        last_check = time.monotonic()
+        while not self.stopping.is_set():
+            got = self._ch.wait(2 if self.options.auto_tick else 50)
+            if got is None:
+                break
+            for frames in got:
+                # one message, whatever it holds, never ends the loop that serves every peer
+                try:
+                    self._on_frames(frames)
+                except Exception:
+                    self.count("loop_errors")
+                    self.count("messages_rejected")
+                    _log.exception("control message handling failed (message dropped)")
+            now = time.monotonic()
+            try:
+                if self.options.auto_tick:
+                    self.scheduler.tick()
+                if now - last_check > 0.1:
+                    last_check = now
+                    self._check_peers(now)
+            except Exception:
+                self.count("loop_errors")
+                _log.exception("decode housekeeping failed (retried next round)")
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self.count("messages_rejected")
+            return
+        ident, rest = frames[0], frames[1:]
+        peer = self._peers.get(ident)
+        hs = self._pending.get(ident) if peer is None else None
+        codec = peer.codec if peer is not None else hs.codec if hs is not None else Codec(self.secret)
+        try:
+            msg = codec.decode(rest)
+        except ProtocolError as exc:
+            self.count("messages_rejected")
+            if peer is None:  # answer once, unauthenticated, so the operator sees why
+                if hs is not None:  # an Auth that does not verify under this session's key
+                    del self._pending[ident]
+                    self.count("auth_failed")
+                refusal = [ident, *Codec(None).encode(ErrorMsg("refused", str(exc)))]
+                self._ch.send(lambda: refusal)
+            return
+        if peer is None:
+            if hs is not None:
+                del self._pending[ident]
+                if not isinstance(msg, Auth) or not hmac.compare_digest(msg.nonce, hs.nonce):
+                    self.count("messages_rejected")
+                    self.count("auth_failed")
+                    return
+                self._accept_session(ident, hs)
+            elif isinstance(msg, Hello):
+                self._on_hello(ident, codec, msg)
+            else:
+                self.count("messages_rejected")
+            return
+        peer.last_seen = time.monotonic()
+        try:
+            self._dispatch(peer, msg)
+        except PdkvError as exc:
+            self.count("messages_rejected")
+            rid = getattr(msg, "request_id", "")
+            self._send(ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}" if rid else str(exc)))
+
+    def _on_hello(self, ident: bytes, codec: Codec, h: Hello) -> None:
+        """Check a Hello and answer it with a Challenge; the session starts only on a valid
+        Auth (:meth:`_accept_session`). Nothing is allocated for the peer before that."""
+        def refuse(why: str) -> None:
+            self._ch.send(lambda: [ident, *codec.encode(ErrorMsg("refused", why))])
+
+        try:
+            lay = KVLayout.from_descriptor(msgspec.structs.asdict(h.layout))
+            lay.check_compatible(self.layouts[0])
+            if lay.tp_size != h.tp_size or lay.tp_rank != h.tp_rank:
+                raise LayoutError(f"hello says rank {h.tp_rank}/{h.tp_size}, layout says {lay.tp_rank}/{lay.tp_size}")
+            segs = [g for g in tp_segments(lay, self.layouts[0]) if g.dst_rank in self.specs]
+        except PdkvError as exc:
+            refuse(str(exc))
+            return
+        if len(self._pending) >= self.options.max_handshakes:
+            self.count("connections_refused")
+            self._warn.warning("handshakes", "pdkv decode: %d control handshakes in progress (max_handshakes); "
+                               "refusing more until they complete or time out", len(self._pending))
+            refuse("too many handshakes in progress; retry later")
+            return
+        same = h.boot_id == boot_id()
+        with self.lock:
+            sibling = next((p.transport for p in self._peers.values() if p.instance == h.instance), None)
+        why: list[str] = []  # why offered transports that decode serves cannot serve this peer
+        transport = None
+        for t in h.transports:
+            tr = self._transports.get(t)
+            if tr is None:
+                continue
+            if tr.same_host and not same:
+                why.append(f"{t} needs the same host")
+                continue
+            # the ranks of one instance share a grant: GPU blocks only if all of them write them
+            if sibling is not None and tr.writes_gpu != self._transports[sibling].writes_gpu:
+                why.append(f"another rank of instance {h.instance!r} uses {sibling}; "
+                           f"{t if tr.writes_gpu else sibling} is all ranks or none")
+                continue
+            no = tr.refuses(h)
+            if no is not None:
+                why.append(no)
+                continue
+            transport = t
+            break
+        if transport is None:
+            refuse(f"no common transport: prefill offers {h.transports}, decode serves {list(self._transports)}"
+                   + "".join(f" ({w})" for w in why))
+            return
+        nonce = new_nonce()
+        frames = codec.encode(Challenge(nonce))  # under the secret
+        codec.set_session(h.nonce, nonce)
+        self._pending[ident] = _Handshake(codec, h, lay, segs, transport, same, nonce,
+                                          time.monotonic() + self.options.auth_timeout_s)
+        self._ch.send(lambda: [ident, *frames])
+
+    def _accept_session(self, ident: bytes, hs: _Handshake) -> None:
+        """The peer proved the session key: make the session, answer Welcome."""
+        h, codec, transport = hs.hello, hs.codec, hs.transport
+        peer = Peer(ident, codec, h.instance, h.tp_rank, h.tp_size, h.pid, hs.same_host, transport,
+                    os.urandom(16), time.monotonic(), hs.layout)
+        for g in hs.segs:
+            peer.segs_by_src.setdefault(g.src_rank, []).append(g)
+        peer.block_bytes_by_src = {r: sum(g.nbytes for g in gs) for r, gs in peer.segs_by_src.items()}
+        try:
+            fields = self._transports[transport].open_session(peer, h)
+        except PdkvError as exc:
+            refusal = ErrorMsg("refused", f"{transport}: {exc}")
+            self._ch.send(lambda: [ident, *codec.encode(refusal)])
+            return
+        fields = {"shm_names": [], "data_addr": "", "rdma": None, "cuda": None, **fields}
+        welcome = Welcome(PROTOCOL_VERSION, self.instance, self.tp_size, self.ranks,
+                          [layout_desc(x) for x in self.layouts], transport, fields["shm_names"],
+                          self.buffer_blocks, fields["data_addr"], peer.session_id, fields["rdma"], fields["cuda"])
+        frames = codec.encode(welcome)  # under the session key
+        with self.lock:
+            self._peers[ident] = peer
+            self._sessions[peer.session_id] = ident
+        self._ch.send(lambda: [ident, *frames])
+
+    def _dispatch(self, peer: Peer, msg: Message) -> None:
+        if isinstance(msg, Heartbeat):
+            self._send(peer.ident, Heartbeat(time.time()))
+        elif isinstance(msg, ReserveReq):
+            self._on_reserve(peer, msg.request_id, msg.num_tokens)
+        elif isinstance(msg, ReserveBatch):
+            with self._replies_together():
+                for rid, num_tokens in msg.items:  # each item stands alone, as a ReserveReq would
+                    try:
+                        self._on_reserve(peer, rid, num_tokens)
+                    except PdkvError as exc:
+                        self.count("messages_rejected")
+                        self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
+        elif isinstance(msg, LayerDone):
+            self._layers_done(peer, msg.request_id, msg.token, msg.layers, msg.blocks)
+        elif isinstance(msg, LayerBatch):
+            with self._replies_together():
+                for rid, token, blocks in msg.items:  # each item stands alone, as a LayerDone would
+                    try:
+                        self._layers_done(peer, rid, token, [msg.layer], blocks)
+                    except PdkvError as exc:
+                        self.count("messages_rejected")
+                        self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
+        elif isinstance(msg, Complete):
+            self._completed(peer, msg.request_id, msg.token, msg.ok, msg.error)
+        elif isinstance(msg, CompleteBatch):
+            with self._replies_together():
+                for rid, token, ok, error in msg.items:  # each item stands alone, as a Complete would
+                    try:
+                        self._completed(peer, rid, token, ok, error)
+                    except PdkvError as exc:
+                        self.count("messages_rejected")
+                        self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
+        elif isinstance(msg, Abort):
+            with self.lock:
+                inf = self._inflight.get(msg.request_id)
+            if inf is None or peer.ident not in inf.peers:
+                raise GrantViolation(f"request {msg.request_id!r}: no grant of this session")
+            self._finish(inf, None)
+            try:
+                self.scheduler.fail(msg.request_id, f"prefill aborted: {msg.reason}")
+            except PdkvError:
+                pass
+        else:
+            raise ProtocolError(f"unexpected message {type(msg).__name__} from prefill")
+
+    def _completed(self, peer: Peer, rid: str, token: int, ok: bool, error: str) -> None:
+        """This prefill rank finished every write of ``rid`` (or reports that it failed)."""
+        inf = self._live(peer, rid, token)
+        with self.lock:
+            if not ok:
+                inf.failed_completes.append(error or "prefill reported a failed write")
+            inf.completes.add(peer.tp_rank)
+        self._maybe_complete(inf)
+
+    def _layers_done(self, peer: Peer, rid: str, token: int, layers: Sequence[int], blocks: int) -> None:
+        """Credit this rank's writes of ``layers`` for ``blocks`` blocks (0: the whole grant)."""
+        tr = self._transports[peer.transport]
+        if not tr.reports_layers:
+            raise ProtocolError(f"LayerDone is not for the {peer.transport} transport (decode counts its bytes)")
+        inf = self._live(peer, rid, token)
+        if inf.location == "gpu" and not tr.writes_gpu:
+            raise GrantViolation(f"request {rid!r} holds GPU blocks: {peer.transport} cannot write them")
+        n = blocks or len(inf.blocks)
+        if n > len(inf.blocks):
+            raise GrantViolation(f"request {rid!r}: {blocks} blocks reported, {len(inf.blocks)} granted")
+        nl = len(inf.remaining)
+        if any(not 0 <= layer < nl for layer in layers) or len(set(layers)) != len(layers):
+            raise ProtocolError(f"request {rid!r}: layers {list(layers)[:8]} out of range or repeated")
+        with self.lock:  # a rank reports at most every block of each layer, once
+            keys = [(layer, peer.tp_rank) for layer in layers]
+            over = [k[0] for k in keys if inf.reported.get(k, 0) + n > len(inf.blocks)]
+            if over:
+                raise GrantViolation(f"request {rid!r}: rank {peer.tp_rank} reported more blocks of layers "
+                                     f"{over[:8]} than were granted")
+            for k in keys:
+                inf.reported[k] = inf.reported.get(k, 0) + n
+        nbytes = peer.block_bytes_by_src.get(peer.tp_rank, 0) * n
+        for layer in layers:
+            self.credit(inf, layer, nbytes)
+
+    def _live(self, peer: Peer, rid: str, token: int) -> Inflight:
+        """The live grant ``rid`` with ``token``, held by ``peer``'s session, or the precise error."""
+        with self.lock:
+            inf = self._inflight.get(rid)
+        if inf is None or inf.token != token:
+            self.scheduler.check_write(rid, token)  # raises the precise error
+            raise GrantViolation(f"request {rid!r}: no such grant here")
+        if peer.ident not in inf.peers:
+            raise GrantViolation(f"request {rid!r}: the grant is not this session's")
+        return inf
+
+    def _on_reserve(self, peer: Peer, rid: str, num_tokens: int) -> None:
+        key = (peer.instance, rid)
+        with self.lock:
+            g = self._grants.get(key)
+            if g is not None:  # another rank of the same prefill instance: same grant
+                inf = self._inflight.get(rid)
+                if inf is not None:
+                    inf.peers.add(peer.ident)
+                self._send_grant(peer.ident, g)
+                return
+        nblk = self.layouts[0].blocks_for_tokens(num_tokens)
+        if nblk > MAX_GRANT_BLOCKS:  # its grant could not be sent: refuse now, holding nothing
+            self._send_grant(peer.ident, GrantMsg(rid, "rejected", reason=f"{num_tokens} tokens need {nblk} blocks, "
+                                                  f"more than the {MAX_GRANT_BLOCKS} one grant may carry"))
+            return
+        res = self.scheduler.reserve(rid, num_blocks=nblk, peer=peer.instance, gpu_ok=self._transports[peer.transport].writes_gpu)
+        if res.grant is None:
+            g = GrantMsg(rid, res.outcome, reason=res.reason)
+            if res.outcome == "queued":
+                with self.lock:
+                    self._grants[key] = g
+                    self._inflight[rid] = Inflight(rid, peer.instance, 0, [], [], peer.tp_size, peers={peer.ident})
+            self._send_grant(peer.ident, g)
+            return
+        self._register_grant(peer, key, res.grant)
+
+    def _register_grant(self, peer: Peer, key: tuple[str, str], grant: Any) -> None:
+        blocks = list(grant.blocks)
+        nl = self.layouts[0].total_layers
+        # bytes each layer must receive on this receiver's ranks, from every prefill rank
+        per_block = peer.block_bytes_by_src
+        per_layer = sum(per_block.values()) * len(blocks)
+        g = GrantMsg(grant.request_id, grant.location, grant.location, blocks, grant.token, grant.lease_s)
+        with self.lock:
+            old = self._inflight.get(grant.request_id)
+            inf = Inflight(grant.request_id, peer.instance, grant.token, blocks, [per_layer] * nl, peer.tp_size,
+                            peers=set(old.peers) if old else {peer.ident}, run_len=run_lengths(blocks),
+                            location=grant.location)
+            inf.peers.add(peer.ident)
+            self._inflight[grant.request_id] = inf
+            self._by_token[grant.token] = inf
+            self._grants[key] = g
+        for ident in inf.peers:
+            self._send_grant(ident, g)
+
+    def credit(self, inf: Inflight, layer: int, nbytes: int) -> None:
+        land = False
+        with self.lock:
+            if inf.done:
+                raise RequestError(f"request {inf.request_id!r} is finished")
+            if not 0 <= layer < len(inf.remaining):
+                raise ProtocolError(f"layer {layer} out of range")
+            left = inf.remaining[layer] - nbytes
+            if left < 0 or (nbytes == 0 and left == 0):
+                raise GrantViolation(f"request {inf.request_id!r}: more bytes than granted for layer {layer}")
+            inf.remaining[layer] = left
+            land = left == 0
+        if land:
+            self.scheduler.land_layer(inf.request_id, inf.token, layer)
+            with self.lock:
+                inf.landed += 1
+            self._maybe_complete(inf)
+
+    def _maybe_complete(self, inf: Inflight) -> None:
+        with self.lock:
+            if inf.done or len(inf.completes) < inf.src_tp:
+                return
+            failed = list(inf.failed_completes)
+            if not failed and inf.landed < len(inf.remaining):
+                return  # data still arriving on the TCP streams
+            inf.done = True
+        if failed:
+            try:
+                self.scheduler.fail(inf.request_id, "; ".join(failed), token=inf.token)
+            except PdkvError:
+                pass
+            return  # the scheduler's 'failed' event sends the outcome
+        try:
+            self.scheduler.complete(inf.request_id, inf.token)
+        except PdkvError as exc:
+            self._finish(inf, Outcome(inf.request_id, "failed", str(exc)))
+            return
+        self._finish(inf, Outcome(inf.request_id, "received"))
+
+    @contextlib.contextmanager
+    def _replies_together(self) -> Iterator[None]:
+        """Outcomes and grants decided in this block (this thread) go out at its end as one
+        ``OutcomeBatch`` and one ``GrantBatch`` per peer (``SEND_BATCH`` items, at most
+        ``MAX_BATCH_BLOCKS`` block ids a message) instead of one message each."""
+        box: dict[bytes, list[tuple[str, str, str]]] = {}
+        grants: dict[bytes, list[GrantMsg]] = {}
+        self._outbox.box, self._outbox.grants = box, grants
+        try:
+            yield
+        finally:
+            self._outbox.box = self._outbox.grants = None
+            for ident, gs in grants.items():
+                part: list[GrantMsg] = []
+                nblocks = 0
+                for g in gs:
+                    if part and (len(part) == SEND_BATCH or nblocks + len(g.blocks) > MAX_BATCH_BLOCKS):
+                        self._send_grants(ident, part)
+                        part, nblocks = [], 0
+                    part.append(g)
+                    nblocks += len(g.blocks)
+                self._send_grants(ident, part)
+            for ident, items in box.items():
+                if len(items) == 1:
+                    self._send(ident, Outcome(*items[0]))
+                    continue
+                for i in range(0, len(items), SEND_BATCH):
+                    self._send(ident, OutcomeBatch(items[i:i + SEND_BATCH]))
+
+    def _send_grants(self, ident: bytes, part: list[GrantMsg]) -> None:
+        # one grant (also one too large for a batch) goes as itself
+        self._send(ident, part[0] if len(part) == 1 else GrantBatch(part))
+
+    def _send_grant(self, ident: bytes, g: GrantMsg) -> None:
+        grants = getattr(self._outbox, "grants", None)
+        if grants is None:
+            self._send(ident, g)
+        else:
+            grants.setdefault(ident, []).append(g)
+
+    def _finish(self, inf: Inflight, outcome: Outcome | None) -> None:
+        with self.lock:
+            inf.done = True
+            if self._inflight.get(inf.request_id) is inf:
+                del self._inflight[inf.request_id]
+            self._by_token.pop(inf.token, None)
+            self._grants.pop((inf.instance, inf.request_id), None)
+            peers = list(inf.peers)
+        if outcome is None:
+            return
+        box = getattr(self._outbox, "box", None)
+        for ident in peers:
+            if box is None:
+                self._send(ident, outcome)
+            else:
+                box.setdefault(ident, []).append((outcome.request_id, outcome.state, clip(outcome.reason)))
+
+    def _on_event(self, ev: Event) -> None:
+        if ev.kind.terminal:
+            with self.lock:
+                inf = self._inflight.get(ev.request_id)
+            if inf is not None:
+                self._finish(inf, Outcome(ev.request_id, ev.kind.value, ev.reason))
+        elif ev.kind is EventKind.GRANTED and ev.grant is not None:
+            with self.lock:
+                inf = self._inflight.get(ev.request_id)
+                peer = self._peers.get(next(iter(inf.peers))) if inf else None
+            if inf is not None and peer is not None:
+                self._register_grant(peer, (inf.instance, ev.request_id), ev.grant)
+
+    def _check_peers(self, now: float) -> None:
+        for ident in [i for i, hs in self._pending.items() if hs.deadline <= now]:
+            del self._pending[ident]  # a Hello never followed by its Auth
+        with self.lock:
+            dead = [p for p in self._peers.values() if now - p.last_seen > self.options.peer_timeout_s
+                    or (p.same_host and p.pid and not pid_alive(p.pid))]
+            for p in dead:
+                del self._peers[p.ident]
+                self._sessions.pop(p.session_id, None)
+        for p in dead:
+            self.count("peers_dead")
+            self._transports[p.transport].fence(p)  # no write of this peer lands after this
+            with self.lock:
+                mine = [inf for inf in self._inflight.values() if p.ident in inf.peers]
+            for inf in mine:
+                try:
+                    self.scheduler.fail(inf.request_id, f"prefill {p.instance} rank {p.tp_rank} died")
+                except PdkvError:
+                    pass
+            # it can no longer start a write: quarantined blocks go back now (those a write
+            # admitted before still holds go when that write ends)
+            if not any(q.instance == p.instance for q in self._peers.values()):
+                self.scheduler.fence(p.instance)

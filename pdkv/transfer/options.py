@@ -1,0 +1,187 @@
+"""Options of the two control sessions: :class:`ReceiverOptions` and :class:`SenderOptions`.
+
+Each is a frozen dataclass checked when made (ValueError naming the field). The sessions
+take one as ``options=`` and also the same names as keywords, which replace its fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..layout import CacheSpec
+
+__all__ = ["ReceiverOptions", "SenderOptions", "default_copy_threads", "merge_options"]
+
+
+def _positive(name: str, v: object) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+        raise ValueError(f"{name}={v!r} must be a positive number")
+
+
+def _count(name: str, n: object, lo: int = 1, hi: int | None = None) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < lo or (hi is not None and n > hi):
+        raise ValueError(f"{name}={n!r} must be " + (f"an integer in {lo}..{hi}" if hi is not None
+                                                      else "a positive integer"))
+
+
+def _secret(v: object) -> None:
+    if v is not None and not isinstance(v, bytes):
+        raise ValueError("secret must be bytes (>= 16 of them) or None")
+
+
+@dataclass(frozen=True)
+class ReceiverOptions:
+    """How a :class:`~pdkv.transfer.DecodeReceiver` serves.
+
+    control:
+        ZeroMQ endpoint to bind, e.g. ``tcp://127.0.0.1:0`` (port chosen) or ``ipc://...``.
+    data_host:
+        Address of the TCP data listener (port chosen by the kernel).
+    secret:
+        Shared secret (>= 16 bytes); peers without it are refused.
+    transports:
+        Transports served (registered names), in order of preference.
+    peer_timeout_s:
+        A prefill peer silent this long is considered dead and fenced: its data path is
+        closed before its blocks are released.
+    io_timeout_s:
+        Bound on a stalled TCP payload, and the base of every frame's deadline.
+    min_data_rate:
+        Bytes per second a tcp frame must at least move: a frame of ``n`` payload bytes
+        must arrive whole within ``io_timeout_s + n / min_data_rate`` of its header, or its
+        connection is closed and its request fails. Default 8 MiB/s.
+    auth_timeout_s:
+        A data connection must authenticate within this many seconds of being accepted,
+        and a control handshake must complete within it.
+    max_pending_connections:
+        Data connections accepted but not yet authenticated, at most (more are closed).
+    max_connections:
+        Authenticated data connections, at most (each has a thread).
+    max_handshakes:
+        Control handshakes in progress (Hello answered, Auth awaited), at most.
+    auto_tick:
+        Call ``scheduler.tick()`` from the receiver loop (every ~2 ms), for engines that
+        do not tick themselves.
+    data_advertise:
+        ``host:port`` prefill should connect to for data, when it differs from the
+        listener (NAT, port forwarding).
+    rdma_device:
+        With ``rdma`` served: the RDMA device (default: the first).
+    gpu_caches:
+        With ``cuda_ipc`` served: each rank's GPU cache (a CacheSpec with ``device``
+        set, at least as many blocks as the scheduler's GPU pool), exported to same-host
+        prefill ranks. The caches must stay allocated while the receiver lives.
+    """
+
+    control: str = "tcp://127.0.0.1:0"
+    data_host: str = "127.0.0.1"
+    secret: bytes | None = field(default=None, repr=False)
+    transports: Sequence[str] = ("shm", "tcp")
+    peer_timeout_s: float = 10.0
+    io_timeout_s: float = 5.0
+    auto_tick: bool = False
+    data_advertise: str | None = None
+    rdma_device: str | None = None
+    gpu_caches: Sequence[CacheSpec] | None = None
+    min_data_rate: float = 8 << 20
+    auth_timeout_s: float = 5.0
+    max_pending_connections: int = 64
+    max_connections: int = 1024
+    max_handshakes: int = 256
+
+    def __post_init__(self) -> None:
+        if isinstance(self.transports, str) or not self.transports:
+            raise ValueError(f"transports={self.transports!r} must be a non-empty sequence of transport names")
+        object.__setattr__(self, "transports", tuple(self.transports))
+        if len(set(self.transports)) != len(self.transports):
+            raise ValueError(f"transports={self.transports!r} names a transport twice")
+        for name in ("peer_timeout_s", "io_timeout_s", "min_data_rate", "auth_timeout_s"):
+            _positive(name, getattr(self, name))
+        for name in ("max_pending_connections", "max_connections", "max_handshakes"):
+            _count(name, getattr(self, name))
+        _secret(self.secret)
+        if self.gpu_caches is not None:
+            object.__setattr__(self, "gpu_caches", tuple(self.gpu_caches))
+
+
+def default_copy_threads() -> int:
+    """shm copy threads a :class:`~pdkv.transfer.PrefillSender` uses by default: a quarter
+    of the CPUs this process may run on, at least 2 (where it has 2) and at most 4. On the
+    2-vCPU dev VM, with decode on the same 2 vCPUs, two threads moved 32 KiB / 128 KiB blocks
+    at a median 16.5 / 19.7 GiB/s against one's 13.0 / 15.2 (docs/PERF.md): one thread leaves
+    memory idle between its misses; the threads run only while a layer is written."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return min(4, max(min(2, n), n // 4))
+
+
+@dataclass(frozen=True)
+class SenderOptions:
+    """How a :class:`~pdkv.transfer.PrefillSender` sends.
+
+    instance:
+        Name of the prefill instance; all its ranks use the same one.
+    secret:
+        The shared secret decode was given.
+    transport:
+        ``auto`` (decode picks from what this cache and host can use: a host cache offers
+        shm, then rdma where this host has a device, then tcp; a GPU cache offers cuda_ipc,
+        then shm) or a registered transport's name.
+    streams:
+        TCP data connections (1..64).
+    timeout_s:
+        Bound on the handshake, a reservation, and decode's silence before its requests fail.
+    heartbeat_s:
+        Seconds between heartbeats.
+    on_outcome:
+        Called (from the sender's I/O thread) with each RequestOutcome.
+    rdma_device:
+        RDMA device name (default: the first).
+    copy_threads:
+        Threads that copy host caches into decode's shared buffers (shm), each a C-level
+        gather without the GIL; default :func:`default_copy_threads` (1..64).
+    """
+
+    instance: str = "prefill"
+    secret: bytes | None = field(default=None, repr=False)
+    transport: str = "auto"
+    streams: int = 2
+    timeout_s: float = 10.0
+    heartbeat_s: float = 1.0
+    on_outcome: Callable[[Any], None] | None = None
+    rdma_device: str | None = None
+    copy_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transport, str):
+            raise ValueError(f"transport={self.transport!r} must be a transport name or 'auto'")
+        if not isinstance(self.instance, str) or not 0 < len(self.instance) <= 256:
+            raise ValueError(f"instance={self.instance!r:.80} must be a string of 1-256 characters")
+        _count("streams", self.streams, 1, 64)
+        _positive("timeout_s", self.timeout_s)
+        _positive("heartbeat_s", self.heartbeat_s)
+        _secret(self.secret)
+        if self.copy_threads is None:
+            object.__setattr__(self, "copy_threads", default_copy_threads())
+        _count("copy_threads", self.copy_threads, 1, 64)
+
+
+def merge_options(cls: type, options: Any, kw: dict[str, Any], owner: str) -> Any:
+    """``options`` (or the defaults) with the fields named in ``kw`` replaced; TypeError
+    naming ``owner`` for a keyword that is not a field."""
+    if options is not None and not isinstance(options, cls):
+        raise TypeError(f"{owner}: options must be a {cls.__name__}, got {type(options).__name__}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(kw) - fields)
+    if bad:
+        raise TypeError(f"{owner}() got unexpected keyword argument(s) {', '.join(bad)} "
+                        f"(fields of {cls.__name__}: {', '.join(sorted(fields))})")
+    if options is None:
+        return cls(**kw)
+    return dataclasses.replace(options, **kw) if kw else options
