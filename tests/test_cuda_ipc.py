@@ -496,7 +496,7 @@ def test_cuda_ipc_decode_killed_prefill_fails_in_bounded_time_and_its_context_st
     import signal
     import time
 
-    from pdkv.shm_clean import clean_segments
+    from pdkv.shmclean import clean_segments
 
     d = _spawn("decode", "--gpu", "--timeout", "2")
     ptr, info = None, {}

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from pdkv import BusyError, ClosedError, CudaUnavailableError, SharedBuffer, _ffi
 from pdkv.shm import stripe_sizes
-from pdkv.shm_clean import clean_segments, main as shm_main, scan_segments
+from pdkv.shmclean import clean_segments, scan_segments
+from pdkv.cli.shm import main as shm_main
 
 
 def test_create_is_0600_populated_and_named(no_leaks):
@@ -530,7 +531,7 @@ def test_huge_pages_where_the_mount_allows_them_and_only_there(no_leaks):
 # ------------------------------------------------------------------ origin records, memory, exit
 
 def test_clean_never_removes_what_it_cannot_prove_is_pdkvs(no_leaks):
-    from pdkv.shm_clean import clean
+    from pdkv.shmclean import clean
 
     names = ["pdkv_999999_not_a_pdkv_file", "pdkv-999999-forged"]
     for n in names:
@@ -583,7 +584,7 @@ def _unshare():
 def test_clean_from_another_pid_namespace_keeps_live_segments(no_leaks):
     cmd = _unshare()
     with SharedBuffer.create(65536) as b:
-        out = subprocess.run([*cmd, sys.executable, "-m", "pdkv.shm_clean", "clean", "--yes"], capture_output=True,
+        out = subprocess.run([*cmd, sys.executable, "-m", "pdkv.cli.shm", "clean", "--yes"], capture_output=True,
                              text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert os.path.exists(f"/dev/shm/{b.name}")  # its pid means nothing over there: kept
@@ -621,7 +622,7 @@ def test_clean_sees_a_creator_in_a_child_pid_namespace(no_leaks):
 
 @pytest.mark.multiproc
 def test_clean_goes_on_after_a_file_it_may_not_remove(monkeypatch, no_leaks):
-    from pdkv.shm_clean import clean
+    from pdkv.shmclean import clean
 
     code = ("import sys; from pdkv import SharedBuffer; bs = [SharedBuffer.create(65536) for _ in range(2)]; "
             "print(' '.join(b.name for b in bs), flush=True); import os; os._exit(0)")

@@ -16,7 +16,7 @@ SMALL = ["--model", "tiny", "--requests", "10", "--prompt-len", "uniform:20:200"
 
 def run(args, tmp_path, timeout=120):
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, "-m", "pdkv.transfer_test", *args, "--json", str(out)], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "pdkv.cli.transfer_tool", *args, "--json", str(out)], capture_output=True,
                        text=True, timeout=timeout)
     rep = json.loads(out.read_text()) if out.exists() else None
     return p, rep
@@ -134,7 +134,7 @@ def test_unreachable_decode_is_one_line(tmp_path):
 def test_layout_mismatch_between_two_hosts_is_one_line(tmp_path):
     import time
 
-    d = subprocess.Popen([sys.executable, "-m", "pdkv.transfer_test", "decode", "--listen", "tcp://127.0.0.1:0",
+    d = subprocess.Popen([sys.executable, "-m", "pdkv.cli.transfer_tool", "decode", "--listen", "tcp://127.0.0.1:0",
                           "--model", "tiny", "--buffer-blocks", "16", "--duration", "20"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
@@ -156,7 +156,7 @@ def test_layout_mismatch_between_two_hosts_is_one_line(tmp_path):
 @pytest.mark.multiproc
 def test_the_buffer_is_sized_to_the_workload_unless_told(tmp_path, no_leaks):
     from pdkv import KVLayout
-    from pdkv.transfer_test import PRESETS
+    from pdkv.cli.transfer_tool import PRESETS
 
     tpb = KVLayout(**PRESETS["tiny"]).tokens_per_block
     args = ["--model", "tiny", "--requests", "6", "--prompt-len", "100", "--concurrency", "3", "--timeout", "10"]

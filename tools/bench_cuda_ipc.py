@@ -119,7 +119,7 @@ def main() -> int:
             local = torch.empty_like(src, device=f"cuda:{a.decode_device}")
             lspec = pdkv.CacheSpec.for_buffer(lay, nb, local.data_ptr())
             if a.decode_device != 0:
-                pdkv._ffi.cuda.enable_peer_access(a.decode_device)  # the bare kernel writes GPU N's memory
+                pdkv.native.cuda.enable_peer_access(a.decode_device)  # the bare kernel writes GPU N's memory
             perm = np.random.default_rng(kib).permutation(nb)
             nreq, per = 16, nb // 16
             tx = pdkv.PrefillSender(lay, spec, info["control"], transport="cuda_ipc", timeout_s=60, instance="bench")
@@ -173,7 +173,7 @@ def main() -> int:
         finally:
             child.kill()
             child.wait(10)
-            from pdkv.shm_clean import clean_segments
+            from pdkv.shmclean import clean_segments
 
             clean_segments(dry_run=False)
     where = "one GPU" if a.decode_device == 0 else f"prefill on GPU 0, decode on GPU {a.decode_device}"

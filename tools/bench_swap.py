@@ -31,7 +31,7 @@ import numpy as np
 
 import pdkv
 from _bench import torch_with_cuda
-from pdkv import _ffi
+from pdkv.native import cuda as _cuda
 from pdkv.swap import plan_copy
 
 
@@ -109,18 +109,18 @@ def main() -> int:
             return lambda: flat.copy_(gpu[:total], non_blocking=True)
 
         eng = pdkv.SwapEngine(bspec, gspec, strategy="auto")
-        bare_stream = _ffi.cuda.stream_create(nonblocking=True)
+        bare_stream = _cuda.stream_create(nonblocking=True)
 
         class StreamDone:
             def wait(self, timeout):
-                _ffi.cuda.stream_synchronize(bare_stream)
+                _cuda.stream_synchronize(bare_stream)
 
         def one_batch_call(s_, d_, direction):
             # the alternative as a user would write it: the same addresses, all pieces in
             # one cudaMemcpyBatchAsync call
             sp, dp = (bspec, gspec) if direction == "h2d" else (gspec, bspec)
             p = plan_copy(sp, dp, s_, d_)
-            _ffi.cuda.memcpy_batch_async(p.dst.tolist(), p.src.tolist(), p.lengths.tolist(), bare_stream)
+            _cuda.memcpy_batch_async(p.dst.tolist(), p.src.tolist(), p.lengths.tolist(), bare_stream)
             return StreamDone()
 
         methods = {"auto": lambda s_, d_, direction: eng.copy(s_, d_, direction=direction),
@@ -163,7 +163,7 @@ def main() -> int:
                 lat = timed(lambda: submit(s_, d_, direction).wait(60), lambda: None)
                 res[(strat, direction, "latency_ms")] = lat * 1e3
         eng.close()
-        _ffi.cuda.stream_destroy(bare_stream)
+        _cuda.stream_destroy(bare_stream)
         # torch per-block copy_ loop from a pinned tensor (what users write today)
         gv = gpu.view(nb, size)
 

@@ -143,7 +143,7 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         # this size) and pdkv's streaming copy loop where it runs (_ffi.cpu)
         from concurrent.futures import ThreadPoolExecutor
 
-        from pdkv._ffi import cpu
+        from pdkv.native import cpu
 
         stream = cpu.available()
         nth = a.copy_threads
@@ -270,7 +270,7 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         child.kill()
         child.wait(10)
         child.stdout.close()
-        from pdkv.shm_clean import clean_segments
+        from pdkv.shmclean import clean_segments
 
         clean_segments(dry_run=False)
 
@@ -306,7 +306,7 @@ def main() -> int:
           f" shm copy threads: {a.copy_threads} (pdkv and both baselines);"
           f" prefill cache {a.src_offset} B past a page boundary; decode buffer in huge pages:"
           f" {', '.join(str(v['huge_mib']) + ' MiB' for v in out.values())}")
-    from pdkv._ffi import cpu
+    from pdkv.native import cpu
 
     print("shm copy primitive: " + ("pdkv's streaming copy loop (_ffi.cpu)" if cpu.available()
                                     else f"np.take ({cpu.unavailable_reason()})"))

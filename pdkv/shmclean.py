@@ -1,4 +1,5 @@
-"""``pdkv-shm``: list pdkv shared-memory buffers and remove those provably left by a dead creator.
+"""Finding pdkv shared-memory buffers and removing those provably left by a dead creator
+(the library behind ``pdkv-shm``).
 
 Every buffer pdkv creates has an origin record beside it (``<name>@origin``: uid, boot,
 pid namespace, pid and the pid's start time). ``clean`` removes a buffer (its stripes
@@ -13,16 +14,14 @@ removed. The default is a dry run; ``--yes`` removes.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from dataclasses import dataclass
 
 from . import _ffi
-from .procs import creator_verdict, pid_alive
+from .procs import creator_verdict
 from .shm import NAME_PREFIX, ORIGIN_SUFFIX, STRIPE_SEP, read_origin
 
-__all__ = ["SegmentInfo", "CleanReport", "scan_segments", "clean_segments", "clean", "pid_alive", "main"]
+__all__ = ["SegmentInfo", "CleanReport", "scan_segments", "clean_segments", "clean", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"
 
@@ -166,35 +165,3 @@ def clean(*, dry_run: bool = True, shm_dir: str = SHM_DIR) -> CleanReport:
 def clean_segments(*, dry_run: bool = True, shm_dir: str = SHM_DIR) -> list[str]:
     """Remove stale buffers; return the files removed (those that would go, on a dry run)."""
     return list(clean(dry_run=dry_run, shm_dir=shm_dir).removed)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pdkv-shm", description=(__doc__ or "").splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="list pdkv buffers and what is known of their creators")
-    c = sub.add_parser("clean", help="remove buffers provably left by a dead creator (dry run unless --yes)")
-    c.add_argument("--yes", action="store_true", help="really remove them")
-    args = ap.parse_args(argv)
-    if args.cmd == "list":
-        segs = scan_segments()
-        if not segs:
-            print("no pdkv segments")
-        for s in segs:
-            print(f"{s.name}\t{s.size}\tmode={s.mode:o}\towner={s.owner_pid}\t{s.verdict}\t{s.why}"
-                  f"\tmapped_by={','.join(map(str, s.mapped_by)) or '-'}")
-        return 0
-    rep = clean(dry_run=not args.yes)
-    verb = "removed" if args.yes else "would remove"
-    for n in rep.removed:
-        print(f"{verb} {n}")
-    for n, why in rep.skipped:
-        print(f"kept {n}: {why}")
-    if not rep.removed:
-        print("nothing to clean")
-    elif not args.yes:
-        print("dry run: pass --yes to remove", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The tool's decode side: buffer, scheduler, swap into (GPU) blocks, receiver, and the check of every landed byte."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ... import _ffi
+from ...blocks import BlockPool
+from ...errors import PdkvError
+from ...interop import aligned_empty
+from ...layout import CacheSpec, KVLayout
+from ...scheduler import DecodeScheduler, Event, SchedulerOptions
+from ...shm import SharedBuffer
+from ...swap import SwapEngine, SwapGroup
+from ...transfer import DecodeReceiver
+from .workload import (
+    UsageError,
+    make_workload,
+    parse_devices,
+    pattern,
+    request_key,
+    served_transports,
+    workload_buffer_blocks,
+)
+
+
+@dataclass
+class Track:
+    reserved: float = 0.0
+    received: float = 0.0
+    ready: float = 0.0
+    state: str = ""
+    reason: str = ""
+    blocks: int = 0
+    location: str = ""
+
+
+@dataclass
+class DecodeSide:
+    a: argparse.Namespace
+    lay_kw: dict[str, Any]
+    tracks: dict[str, Track] = field(default_factory=dict)
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
+    verify_errors: int = 0
+    bytes_verified: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def start(self, listen: str) -> None:
+        a = self.a
+        D = a.decode_tp
+        self.lays = [KVLayout(**self.lay_kw, tp_size=D, tp_rank=r) for r in range(D)]
+        lay = self.lays[0]
+        if a.buffer_blocks:
+            nb = a.buffer_blocks
+        elif a.buffer_gib is not None:
+            nb = lay.blocks_for_bytes(int(a.buffer_gib * (1 << 30)))
+        else:  # sized to the workload: room for the largest requests that can be in flight at once
+            nb = workload_buffer_blocks(make_workload(a), a.concurrency, lay.tokens_per_block)
+        if nb <= 0:
+            raise UsageError(f"--buffer-gib {a.buffer_gib} holds no block of {lay.block_bytes} bytes")
+        gpu_blocks = a.gpu_blocks or nb
+        self.nb, self.gpu_blocks = nb, gpu_blocks
+        self.cuda = _ffi.cuda.device_count() > 0 and not a.no_gpu
+        self.devices = parse_devices(a.decode_devices, "--decode-devices")  # decode rank r on devices[r % n]
+        # cuda_ipc asked for (_check_args made sure of a GPU and no --no-gpu), or under auto
+        # with GPU blocks: served beside the others, as a decode engine with GPU caches
+        # would; only prefill ranks with GPU caches on this host take it
+        ipc = a.transport == "cuda_ipc" or (a.transport == "auto" and self.cuda)
+        gspecs: list[CacheSpec] = []
+        self.bufs = []
+        self.gpu_mem: list[Any] = []
+        engines = []
+        try:
+            for L in self.lays:
+                try:
+                    b = SharedBuffer.create(CacheSpec.buffer_bytes(L, nb), pin="always" if self.cuda else "never")
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOMEM, errno.ENOSPC):
+                        raise
+                    raise UsageError(f"the decode buffer of {nb} blocks per rank cannot be made: {exc.strerror} "
+                                     "(size it with --buffer-gib or --buffer-blocks)") from None
+                self.bufs.append(b)
+                size = L.block_bytes * gpu_blocks
+                dev = None
+                if self.cuda:
+                    dev = self.devices[L.tp_rank % len(self.devices)]
+                    with _ffi.cuda.on_device(dev):
+                        ptr = _ffi.cuda.malloc(size)
+                    self.gpu_mem.append(ptr)
+                    gspecs.append(CacheSpec.for_buffer(L, gpu_blocks, ptr, device=dev))
+                else:
+                    arr = aligned_empty(size)  # page-aligned, as a real cache would be
+                    arr[:] = 0
+                    self.gpu_mem.append(arr)
+                    ptr = arr.ctypes.data
+                engines.append(SwapEngine(CacheSpec.for_buffer(L, nb, b.address),
+                                          CacheSpec.for_buffer(L, gpu_blocks, ptr, device=dev),
+                                          strategy="auto" if self.cuda else "host", buffer_pinned=self.cuda))
+            self.engines = engines
+            self.sched = DecodeScheduler(
+                num_layers=lay.total_layers, gpu=BlockPool(gpu_blocks, "gpu"), buffer=BlockPool(nb, "buffer"),
+                swap=SwapGroup(engines), block_bytes=lay.block_bytes * D,
+                # cuda_ipc: GPU blocks granted at reservation while there are any (written
+                # by prefill directly), the buffer and a swap after that
+                options=SchedulerOptions(direct_to_gpu=ipc, lease_s=a.lease_s, on_full="queue",
+                                         queue_timeout_s=a.timeout * 4),
+                listener=self._on_event)
+            self.rx = DecodeReceiver(self.sched, self.lays, self.bufs, nb, control=listen, data_host=a.data_host,
+                                     secret=a.secret.encode() if a.secret else None, auto_tick=True,
+                                     transports=served_transports(a.transport, ipc), gpu_caches=gspecs if ipc else None,
+                                     peer_timeout_s=a.timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._engine = threading.Thread(target=self._engine_loop, name="decode-engine", daemon=True)
+        self._engine.start()
+
+    def _on_event(self, ev: Event) -> None:
+        tr = self.tracks.setdefault(ev.request_id, Track())
+        if ev.kind in ("reserved", "granted"):
+            tr.reserved = ev.t
+            tr.blocks = len(ev.grant.blocks) if ev.grant else 0
+            tr.location = ev.grant.location if ev.grant else ""
+        elif ev.kind == "received":
+            tr.received = ev.t
+        elif ev.kind == "ready" and not tr.received:  # a GPU grant (cuda_ipc): landed is ready
+            tr.received = ev.t
+        elif ev.kind in ("failed", "expired", "aborted", "rejected"):
+            tr.state, tr.reason = ev.kind, ev.reason
+
+    def _gpu_block(self, rank: int, layer: int, t: int, blocks: Sequence[int]) -> np.ndarray:
+        L = self.lays[rank]
+        tb = L.tensor_block_bytes(t)
+        mem = self.gpu_mem[rank]
+        spec_base = (mem if isinstance(mem, int) else mem.ctypes.data)
+        spec = CacheSpec.for_buffer(L, self.gpu_blocks, spec_base)
+        out = np.empty((len(blocks), tb), np.uint8)
+        if isinstance(mem, int):
+            for i, b in enumerate(blocks):
+                _ffi.cuda.memcpy(out[i].ctypes.data, spec.address(layer, t, b), tb)
+        else:
+            base, stride = spec.region(layer, t)
+            region = mem[base - spec_base: base - spec_base + stride * self.gpu_blocks].reshape(self.gpu_blocks, stride)
+            out[:] = region[np.asarray(blocks)][:, :tb]
+        return out
+
+    def verify(self, rid: str, blocks: Sequence[int]) -> None:
+        rk = request_key(rid)
+        gis = np.arange(len(blocks))
+        bad = 0
+        for r, L in enumerate(self.lays):
+            for layer in range(L.total_layers):
+                for t in range(len(L.tensors)):
+                    got = self._gpu_block(r, layer, t, blocks)
+                    want = pattern(L, rk, layer, t, gis)
+                    nbad = int((got != want).any(axis=1).sum())
+                    bad += nbad
+                    self.bytes_verified += got.size
+        if bad:
+            self.verify_errors += bad
+            self.failures.append(f"{rid}: {bad} blocks differ")
+
+    def _engine_loop(self) -> None:
+        last = 0.0
+        while not self._stop.is_set():
+            ready = self.sched.take_ready()
+            for r in ready:
+                tr = self.tracks.setdefault(r.request_id, Track())
+                tr.ready = self.sched.clock()
+                if not self.a.no_verify:
+                    self.verify(r.request_id, r.gpu_blocks)
+                tr.state = "ready"
+                self.sched.finish(r.request_id)
+            now = time.monotonic()
+            if now - last >= 0.05:
+                last = now
+                m = self.sched.metrics()
+                self.timeline.append((now - self.t0, int(m["buffer_blocks_total"] - m["buffer_blocks_free"]),
+                                      int(m["gpu_blocks_total"] - m["gpu_blocks_free"]), int(self.rx.stats["bytes"])))
+            if not ready:
+                time.sleep(0.001)
+
+    def close(self) -> None:
+        if getattr(self, "_engine", None) is not None:
+            self._stop.set()
+            self._engine.join(5)
+        if getattr(self, "rx", None) is not None:
+            self.rx.close()
+        for e in getattr(self, "engines", []):
+            e.close()
+        for m in self.gpu_mem:
+            if isinstance(m, int):
+                _ffi.cuda.free(m)
+        self.gpu_mem = []
+        for b in self.bufs:
+            try:
+                b.close()
+            except PdkvError:
+                pass
+            b.unlink()
+        self.bufs = []

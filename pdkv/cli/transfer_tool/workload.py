@@ -1,0 +1,152 @@
+"""The tool's workload: model presets, request streams, and the byte pattern every block is verified against."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ... import _ffi
+from ...layout import KVLayout
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(num_layers=32, kv_heads=8, head_dim=128, tokens_per_block=64, dtype="bfloat16"),
+    "llama3-70b": dict(num_layers=80, kv_heads=8, head_dim=128, tokens_per_block=64, dtype="bfloat16"),
+    "qwen2.5-7b": dict(num_layers=28, kv_heads=4, head_dim=128, tokens_per_block=64, dtype="bfloat16"),
+    "qwen2.5-72b": dict(num_layers=80, kv_heads=8, head_dim=128, tokens_per_block=64, dtype="bfloat16"),
+    "deepseek-v3": dict(num_layers=61, kv_heads=1, head_dim=576, tokens_per_block=64, dtype="bfloat16", mla=True),
+    "tiny": dict(num_layers=4, kv_heads=4, head_dim=64, tokens_per_block=16, dtype="bfloat16"),
+}
+MiB = 1 << 20
+
+
+class UsageError(Exception):
+    """Bad flags or configuration: one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one clear line, no usage dump
+        raise UsageError(message)
+
+
+# ---------------------------------------------------------------------- data pattern
+
+def _keys(rkey: int, layer: int, t: int, gis: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """uint32 key per (block index in the request, global head)."""
+    with np.errstate(over="ignore"):
+        k = (np.uint32(rkey) * np.uint32(0x9E3779B1) + np.uint32(layer) * np.uint32(0x85EBCA77)
+             + np.uint32(t) * np.uint32(0xC2B2AE3D))
+        return (k + gis.astype(np.uint32)[:, None] * np.uint32(0x27D4EB2F)
+                + heads.astype(np.uint32)[None, :] * np.uint32(0x165667B1))
+
+
+def pattern(lay: KVLayout, rkey: int, layer: int, t: int, gis: np.ndarray) -> np.ndarray:
+    """Expected content of blocks ``gis`` (indices within the request) of one rank:
+    uint8 array [len(gis), tensor_block_bytes]. Head-major: head h's slice holds
+    arange + key(h), so any misplaced head, token or block shows."""
+    h0, h1 = lay.head_range()
+    tb = lay.tensor_block_bytes(t)
+    words = tb // lay.heads_per_rank // 4
+    keys = _keys(rkey, layer, t, gis, np.arange(h0, h1))
+    with np.errstate(over="ignore"):
+        v = np.arange(words, dtype=np.uint32)[None, None, :] + keys[:, :, None]
+    return v.reshape(len(gis), -1).view(np.uint8)
+
+
+def request_key(rid: str) -> int:
+    return zlib.crc32(rid.encode())
+
+
+# ---------------------------------------------------------------------- workload
+
+@dataclass(frozen=True, slots=True)
+class Req:
+    rid: str
+    arrival: float
+    tokens: int
+    output: int
+
+
+def make_workload(a: argparse.Namespace) -> list[Req]:
+    rng = np.random.default_rng(a.seed)
+    if a.trace:
+        out = []
+        try:
+            with open(a.trace) as f:
+                for i, line in enumerate(f):
+                    if a.trace_limit and len(out) >= a.trace_limit:
+                        break
+                    d = json.loads(line)
+                    out.append(Req(f"t{i}", d["timestamp"] / 1000.0 * a.time_scale, int(d["input_length"]),
+                                   int(d.get("output_length", 1))))
+        except (OSError, ValueError, KeyError) as exc:
+            raise UsageError(f"--trace {a.trace}: {exc}") from None
+        if not out:
+            raise UsageError(f"--trace {a.trace}: no requests")
+        return out
+    n = a.requests
+    dist = a.prompt_len
+    try:
+        if ":" not in dist:
+            lens = np.full(n, int(dist))
+        else:
+            kind, *ps = dist.split(":")
+            ps = [float(x) for x in ps]
+            if kind == "uniform":
+                lens = rng.integers(int(ps[0]), int(ps[1]) + 1, n)
+            elif kind == "lognormal":
+                lens = np.maximum(1, rng.lognormal(math.log(ps[0]), ps[1], n)).astype(int)
+            else:
+                raise ValueError(kind)
+    except (ValueError, IndexError):
+        raise UsageError(f"--prompt-len {dist!r}: use N, uniform:MIN:MAX or lognormal:MEDIAN:SIGMA") from None
+    if (lens <= 0).any():
+        raise UsageError("--prompt-len must be positive")
+    gaps = rng.exponential(1.0 / a.rate, n) if a.rate > 0 else np.zeros(n)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    return [Req(f"r{i}", float(arrivals[i]), int(lens[i]), 1) for i in range(n)]
+
+
+def workload_buffer_blocks(reqs: list[Req], concurrency: int, tokens_per_block: int) -> int:
+    """Buffer blocks per rank that hold the ``concurrency`` largest requests of the workload
+    at once: what the tool's decode needs when it sizes the buffer itself."""
+    sizes = sorted((-(-r.tokens // tokens_per_block) for r in reqs), reverse=True)
+    return sum(sizes[:max(1, concurrency)])
+
+
+def layout_kw(a: argparse.Namespace) -> dict[str, Any]:
+    if a.model not in PRESETS:
+        raise UsageError(f"--model {a.model!r}: choose one of {', '.join(PRESETS)}")
+    kw = dict(PRESETS[a.model])
+    for f, attr in (("num_layers", "layers"), ("kv_heads", "kv_heads"), ("head_dim", "head_dim"),
+                    ("tokens_per_block", "tokens_per_block"), ("dtype", "dtype")):
+        v = getattr(a, attr)
+        if v is not None:
+            kw[f] = v
+    return kw
+
+
+def parse_devices(value: str, flag: str) -> list[int]:
+    """A comma-separated list of CUDA device ordinals."""
+    try:
+        devs = [int(x) for x in value.split(",")]
+    except ValueError:
+        devs = []
+    if not devs or min(devs) < 0:
+        raise UsageError(f"{flag} {value!r}: expected CUDA device ordinals, comma-separated, e.g. 0 or 0,1")
+    return devs
+
+
+def served_transports(transport: str, gpu_blocks: bool = False) -> list[str]:
+    """What the decode side serves: the one asked for, or under auto shm, rdma (where this
+    host has a device), tcp, and cuda_ipc when decode's blocks are GPU memory. Prefill's
+    offer order decides among them."""
+    if transport != "auto":
+        return [transport]
+    served = ["shm", "rdma", "tcp"] if _ffi.verbs.rdma_devices() else ["shm", "tcp"]
+    return (["cuda_ipc"] if gpu_blocks else []) + served
