@@ -103,6 +103,7 @@ def _export_rank(lay: KVLayout, spec: CacheSpec) -> dict[str, Any]:
         raise LayoutError(f"rank {lay.tp_rank}'s GPU cache cannot be exported for CUDA IPC ({exc}); memory "
                           "from cuMemCreate, such as torch's expandable segments, has no legacy IPC "
                           "handle: allocate the cache with cudaMalloc or serve shm instead") from exc
+    assert spec.device is not None  # export_gpu_caches refuses host caches first
     return {"rank": lay.tp_rank, "device_uuid": _ffi.cuda.device_uuid(spec.device),
             "num_blocks": spec.num_blocks, "allocs": handles, "regions": regions}
 

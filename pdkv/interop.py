@@ -147,10 +147,10 @@ def cache_from_tensors(layout: KVLayout, tensors: Sequence[Any] | Sequence[Seque
         nb = None
         regions = []
         for li, row in enumerate(tensors):
-            if len(row) != len(layout.tensors):  # type: ignore[arg-type]
-                raise LayoutError(f"layer {li}: {len(row)} tensors, expected {layout.tensors}")  # type: ignore[arg-type]
+            if len(row) != len(layout.tensors):
+                raise LayoutError(f"layer {li}: {len(row)} tensors, expected {layout.tensors}")
             r = []
-            for ti, t in enumerate(row):  # type: ignore[union-attr]
+            for ti, t in enumerate(row):
                 info = tensor_info(t)
                 nb = info.shape[0] if nb is None else nb
                 check(info, f"layer {li} {layout.tensors[ti]}", _expect_shape(layout, nb, ti, engine), layout.is_scale(ti))

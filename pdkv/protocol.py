@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -99,7 +99,7 @@ _U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack carries up to 2^64 - 1
 _Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 
 
-class LayoutDesc(_Rec, kw_only=True):
+class LayoutDesc(_Rec, kw_only=True, frozen=True):
     """:meth:`pdkv.KVLayout.descriptor` on the wire (checked again by ``from_descriptor``)."""
 
     format: _Short
@@ -118,7 +118,7 @@ class LayoutDesc(_Rec, kw_only=True):
     block_bytes: _U64 = 0
 
 
-class RdmaEndpointDesc(_Rec, kw_only=True):
+class RdmaEndpointDesc(_Rec, kw_only=True, frozen=True):
     """A queue pair's record (``pdkv.rdma.EndpointInfo``)."""
 
     qpn: _U32
@@ -128,7 +128,7 @@ class RdmaEndpointDesc(_Rec, kw_only=True):
     mtu: _U32
 
 
-class RdmaRegionDesc(_Rec, kw_only=True):
+class RdmaRegionDesc(_Rec, kw_only=True, frozen=True):
     """A decode rank's registered buffer: where RDMA writes may land, and its key."""
 
     rank: _U32
@@ -137,25 +137,25 @@ class RdmaRegionDesc(_Rec, kw_only=True):
     rkey: _U32
 
 
-class RdmaOffer(_Rec, kw_only=True):
+class RdmaOffer(_Rec, kw_only=True, frozen=True):
     """``Welcome.rdma``: decode's queue pair and each rank's registered region."""
 
     endpoint: RdmaEndpointDesc
     regions: Annotated[list[RdmaRegionDesc], msgspec.Meta(max_length=4096)]
 
 
-class CudaDesc(_Rec, kw_only=True):
+class CudaDesc(_Rec, kw_only=True, frozen=True):
     """``Hello.cuda``: the GPU prefill's cache lives on."""
 
     device_uuid: _Short
 
 
-class IpcAlloc(_Rec, kw_only=True):
+class IpcAlloc(_Rec, kw_only=True, frozen=True):
     handle: Annotated[bytes, msgspec.Meta(max_length=128)]
     size: _U64
 
 
-class IpcRank(_Rec, kw_only=True):
+class IpcRank(_Rec, kw_only=True, frozen=True):
     rank: _U32
     device_uuid: _Short
     num_blocks: _U32
@@ -165,13 +165,13 @@ class IpcRank(_Rec, kw_only=True):
                        msgspec.Meta(max_length=1 << 16)]
 
 
-class IpcSection(_Rec, kw_only=True):
+class IpcSection(_Rec, kw_only=True, frozen=True):
     """``Welcome.cuda`` (see :mod:`pdkv.cuda_ipc`)."""
 
     ranks: Annotated[list[IpcRank], msgspec.Meta(max_length=4096)]
 
 
-class Hello(_Base, tag="hello"):
+class Hello(_Base, tag="hello", frozen=True):
     """prefill -> decode, first message of a session (MAC'd under the shared secret)."""
 
     version: int
@@ -187,21 +187,21 @@ class Hello(_Base, tag="hello"):
     cuda: CudaDesc | None = None  # set when prefill's cache is GPU memory
 
 
-class Challenge(_Base, tag="challenge"):
+class Challenge(_Base, tag="challenge", frozen=True):
     """decode -> prefill, answer to a Hello (under the secret): decode's fresh nonce. The
     session key is HMAC(secret, prefill nonce, this nonce) from here on."""
 
     nonce: _Nonce
 
 
-class Auth(_Base, tag="auth"):
+class Auth(_Base, tag="auth", frozen=True):
     """prefill -> decode, under the session key: proves the secret for this session
     (``nonce`` echoes the Challenge's)."""
 
     nonce: _Nonce
 
 
-class Welcome(_Base, tag="welcome"):
+class Welcome(_Base, tag="welcome", frozen=True):
     """decode -> prefill: the session is accepted; how to write into decode's memory.
     ``session_id`` names the session on data connections; it is no credential (a data
     connection also proves the session key, :func:`data_auth_mac`)."""
@@ -220,19 +220,19 @@ class Welcome(_Base, tag="welcome"):
     cuda: IpcSection | None = None  # cuda_ipc: each rank's GPU cache as IPC handles and offsets
 
 
-class ReserveReq(_Base, tag="reserve"):
+class ReserveReq(_Base, tag="reserve", frozen=True):
     request_id: str
     num_tokens: int
 
 
-class ReserveBatch(_Base, tag="reserves"):
+class ReserveBatch(_Base, tag="reserves", frozen=True):
     """prefill -> decode: ``ReserveReq`` for every item ``(request_id, num_tokens)``, in one
     message (``reserve_many``); each item is answered on its own, in a ``GrantBatch``."""
 
     items: list[tuple[str, int]]
 
 
-class GrantMsg(_Base, tag="grant"):
+class GrantMsg(_Base, tag="grant", frozen=True):
     request_id: str
     outcome: str  # gpu | buffer | queued | rejected
     location: str = ""
@@ -242,14 +242,14 @@ class GrantMsg(_Base, tag="grant"):
     reason: str = ""
 
 
-class GrantBatch(_Base, tag="grants"):
+class GrantBatch(_Base, tag="grants", frozen=True):
     """decode -> prefill: the answers to one ``ReserveBatch`` (and any grants decided while
     handling it), at most ``MAX_BATCH_BLOCKS`` block ids a message."""
 
     items: list[GrantMsg]
 
 
-class LayerDone(_Base, tag="layer"):
+class LayerDone(_Base, tag="layer", frozen=True):
     """prefill -> decode: this rank's writes of ``layers`` for the request succeeded (shm),
     for ``blocks`` of its blocks (0: all of them; a chunk of a chunked prefill sends fewer)."""
 
@@ -259,7 +259,7 @@ class LayerDone(_Base, tag="layer"):
     blocks: int = 0
 
 
-class LayerBatch(_Base, tag="layers"):
+class LayerBatch(_Base, tag="layers", frozen=True):
     """prefill -> decode: this rank's writes of ``layer`` succeeded for every item
     ``(request_id, token, blocks)`` (blocks as in LayerDone): one message for a layer of a
     batch instead of one per request."""
@@ -268,7 +268,7 @@ class LayerBatch(_Base, tag="layers"):
     items: list[tuple[str, int, int]]
 
 
-class Complete(_Base, tag="complete"):
+class Complete(_Base, tag="complete", frozen=True):
     """prefill -> decode: every write of this rank for the request finished (``ok``) or not."""
 
     request_id: str
@@ -277,14 +277,14 @@ class Complete(_Base, tag="complete"):
     error: str = ""
 
 
-class CompleteBatch(_Base, tag="completes"):
+class CompleteBatch(_Base, tag="completes", frozen=True):
     """prefill -> decode: ``Complete`` for every item ``(request_id, token, ok, error)``,
     in one message (the requests of a batch finish together)."""
 
     items: list[tuple[str, int, bool, str]]
 
 
-class Outcome(_Base, tag="outcome"):
+class Outcome(_Base, tag="outcome", frozen=True):
     """decode -> prefill: the definite outcome of a request (received, failed, expired, aborted)."""
 
     request_id: str
@@ -292,23 +292,23 @@ class Outcome(_Base, tag="outcome"):
     reason: str = ""
 
 
-class OutcomeBatch(_Base, tag="outcomes"):
+class OutcomeBatch(_Base, tag="outcomes", frozen=True):
     """decode -> prefill: ``Outcome`` for every item ``(request_id, state, reason)``, in one
     message (the requests of one ``LayerBatch`` or ``CompleteBatch`` end together)."""
 
     items: list[tuple[str, str, str]]
 
 
-class Abort(_Base, tag="abort"):
+class Abort(_Base, tag="abort", frozen=True):
     request_id: str
     reason: str = ""
 
 
-class Heartbeat(_Base, tag="hb"):
+class Heartbeat(_Base, tag="hb", frozen=True):
     t: float
 
 
-class ErrorMsg(_Base, tag="error"):
+class ErrorMsg(_Base, tag="error", frozen=True):
     code: str
     message: str
 
@@ -336,7 +336,7 @@ def layout_desc(layout: object) -> LayoutDesc:
     return msgspec.convert(layout.descriptor(), LayoutDesc)  # type: ignore[attr-defined]
 
 
-def to_plain(rec: msgspec.Struct | None) -> dict:
+def to_plain(rec: msgspec.Struct | None) -> dict[str, Any]:
     """A nested wire record as plain dicts and lists (bytes kept), ``{}`` for None."""
     return msgspec.to_builtins(rec, builtin_types=(bytes,)) if rec is not None else {}
 

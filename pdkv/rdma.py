@@ -164,7 +164,7 @@ class EndpointInfo:
     mtu: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        return {f: getattr(self, f) for f in self.__slots__}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EndpointInfo:
@@ -229,7 +229,7 @@ class RdmaWriter:
 
     def __init__(self, regions: Sequence[tuple[int, int]], *, device: str | None = None, max_send_wr: int = 1024,
                  signal_every: int = 64, timeout_s: float = 10.0) -> None:
-        self._res = _ffi.verbs.open_device(device)
+        self._res: dict[str, Any] = _ffi.verbs.open_device(device)
         self._mrs: list[Any] = []
         self._qp: Any = None
         try:
@@ -286,7 +286,7 @@ class RdmaWriter:
             _ffi.verbs.close(self._qp)
             self._qp = None
         _release(self._mrs, self._res)
-        self._res = None
+        self._res = {}
 
     def __enter__(self) -> RdmaWriter:
         return self
@@ -343,13 +343,14 @@ class RdmaTarget:
         for qpn in list(self._qps):
             self.drop(qpn)
         _release(self._mrs, self._res)
-        self._res = None
+        self._res = {}
 
 
-def _release(mrs: list[Any], res: dict[str, Any] | None) -> None:
-    """Deregister memory regions (emptying the list), then close the device resources."""
+def _release(mrs: list[Any], res: dict[str, Any]) -> None:
+    """Deregister memory regions (emptying the list), then close the device resources
+    (``{}`` once closed: nothing left to close)."""
     for mr in mrs:
         _ffi.verbs.close(mr)
     mrs.clear()
-    if res is not None:
+    if res:
         _ffi.verbs.close_device(res)

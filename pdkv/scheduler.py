@@ -244,6 +244,7 @@ class DecodeScheduler:
         for pool, attr in ((self.buffer, "buffer_blocks"), (self.gpu, "gpu_blocks")):
             blocks = getattr(req, attr)
             if blocks:
+                assert pool is not None  # a request holds buffer blocks only where there is a buffer
                 setattr(req, attr, None)
                 # an admitted write still running holds its blocks whatever the grace says
                 if (quarantine and self.options.fence_grace_s > 0) or w.n:
@@ -645,7 +646,7 @@ class DecodeScheduler:
 
     def _submit(self, reqs: list[_Req]) -> list[Event]:
         assert self.swap is not None
-        results = []
+        results: list[tuple[_Req, SwapHandle | None, Exception | None]] = []
         for req in reqs:  # no lock held: the backend may launch kernels, take time
             try:
                 assert req.buffer_blocks is not None and req.gpu_blocks is not None
@@ -654,10 +655,10 @@ class DecodeScheduler:
                 results.append((req, None, exc))
         with self._lock:
             now = self.clock()
-            for req, handle, exc in results:
+            for req, handle, err in results:
                 self._m["swaps_submitted"] += 1
-                if exc is not None:
-                    self._swap_finished(req, exc, now)
+                if err is not None:
+                    self._swap_finished(req, err, now)
                 else:
                     req.handle = handle
             return self._emit()

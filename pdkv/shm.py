@@ -20,7 +20,7 @@ import time
 import uuid
 import weakref
 from contextlib import ExitStack
-from typing import Literal
+from typing import Any, Literal
 
 from . import _ffi, procs
 from .errors import BusyError, ClosedError, CudaUnavailableError, PdkvError
@@ -113,7 +113,7 @@ def _populate(addr: int, size: int, threads: int, *, fresh: bool = True,
     With ``stripes`` (sizes of the files mapped back to back) chunks are handed out
     round-robin over the stripes, so that concurrent threads work in different files.
     """
-    chunks = []
+    chunks: list[tuple[int, int]] = []
     off0 = 0
     per_stripe = []
     for n in stripes or [size]:
@@ -168,7 +168,7 @@ def _origin_record(name: str, size: int, stripes: int) -> bytes:
     return json.dumps(rec, sort_keys=True).encode()
 
 
-def read_origin(name: str, shm_dir: str = "/dev/shm") -> dict | None:
+def read_origin(name: str, shm_dir: str = "/dev/shm") -> dict[str, Any] | None:
     """The origin record of buffer ``name`` (a dict), or None when it has none or it is not
     one pdkv wrote (wrong magic, malformed, too large, or not a regular file)."""
     path = os.path.join(shm_dir, name + ORIGIN_SUFFIX)
@@ -323,7 +323,7 @@ class SharedBuffer:
         self._addr = 0
         self._pinned = False
         self._unlinked = False
-        self._fin: weakref.finalize | None = None
+        self._fin: weakref.finalize[..., SharedBuffer] | None = None
         self.stripes = 1
 
     # ------------------------------------------------------------ factories
@@ -670,7 +670,7 @@ class SharedBuffer:
         if self.owner:
             self.unlink()
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         # pickles by name: a child process re-attaches (never the creator's ownership)
         return (_reopen, (self.name, self._pin_mode, self.size))
 

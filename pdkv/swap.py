@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
@@ -93,7 +93,7 @@ class CopyHandle:
     def layer_done(self, layer: int) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def _wait(self, pred, timeout: float | None, what: str) -> None:
+    def _wait(self, pred: Callable[[], bool], timeout: float | None, what: str) -> None:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         while not pred():
@@ -190,7 +190,7 @@ def _destroy_events(events: list[int]) -> None:
 
 
 class _FutureHandle(CopyHandle):
-    def __init__(self, nbytes: int, layers: int, fut: Future, layer_flags: list[threading.Event]) -> None:
+    def __init__(self, nbytes: int, layers: int, fut: Future[None], layer_flags: list[threading.Event]) -> None:
         super().__init__(nbytes, layers)
         self._fut = fut
         self._flags = layer_flags
@@ -285,7 +285,7 @@ class SwapEngine:
         self.device: int | None = device  # GPU strategies resolve None below (then always an int)
         self._closed = False
         self._lock = threading.Lock()
-        self._staging: list[tuple[_PinnedStaging, object]] = []
+        self._staging: list[tuple[_PinnedStaging, CopyHandle | _Busy | None]] = []
         self._own_stream = False
         self._side = 0
         self._stream = 0
@@ -383,6 +383,7 @@ class SwapEngine:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self.strategy != "host":
+            assert self.device is not None  # resolved for every GPU strategy
             with _ffi.cuda.on_device(self.device):
                 self._close_cuda()
 
@@ -427,7 +428,7 @@ class SwapEngine:
 
         return _FutureHandle(plan.nbytes, nl, self._pool.submit(work), flags)
 
-    def _staging_for(self, nbytes: int, handle_slot: list) -> _PinnedStaging:
+    def _staging_for(self, nbytes: int, handle_slot: list[int]) -> _PinnedStaging:
         with self._lock:
             for i, (st, h) in enumerate(self._staging):
                 if st.nbytes >= nbytes and (h is None or h.done()):
@@ -440,6 +441,7 @@ class SwapEngine:
             return st
 
     def _run_cuda(self, plan: CopyPlan, layerwise: bool, stream: int, direction: str | None = None) -> CopyHandle:
+        assert self.device is not None  # resolved for every GPU strategy
         with _ffi.cuda.on_device(self.device):  # events, launches and copies on the engine's device
             return self._launch(plan, layerwise, stream, direction)
 
@@ -460,7 +462,7 @@ class SwapEngine:
                 n = cp.pieces
                 desc = np.concatenate([cp.src, cp.dst, cp.lengths])
                 st = self._staging_for(desc.nbytes, slot)
-                _ffi.libc.host_view(st.addr, desc.nbytes)[:] = desc.view(np.uint8)
+                _ffi.libc.host_view(st.addr, desc.nbytes)[:] = desc.view(np.uint8).data
                 # descriptors go to device memory on the side stream, overlapping the copy
                 # in flight; the kernel waits for them. H200, 16 KiB blocks, 16 kernels back
                 # to back: descriptors already in device memory 50.9 GB/s, read from pinned

@@ -62,12 +62,12 @@ def _rt() -> Any:
     mod = _mods.get("rt")
     if mod is None:
         try:
-            from cuda.bindings import runtime as mod  # type: ignore[import-not-found]
+            from cuda.bindings import runtime as _imported_rt
         except ImportError as exc:
             raise CudaUnavailableError(
                 "CUDA support needs cuda-bindings: pip install 'pdkv[cuda]'"
             ) from exc
-        _mods["rt"] = mod
+        mod = _mods["rt"] = _imported_rt
     return mod
 
 
@@ -76,12 +76,12 @@ def _drv() -> Any:
     if mod is None:
         _rt()
         try:
-            from cuda.bindings import driver as mod  # type: ignore[import-not-found]
+            from cuda.bindings import driver as _imported_drv
 
-            _check_drv(mod.cuInit(0), "cuInit")
+            _check_drv(_imported_drv.cuInit(0), "cuInit")
         except RuntimeError as exc:  # cuda.pathfinder: library not found
             raise CudaUnavailableError(f"CUDA driver library not found: {exc}") from exc
-        _mods["drv"] = mod
+        mod = _mods["drv"] = _imported_drv
     return mod
 
 
@@ -90,14 +90,14 @@ def _nvrtc() -> Any:
     if mod is None:
         _rt()
         try:
-            from cuda.bindings import nvrtc as mod  # type: ignore[import-not-found]
+            from cuda.bindings import nvrtc as _imported_nvrtc
 
-            mod.nvrtcVersion()
+            _imported_nvrtc.nvrtcVersion()
         except RuntimeError as exc:
             raise CudaUnavailableError(
                 f"NVRTC not found (pip install 'pdkv[cuda]' brings it): {exc}"
             ) from exc
-        _mods["nvrtc"] = mod
+        mod = _mods["nvrtc"] = _imported_nvrtc
     return mod
 
 

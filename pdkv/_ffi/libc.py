@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+from typing import Any
 from ctypes import c_char_p, c_int, c_size_t, c_uint, c_void_p
 
 __all__ = [
@@ -32,7 +33,7 @@ MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; EINVAL on older kernels
 
 
-def _minus_one_errno(res: int, func: object, args: tuple) -> int:
+def _minus_one_errno(res: int, func: object, args: tuple[Any, ...]) -> int:
     if res == -1:
         err = ctypes.get_errno()
         first = args[0]
@@ -41,7 +42,7 @@ def _minus_one_errno(res: int, func: object, args: tuple) -> int:
     return res
 
 
-def _map_failed(res: int | None, func: object, args: tuple) -> int:
+def _map_failed(res: int | None, func: object, args: tuple[Any, ...]) -> int:
     if res is None or res == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), f"mmap at {hex(args[0] or 0)}")
@@ -144,5 +145,5 @@ def host_view(addr: int, length: int) -> memoryview:
     return memoryview(t.from_address(addr)).cast("B")
 
 
-_ARRAY_TYPES: dict[int, type] = {}  # building a ctypes array type costs microseconds
+_ARRAY_TYPES: dict[int, type[ctypes.Array[ctypes.c_ubyte]]] = {}  # building a ctypes array type costs microseconds
 

@@ -47,7 +47,7 @@ def rdma_devices() -> list[str]:
         pv = import_pyverbs()
     except RdmaUnavailableError:
         return []
-    from pyverbs.pyverbs_error import PyverbsRDMAError  # type: ignore[import-not-found]
+    from pyverbs.pyverbs_error import PyverbsRDMAError
 
     try:
         devs = pv.device.get_device_list()
@@ -79,7 +79,7 @@ def require_device(name: str | None = None) -> str:
 
 def _wrap(what: str, fn: Any, *args: Any, **kw: Any) -> Any:
     pv = import_pyverbs()
-    from pyverbs.pyverbs_error import PyverbsError  # type: ignore[import-not-found]
+    from pyverbs.pyverbs_error import PyverbsError
 
     try:
         return fn(*args, **kw)

@@ -22,6 +22,7 @@ from ..layout import CacheSpec, KVLayout, Segment
 
 if TYPE_CHECKING:
     from ..protocol import Codec, Hello, Message, Welcome
+    from ..shm import SharedBuffer
     from ..scheduler import DecodeScheduler
 
 __all__ = ["SendGrant", "WriteItem", "LayerJob", "FinishJob", "Peer", "Inflight", "SenderHost", "ReceiverHost",
@@ -78,13 +79,26 @@ class FinishJob:
 class SenderHost(Protocol):
     """What a :class:`SenderTransport` may use of its prefill session."""
 
-    layout: KVLayout
-    cache: CacheSpec
-    segments: list[Segment]  # this rank's TP segments into the decode ranks it serves
-    dst_layout: KVLayout
-    timeout_s: float
-    session_key: bytes  # the session's key (data connections prove it)
-    session_id: bytes
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def cache(self) -> CacheSpec: ...
+
+    @property
+    def segments(self) -> list[Segment]: ...  # this rank's TP segments into the decode ranks it serves
+
+    @property
+    def dst_layout(self) -> KVLayout: ...
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    @property
+    def session_key(self) -> bytes | None: ...  # the session's key (data connections prove it); None: no secret
+
+    @property
+    def session_id(self) -> bytes: ...
 
     def post(self, msg: Message) -> None: ...  # to decode, from any thread
 
@@ -145,14 +159,29 @@ class Inflight:
 class ReceiverHost(Protocol):
     """What a :class:`ReceiverTransport` may use of its decode session."""
 
-    scheduler: DecodeScheduler
-    layouts: list[KVLayout]
-    buffers: Sequence[Any]  # SharedBuffer per rank, in ``layouts`` order
-    buffer_blocks: int
-    specs: dict[int, CacheSpec]  # decode rank -> its buffer as a cache
-    options: Any  # ReceiverOptions
-    lock: threading.RLock  # guards peers and in-flight requests
-    stopping: threading.Event  # set when the receiver closes
+    @property
+    def scheduler(self) -> DecodeScheduler: ...
+
+    @property
+    def layouts(self) -> list[KVLayout]: ...
+
+    @property
+    def buffers(self) -> Sequence[SharedBuffer]: ...  # SharedBuffer per rank, in ``layouts`` order
+
+    @property
+    def buffer_blocks(self) -> int: ...
+
+    @property
+    def specs(self) -> dict[int, CacheSpec]: ...  # decode rank -> its buffer as a cache
+
+    @property
+    def options(self) -> Any: ...  # ReceiverOptions
+
+    @property
+    def lock(self) -> threading.RLock: ...  # guards peers and in-flight requests
+
+    @property
+    def stopping(self) -> threading.Event: ...  # set when the receiver closes
 
     def peer(self, ident: bytes) -> Peer | None: ...
 

@@ -37,14 +37,14 @@ class Channel:
     may consume the signal that input is waiting, so after each send the sender checks
     ``EVENTS`` and wakes the I/O thread if input is there."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self.sock = sock
         self.lock = threading.Lock()
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
         self._poll = select.poll()
-        self._poll.register(sock.getsockopt(zmq.FD), select.POLLIN)
+        self._poll.register(int(sock.getsockopt(zmq.FD)), select.POLLIN)
         self._poll.register(self._r, select.POLLIN)
         self._closed = False
         # the pipe's fds are touched only under this lock and never after close(): a late
@@ -72,7 +72,7 @@ class Channel:
                 self.sock.send(parts[-1], _NB)
             except zmq.ZMQError:
                 return False
-            pending = bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
+            pending = bool(int(self.sock.getsockopt(_EVENTS)) & _POLLIN)
         if pending:
             self.wake()
         return True
@@ -83,7 +83,7 @@ class Channel:
             if self._closed:
                 return None
             try:
-                while len(out) < 256 and self.sock.getsockopt(_EVENTS) & _POLLIN:
+                while len(out) < 256 and int(self.sock.getsockopt(_EVENTS)) & _POLLIN:
                     out.append(self.sock.recv_multipart(_NB))
             except zmq.Again:
                 pass

@@ -138,7 +138,7 @@ class DecodeReceiver:
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
             self._router.bind(opts.control)
-            self.control_address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.control_address = bytes(self._router.getsockopt(zmq.LAST_ENDPOINT)).decode()
             for e in entries:
                 self._transports[e.name] = e.receiver(self)
         except BaseException:
@@ -184,12 +184,14 @@ class DecodeReceiver:
     @property
     def data_address(self) -> str:
         """The tcp transport's data listener, ``host:port`` (AttributeError if tcp is not served)."""
-        return self._tcp().address
+        address: str = self._tcp().address
+        return address
 
     @property
     def data_advertise(self) -> str:
         """What prefill is told to connect to for tcp data (settable: NAT, a proxy)."""
-        return self._tcp().advertise
+        advertise: str = self._tcp().advertise
+        return advertise
 
     @data_advertise.setter
     def data_advertise(self, v: str) -> None:

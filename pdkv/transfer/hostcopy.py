@@ -15,12 +15,14 @@ from typing import Any
 import numpy as np
 
 from .. import _ffi
-from ..layout import CacheSpec
+from ..layout import CacheSpec, Segment
 from ..plan import check_within, split_runs
 
 __all__ = ["HostCopier", "GATHER_PIECE"]
 
 GATHER_PIECE = 4 << 20  # bytes per share when copies are split among threads
+Pieces = tuple[Segment, Any, Any, Any]  # one segment's (src, dst, length) arrays: plan.layer_pieces
+Take = tuple[Any, Any, Any]  # (source rows, row ids, destination rows) for np.take
 
 
 class HostCopier:
@@ -55,7 +57,7 @@ class HostCopier:
             v = self._views[key] = (_ffi.libc.host_view(base, stride * spec.num_blocks), base)
         return v
 
-    def copy(self, layer: int, plans: list) -> None:
+    def copy(self, layer: int, plans: list[Pieces]) -> None:
         """Host-cache pieces into decode's buffer: the streaming copy loop where it runs
         (``_ffi.cpu``: non-temporal stores, no read-for-ownership of the destination),
         else numpy."""
@@ -64,8 +66,8 @@ class HostCopier:
         else:
             self.numpy(layer, plans)
 
-    def numpy(self, layer: int, plans: list) -> None:
-        takes: list[tuple[Any, Any, Any]] = []  # (source rows, row ids, destination rows)
+    def numpy(self, layer: int, plans: list[Pieces]) -> None:
+        takes: list[Take] = []
         rest = []
         for seg, src, dst, ln in plans:
             sv, sbase = self.region_view(self.cache, layer, seg.tensor)
@@ -103,27 +105,29 @@ class HostCopier:
             for so, do, n in zip((src - sbase).tolist(), (dst - dbase).tolist(), ln.tolist()):
                 dv[do:do + n] = sv[so:so + n]
 
-    def stream(self, layer: int, plans: list) -> None:
+    def stream(self, layer: int, plans: list[Pieces]) -> None:
         """Every piece of the layer copied by the streaming (non-temporal) copy loop of
         ``_ffi.cpu``, shared among the copy threads in runs of about equal bytes. Each piece
         is checked against its source and destination regions first: the loop writes
         through raw addresses."""
-        srcs, dsts, lens = [], [], []
+        srcs: list[Any] = []
+        dsts: list[Any] = []
+        lens: list[Any] = []
         for seg, src, dst, ln in plans:
             sv, sbase = self.region_view(self.cache, layer, seg.tensor)
             dv, dbase = self.region_view(self.dst_specs[seg.dst_rank], layer, seg.tensor)
             # contiguous int64 already from the planner (no copy then), as the loop needs them
-            s, d, n = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, ln))
+            s, d, k = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, ln))
             where = f"(tensor {seg.tensor}, decode rank {seg.dst_rank})"
-            check_within(s, n, sbase, len(sv), f"layer {layer}: a planned copy falls outside its source region {where}")
-            check_within(d, n, dbase, len(dv), f"layer {layer}: a planned copy falls outside its destination "
+            check_within(s, k, sbase, len(sv), f"layer {layer}: a planned copy falls outside its source region {where}")
+            check_within(d, k, dbase, len(dv), f"layer {layer}: a planned copy falls outside its destination "
                                                f"region {where}")
             srcs.append(s)
             dsts.append(d)
-            lens.append(n)
+            lens.append(k)
         if not lens:
             return
-        src, dst, ln = ((a[0] if len(a) == 1 else np.concatenate(a)) for a in (srcs, dsts, lens))
+        src, dst, ln = (a[0] if len(a) == 1 else np.concatenate(a) for a in (srcs, dsts, lens))
         # pieces stay in destination order (grant order): sorted by source address instead,
         # random 32 KiB blocks ran 0.69-0.73 of the ceiling against 0.79-0.81 on the H200 x2
         # host's Xeon (ABBA, docs/perf-logs/h200x2-ab-order-s6-*), though 0.73-0.75 against
@@ -132,19 +136,25 @@ class HostCopier:
         if n > 1 and int(ln.max()) > self.piece:  # cut long runs so the threads share evenly
             idx, off, ln = split_runs(ln, self.piece)
             src, dst = src[idx] + off, dst[idx] + off
-        cuts = np.searchsorted(np.cumsum(ln), np.arange(1, n) * (int(ln.sum()) / n)).tolist()
-        self.share([lambda a=a, b=b: _ffi.cpu.gather(src[a:b], dst[a:b], ln[a:b])
-                     for a, b in zip([0] + cuts, cuts + [ln.size])])
+        cuts: list[int] = np.searchsorted(np.cumsum(ln), np.arange(1, n) * (int(ln.sum()) / n)).tolist()
 
-    def gather(self, takes: list) -> None:
+        def part(a: int, b: int) -> Callable[[], None]:
+            return lambda: _ffi.cpu.gather(src[a:b], dst[a:b], ln[a:b])
+
+        self.share([part(a, b) for a, b in zip([0, *cuts], [*cuts, int(ln.size)])])
+
+    def gather(self, takes: list[Take]) -> None:
         """``out[:] = rows[idx]`` for every ``(rows, idx, out)``: np.take copies in C without
         the GIL, so ``threads`` threads run at once."""
-        def run(part: list) -> None:
-            for rows, idx, out in part:
+        def run(share: list[Take]) -> None:
+            for rows, idx, out in share:
                 np.take(rows, idx, axis=0, out=out, mode="clip")
 
+        def part(i: int, n: int) -> Callable[[], None]:
+            return lambda: run(takes[i::n])
+
         n = max(1, min(self.threads, len(takes)))
-        self.share([lambda i=i: run(takes[i::n]) for i in range(n)])
+        self.share([part(i, n) for i in range(n)])
 
     def share(self, parts: list[Callable[[], None]]) -> None:
         """Run the copy ``parts`` at once: this thread takes the first, the copy pool the

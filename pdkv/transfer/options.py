@@ -172,7 +172,7 @@ class SenderOptions:
         _count("copy_threads", self.copy_threads, 1, 64)
 
 
-def merge_options(cls: type, options: Any, kw: dict[str, Any], owner: str) -> Any:
+def merge_options(cls: type[Any], options: Any, kw: dict[str, Any], owner: str) -> Any:
     """``options`` (or the defaults) with the fields named in ``kw`` replaced; TypeError
     naming ``owner`` for a keyword that is not a field."""
     if options is not None and not isinstance(options, cls):
@@ -184,4 +184,4 @@ def merge_options(cls: type, options: Any, kw: dict[str, Any], owner: str) -> An
                         f"(fields of {cls.__name__}: {', '.join(sorted(fields))})")
     if options is None:
         return cls(**kw)
-    return dataclasses.replace(options, **kw) if kw else options
+    return dataclasses.replace(options, **kw) if kw else options  # options: an instance of cls

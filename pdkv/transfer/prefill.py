@@ -145,7 +145,8 @@ class PrefillSender:
 
     # ------------------------------------------------------------------ host surface (base.SenderHost)
     @property
-    def session_key(self) -> bytes:
+    def session_key(self) -> bytes | None:
+        """The session's key (None without a secret: sessions are then unauthenticated)."""
         return self._codec.key
 
     @property
@@ -225,9 +226,10 @@ class PrefillSender:
         try:
             msg = self._codec.decode(frames)
         except ProtocolError:
-            msg = Codec(None).decode(frames) if is_unauthenticated(frames) else None  # a refusal is sent unauthenticated
-            if not isinstance(msg, ErrorMsg):
+            refusal = Codec(None).decode(frames) if is_unauthenticated(frames) else None  # sent unauthenticated
+            if not isinstance(refusal, ErrorMsg):
                 raise
+            msg = refusal
         if isinstance(msg, ErrorMsg):
             raise PeerError(f"decode refused the session: {msg.message}")
         return msg
@@ -392,7 +394,8 @@ class PrefillSender:
             raise PdkvTimeoutError(f"no outcome for {request_id!r} yet")
         with self._lock:
             self._outcomes.pop(request_id, None)
-        return w.value
+        out: RequestOutcome = w.value
+        return out
 
     def close(self) -> None:
         """Stop threads, close sockets and shm mappings. Pending requests fail. Idempotent."""

@@ -50,6 +50,9 @@ _ITEMS_PER_FRAME = 64  # blocks per frame: one syscall each side moves them all
 # a frame's payload past its first item (runs of blocks are cut to fit): 4 MiB frames beat
 # 16 and 64 MiB ones by 5-15 % on the H200 x2 host (docs/PERF.md)
 _FRAME_BYTES = 4 << 20
+# a frame as sent: header and items, segment, source addresses and blocks of its items,
+# the source region's view and base
+_Frame = tuple[bytes, Segment, list[int], list[int], tuple[memoryview, int]]
 _POLL_S = 0.25  # receive-side socket timeout: how often a blocked receive checks for close
 _AUTH_HEAD = FRAME_HEADER.size + 16  # AUTH frame header + session id
 # accept() errors that say nothing about the listener: out of descriptors or memory, a
@@ -132,7 +135,7 @@ class TcpSender(SenderTransport):
 
     def write_layer(self, layer: int, work: list[WriteItem]) -> None:
         pack, item = FRAME_HEADER.pack, FRAME_ITEM.pack
-        frames: list[tuple[bytes, Segment, list[int], list[int], int]] = []
+        frames: list[_Frame] = []
         h = self.host
         for w in work:
             for grp in plan_layer(h.segments, h.layout, h.dst_layout, h.cache, None, w.src, w.dst, layer):
@@ -154,13 +157,13 @@ class TcpSender(SenderTransport):
         errors: list[BaseException] = []
         totals, count_lock = [0, 0], threading.Lock()
 
-        def push(sock: socket.socket, fs: list) -> None:
+        def push(sock: socket.socket, fs: list[_Frame]) -> None:
             # payload views are slices of one view of the source region (a slice costs a
             # fraction of a new ctypes view), made here while the previous sendmsg's bytes
             # are in flight
             sent = [0, 0]  # bytes, frames
             try:
-                batch: list = []
+                batch: list[bytes | memoryview] = []
                 size = 0
                 for hdr, seg, srcs, nbs, (rv, rbase) in fs:
                     batch.append(hdr)
@@ -620,7 +623,7 @@ def _recv_n(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
+def _sendmsg_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
     """Send every buffer, up to 512 per ``sendmsg``, resuming after partial sends."""
     views = [v for v in (b if isinstance(b, memoryview) else memoryview(b) for b in bufs) if v.nbytes]
     i = 0

@@ -51,7 +51,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
     make_workload(a)  # validate before starting anything
     dec = DecodeSide(a, lay_kw)
     dec.start(a.listen or "tcp://127.0.0.1:0")
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[str]] = []
     outcomes: dict[str, str] = {}
     reasons: dict[str, str] = {}
     chosen: dict[int, str] = {}  # prefill rank -> the transport decode chose for it
@@ -65,7 +65,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
             procs.append(subprocess.Popen(_prefill_argv(a, dec.rx.control_address, r), stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, env=env))
 
-        def reader(p: subprocess.Popen) -> None:
+        def reader(p: subprocess.Popen[str]) -> None:
             assert p.stdout is not None
             for line in p.stdout:
                 try:
@@ -124,7 +124,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
         # another code, is the rank itself failing (a traceback also exits 1)
         errs = []
         for p in procs:
-            text = p.stderr.read().strip() if p.stderr else ""  # type: ignore[union-attr]
+            text = p.stderr.read().strip() if p.stderr else ""
             if text or p.returncode not in (0, 1):
                 errs.append(text.splitlines()[-1] if text else f"prefill process died (exit code {p.returncode})")
         for e in errs:

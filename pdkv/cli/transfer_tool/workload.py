@@ -7,7 +7,7 @@ import json
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -30,7 +30,7 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one clear line, no usage dump
+    def error(self, message: str) -> NoReturn:  # one clear line, no usage dump
         raise UsageError(message)
 
 
@@ -41,8 +41,9 @@ def _keys(rkey: int, layer: int, t: int, gis: np.ndarray, heads: np.ndarray) -> 
     with np.errstate(over="ignore"):
         k = (np.uint32(rkey) * np.uint32(0x9E3779B1) + np.uint32(layer) * np.uint32(0x85EBCA77)
              + np.uint32(t) * np.uint32(0xC2B2AE3D))
-        return (k + gis.astype(np.uint32)[:, None] * np.uint32(0x27D4EB2F)
-                + heads.astype(np.uint32)[None, :] * np.uint32(0x165667B1))
+        out: np.ndarray = (k + gis.astype(np.uint32)[:, None] * np.uint32(0x27D4EB2F)
+                           + heads.astype(np.uint32)[None, :] * np.uint32(0x165667B1))
+        return out
 
 
 def pattern(lay: KVLayout, rkey: int, layer: int, t: int, gis: np.ndarray) -> np.ndarray:
@@ -55,7 +56,8 @@ def pattern(lay: KVLayout, rkey: int, layer: int, t: int, gis: np.ndarray) -> np
     keys = _keys(rkey, layer, t, gis, np.arange(h0, h1))
     with np.errstate(over="ignore"):
         v = np.arange(words, dtype=np.uint32)[None, None, :] + keys[:, :, None]
-    return v.reshape(len(gis), -1).view(np.uint8)
+    out: np.ndarray = v.reshape(len(gis), -1).view(np.uint8)
+    return out
 
 
 def request_key(rid: str) -> int:
@@ -75,7 +77,7 @@ class Req:
 def make_workload(a: argparse.Namespace) -> list[Req]:
     rng = np.random.default_rng(a.seed)
     if a.trace:
-        out = []
+        out: list[Req] = []
         try:
             with open(a.trace) as f:
                 for i, line in enumerate(f):
