@@ -6,12 +6,14 @@ missing when asked for.
 
 import logging as _logging
 
-# a library logs only where the application configured logging (no last-resort output)
-_logging.getLogger(__name__).addHandler(_logging.NullHandler())
-
-from . import blocks, errors, interop, layout, native, plan, protocol, rdma, scheduler, shm, swap, transfer  # noqa: E402
+# modules reached as attributes (pdkv.plan, pdkv.native, ...) that no name above imports
+from . import native as native  # noqa: I001
+from . import plan as plan
+from . import protocol as protocol
+from . import rdma as rdma
 from .blocks import BlockAllocator, BlockPool
 from .errors import *  # noqa: F403
+from .interop import TensorInfo, aligned_empty, cache_from_tensors, tensor_info
 from .layout import GIB, CacheSpec, KVLayout, Segment, tp_segments
 from .scheduler import (
     DecodeScheduler,
@@ -28,9 +30,11 @@ from .scheduler import (
     WriteTicket,
 )
 from .shm import SharedBuffer
-from .interop import TensorInfo, aligned_empty, cache_from_tensors, tensor_info
 from .swap import CopyHandle, CopyPlan, SwapEngine, SwapGroup, plan_copy
 from .transfer import DecodeReceiver, PrefillSender, ReceiverOptions, RequestOutcome, SenderOptions, SendGrant
+
+# a library logs only where the application configured logging (no last-resort output)
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __version__ = "0.1.0"
 

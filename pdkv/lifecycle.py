@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-
 __all__ = ["State", "SchedulerOptions", "Grant", "WriteTicket", "Reservation", "RequestInfo", "ReadyRequest",
            "Event", "EventKind", "SwapBackend", "SwapHandle", "TERMINAL"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 
@@ -313,8 +313,8 @@ class ErrorMsg(_Base, tag="error", frozen=True):
     message: str
 
 
-Message = Union[Hello, Challenge, Auth, Welcome, ReserveReq, ReserveBatch, GrantMsg, GrantBatch, LayerDone, LayerBatch, Complete,
-                CompleteBatch, Outcome, OutcomeBatch, Abort, Heartbeat, ErrorMsg]
+Message = (Hello | Challenge | Auth | Welcome | ReserveReq | ReserveBatch | GrantMsg | GrantBatch | LayerDone | LayerBatch
+           | Complete | CompleteBatch | Outcome | OutcomeBatch | Abort | Heartbeat | ErrorMsg)
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True, array_like=True):

@@ -52,7 +52,7 @@ def plan_writes(request: str, local: Sequence[int], remote: Sequence[int], lengt
 
     Raises ProtocolError for a write outside ``[remote_base, remote_base+remote_len)``.
     """
-    for la, ra, n in zip(local, remote, lengths):
+    for ra, n in zip(remote, lengths):
         if n <= 0:
             raise ProtocolError(f"write of {n} bytes")
         if ra < remote_base or ra + n > remote_base + remote_len:

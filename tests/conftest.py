@@ -63,7 +63,6 @@ def _warm_cuda() -> None:
 def no_leaks():
     """Per test: pdkv segments and open fds unchanged (STYLE.md D4)."""
     import gc
-
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()  # its one pipe is process-wide, not a leak

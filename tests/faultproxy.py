@@ -48,7 +48,7 @@ class FaultProxy:
             while not self._stop.is_set():
                 try:
                     data = src.recv(65536)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 if not data:
                     break

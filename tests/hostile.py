@@ -12,8 +12,19 @@ import zmq
 
 from pdkv import KVLayout
 from pdkv.procs import boot_id
-from pdkv.protocol import (PROTOCOL_VERSION, Auth, Challenge, Codec, Hello, Message, Welcome, data_auth_mac,
-                           is_unauthenticated, layout_desc, new_nonce)
+from pdkv.protocol import (
+    PROTOCOL_VERSION,
+    Auth,
+    Challenge,
+    Codec,
+    Hello,
+    Message,
+    Welcome,
+    data_auth_mac,
+    is_unauthenticated,
+    layout_desc,
+    new_nonce,
+)
 from pdkv.transfer import FRAME_HEADER
 
 AUTH_HEADER = FRAME_HEADER.pack(b"PDKV", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)

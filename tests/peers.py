@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from pdkv import (BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, SwapEngine)
+from pdkv import BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, SwapEngine
 from pdkv.transfer import DecodeReceiver, PrefillSender
 
 LAYOUT = dict(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf16")

@@ -3,7 +3,6 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -270,7 +269,7 @@ def test_out_of_range_ids_are_named():
 def test_runs_of_any_order_are_maximal_and_in_order(ids):
     runs = runs_of(ids)
     assert [i for s, e in runs for i in range(s, e)] == ids  # same ids, same order
-    for (s0, e0), (s1, e1) in zip(runs, runs[1:]):
+    for (_, e0), (s1, _) in zip(runs, runs[1:]):
         assert s1 != e0  # maximal: a run never continues the previous one
     assert runs_of(tuple(ids)) == runs
 

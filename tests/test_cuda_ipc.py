@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_transfer import BASE, _lines, _spawn, expected_block, prefill_cache, reap, wait_until
 
 from pdkv import BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, SwapEngine, _ffi
 from pdkv.cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section
 from pdkv.errors import LayoutError, PeerError, ProtocolError
 from pdkv.transfer import DecodeReceiver, PrefillSender
-from test_transfer import BASE, _lines, _spawn, expected_block, prefill_cache, reap, wait_until
 
 
 class FakeIpc:

@@ -5,23 +5,19 @@ time, every block back in its pool, and the survivor keeps serving."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import msgspec
 import pytest
 import zmq
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from faultproxy import FaultProxy
 from hostile import RawSession, data_conn
-from pdkv import PrefillSender, State
-from pdkv.protocol import Codec, Complete, Hello, LayerDone, ReserveReq, layout_desc, pack_frame
-from pdkv.transfer import FRAME_HEADER
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_transfer import BASE, Decode, _lines, _spawn, prefill_cache, reap, send_one, wait_until
 
-from pdkv import KVLayout
+from pdkv import KVLayout, PrefillSender, State
+from pdkv.protocol import Codec, Complete, Hello, LayerDone, ReserveReq, layout_desc, pack_frame
 
 
 def all_free(dec):

@@ -9,7 +9,6 @@ and raw data connections), the good peer's transfer beside it, and ``outside_unc
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import socket
 import subprocess
@@ -21,17 +20,33 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from hostile import AUTH_HEADER, RawSession, data_conn, recv_n, sender_conn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_transfer import BASE, HERE, Decode, prefill_cache, reap, send_one, wait_until
 
-from hostile import AUTH_HEADER, RawSession, data_conn, recv_n, sender_conn
 from pdkv import CacheSpec, KVLayout, PrefillSender, State
 from pdkv.errors import ProtocolError, TransferError
-from pdkv.protocol import (PROTOCOL_VERSION, Abort, Auth, Challenge, Codec, Complete, CompleteBatch, ErrorMsg,
-                           Heartbeat, Hello, LayerBatch, LayerDone, Message, ReserveBatch, ReserveReq, Welcome,
-                           layout_desc, pack_frame)
+from pdkv.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Auth,
+    Challenge,
+    Codec,
+    Complete,
+    CompleteBatch,
+    ErrorMsg,
+    Heartbeat,
+    Hello,
+    LayerBatch,
+    LayerDone,
+    ReserveBatch,
+    ReserveReq,
+    Welcome,
+    layout_desc,
+    pack_frame,
+)
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM
-from test_transfer import BASE, HERE, Decode, prefill_cache, reap, send_one, wait_until
 
 SECRET = b"s" * 32
 TB = KVLayout(**BASE).tensor_block_bytes(0)  # one block of one layer of one tensor

@@ -172,8 +172,9 @@ def test_tp_mapping_writes_every_destination_byte_once_with_the_right_data(case)
     if mla:
         H = 1
     assume((H % P == 0 or P % H == 0) and (H % D == 0 or D % H == 0))
-    mk = lambda tp, nhd: KVLayout(num_layers=1, kv_heads=H, head_dim=hd, tokens_per_block=T, dtype=dt,
-                                  mla=mla, scales=sc, tp_size=tp, token_major=nhd)
+    def mk(tp, nhd):
+        return KVLayout(num_layers=1, kv_heads=H, head_dim=hd, tokens_per_block=T, dtype=dt, mla=mla, scales=sc,
+                        tp_size=tp, token_major=nhd)
     src, dst = mk(P, snhd), mk(D, dnhd)
     segs, out = _apply(src, dst)
     for (s, t), (buf, count) in out.items():

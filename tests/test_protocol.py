@@ -5,10 +5,29 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdkv.errors import AuthenticationError, PdkvError, ProtocolError
 from pdkv import KVLayout
-from pdkv.protocol import (PROTOCOL_VERSION, Auth, Challenge, Codec, layout_desc, pack_frame, Complete, CompleteBatch, GrantBatch, Outcome, OutcomeBatch, ReserveBatch, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, ReserveReq,
-                           session_key)
+from pdkv.errors import AuthenticationError, PdkvError, ProtocolError
+from pdkv.protocol import (
+    PROTOCOL_VERSION,
+    Auth,
+    Challenge,
+    Codec,
+    Complete,
+    CompleteBatch,
+    GrantBatch,
+    GrantMsg,
+    Heartbeat,
+    Hello,
+    LayerBatch,
+    LayerDone,
+    Outcome,
+    OutcomeBatch,
+    ReserveBatch,
+    ReserveReq,
+    layout_desc,
+    pack_frame,
+    session_key,
+)
 
 SECRET = b"k" * 32
 

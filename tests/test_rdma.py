@@ -2,18 +2,36 @@ from __future__ import annotations
 
 import time
 
+import fake_verbs
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import fake_verbs
-from pdkv import (BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, State, SwapEngine, _ffi)
-from pdkv.errors import LayoutError, PdkvTimeoutError, PeerError, ProtocolError, RdmaError, RdmaUnavailableError
-from pdkv.rdma import (CompletionTracker, EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion, batch_chains, merge_regions,
-                       plan_writes)
-from pdkv.transfer import DecodeReceiver, PrefillSender
 from test_transfer import BASE, Decode, prefill_cache, send_one, wait_until
+
+from pdkv import (
+    BlockPool,
+    CacheSpec,
+    DecodeScheduler,
+    KVLayout,
+    SchedulerOptions,
+    SharedBuffer,
+    State,
+    SwapEngine,
+    _ffi,
+)
+from pdkv.errors import LayoutError, PdkvTimeoutError, PeerError, ProtocolError, RdmaError, RdmaUnavailableError
+from pdkv.rdma import (
+    CompletionTracker,
+    EndpointInfo,
+    RdmaTarget,
+    RdmaWriter,
+    RemoteRegion,
+    batch_chains,
+    merge_regions,
+    plan_writes,
+)
+from pdkv.transfer import DecodeReceiver, PrefillSender
 
 
 def test_plan_coalesces_and_bounds():

@@ -9,13 +9,13 @@ import ctypes
 
 import numpy as np
 import pytest
+from test_transfer import Decode, expected_block, prefill_cache
 
 from pdkv import CacheSpec, KVLayout, PrefillSender, SharedBuffer, transfer
 from pdkv.errors import LayoutError
 from pdkv.plan import layer_pieces
 from pdkv.protocol import LayerBatch
 from pdkv.transfer import ReceiverTransport, SenderTransport
-from test_transfer import Decode, expected_block, prefill_cache
 
 
 class CopySender(SenderTransport):

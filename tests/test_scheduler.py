@@ -5,8 +5,7 @@ import threading
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test)
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test
 
 from pdkv.blocks import BlockPool
 from pdkv.errors import GrantViolation, LeaseExpiredError, PdkvError, RequestError
@@ -290,7 +289,7 @@ def test_listener_is_called_without_the_lock():
     assert seen == [("reserved", 0), ("ready", 1)]
 
 
-def test_prometheus_text():
+def test_prometheus_text_names_the_counters_and_the_pools():
     s, *_ = make()
     text = s.prometheus()
     assert "# TYPE pdkv_reservations_gpu counter" in text

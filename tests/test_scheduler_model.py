@@ -12,7 +12,6 @@ caught and discarded.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,11 +20,11 @@ import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_scheduler import Clock
 
 from pdkv.blocks import BlockPool
 from pdkv.errors import GrantViolation, LeaseExpiredError, RequestError
 from pdkv.scheduler import DecodeScheduler, SchedulerOptions, State
-from test_scheduler import Clock
 
 WRITABLE = (State.RESERVED, State.RECEIVING)
 LAYERS = 3

@@ -17,9 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv import BusyError, ClosedError, CudaUnavailableError, SharedBuffer, _ffi
+from pdkv.cli.shm import main as shm_main
 from pdkv.shm import stripe_sizes
 from pdkv.shmclean import clean_segments, scan_segments
-from pdkv.cli.shm import main as shm_main
 
 
 def test_create_is_0600_populated_and_named(no_leaks):
@@ -94,7 +94,7 @@ def test_close_unlink_semantics(shm_name, no_leaks):
     b.close()
     b.close()  # idempotent
     with pytest.raises(ClosedError):
-        b.buf
+        _ = b.buf
     a.close()
 
 
@@ -336,7 +336,8 @@ def test_stripe_sizes_cover_the_buffer_exactly(size, k):
         sizes = stripe_sizes(size, k)
     except ValueError as exc:
         assert "too many" in str(exc)
-        assert k > 1 and -(-(-(-size // k)) // (2 << 20)) * (2 << 20) * (k - 1) >= size
+        per = -(-size // k)  # each stripe's share, rounded up to whole 2 MiB pages
+        assert k > 1 and -(-per // (2 << 20)) * (2 << 20) * (k - 1) >= size
         return
     assert len(sizes) == k and sum(sizes) == size and min(sizes) > 0
     if k > 1:
@@ -525,7 +526,7 @@ def test_huge_pages_where_the_mount_allows_them_and_only_there(no_leaks):
     assert _shm_mount_options() is not None and not any(o.startswith("huge=") and o != "huge=never"
                                                          for o in _shm_mount_options())
     with pytest.raises(ClosedError):
-        b.huge_pages_bytes
+        _ = b.huge_pages_bytes
 
 
 # ------------------------------------------------------------------ origin records, memory, exit

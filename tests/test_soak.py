@@ -12,11 +12,11 @@ import time
 from collections import Counter
 
 import pytest
-
 from faultproxy import FaultProxy
+from test_transfer import Decode, _lines, _spawn, prefill_cache
+
 from pdkv import PrefillSender
 from pdkv.errors import PdkvError
-from test_transfer import Decode, _lines, _spawn, prefill_cache
 
 
 def rss_mib() -> float:

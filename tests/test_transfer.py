@@ -8,21 +8,28 @@ import subprocess
 import sys
 import threading
 import time
-from unittest import mock
 
+import fake_verbs
 import numpy as np
 import pytest
+from hostile import AUTH_HEADER, sender_conn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv import (BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, State, SwapEngine,
-                  tp_segments)
+from pdkv import (
+    BlockPool,
+    CacheSpec,
+    DecodeScheduler,
+    KVLayout,
+    SchedulerOptions,
+    SharedBuffer,
+    State,
+    SwapEngine,
+    tp_segments,
+)
 from pdkv._ffi import cpu
 from pdkv.errors import PdkvTimeoutError, PeerError, TransferError
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM, DecodeReceiver, PrefillSender
-
-import fake_verbs
-from hostile import AUTH_HEADER, sender_conn
 
 HERE = os.path.dirname(__file__)
 BASE = dict(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf16")
@@ -810,7 +817,8 @@ def test_tcp_frames_cut_runs_and_bound_every_frame(nb, unit, cap, most):
     """Every block of every item is sent once, in order, from the right address; no item is
     longer than ``cap`` allows, no frame holds more than ``most`` items or (past its first)
     more than ``cap`` bytes."""
-    from pdkv.plan import tcp_frames as _tcp_frames, tcp_items as _tcp_items
+    from pdkv.plan import tcp_frames as _tcp_frames
+    from pdkv.plan import tcp_items as _tcp_items
 
     nb = np.asarray(nb, np.int64)
     gi = np.concatenate(([0], np.cumsum(nb)[:-1])).astype(np.int64) * 2 + 5  # gaps between items

@@ -27,9 +27,9 @@ import sys
 import time
 
 import numpy as np
+from _bench import send_and_wait, torch_with_cuda
 
 import pdkv
-from _bench import send_and_wait, torch_with_cuda
 
 
 def layout_for(kib: int) -> pdkv.KVLayout:
@@ -97,7 +97,9 @@ def main() -> int:
     from pdkv.swap import SwapEngine, plan_copy
 
     rows, out = [], {}
-    for kib in [int(x) for x in a.sizes_kib.split(",")]:
+
+    def one_size(kib):
+        """Measure one block size into ``rows`` and ``out`` (decode in a child process)."""
         lay = layout_for(kib)
         bb = lay.block_bytes
         nb = (a.gib << 30) // bb
@@ -176,6 +178,9 @@ def main() -> int:
             from pdkv.shmclean import clean_segments
 
             clean_segments(dry_run=False)
+
+    for kib in [int(x) for x in a.sizes_kib.split(",")]:
+        one_size(kib)
     where = "one GPU" if a.decode_device == 0 else f"prefill on GPU 0, decode on GPU {a.decode_device}"
     print(f"{a.gib} GiB per run, {where}, random order, every block verified by decode; GB/s (ratio)")
     print(f"{'KiB':>6} {'cuda_ipc':>16} {'bare kernel copy':>17} {'D2D ceiling':>12}")

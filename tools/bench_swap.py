@@ -22,18 +22,23 @@ Needs a CUDA GPU and torch.  python tools/bench_swap.py [--blocks 4096] [--reps 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
 
 import numpy as np
+from _bench import torch_with_cuda
 
 import pdkv
-from _bench import torch_with_cuda
 from pdkv.native import cuda as _cuda
 from pdkv.swap import plan_copy
 
+
+def _one_call(submit, s_, d_, direction):
+    """One copy submitted and waited for: the latency of a single call."""
+    submit(s_, d_, direction).wait(60)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -82,7 +87,8 @@ def main() -> int:
     print(f"{N} scattered blocks per call, {a.reps} calls back to back, GB/s (ratio to the one-large-copy ceiling)")
     print(f"{'KiB':>5} {'dir':>4} {'pdkv':>14} {'1 batch call':>14} {'torch loop':>14} {'ceiling':>8} {'pdkv 1 call ms':>15}",
           flush=True)
-    for kib in [int(x) for x in a.sizes_kib.split(",")]:
+    def one_size(kib: int) -> int:
+        """Measure one block size into ``rows`` and ``out``; 1 if a copy was wrong."""
         size = kib << 10
         T = size // (2 * 512)
         lay = pdkv.KVLayout(num_layers=1, kv_heads=1, head_dim=512, tokens_per_block=T, dtype="bf16", mla=True)
@@ -150,7 +156,7 @@ def main() -> int:
                     del saved
                 # throughput: `reps` calls submitted back to back (as the scheduler does),
                 # so planning the next overlaps the copy in flight; latency: one call alone
-                def burst():
+                def burst(submit=submit, s_=s_, d_=d_, direction=direction):
                     hs = [submit(s_, d_, direction) for _ in range(a.reps)]
                     for h in hs:
                         h.wait(60)
@@ -160,7 +166,7 @@ def main() -> int:
                     res[("ceiling", direction)] = total * a.reps / cs / 1e9
                 else:
                     res[(strat, direction)] = total * a.reps / timed(burst, lambda: None) / 1e9
-                lat = timed(lambda: submit(s_, d_, direction).wait(60), lambda: None)
+                lat = timed(functools.partial(_one_call, submit, s_, d_, direction), lambda: None)
                 res[(strat, direction, "latency_ms")] = lat * 1e3
         eng.close()
         _cuda.stream_destroy(bare_stream)
@@ -190,6 +196,11 @@ def main() -> int:
         torch.cuda.empty_cache()
         buf.close()
         buf.unlink()
+        return 0
+
+    for kib in [int(x) for x in a.sizes_kib.split(",")]:
+        if one_size(kib):
+            return 1
     print("(throughput: calls submitted back to back; 1 call: submit-to-done wall time of one call, planning included)")
     h2d = [r[2] / r[5] for r in rows if r[1] == "h2d"]
     d2h = [r[2] / r[5] for r in rows if r[1] == "d2h"]

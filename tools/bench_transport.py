@@ -33,9 +33,9 @@ import sys
 import time
 
 import numpy as np
+from _bench import send_and_wait
 
 import pdkv
-from _bench import send_and_wait
 from pdkv.transfer import default_copy_threads
 
 
@@ -93,7 +93,7 @@ def decode_main(a: argparse.Namespace) -> None:
     while True:
         try:
             conn, _ = sink.accept()
-        except socket.timeout:
+        except TimeoutError:
             if os.getppid() != parent:
                 break
             continue

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,8 +13,8 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-from typing import Any
 from ctypes import c_char_p, c_int, c_size_t, c_uint, c_void_p
+from typing import Any
 
 __all__ = [
     "MADV_HUGEPAGE",

@@ -22,8 +22,8 @@ _ABSENT = {errno.ENOSYS, errno.ENODEV, errno.ENOENT, 0}
 def import_pyverbs() -> Any:
     """Import and return the ``pyverbs`` package, or raise RdmaUnavailableError."""
     try:
-        import pyverbs.device  # noqa: F401
         import pyverbs
+        import pyverbs.device  # noqa: F401
     except ImportError as exc:
         raise RdmaUnavailableError(
             "RDMA needs pyverbs (pip install 'pdkv[rdma]' or the distro's python3-pyverbs)"

@@ -18,8 +18,7 @@ A new transport is one module with a :class:`SenderTransport` and a
 """
 
 from . import base
-from .base import (ReceiverTransport, SenderTransport, SendGrant, WriteItem, auto_offer, names, register,
-                   unregister)
+from .base import ReceiverTransport, SenderTransport, SendGrant, WriteItem, auto_offer, names, register, unregister
 from .cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from .decode import DecodeReceiver
 from .options import ReceiverOptions, SenderOptions, default_copy_threads

@@ -22,8 +22,8 @@ from ..layout import CacheSpec, KVLayout, Segment
 
 if TYPE_CHECKING:
     from ..protocol import Codec, Hello, Message, Welcome
-    from ..shm import SharedBuffer
     from ..scheduler import DecodeScheduler
+    from ..shm import SharedBuffer
 
 __all__ = ["SendGrant", "WriteItem", "LayerJob", "FinishJob", "Peer", "Inflight", "SenderHost", "ReceiverHost",
            "SenderTransport", "ReceiverTransport", "TransportEntry", "register", "unregister", "get", "names",

@@ -29,9 +29,31 @@ from ..layout import CacheSpec, KVLayout, Segment, tp_segments
 from ..plan import run_lengths
 from ..procs import boot_id, pid_alive
 from ..protocol import (
-    MAX_BATCH_BLOCKS, MAX_GRANT_BLOCKS, PROTOCOL_VERSION, Abort, Auth, Challenge, Codec, Complete, CompleteBatch,
-    ErrorMsg, GrantBatch, GrantMsg, Heartbeat, Hello, LayerBatch, LayerDone, Message, Outcome, OutcomeBatch,
-    ReserveBatch, ReserveReq, Welcome, layout_desc, new_nonce)
+    MAX_BATCH_BLOCKS,
+    MAX_GRANT_BLOCKS,
+    PROTOCOL_VERSION,
+    Abort,
+    Auth,
+    Challenge,
+    Codec,
+    Complete,
+    CompleteBatch,
+    ErrorMsg,
+    GrantBatch,
+    GrantMsg,
+    Heartbeat,
+    Hello,
+    LayerBatch,
+    LayerDone,
+    Message,
+    Outcome,
+    OutcomeBatch,
+    ReserveBatch,
+    ReserveReq,
+    Welcome,
+    layout_desc,
+    new_nonce,
+)
 from ..scheduler import DecodeScheduler, Event, EventKind
 from ..shm import SharedBuffer
 from . import base as registry

@@ -22,16 +22,45 @@ import msgspec
 import zmq
 
 from .. import _ffi
-from ..errors import ClosedError, LayoutError, PdkvError, PdkvTimeoutError, PeerError, ProtocolError, RequestError, \
-    TransferError
+from ..errors import (
+    ClosedError,
+    LayoutError,
+    PdkvError,
+    PdkvTimeoutError,
+    PeerError,
+    ProtocolError,
+    RequestError,
+    TransferError,
+)
 from ..layout import CacheSpec, KVLayout, tp_segments
 from ..procs import boot_id
 from ..protocol import (
-    MAX_ID, MAX_NUM_TOKENS, PROTOCOL_VERSION, Abort, Auth, Challenge, Codec, Complete, CompleteBatch, ErrorMsg,
-    GrantBatch, GrantMsg, Heartbeat, Hello, Message, Outcome, OutcomeBatch, ReserveBatch, ReserveReq, Welcome,
-    is_unauthenticated, layout_desc, new_nonce)
+    MAX_ID,
+    MAX_NUM_TOKENS,
+    PROTOCOL_VERSION,
+    Abort,
+    Auth,
+    Challenge,
+    Codec,
+    Complete,
+    CompleteBatch,
+    ErrorMsg,
+    GrantBatch,
+    GrantMsg,
+    Heartbeat,
+    Hello,
+    Message,
+    Outcome,
+    OutcomeBatch,
+    ReserveBatch,
+    ReserveReq,
+    Welcome,
+    is_unauthenticated,
+    layout_desc,
+    new_nonce,
+)
 from . import base as registry
-from .base import FinishJob, LayerJob, SendGrant, SenderTransport, WriteItem
+from .base import FinishJob, LayerJob, SenderTransport, SendGrant, WriteItem
 from .channel import SEND_BATCH, Channel, clip
 from .options import SenderOptions, merge_options
 

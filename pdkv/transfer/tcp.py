@@ -28,12 +28,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _ffi
 from ..errors import ClosedError, GrantViolation, PdkvError, PdkvTimeoutError, PeerError, ProtocolError, TransferError
 from ..layout import CacheSpec, KVLayout, Segment
 from ..plan import plan_layer, tcp_frames, tcp_items
 from ..protocol import Hello, Welcome, data_auth_mac, new_nonce
 from ..scheduler import WriteTicket
-from .. import _ffi
 from .base import Inflight, Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
 
 _log = logging.getLogger(__name__)
@@ -420,7 +420,7 @@ class TcpReceiver(ReceiverTransport):
                 raise PdkvTimeoutError("frame not received within its deadline")
             try:
                 k = conn.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 if self.host.stopping.is_set():
                     raise ClosedError("receiver closed") from None
                 if got or not idle_ok:
@@ -472,7 +472,7 @@ class TcpReceiver(ReceiverTransport):
             want = sum(len(v) for v in chunk)
             try:
                 got = conn.recvmsg_into(chunk, 0, socket.MSG_WAITALL)[0]
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 stalled += _POLL_S
                 if self.host.stopping.is_set():
                     raise ClosedError("receiver closed") from None
