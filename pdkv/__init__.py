@@ -6,8 +6,9 @@ missing when asked for.
 
 import logging as _logging
 
-# modules reached as attributes (pdkv.plan, pdkv.native, ...) that no name above imports
-from . import native as native  # noqa: I001
+# submodules reached as attributes (pdkv.plan, pdkv.native, ...) besides those the names below import
+from . import errors as errors
+from . import native as native
 from . import plan as plan
 from . import protocol as protocol
 from . import rdma as rdma
