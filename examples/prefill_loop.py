@@ -32,20 +32,20 @@ cache = pdkv.cache_from_tensors(layout, kv)
 pool = pdkv.BlockPool(BLOCKS)
 with pdkv.PrefillSender(layout, cache, a.connect, instance="example-prefill") as tx:
     ids = [f"req-{i}" for i in range(a.requests)]
-    for start in range(0, len(ids), a.batch):             # a batch of prompts prefilled together
-        batch = ids[start:start + a.batch]
+    for start in range(0, len(ids), a.batch):  # a batch of prompts prefilled together
+        batch = ids[start : start + a.batch]
         blocks = {rid: pool.allocate(3) for rid in batch}  # this engine's own blocks for each prompt
         grants = tx.reserve_many([(rid, 40) for rid in batch])  # decode's blocks, round trips overlapped
         failed = [rid for rid, g in zip(batch, grants) if isinstance(g, Exception)]
         batch = [rid for rid in batch if rid not in failed]
         for layer in range(layout.total_layers):
-            for rid in batch:                              # 'compute' layer L of every prompt
+            for rid in batch:  # 'compute' layer L of every prompt
                 for t in kv[layer]:
                     for b in blocks[rid]:
                         fill(t, b, float(ids.index(rid) + 1))
             tx.send_layer(layer, [(rid, blocks[rid]) for rid in batch])  # sent while the next layer computes
         tx.finish_many(batch)
-        for rid in ids[start:start + a.batch]:
+        for rid in ids[start : start + a.batch]:
             state = "rejected" if rid in failed else tx.wait_outcome(rid, timeout=30).state
             print(rid, state, flush=True)
-            pool.free(blocks[rid])                         # only after a definite outcome
+            pool.free(blocks[rid])  # only after a definite outcome

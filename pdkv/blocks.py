@@ -115,9 +115,9 @@ class BlockPool:
                 else:
                     del ends[e]
                     heapq.heappop(heap)
-                held[s:s + n] = self._ones[:n]
+                held[s : s + n] = self._ones[:n]
                 self._free -= n
-                return self._ids[s:s + n]
+                return self._ids[s : s + n]
             out: list[int] = []
             need = n
             while need:
@@ -133,7 +133,7 @@ class BlockPool:
                     heapq.heappush(heap, s + take)
                 else:
                     del ends[e]
-                held[s:s + take] = self._ones[:take]
+                held[s : s + take] = self._ones[:take]
                 out += range(s, s + take)
                 need -= take
             self._free -= n
@@ -156,9 +156,15 @@ class BlockPool:
         n = len(blocks)
         first = blocks[0]
         last_id = blocks[-1]
-        if (type(blocks) is list and type(first) is int and type(last_id) is int and 0 <= first
-                and last_id - first == n - 1 and blocks == self._ids[first:first + n]
-                and (n <= 2 or set(map(type, blocks)) == {int})):  # == alone would take 1.0 for 1
+        if (
+            type(blocks) is list
+            and type(first) is int
+            and type(last_id) is int
+            and 0 <= first
+            and last_id - first == n - 1
+            and blocks == self._ids[first : first + n]
+            and (n <= 2 or set(map(type, blocks)) == {int})
+        ):  # == alone would take 1.0 for 1
             runs = [(first, first + n)]  # the common case: one run, as handed out
         else:
             bad = [b for b in blocks if not _is_id(b, self._n)]
@@ -181,7 +187,7 @@ class BlockPool:
                 total += e - s
             starts, ends = self._starts, self._ends
             for s, e in runs:
-                held[s:e] = self._zeros[:e - s]
+                held[s:e] = self._zeros[: e - s]
                 # merge with the free runs on either side
                 left = ends.pop(s, None)
                 if left is not None:

@@ -45,7 +45,10 @@ def unreachable(prefill_uuid: str, devices: Sequence[int]) -> str | None:
         return None
     uuids = _ffi.cuda.device_uuids()
     if prefill_uuid not in uuids:
-        return f"prefill's GPU {prefill_uuid[:16]} is not one decode sees (CUDA_VISIBLE_DEVICES?), so peer access is unknown"
+        return (
+            f"prefill's GPU {prefill_uuid[:16]} is not one decode sees (CUDA_VISIBLE_DEVICES?), "
+            "so peer access is unknown"
+        )
     p = uuids.index(prefill_uuid)
     for d in sorted(others):
         if not _ffi.cuda.can_access_peer(p, d):
@@ -73,8 +76,10 @@ def export_gpu_caches(layouts: Sequence[KVLayout], specs: Sequence[CacheSpec], p
         if spec.layout != lay:
             raise LayoutError(f"rank {lay.tp_rank}'s GPU cache has another layout than the rank")
         if spec.num_blocks < pool_blocks:
-            raise LayoutError(f"rank {lay.tp_rank}'s GPU cache has {spec.num_blocks} blocks; "
-                              f"the scheduler's GPU pool hands out {pool_blocks}")
+            raise LayoutError(
+                f"rank {lay.tp_rank}'s GPU cache has {spec.num_blocks} blocks; "
+                f"the scheduler's GPU pool hands out {pool_blocks}"
+            )
         with _ffi.cuda.on_device(spec.device):  # handles are made in the cache's device context
             ranks.append(_export_rank(lay, spec))
     return {"ranks": ranks}
@@ -89,8 +94,10 @@ def _export_rank(lay: KVLayout, spec: CacheSpec) -> dict[str, Any]:
             base, stride = spec.region(layer, t)
             abase, asize = _ffi.cuda.address_range(base)
             if _region_end(base, stride, spec.num_blocks, lay.tensor_block_bytes(t)) > abase + asize:
-                raise LayoutError(f"rank {lay.tp_rank}, layer {layer}, tensor {t}: the region spans more "
-                                  "than one allocation (one IPC handle per allocation)")
+                raise LayoutError(
+                    f"rank {lay.tp_rank}, layer {layer}, tensor {t}: the region spans more "
+                    "than one allocation (one IPC handle per allocation)"
+                )
             try:
                 idx = allocs.index((abase, asize))
             except ValueError:
@@ -100,12 +107,19 @@ def _export_rank(lay: KVLayout, spec: CacheSpec) -> dict[str, Any]:
     try:
         handles = [{"handle": _ffi.cuda.ipc_get_handle(b), "size": n} for b, n in allocs]
     except CudaError as exc:
-        raise LayoutError(f"rank {lay.tp_rank}'s GPU cache cannot be exported for CUDA IPC ({exc}); memory "
-                          "from cuMemCreate, such as torch's expandable segments, has no legacy IPC "
-                          "handle: allocate the cache with cudaMalloc or serve shm instead") from exc
+        raise LayoutError(
+            f"rank {lay.tp_rank}'s GPU cache cannot be exported for CUDA IPC ({exc}); memory "
+            "from cuMemCreate, such as torch's expandable segments, has no legacy IPC "
+            "handle: allocate the cache with cudaMalloc or serve shm instead"
+        ) from exc
     assert spec.device is not None  # export_gpu_caches refuses host caches first
-    return {"rank": lay.tp_rank, "device_uuid": _ffi.cuda.device_uuid(spec.device),
-            "num_blocks": spec.num_blocks, "allocs": handles, "regions": regions}
+    return {
+        "rank": lay.tp_rank,
+        "device_uuid": _ffi.cuda.device_uuid(spec.device),
+        "num_blocks": spec.num_blocks,
+        "allocs": handles,
+        "regions": regions,
+    }
 
 
 @dataclass(frozen=True)
@@ -149,9 +163,15 @@ def parse_ipc_section(section: Any, ranks: Sequence[int], layouts: Sequence[KVLa
             raise ProtocolError("cuda_ipc: allocs must be a non-empty list")
         parsed_allocs = []
         for a in allocs:
-            if (not isinstance(a, dict) or set(a) != {"handle", "size"} or not isinstance(a["handle"], bytes)
-                    or len(a["handle"]) != _ffi.cuda.IPC_HANDLE_BYTES):
-                raise ProtocolError(f"cuda_ipc: an allocation must be {{handle: {_ffi.cuda.IPC_HANDLE_BYTES} bytes, size}}")
+            if (
+                not isinstance(a, dict)
+                or set(a) != {"handle", "size"}
+                or not isinstance(a["handle"], bytes)
+                or len(a["handle"]) != _ffi.cuda.IPC_HANDLE_BYTES
+            ):
+                raise ProtocolError(
+                    f"cuda_ipc: an allocation must be {{handle: {_ffi.cuda.IPC_HANDLE_BYTES} bytes, size}}"
+                )
             parsed_allocs.append((a["handle"], _int(a["size"], "allocation size", 1)))
         nt = len(lay.tensors)
         regions = e["regions"]
@@ -203,15 +223,19 @@ class IpcMapping:
                 try:
                     b = _ffi.cuda.ipc_open(handle)
                 except PdkvError as exc:
-                    raise TransferError(f"cuda_ipc: cannot map decode rank {rank}'s GPU cache (device "
-                                        f"{c.device_uuid}) on device {device}: {exc}; the devices need "
-                                        "peer access, else use shm") from exc
+                    raise TransferError(
+                        f"cuda_ipc: cannot map decode rank {rank}'s GPU cache (device "
+                        f"{c.device_uuid}) on device {device}: {exc}; the devices need "
+                        "peer access, else use shm"
+                    ) from exc
                 self._opened.append(b)
                 bases.append(b)
             lay = by_rank[rank]
             nt = len(lay.tensors)
-            regions = [[(bases[ai] + off, stride) for ai, off, stride in c.regions[layer * nt:(layer + 1) * nt]]
-                       for layer in range(lay.total_layers)]
+            regions = [
+                [(bases[ai] + off, stride) for ai, off, stride in c.regions[layer * nt : (layer + 1) * nt]]
+                for layer in range(lay.total_layers)
+            ]
             self.specs[rank] = CacheSpec(lay, c.num_blocks, regions, device=device)
 
     def close(self) -> None:

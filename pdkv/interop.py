@@ -20,9 +20,16 @@ __all__ = ["TensorInfo", "tensor_info", "cache_from_tensors", "aligned_empty"]
 
 _NP_TYPESTR = {"<f2": "float16", "<u2": "bfloat16", "|u1": "uint8", "|i1": "uint8", "<i2": "bfloat16"}
 _NAMES = {
-    "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16",
-    "float8_e4m3fn": "float8_e4m3", "float8_e4m3": "float8_e4m3", "float8_e5m2": "float8_e5m2",
-    "uint8": "uint8", "int8": "uint8",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "float8_e4m3fn": "float8_e4m3",
+    "float8_e4m3": "float8_e4m3",
+    "float8_e5m2": "float8_e5m2",
+    "uint8": "uint8",
+    "int8": "uint8",
 }
 
 
@@ -61,9 +68,16 @@ def tensor_info(t: Any) -> TensorInfo:
     if mod == "torch":
         dtype = str(t.dtype).removeprefix("torch.")
         dev = t.device
-        return TensorInfo(int(t.data_ptr()), int(t.numel() * t.element_size()), tuple(t.shape),
-                          _NAMES.get(dtype, dtype), int(t.element_size()), bool(t.is_contiguous()),
-                          dev.index if dev.type == "cuda" else None, "torch")
+        return TensorInfo(
+            int(t.data_ptr()),
+            int(t.numel() * t.element_size()),
+            tuple(t.shape),
+            _NAMES.get(dtype, dtype),
+            int(t.element_size()),
+            bool(t.is_contiguous()),
+            dev.index if dev.type == "cuda" else None,
+            "torch",
+        )
     if mod == "paddle":
         dtype = str(t.dtype).split(".")[-1]
         place = str(t.place)
@@ -72,8 +86,16 @@ def tensor_info(t: Any) -> TensorInfo:
             dev = int(place.split(":")[-1].rstrip(")")) if ":" in place else 0
         size = int(t.element_size()) if hasattr(t, "element_size") else {"bfloat16": 2, "float16": 2}.get(dtype, 1)
         strides = [s * size for s in t.strides] if hasattr(t, "strides") else None
-        return TensorInfo(int(t.data_ptr()), int(t.numel()) * size, tuple(t.shape), _NAMES.get(dtype, dtype),
-                          size, _contig(t.shape, strides, size), dev, "paddle")
+        return TensorInfo(
+            int(t.data_ptr()),
+            int(t.numel()) * size,
+            tuple(t.shape),
+            _NAMES.get(dtype, dtype),
+            size,
+            _contig(t.shape, strides, size),
+            dev,
+            "paddle",
+        )
     cai = getattr(t, "__cuda_array_interface__", None)
     if cai is not None:
         itemsize = int(cai["typestr"][2:])
@@ -85,8 +107,16 @@ def tensor_info(t: Any) -> TensorInfo:
         dt = getattr(t, "dtype", None)
         if dt is not None and str(dt) in _NAMES:
             dtype = _NAMES[str(dt)]
-        return TensorInfo(int(cai["data"][0]), n * itemsize, tuple(cai["shape"]), dtype, itemsize,
-                          _contig(cai["shape"], cai.get("strides"), itemsize), dev if dev is not None else 0, "cuda")
+        return TensorInfo(
+            int(cai["data"][0]),
+            n * itemsize,
+            tuple(cai["shape"]),
+            dtype,
+            itemsize,
+            _contig(cai["shape"], cai.get("strides"), itemsize),
+            dev if dev is not None else 0,
+            "cuda",
+        )
     ai = getattr(t, "__array_interface__", None)
     if ai is not None:
         itemsize = int(ai["typestr"][2:])
@@ -94,11 +124,20 @@ def tensor_info(t: Any) -> TensorInfo:
         for d in ai["shape"]:
             n *= d
         dtype = str(getattr(t, "dtype", ai["typestr"]))
-        return TensorInfo(int(ai["data"][0]), n * itemsize, tuple(ai["shape"]),
-                          _NAMES.get(dtype, _NP_TYPESTR.get(ai["typestr"], dtype)), itemsize,
-                          _contig(ai["shape"], ai.get("strides"), itemsize), None, "numpy")
-    raise LayoutError(f"cannot read a tensor of type {type(t).__module__}.{type(t).__qualname__}: "
-                      "expected torch, paddle, cupy or numpy (or pass pointers to CacheSpec)")
+        return TensorInfo(
+            int(ai["data"][0]),
+            n * itemsize,
+            tuple(ai["shape"]),
+            _NAMES.get(dtype, _NP_TYPESTR.get(ai["typestr"], dtype)),
+            itemsize,
+            _contig(ai["shape"], ai.get("strides"), itemsize),
+            None,
+            "numpy",
+        )
+    raise LayoutError(
+        f"cannot read a tensor of type {type(t).__module__}.{type(t).__qualname__}: "
+        "expected torch, paddle, cupy or numpy (or pass pointers to CacheSpec)"
+    )
 
 
 def _expect_shape(layout: KVLayout, num_blocks: int, tensor: int, engine: str) -> tuple[int, ...]:
@@ -111,8 +150,12 @@ def _expect_shape(layout: KVLayout, num_blocks: int, tensor: int, engine: str) -
     return (num_blocks, T, H, D) if layout.token_major else (num_blocks, H, T, D)
 
 
-def cache_from_tensors(layout: KVLayout, tensors: Sequence[Any] | Sequence[Sequence[Any]], *,
-                       engine: Literal["fastdeploy", "vllm_flash_attn", "flashinfer"] = "fastdeploy") -> CacheSpec:
+def cache_from_tensors(
+    layout: KVLayout,
+    tensors: Sequence[Any] | Sequence[Sequence[Any]],
+    *,
+    engine: Literal["fastdeploy", "vllm_flash_attn", "flashinfer"] = "fastdeploy",
+) -> CacheSpec:
     """Build a :class:`CacheSpec` from an engine's cache tensors, checked against ``layout``.
 
     ``fastdeploy``: ``tensors[layer][tensor]``, each ``[blocks, heads, tokens, dim]``.
@@ -153,7 +196,9 @@ def cache_from_tensors(layout: KVLayout, tensors: Sequence[Any] | Sequence[Seque
             for ti, t in enumerate(row):
                 info = tensor_info(t)
                 nb = info.shape[0] if nb is None else nb
-                check(info, f"layer {li} {layout.tensors[ti]}", _expect_shape(layout, nb, ti, engine), layout.is_scale(ti))
+                check(
+                    info, f"layer {li} {layout.tensors[ti]}", _expect_shape(layout, nb, ti, engine), layout.is_scale(ti)
+                )
                 r.append((info.ptr, layout.tensor_block_bytes(ti)))
             regions.append(r)
         spec_blocks = nb or 0
@@ -209,9 +254,8 @@ def aligned_empty(nbytes: int, align: int = 4096) -> Any:
 
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
         raise ValueError(f"nbytes={nbytes!r} must be a positive number of bytes")
-    if (not isinstance(align, int) or isinstance(align, bool) or align < 1 or align & (align - 1)
-            or align > 1 << 21):
+    if not isinstance(align, int) or isinstance(align, bool) or align < 1 or align & (align - 1) or align > 1 << 21:
         raise ValueError(f"align={align!r} must be a power of two between 1 and 2 MiB")
     raw = np.empty(nbytes + align, np.uint8)
     off = -raw.ctypes.data % align
-    return raw[off:off + nbytes]
+    return raw[off : off + nbytes]

@@ -39,11 +39,25 @@ DTYPE_BITS: Mapping[str, int] = {
     "uint8": 8,
     "int4": 4,
 }
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "float8_e4m3",
-            "float8": "float8_e4m3", "e4m3": "float8_e4m3", "e5m2": "float8_e5m2", "int8": "uint8"}
+_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp8": "float8_e4m3",
+    "float8": "float8_e4m3",
+    "e4m3": "float8_e4m3",
+    "e5m2": "float8_e5m2",
+    "int8": "uint8",
+}
 _SCALE_BYTES = 2  # bfloat16 scale per (head, token)
-_MAX = {"num_layers": 4096, "extra_layers": 256, "kv_heads": 4096, "head_dim": 65536,
-        "tokens_per_block": 65536, "tp_size": 4096}
+_MAX = {
+    "num_layers": 4096,
+    "extra_layers": 256,
+    "kv_heads": 4096,
+    "head_dim": 65536,
+    "tokens_per_block": 65536,
+    "tp_size": 4096,
+}
 
 
 def _canon_dtype(dtype: str) -> str:
@@ -235,7 +249,8 @@ class KVLayout:
             raise LayoutMismatchError("not a pdkv layout descriptor (format != 'pdkv.layout')")
         if d.get("version") != DESCRIPTOR_VERSION:
             raise LayoutMismatchError(
-                f"layout descriptor version {d.get('version')!r} is not supported (this pdkv speaks {DESCRIPTOR_VERSION})"
+                f"layout descriptor version {d.get('version')!r} is "
+                f"not supported (this pdkv speaks {DESCRIPTOR_VERSION})"
             )
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names - {"format", "version", "block_bytes"}
@@ -246,9 +261,7 @@ class KVLayout:
         except TypeError as exc:
             raise LayoutMismatchError(f"layout descriptor is incomplete: {exc}") from None
         if "block_bytes" in d and d["block_bytes"] != lay.block_bytes:
-            raise LayoutMismatchError(
-                f"block_bytes: descriptor says {d['block_bytes']}, computed {lay.block_bytes}"
-            )
+            raise LayoutMismatchError(f"block_bytes: descriptor says {d['block_bytes']}, computed {lay.block_bytes}")
         return lay
 
     def check_compatible(self, other: KVLayout) -> None:
@@ -257,8 +270,7 @@ class KVLayout:
         TP size and rank and the in-block order (``token_major``) may differ: the TP
         mapping handles those.
         """
-        for f in ("num_layers", "extra_layers", "kv_heads", "head_dim", "tokens_per_block",
-                  "dtype", "mla", "scales"):
+        for f in ("num_layers", "extra_layers", "kv_heads", "head_dim", "tokens_per_block", "dtype", "mla", "scales"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
                 raise LayoutMismatchError(f"layout mismatch: {f} is {a!r} here and {b!r} at the peer")
@@ -333,9 +345,11 @@ def tp_segments(src: KVLayout, dst: KVLayout) -> list[Segment]:
                     for j in range(n):
                         so = (ls + j) * (unit if src_nhd else T * unit)
                         do = (ld + j) * (unit if dst_nhd else T * unit)
-                        segs.append(Segment(t, r, s, so, do, unit, T,
-                                            hs * unit if src_nhd else unit,
-                                            hd * unit if dst_nhd else unit))
+                        segs.append(
+                            Segment(
+                                t, r, s, so, do, unit, T, hs * unit if src_nhd else unit, hd * unit if dst_nhd else unit
+                            )
+                        )
                 for g in segs:
                     if g.count > 1 and g.src_stride == g.dst_stride == g.length:
                         g = Segment(t, r, s, g.src_offset, g.dst_offset, g.length * g.count)
@@ -364,8 +378,14 @@ class CacheSpec:
 
     __slots__ = ("layout", "num_blocks", "_bases", "_strides", "device", "_arrays")
 
-    def __init__(self, layout: KVLayout, num_blocks: int,
-                 regions: Sequence[Sequence[tuple[int, int]]], *, device: int | None = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        regions: Sequence[Sequence[tuple[int, int]]],
+        *,
+        device: int | None = None,
+    ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise LayoutError(f"num_blocks={num_blocks!r} must be a positive integer")
         nt = len(layout.tensors)
@@ -380,10 +400,13 @@ class CacheSpec:
             for ti, (base, stride) in enumerate(layer):
                 need = layout.tensor_block_bytes(ti)
                 if not isinstance(base, int) or base <= 0:
-                    raise LayoutError(f"layer {li} tensor {layout.tensors[ti]}: base pointer {base!r} is not a valid address")
+                    raise LayoutError(
+                        f"layer {li} tensor {layout.tensors[ti]}: base pointer {base!r} is not a valid address"
+                    )
                 if stride < need:
                     raise LayoutError(
-                        f"layer {li} tensor {layout.tensors[ti]}: block stride {stride} is smaller than the block's {need} bytes"
+                        f"layer {li} tensor {layout.tensors[ti]}: block stride "
+                        f"{stride} is smaller than the block's {need} bytes"
                     )
                 bl.append(base)
                 sl.append(stride)
@@ -449,18 +472,23 @@ class CacheSpec:
         return cls(layout, num_blocks, regions, device=device)
 
     @classmethod
-    def fastdeploy(cls, layout: KVLayout, num_blocks: int, tensor_ptrs: Sequence[Sequence[int]],
-                   *, device: int | None = None) -> CacheSpec:
+    def fastdeploy(
+        cls, layout: KVLayout, num_blocks: int, tensor_ptrs: Sequence[Sequence[int]], *, device: int | None = None
+    ) -> CacheSpec:
         """Separate tensors per layer, ``[blocks, heads, tokens, dim]``: ``tensor_ptrs[layer][tensor]``."""
         if layout.token_major:
             raise LayoutError("FastDeploy caches are head-major: use token_major=False")
-        return cls(layout, num_blocks,
-                   [[(p, layout.tensor_block_bytes(t)) for t, p in enumerate(row)] for row in tensor_ptrs],
-                   device=device)
+        return cls(
+            layout,
+            num_blocks,
+            [[(p, layout.tensor_block_bytes(t)) for t, p in enumerate(row)] for row in tensor_ptrs],
+            device=device,
+        )
 
     @classmethod
-    def vllm_flash_attn(cls, layout: KVLayout, num_blocks: int, layer_ptrs: Sequence[int],
-                        *, device: int | None = None) -> CacheSpec:
+    def vllm_flash_attn(
+        cls, layout: KVLayout, num_blocks: int, layer_ptrs: Sequence[int], *, device: int | None = None
+    ) -> CacheSpec:
         """vLLM FlashAttention: one ``[2, blocks, tokens, heads, dim]`` tensor per layer."""
         if layout.mla or layout.scales:
             raise LayoutError("vllm_flash_attn expects a K+V cache without scale tensors")
@@ -468,12 +496,11 @@ class CacheSpec:
         return cls(layout, num_blocks, [[(p, bb), (p + num_blocks * bb, bb)] for p in layer_ptrs], device=device)
 
     @classmethod
-    def flashinfer(cls, layout: KVLayout, num_blocks: int, layer_ptrs: Sequence[int],
-                   *, device: int | None = None) -> CacheSpec:
+    def flashinfer(
+        cls, layout: KVLayout, num_blocks: int, layer_ptrs: Sequence[int], *, device: int | None = None
+    ) -> CacheSpec:
         """vLLM FlashInfer: one ``[blocks, 2, ...]`` tensor per layer; K and V side by side."""
         if layout.mla or layout.scales:
             raise LayoutError("flashinfer expects a K+V cache without scale tensors")
         bb = layout.tensor_block_bytes(0)
         return cls(layout, num_blocks, [[(p, 2 * bb), (p + bb, 2 * bb)] for p in layer_ptrs], device=device)
-
-

@@ -13,8 +13,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["State", "SchedulerOptions", "Grant", "WriteTicket", "Reservation", "RequestInfo", "ReadyRequest",
-           "Event", "EventKind", "SwapBackend", "SwapHandle", "TERMINAL"]
+__all__ = [
+    "State",
+    "SchedulerOptions",
+    "Grant",
+    "WriteTicket",
+    "Reservation",
+    "RequestInfo",
+    "ReadyRequest",
+    "Event",
+    "EventKind",
+    "SwapBackend",
+    "SwapHandle",
+    "TERMINAL",
+]
 
 
 class State(enum.Enum):
@@ -35,8 +47,12 @@ class State(enum.Enum):
 
 TERMINAL = frozenset({State.FINISHED, State.FAILED, State.EXPIRED, State.ABORTED, State.REJECTED})
 _WRITABLE = (State.RESERVED, State.RECEIVING)
-_COUNTER_OF = {State.FAILED: "requests_failed", State.EXPIRED: "requests_expired",
-               State.ABORTED: "requests_aborted", State.FINISHED: "requests_finished"}
+_COUNTER_OF = {
+    State.FAILED: "requests_failed",
+    State.EXPIRED: "requests_expired",
+    State.ABORTED: "requests_aborted",
+    State.FINISHED: "requests_finished",
+}
 
 
 @runtime_checkable
@@ -279,10 +295,36 @@ class _Quarantine:
 
 @dataclass
 class _Metrics:
-    counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys((
-        "reservations_gpu", "reservations_buffer", "reservations_queued", "reservations_rejected",
-        "grants_from_queue", "queue_timeouts", "layers_landed", "requests_received", "requests_ready",
-        "requests_finished", "requests_failed", "requests_expired", "requests_aborted",
-        "late_messages_rejected", "swaps_submitted", "swaps_completed", "swaps_failed", "swap_bytes",
-        "swap_seconds_sum", "swap_seconds_max", "swap_busy_seconds", "prefill_wait_avoided_seconds_sum",
-        "prefill_wait_avoided_seconds_max", "quarantined_blocks_released", "buffer_blocks_peak", "writes_admitted"), 0))
+    counters: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(
+            (
+                "reservations_gpu",
+                "reservations_buffer",
+                "reservations_queued",
+                "reservations_rejected",
+                "grants_from_queue",
+                "queue_timeouts",
+                "layers_landed",
+                "requests_received",
+                "requests_ready",
+                "requests_finished",
+                "requests_failed",
+                "requests_expired",
+                "requests_aborted",
+                "late_messages_rejected",
+                "swaps_submitted",
+                "swaps_completed",
+                "swaps_failed",
+                "swap_bytes",
+                "swap_seconds_sum",
+                "swap_seconds_max",
+                "swap_busy_seconds",
+                "prefill_wait_avoided_seconds_sum",
+                "prefill_wait_avoided_seconds_max",
+                "quarantined_blocks_released",
+                "buffer_blocks_peak",
+                "writes_admitted",
+            ),
+            0,
+        )
+    )

@@ -19,8 +19,22 @@ import numpy as np
 from .errors import SwapError, TransferError
 from .layout import CacheSpec, KVLayout, Segment
 
-__all__ = ["runs_of", "run_starts", "run_lengths", "split_runs", "CopyPlan", "plan_copy", "Group", "plan_layer",
-           "layer_pieces", "tcp_items", "tcp_frames", "coalesce", "check_within", "COPY_CHUNK"]
+__all__ = [
+    "runs_of",
+    "run_starts",
+    "run_lengths",
+    "split_runs",
+    "CopyPlan",
+    "plan_copy",
+    "Group",
+    "plan_layer",
+    "layer_pieces",
+    "tcp_items",
+    "tcp_frames",
+    "coalesce",
+    "check_within",
+    "COPY_CHUNK",
+]
 
 COPY_CHUNK = 64 << 10  # bytes one swap-kernel CTA copies: what CopyPlan.chunked cuts to by default
 
@@ -89,6 +103,7 @@ def split_runs(lengths: Ids, most: int) -> tuple[Ids, Ids, Ids]:
 
 # ---------------------------------------------------------------------- swap plans
 
+
 @dataclass(frozen=True, slots=True)
 class CopyPlan:
     """Coalesced pieces of one copy: ``src[i] -> dst[i]``, ``lengths[i]`` bytes;
@@ -113,16 +128,26 @@ class CopyPlan:
         n = (ln + chunk - 1) // chunk
         ends = np.cumsum(n)[self.layer_ends - 1] if self.layer_ends.size else self.layer_ends
         ends = np.where(self.layer_ends == 0, 0, ends)
-        return CopyPlan(self.src[idx] + off.astype(np.uint64), self.dst[idx] + off.astype(np.uint64),
-                        lens.astype(np.uint64), ends.astype(np.int64), self.nbytes)
+        return CopyPlan(
+            self.src[idx] + off.astype(np.uint64),
+            self.dst[idx] + off.astype(np.uint64),
+            lens.astype(np.uint64),
+            ends.astype(np.int64),
+            self.nbytes,
+        )
 
     @staticmethod
     def of_pieces(pieces: Sequence[tuple[Segment, Ids, Ids, Ids]]) -> CopyPlan:
         """One layer's :func:`layer_pieces` as a single-layer plan."""
         src = np.concatenate([p[1] for p in pieces]).astype(np.uint64)
         ln = np.concatenate([p[3] for p in pieces]).astype(np.uint64)
-        return CopyPlan(src, np.concatenate([p[2] for p in pieces]).astype(np.uint64), ln,
-                        np.asarray([src.size], np.int64), int(ln.sum()))
+        return CopyPlan(
+            src,
+            np.concatenate([p[2] for p in pieces]).astype(np.uint64),
+            ln,
+            np.asarray([src.size], np.int64),
+            int(ln.sum()),
+        )
 
 
 def _as_ids(x: Sequence[int] | Ids) -> Ids:
@@ -137,8 +162,13 @@ def _check_blocks(name: str, blocks: Ids, limit: int) -> None:
         raise SwapError(f"{name} block ids {bad[:8].tolist()} out of range [0, {limit})")
 
 
-def plan_copy(src: CacheSpec, dst: CacheSpec, src_blocks: Sequence[int] | Ids,
-              dst_blocks: Sequence[int] | Ids, layers: Sequence[int] | None = None) -> CopyPlan:
+def plan_copy(
+    src: CacheSpec,
+    dst: CacheSpec,
+    src_blocks: Sequence[int] | Ids,
+    dst_blocks: Sequence[int] | Ids,
+    layers: Sequence[int] | None = None,
+) -> CopyPlan:
     """Plan copying ``src_blocks[i]`` of ``src`` into ``dst_blocks[i]`` of ``dst`` for every
     layer (or ``layers``) and tensor. Runs contiguous in both memories become one piece.
 
@@ -183,11 +213,13 @@ def plan_copy(src: CacheSpec, dst: CacheSpec, src_blocks: Sequence[int] | Ids,
     ln = np.broadcast_to(tb[None, :, None] * run[None, None, :], sa.shape)
     ends = np.arange(1, nl + 1, dtype=np.int64) * (nt * s0.size)
     lengths = ln.reshape(-1).astype(np.uint64)
-    return CopyPlan(sa.reshape(-1).astype(np.uint64), da.reshape(-1).astype(np.uint64), lengths, ends,
-                    int(lengths.sum()))
+    return CopyPlan(
+        sa.reshape(-1).astype(np.uint64), da.reshape(-1).astype(np.uint64), lengths, ends, int(lengths.sum())
+    )
 
 
 # ---------------------------------------------------------------------- transfer plans
+
 
 @dataclass(frozen=True, slots=True)
 class Group:
@@ -202,9 +234,16 @@ class Group:
     dst: Ids
 
 
-def plan_layer(segs: Sequence[Segment], src_layout: KVLayout, dst_layout: KVLayout, src: CacheSpec,
-               dsts: dict[int, CacheSpec] | None, src_blocks: Sequence[int] | Ids, dst_blocks: Sequence[int] | Ids,
-               layer: int) -> list[Group]:
+def plan_layer(
+    segs: Sequence[Segment],
+    src_layout: KVLayout,
+    dst_layout: KVLayout,
+    src: CacheSpec,
+    dsts: dict[int, CacheSpec] | None,
+    src_blocks: Sequence[int] | Ids,
+    dst_blocks: Sequence[int] | Ids,
+    layer: int,
+) -> list[Group]:
     """One :class:`Group` per segment: the pieces of ``layer`` from ``src_blocks`` of ``src``
     into ``dst_blocks`` of each segment's destination rank. Without ``dsts`` (tcp: decode
     computes the addresses) destinations are offsets into a packed buffer region."""
@@ -218,8 +257,14 @@ def plan_layer(segs: Sequence[Segment], src_layout: KVLayout, dst_layout: KVLayo
         dbase, dstride = dsts[g.dst_rank].region(layer, g.tensor) if dsts is not None else (0, tb_d)
         # a run of blocks is one contiguous piece only if the segment is the whole block on
         # both sides and blocks are packed (stride == block bytes) on both sides
-        whole = (g.count == 1 and g.src_offset == 0 and g.dst_offset == 0 and g.length == tb_s == tb_d
-                 and sstride == tb_s and dstride == tb_d)
+        whole = (
+            g.count == 1
+            and g.src_offset == 0
+            and g.dst_offset == 0
+            and g.length == tb_s == tb_d
+            and sstride == tb_s
+            and dstride == tb_d
+        )
         if whole:
             if runs is None:
                 runs = run_starts(sb, db)
@@ -230,9 +275,16 @@ def plan_layer(segs: Sequence[Segment], src_layout: KVLayout, dst_layout: KVLayo
     return out
 
 
-def layer_pieces(segs: Sequence[Segment], src_layout: KVLayout, dst_layout: KVLayout, src: CacheSpec,
-                 dsts: dict[int, CacheSpec], src_blocks: Ids, dst_blocks: Ids,
-                 layer: int) -> tuple[list[tuple[Segment, Ids, Ids, Ids]], int]:
+def layer_pieces(
+    segs: Sequence[Segment],
+    src_layout: KVLayout,
+    dst_layout: KVLayout,
+    src: CacheSpec,
+    dsts: dict[int, CacheSpec],
+    src_blocks: Ids,
+    dst_blocks: Ids,
+    layer: int,
+) -> tuple[list[tuple[Segment, Ids, Ids, Ids]], int]:
     """Every write of ``layer`` as ``(segment, src, dst, lengths)`` address arrays (strided
     segments expanded to one piece per token), and the bytes they move."""
     total = 0
@@ -281,8 +333,9 @@ def tcp_frames(nb: Ids, unit: int, cap: int, most: int) -> list[tuple[int, int]]
     return out
 
 
-def coalesce(local: Sequence[int], remote: Sequence[int], lengths: Sequence[int],
-             max_bytes: int) -> list[tuple[int, int, int]]:
+def coalesce(
+    local: Sequence[int], remote: Sequence[int], lengths: Sequence[int], max_bytes: int
+) -> list[tuple[int, int, int]]:
     """Pieces contiguous on both sides merged, then cut to at most ``max_bytes``:
     ``(local, remote, length)`` in order."""
     if max_bytes < 1:
@@ -307,5 +360,4 @@ def check_within(addrs: Ids, lengths: Ids, base: int, size: int, what: str) -> N
     a, n = np.asarray(addrs, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
     if n.size and (int(n.min()) <= 0 or int(a.min()) < base or int((a + n).max()) > base + size):
         bad = int(np.flatnonzero((n <= 0) | (a < base) | (a + n > base + size))[0])
-        raise TransferError(f"{what}: piece [{int(a[bad]):#x}, +{int(n[bad])}) falls outside "
-                            f"[{base:#x}, +{size})")
+        raise TransferError(f"{what}: piece [{int(a[bad]):#x}, +{int(n[bad])}) falls outside [{base:#x}, +{size})")

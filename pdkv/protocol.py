@@ -161,8 +161,9 @@ class IpcRank(_Rec, kw_only=True, frozen=True):
     num_blocks: _U32
     allocs: Annotated[list[IpcAlloc], msgspec.Meta(max_length=1 << 16)]
     # [allocation index, offset, block stride] per (layer, tensor)
-    regions: Annotated[list[Annotated[list[_U64], msgspec.Meta(min_length=3, max_length=3)]],
-                       msgspec.Meta(max_length=1 << 16)]
+    regions: Annotated[
+        list[Annotated[list[_U64], msgspec.Meta(min_length=3, max_length=3)]], msgspec.Meta(max_length=1 << 16)
+    ]
 
 
 class IpcSection(_Rec, kw_only=True, frozen=True):
@@ -313,8 +314,25 @@ class ErrorMsg(_Base, tag="error", frozen=True):
     message: str
 
 
-Message = (Hello | Challenge | Auth | Welcome | ReserveReq | ReserveBatch | GrantMsg | GrantBatch | LayerDone | LayerBatch
-           | Complete | CompleteBatch | Outcome | OutcomeBatch | Abort | Heartbeat | ErrorMsg)
+Message = (
+    Hello
+    | Challenge
+    | Auth
+    | Welcome
+    | ReserveReq
+    | ReserveBatch
+    | GrantMsg
+    | GrantBatch
+    | LayerDone
+    | LayerBatch
+    | Complete
+    | CompleteBatch
+    | Outcome
+    | OutcomeBatch
+    | Abort
+    | Heartbeat
+    | ErrorMsg
+)
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True, array_like=True):
@@ -430,7 +448,7 @@ def unpack_frame(frame: bytes) -> tuple[bytes, bytes]:
     if not frame or frame[0] not in (0, _MAC_BYTES) or len(frame) < 1 + frame[0]:
         raise ProtocolError("malformed frame (expected a MAC length of 0 or 32, the MAC, the body)")
     n = frame[0]
-    return frame[1:1 + n], frame[1 + n:]
+    return frame[1 : 1 + n], frame[1 + n :]
 
 
 def is_unauthenticated(frames: list[bytes]) -> bool:

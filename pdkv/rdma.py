@@ -25,13 +25,36 @@ from . import _ffi
 from .errors import PdkvTimeoutError, ProtocolError, RdmaError
 from .plan import coalesce
 
-__all__ = ["WriteWR", "plan_writes", "batch_chains", "CompletionTracker", "EndpointInfo", "RemoteRegion",
-           "merge_regions", "RdmaWriter", "RdmaTarget", "WC_STATUS"]
+__all__ = [
+    "WriteWR",
+    "plan_writes",
+    "batch_chains",
+    "CompletionTracker",
+    "EndpointInfo",
+    "RemoteRegion",
+    "merge_regions",
+    "RdmaWriter",
+    "RdmaTarget",
+    "WC_STATUS",
+]
 
-WC_STATUS = {0: "success", 1: "local length error", 2: "local QP operation error", 4: "local protection error",
-             5: "work request flushed", 7: "bad response", 8: "local access error", 9: "remote invalid request",
-             10: "remote access error", 11: "remote operation error", 12: "transport retry counter exceeded",
-             13: "RNR retry counter exceeded", 19: "fatal error", 20: "response timeout", 21: "general error"}
+WC_STATUS = {
+    0: "success",
+    1: "local length error",
+    2: "local QP operation error",
+    4: "local protection error",
+    5: "work request flushed",
+    7: "bad response",
+    8: "local access error",
+    9: "remote invalid request",
+    10: "remote access error",
+    11: "remote operation error",
+    12: "transport retry counter exceeded",
+    13: "RNR retry counter exceeded",
+    19: "fatal error",
+    20: "response timeout",
+    21: "general error",
+}
 MAX_WR_BYTES = 1 << 30  # below every device's max_msg_sz (2^31)
 
 
@@ -45,8 +68,15 @@ class WriteWR:
     length: int
 
 
-def plan_writes(request: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int],
-                remote_base: int, remote_len: int, max_bytes: int = MAX_WR_BYTES) -> list[WriteWR]:
+def plan_writes(
+    request: str,
+    local: Sequence[int],
+    remote: Sequence[int],
+    lengths: Sequence[int],
+    remote_base: int,
+    remote_len: int,
+    max_bytes: int = MAX_WR_BYTES,
+) -> list[WriteWR]:
     """Coalesce pieces contiguous on both sides into work requests, split at ``max_bytes``,
     and check that every write stays inside the peer's registered region.
 
@@ -68,7 +98,7 @@ def batch_chains(wrs: Sequence[WriteWR], max_chain: int, signal_every: int) -> l
         raise ValueError("max_chain and signal_every must be >= 1")
     chains = []
     for i in range(0, len(wrs), max_chain):
-        chunk = wrs[i:i + max_chain]
+        chunk = wrs[i : i + max_chain]
         chains.append([(w, (j + 1) % signal_every == 0 or j == len(chunk) - 1) for j, w in enumerate(chunk)])
     return chains
 
@@ -227,8 +257,15 @@ class RdmaWriter:
     regions and device.
     """
 
-    def __init__(self, regions: Sequence[tuple[int, int]], *, device: str | None = None, max_send_wr: int = 1024,
-                 signal_every: int = 64, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        regions: Sequence[tuple[int, int]],
+        *,
+        device: str | None = None,
+        max_send_wr: int = 1024,
+        signal_every: int = 64,
+        timeout_s: float = 10.0,
+    ) -> None:
         self._res: dict[str, Any] = _ffi.verbs.open_device(device)
         self._mrs: list[Any] = []
         self._qp: Any = None
@@ -263,8 +300,9 @@ class RdmaWriter:
             raise RdmaError(f"local range [{addr:#x}, +{n}) is not inside a registered region")
         return self._local[i][2]
 
-    def write(self, request: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int],
-              region: RemoteRegion) -> None:
+    def write(
+        self, request: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int], region: RemoteRegion
+    ) -> None:
         """Post every write of ``request`` into ``region`` and wait (bounded) for their
         completions; raise RdmaError if any completion failed."""
         if not self.connected:
@@ -272,8 +310,13 @@ class RdmaWriter:
         wrs = plan_writes(request, local, remote, lengths, region.addr, region.length)
         for chain in batch_chains(wrs, self.max_chain, self.signal_every):
             ids = self.tracker.register_chain(chain)
-            _ffi.verbs.post_writes(self._qp, [(i, w.local, w.length, self.lkey(w.local, w.length), w.remote,
-                                               region.rkey, sig) for i, (w, sig) in zip(ids, chain)])
+            _ffi.verbs.post_writes(
+                self._qp,
+                [
+                    (i, w.local, w.length, self.lkey(w.local, w.length), w.remote, region.rkey, sig)
+                    for i, (w, sig) in zip(ids, chain)
+                ],
+            )
             self.tracker.wait(lambda: _ffi.verbs.poll(self._res["cq"], 64), [request], self.timeout_s)
         err = self.tracker.failed.pop(request, None)
         self.tracker.done.discard(request)
@@ -303,8 +346,9 @@ class RdmaTarget:
     Raises RdmaUnavailableError when pyverbs or an RDMA device is missing.
     """
 
-    def __init__(self, buffers: Sequence[tuple[int, int, int]], *, device: str | None = None,
-                 max_send_wr: int = 16) -> None:
+    def __init__(
+        self, buffers: Sequence[tuple[int, int, int]], *, device: str | None = None, max_send_wr: int = 16
+    ) -> None:
         """``buffers``: ``(rank, addr, length)`` of each buffer this receiver hosts."""
         self._res = _ffi.verbs.open_device(device)
         self._mrs: list[Any] = []

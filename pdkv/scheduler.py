@@ -33,12 +33,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 
+from . import schedloop, schedview
 from .blocks import BlockAllocator, BlockPool
 from .errors import GrantViolation, LeaseExpiredError, RequestError
 from .lifecycle import (
     _COUNTER_OF,
     _WRITABLE,
-    TERMINAL,
     Event,
     EventKind,
     Grant,
@@ -99,11 +99,19 @@ class DecodeScheduler:
     leases, grants queued reservations, polls swaps and admits new ones.
     """
 
-    def __init__(self, *, num_layers: int, gpu: BlockAllocator, buffer: BlockPool | None = None,
-                 swap: SwapBackend | None = None, tokens_per_block: int | None = None,
-                 block_bytes: int = 0, options: SchedulerOptions | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 listener: Callable[[Event], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        gpu: BlockAllocator,
+        buffer: BlockPool | None = None,
+        swap: SwapBackend | None = None,
+        tokens_per_block: int | None = None,
+        block_bytes: int = 0,
+        options: SchedulerOptions | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        listener: Callable[[Event], None] | None = None,
+    ) -> None:
         if not isinstance(num_layers, int) or num_layers <= 0:
             raise ValueError(f"num_layers={num_layers!r} must be a positive integer")
         if num_layers > 4096:
@@ -165,7 +173,7 @@ class DecodeScheduler:
             if fn not in self._listeners:
                 raise ValueError("remove_listener: that function is not a listener of this scheduler")
             i = self._listeners.index(fn)
-            self._listeners = self._listeners[:i] + self._listeners[i + 1:]
+            self._listeners = self._listeners[:i] + self._listeners[i + 1 :]
 
     def _get_live(self, rid: str) -> _Req:
         req = self._reqs.get(rid)
@@ -287,8 +295,15 @@ class DecodeScheduler:
         self._terminate(req, State.EXPIRED, f"lease of {self.options.lease_s}s expired", now)
 
     # ------------------------------------------------------------------ reservation
-    def reserve(self, request_id: str, *, num_blocks: int | None = None, num_tokens: int | None = None,
-                peer: str = "", gpu_ok: bool = True) -> Reservation:
+    def reserve(
+        self,
+        request_id: str,
+        *,
+        num_blocks: int | None = None,
+        num_tokens: int | None = None,
+        peer: str = "",
+        gpu_ok: bool = True,
+    ) -> Reservation:
         """Reserve destination blocks for a request: GPU first (above the reserve), then
         the buffer, then queue or reject by policy.
 
@@ -370,8 +385,9 @@ class DecodeScheduler:
             req, blocks = self._writable_blocks(request_id, token)
             req.writers.n += 1
             self._m["writes_admitted"] += 1
-            return WriteTicket((req.rid, req.location, req.token, req.expires, self.options.lease_s), blocks,
-                               req.writers)
+            return WriteTicket(
+                (req.rid, req.location, req.token, req.expires, self.options.lease_s), blocks, req.writers
+            )
 
     def _writable_blocks(self, request_id: str, token: int) -> tuple[_Req, list[int]]:
         """The live request and the blocks a write with ``token`` may fill now (under the lock)."""
@@ -556,142 +572,22 @@ class DecodeScheduler:
         swaps. Call it from the engine loop. Returns the events it produced."""
         now = self.clock()
         with self._lock:
-            self._expire_due(now)
-            self._release_quarantine(now)
-            self._grant_queued(now)
+            schedloop.expire_due(self, now)
+            schedloop.release_quarantine(self, now)
+            schedloop.grant_queued(self, now)
             polls = [(r, r.handle) for r in self._swapping.values() if r.handle is not None]
         done = [(r, h.error) for r, h in polls if h.done()]
         with self._lock:
             for req, err in done:
-                self._swap_finished(req, err, now)
-            to_submit = self._admit_swaps(now)
+                schedloop.swap_finished(self, req, err, now)
+            to_submit = schedloop.admit_swaps(self, now)
             ev = self._emit()
         self._deliver(ev)
         if to_submit:
-            more = self._submit(to_submit)
+            more = schedloop.submit(self, to_submit)
             self._deliver(more)
             ev = ev + more
         return ev
-
-    def _expire_due(self, now: float) -> None:
-        heap = self._expiry
-        while heap and heap[0][0] <= now:
-            t, _, rid = heapq.heappop(heap)
-            req = self._reqs.get(rid)
-            if req is None or req.state not in _WRITABLE:
-                continue
-            if req.expires != t:
-                # a renewed lease, or the entry of an earlier request of this id: due at its
-                # own time (leases end in the order they run out)
-                self._push_expiry(req)
-                continue
-            self._expire(req, now)
-        while self._queue:
-            req = self._reqs[self._queue[0]]
-            if req.queue_deadline > now:
-                break
-            self._m["queue_timeouts"] += 1
-            self._terminate(req, State.REJECTED, "timed out in the reservation queue", now)
-
-    def _release_quarantine(self, now: float) -> None:
-        if not self._quarantine:
-            return
-        keep = []
-        for q in self._quarantine:
-            if q.releasable(now):
-                q.pool.free(q.blocks)
-                self._m["quarantined_blocks_released"] += len(q.blocks)
-                q.writers.entries.remove(q)
-            else:
-                keep.append(q)
-        self._quarantine = keep
-
-    def _grant_queued(self, now: float) -> None:
-        while self._queue:
-            req = self._reqs[self._queue[0]]
-            grant = self._grant(req, now)
-            if grant is None:
-                return
-            self._queue.popleft()
-            self._m["grants_from_queue"] += 1
-            self._event(EventKind.GRANTED, req.rid, grant=grant, t=now)
-
-    def _admit_swaps(self, now: float) -> list[_Req]:
-        out: list[_Req] = []
-        o = self.options
-        while self._swapq:
-            rid = next(iter(self._swapq))
-            if o.swap_order == "shortest":
-                head = self._reqs[rid]
-                if now - head.received_at < o.starvation_s:
-                    rid = min(self._swapq, key=lambda k: self._reqs[k].n)
-            req = self._reqs[rid]
-            if self.gpu.num_free - req.n < o.gpu_reserve_blocks:
-                break
-            blocks = self.gpu.try_allocate(req.n)
-            if blocks is None:
-                break
-            del self._swapq[rid]
-            req.gpu_blocks = blocks
-            req.state = State.SWAPPING
-            req.swap_started = now
-            wait = now - req.reserved_at
-            self._m["prefill_wait_avoided_seconds_sum"] += wait
-            self._m["prefill_wait_avoided_seconds_max"] = max(self._m["prefill_wait_avoided_seconds_max"], wait)
-            if not self._swapping:
-                self._busy_since = now
-            self._swapping[rid] = req
-            out.append(req)
-        return out
-
-    def _submit(self, reqs: list[_Req]) -> list[Event]:
-        assert self.swap is not None
-        results: list[tuple[_Req, SwapHandle | None, Exception | None]] = []
-        for req in reqs:  # no lock held: the backend may launch kernels, take time
-            try:
-                assert req.buffer_blocks is not None and req.gpu_blocks is not None
-                results.append((req, self.swap.submit(req.rid, req.buffer_blocks, req.gpu_blocks), None))
-            except Exception as exc:  # a failed submit fails the request, never the loop
-                results.append((req, None, exc))
-        with self._lock:
-            now = self.clock()
-            for req, handle, err in results:
-                self._m["swaps_submitted"] += 1
-                if err is not None:
-                    self._swap_finished(req, err, now)
-                else:
-                    req.handle = handle
-            return self._emit()
-
-    def _swap_finished(self, req: _Req, err: BaseException | None, now: float) -> None:
-        if self._swapping.pop(req.rid, None) is None:
-            return
-        if not self._swapping:  # time with at least one swap in flight: swap_bytes / this = swap throughput
-            self._m["swap_busy_seconds"] += now - self._busy_since
-        dt = now - req.swap_started
-        m = self._m
-        m["swap_seconds_sum"] += dt
-        m["swap_seconds_max"] = max(m["swap_seconds_max"], dt)
-        req.handle = None
-        assert req.buffer_blocks is not None
-        self.buffer.free(req.buffer_blocks)  # type: ignore[union-attr]
-        req.buffer_blocks = None
-        if err is not None:
-            m["swaps_failed"] += 1
-            req.state = State.RECEIVED  # no writer, no swap: release at once
-            self._terminate(req, State.FAILED, f"swap failed: {err}", now)
-            return
-        m["swaps_completed"] += 1
-        m["swap_bytes"] += req.n * self.block_bytes
-        req.state = State.READY
-        if req.cancel is not None:
-            state, reason = req.cancel
-            self._terminate(req, state, reason, now)
-            return
-        req.in_ready = True
-        self._ready.append(req)
-        m["requests_ready"] += 1
-        self._event(EventKind.READY, req.rid, t=now)
 
     # ------------------------------------------------------------------ observability
     def request(self, request_id: str) -> RequestInfo:
@@ -703,8 +599,16 @@ class DecodeScheduler:
                 if tomb is None:
                     raise RequestError(f"unknown request {request_id!r}")
                 return RequestInfo(request_id, tomb[0], "", 0, 0, (), (), tomb[2])
-            return RequestInfo(req.rid, req.state, req.location, req.n, req.nlanded,
-                               tuple(req.buffer_blocks or ()), tuple(req.gpu_blocks or ()), req.reason)
+            return RequestInfo(
+                req.rid,
+                req.state,
+                req.location,
+                req.n,
+                req.nlanded,
+                tuple(req.buffer_blocks or ()),
+                tuple(req.gpu_blocks or ()),
+                req.reason,
+            )
 
     def live_requests(self) -> list[str]:
         with self._lock:
@@ -713,53 +617,13 @@ class DecodeScheduler:
     def metrics(self) -> dict[str, float]:
         """Counters and gauges as a flat dict. ``live_<state>`` counts the live requests in
         each state now (``live_ready``); ``requests_<event>`` are counters since start."""
-        with self._lock:
-            out = dict(self._m)
-            by_state = {s: 0 for s in State if s not in TERMINAL}
-            for r in self._reqs.values():
-                by_state[r.state] += 1
-            for s, n in by_state.items():
-                # a name of its own: "requests_received"/"requests_ready" are counters
-                out[f"live_{s.value}"] = n
-            out["gpu_blocks_free"] = self.gpu.num_free
-            out["gpu_blocks_total"] = self.gpu.num_total
-            if self.buffer is not None:
-                out["buffer_blocks_free"] = self.buffer.num_free
-                out["buffer_blocks_total"] = self.buffer.num_total
-            out["quarantined_blocks"] = sum(len(q.blocks) for q in self._quarantine)
-            out["queue_length"] = len(self._queue)
-            return out
+        return schedview.metrics(self)
 
     def prometheus(self, prefix: str = "pdkv_") -> str:
         """:meth:`metrics` in the Prometheus text exposition format."""
-        lines = []
-        for k, v in sorted(self.metrics().items()):
-            kind = "counter" if k in self._m and not k.endswith(("_max", "_peak")) else "gauge"
-            lines.append(f"# TYPE {prefix}{k} {kind}")
-            lines.append(f"{prefix}{k} {float(v):.9g}")
-        return "\n".join(lines) + "\n"
+        return schedview.prometheus(self, prefix)
 
     def check_invariants(self) -> None:
         """Assert the accounting invariants (tests): every pool's held blocks are exactly
         those of live requests plus quarantine; no block has two owners."""
-        with self._lock:
-            owned: dict[int, dict[int, str]] = {id(self.gpu): {}, id(self.buffer): {}}
-            for r in self._reqs.values():
-                for pool, blocks in ((self.gpu, r.gpu_blocks), (self.buffer, r.buffer_blocks)):
-                    for b in blocks or ():
-                        assert b not in owned[id(pool)], f"block {b} held by {owned[id(pool)][b]} and {r.rid}"
-                        owned[id(pool)][b] = r.rid
-                if r.state in (State.QUEUED,):
-                    assert not r.gpu_blocks and not r.buffer_blocks
-                if r.state is State.READY:
-                    assert r.gpu_blocks and not r.buffer_blocks
-            for q in self._quarantine:
-                for b in q.blocks:
-                    assert b not in owned[id(q.pool)], f"quarantined block {b} also held by {owned[id(q.pool)][b]}"
-                    owned[id(q.pool)][b] = "<quarantine>"
-            for pool in (self.gpu, self.buffer):
-                if isinstance(pool, BlockPool):
-                    held = owned[id(pool)]
-                    assert pool.num_held == len(held), f"{pool.name}: pool holds {pool.num_held}, owners {len(held)}"
-                    assert all(pool.is_held(b) for b in held)
-                    assert pool.num_free + pool.num_held == pool.num_total
+        schedview.check_invariants(self)

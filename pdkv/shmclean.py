@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from . import _ffi
 from .procs import creator_verdict
-from .shm import NAME_PREFIX, ORIGIN_SUFFIX, STRIPE_SEP, read_origin
+from .shmseg import NAME_PREFIX, ORIGIN_SUFFIX, STRIPE_SEP, read_origin
 
 __all__ = ["SegmentInfo", "CleanReport", "scan_segments", "clean_segments", "clean", "SHM_DIR"]
 
@@ -75,7 +75,7 @@ def _mappers(shm_dir: str) -> dict[str, set[int]]:
         for line in data.splitlines():
             i = line.find(prefix.encode())
             if i >= 0:
-                nm = line[i + len(prefix):].split(b" ")[0].decode(errors="replace")
+                nm = line[i + len(prefix) :].split(b" ")[0].decode(errors="replace")
                 out.setdefault(nm, set()).add(int(entry))
     return out
 
@@ -124,9 +124,20 @@ def scan_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
         else:
             v, why = creator_verdict(rec)
             verdict = {"alive": "live", "dead": "stale"}.get(v, "unproven")
-        out.append(SegmentInfo(name, sum(stats[m].st_size for m in data), first.st_mode & 0o777, first.st_uid,
-                               pid if isinstance(pid, int) else None, verdict == "live", mapped,
-                               tuple(sorted(stats)), verdict, why))
+        out.append(
+            SegmentInfo(
+                name,
+                sum(stats[m].st_size for m in data),
+                first.st_mode & 0o777,
+                first.st_uid,
+                pid if isinstance(pid, int) else None,
+                verdict == "live",
+                mapped,
+                tuple(sorted(stats)),
+                verdict,
+                why,
+            )
+        )
     return out
 
 

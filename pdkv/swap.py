@@ -44,10 +44,14 @@ Strategy = Literal["auto", "kernel", "batch", "memcpy", "host"]
 # 64 KiB the batch is CPU-bound, and on a busier host it fell to 43.1 GB/s (bare one-call
 # batch 47.4) while the kernel, which costs no CPU per piece, holds ~51. From 128 KiB
 # (2.4 us a piece) the copy engines keep a 2x margin.
-_BATCH_MIN_PIECE: dict[str | None, int | None] = {"h2d": 128 << 10, "d2h": 256 << 10, None: 256 << 10,
-                                                  # device to device (cuda_ipc): the kernel always; the copy
-                                                  # engines moved 196 GB/s of 1 MiB pieces against its 1 TB/s
-                                                  "d2d": None}
+_BATCH_MIN_PIECE: dict[str | None, int | None] = {
+    "h2d": 128 << 10,
+    "d2h": 256 << 10,
+    None: 256 << 10,
+    # device to device (cuda_ipc): the kernel always; the copy
+    # engines moved 196 GB/s of 1 MiB pieces against its 1 TB/s
+    "d2d": None,
+}
 # a batch is submitted as several cudaMemcpyBatchAsync calls, the first small and each
 # next one twice as large up to the cap, so the copy engines start on the first pieces
 # while the rest are still being handed to the driver
@@ -267,9 +271,18 @@ class SwapEngine:
     memory and frees them on :meth:`close`; the caches belong to the caller.
     """
 
-    def __init__(self, buffer: CacheSpec, gpu: CacheSpec, *, strategy: Strategy = "auto",
-                 stream: int | None = None, device: int | None = None, buffer_pinned: bool = True,
-                 layerwise: bool = False, host_threads: int = 2) -> None:
+    def __init__(
+        self,
+        buffer: CacheSpec,
+        gpu: CacheSpec,
+        *,
+        strategy: Strategy = "auto",
+        stream: int | None = None,
+        device: int | None = None,
+        buffer_pinned: bool = True,
+        layerwise: bool = False,
+        host_threads: int = 2,
+    ) -> None:
         if buffer.layout.block_bytes != gpu.layout.block_bytes or buffer.layout.tensors != gpu.layout.tensors:
             raise SwapError("buffer and GPU cache have different layouts")
         if strategy not in ("auto", "kernel", "batch", "memcpy", "host"):
@@ -299,7 +312,8 @@ class SwapEngine:
             if not buffer_pinned:
                 raise SwapError(
                     "the CPU buffer is not pinned: GPU copies from pageable memory are synchronous and "
-                    "~7x slower; create it with SharedBuffer.create(..., require_pinned=True)")
+                    "~7x slower; create it with SharedBuffer.create(..., require_pinned=True)"
+                )
             if device is None:  # a cache without a device: this thread's current one
                 device = _ffi.cuda.current_device()
             self.device = device
@@ -343,9 +357,15 @@ class SwapEngine:
         """Buffer -> GPU copy of one request's blocks (the scheduler's swap)."""
         return self.copy(buffer_blocks, gpu_blocks, direction="h2d")
 
-    def copy(self, src_blocks: Sequence[int], dst_blocks: Sequence[int], *,
-             direction: Literal["h2d", "d2h"] = "h2d", layerwise: bool | None = None,
-             stream: int | None = None) -> CopyHandle:
+    def copy(
+        self,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        *,
+        direction: Literal["h2d", "d2h"] = "h2d",
+        layerwise: bool | None = None,
+        stream: int | None = None,
+    ) -> CopyHandle:
         """Copy ``src_blocks[i] -> dst_blocks[i]`` for every layer and tensor.
 
         ``h2d`` reads the buffer and writes the GPU cache; ``d2h`` the reverse. Everything
@@ -362,8 +382,14 @@ class SwapEngine:
             return self._run_host(plan, lw)
         return self._run_cuda(plan, lw, self._stream if stream is None else stream, direction)
 
-    def copy_plan(self, plan: CopyPlan, *, layerwise: bool = False, stream: int | None = None,
-                  direction: Literal["h2d", "d2h", "d2d"] | None = None) -> CopyHandle:
+    def copy_plan(
+        self,
+        plan: CopyPlan,
+        *,
+        layerwise: bool = False,
+        stream: int | None = None,
+        direction: Literal["h2d", "d2h", "d2d"] | None = None,
+    ) -> CopyHandle:
         """Execute a plan made by :func:`plan_copy` (e.g. with TP segments). ``direction``
         (when known) lets ``auto`` pick the copy engines or the kernel for it."""
         if self._closed:
@@ -452,8 +478,14 @@ class SwapEngine:
         slot: list[int] = []
         strategy = self.strategy
         min_piece = _BATCH_MIN_PIECE[direction]
-        if (self._auto and strategy == "kernel" and plan.pieces and min_piece is not None
-                and plan.nbytes >= min_piece * plan.pieces and _ffi.cuda.batch_copy_supported()):
+        if (
+            self._auto
+            and strategy == "kernel"
+            and plan.pieces
+            and min_piece is not None
+            and plan.nbytes >= min_piece * plan.pieces
+            and _ffi.cuda.batch_copy_supported()
+        ):
             strategy = "batch"  # large pieces: the copy engines beat the kernel (0.98 vs 0.92 at 512 KiB)
         queued = False  # set once anything is enqueued on `stream`
         try:
@@ -475,9 +507,18 @@ class SwapEngine:
                 groups = self._groups(cp.layer_ends, layerwise)
                 for (a, b), ev in zip(groups, events):
                     if b > a:
-                        _ffi.cuda.launch(self._fn, min(b - a, self._max_grid), 512,
-                                         [("ptr", dev + 8 * a), ("ptr", dev + 8 * (n + a)),
-                                          ("ptr", dev + 8 * (2 * n + a)), ("i64", b - a)], stream)
+                        _ffi.cuda.launch(
+                            self._fn,
+                            min(b - a, self._max_grid),
+                            512,
+                            [
+                                ("ptr", dev + 8 * a),
+                                ("ptr", dev + 8 * (n + a)),
+                                ("ptr", dev + 8 * (2 * n + a)),
+                                ("i64", b - a),
+                            ],
+                            stream,
+                        )
                         queued = True
                     _ffi.cuda.event_record(ev, stream)
                 keep = st
@@ -486,8 +527,9 @@ class SwapEngine:
                 for (a, b), ev in zip(groups, events):
                     if strategy == "batch":
                         for x, y in _batch_spans(a, b):
-                            _ffi.cuda.memcpy_batch_async(plan.dst[x:y].tolist(), plan.src[x:y].tolist(),
-                                                         plan.lengths[x:y].tolist(), stream)
+                            _ffi.cuda.memcpy_batch_async(
+                                plan.dst[x:y].tolist(), plan.src[x:y].tolist(), plan.lengths[x:y].tolist(), stream
+                            )
                             queued = True
                     else:
                         src, dst, lens = plan.src[a:b].tolist(), plan.dst[a:b].tolist(), plan.lengths[a:b].tolist()
@@ -505,8 +547,10 @@ class SwapEngine:
                 with self._lock:
                     self._staging[slot[0]] = (self._staging[slot[0]][0], None if drained else _BUSY)
             if not drained:
-                raise SwapError(f"{exc}; and the part of the copy already queued did not finish within "
-                                f"{_DRAIN_TIMEOUT_S:g} s: its destination blocks may still be written") from exc
+                raise SwapError(
+                    f"{exc}; and the part of the copy already queued did not finish within "
+                    f"{_DRAIN_TIMEOUT_S:g} s: its destination blocks may still be written"
+                ) from exc
             raise
         h = _CudaHandle(plan.nbytes, nl, events, keep)
         if slot:

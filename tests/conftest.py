@@ -8,8 +8,9 @@ from hypothesis import HealthCheck, Phase, settings
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # tools/mutation.py (mutmut sets MUTANT_UNDER_TEST): the same examples, but a failure is
 # reported as found, unshrunk, and not saved: a killed mutant should cost seconds
-settings.register_profile("mutation", parent=settings.get_profile("ci"), database=None,
-                          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+settings.register_profile(
+    "mutation", parent=settings.get_profile("ci"), database=None, phases=[Phase.explicit, Phase.reuse, Phase.generate]
+)
 settings.load_profile("mutation" if os.environ.get("MUTANT_UNDER_TEST") else "ci")
 
 

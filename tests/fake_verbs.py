@@ -78,8 +78,16 @@ class Fabric:
         return name or "fake0"
 
     def open_device(self, name: str | None = None, port: int = 1, gid_index: int = 0) -> dict[str, Any]:
-        return {"ctx": None, "pd": None, "cq": _CQ(), "port": port, "gid_index": gid_index, "lid": 1,
-                "gid": "fe80::1", "mtu": 5}
+        return {
+            "ctx": None,
+            "pd": None,
+            "cq": _CQ(),
+            "port": port,
+            "gid_index": gid_index,
+            "lid": 1,
+            "gid": "fe80::1",
+            "mtu": 5,
+        }
 
     def register(self, res: dict[str, Any], addr: int, length: int, remote_write: bool) -> tuple[Any, int, int]:
         if length <= 0 or addr <= 0:
@@ -151,7 +159,18 @@ def install(monkeypatch: Any) -> Fabric:
     from pdkv import _ffi
 
     fabric = Fabric()
-    for name in ("available", "rdma_devices", "require_device", "open_device", "register", "create_rc_qp",
-                 "connect_qp", "post_writes", "poll", "close", "close_device"):
+    for name in (
+        "available",
+        "rdma_devices",
+        "require_device",
+        "open_device",
+        "register",
+        "create_rc_qp",
+        "connect_qp",
+        "post_writes",
+        "poll",
+        "close",
+        "close_device",
+    ):
         monkeypatch.setattr(_ffi.verbs, name, getattr(fabric, name))
     return fabric

@@ -15,8 +15,15 @@ import time
 
 
 class FaultProxy:
-    def __init__(self, target: tuple[str, int], *, delay_s: float = 0.0, stall_after: int | None = None,
-                 reset_after: int | None = None, rate: float | None = None) -> None:
+    def __init__(
+        self,
+        target: tuple[str, int],
+        *,
+        delay_s: float = 0.0,
+        stall_after: int | None = None,
+        reset_after: int | None = None,
+        rate: float | None = None,
+    ) -> None:
         self.target = target
         self.delay_s, self.stall_after, self.reset_after, self.rate = delay_s, stall_after, reset_after, rate
         self.lsock = socket.create_server(("127.0.0.1", 0))

@@ -34,9 +34,18 @@ class RawSession:
     """A prefill control session driven by hand. ``welcome`` is decode's Welcome (or None
     when ``complete=False`` stops after the Hello)."""
 
-    def __init__(self, address: str, layout: KVLayout, *, secret: bytes | None = None, instance: str = "evil",
-                 transports: tuple[str, ...] = ("tcp",), complete: bool = True, ctx: zmq.Context | None = None,
-                 timeout_ms: int = 5000) -> None:
+    def __init__(
+        self,
+        address: str,
+        layout: KVLayout,
+        *,
+        secret: bytes | None = None,
+        instance: str = "evil",
+        transports: tuple[str, ...] = ("tcp",),
+        complete: bool = True,
+        ctx: zmq.Context | None = None,
+        timeout_ms: int = 5000,
+    ) -> None:
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -45,9 +54,19 @@ class RawSession:
         self.codec = Codec(secret)
         self.timeout_ms = timeout_ms
         self.nonce = new_nonce()
-        self.hello_frames = self.codec.encode(Hello(PROTOCOL_VERSION, instance, layout.tp_rank, layout.tp_size,
-                                                    layout_desc(layout), list(transports), boot_id(), os.getpid(),
-                                                    self.nonce))
+        self.hello_frames = self.codec.encode(
+            Hello(
+                PROTOCOL_VERSION,
+                instance,
+                layout.tp_rank,
+                layout.tp_size,
+                layout_desc(layout),
+                list(transports),
+                boot_id(),
+                os.getpid(),
+                self.nonce,
+            )
+        )
         self.welcome: Welcome | None = None
         self.challenge: Challenge | None = None
         self.sock.send_multipart(self.hello_frames)

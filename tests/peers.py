@@ -27,8 +27,16 @@ def prefill(a: argparse.Namespace) -> None:
         _ffi.cuda.memcpy(ptr, src.ctypes.data, src.nbytes)
         spec = CacheSpec.for_buffer(lay, 64, ptr, device=a.device)
     secret = bytes.fromhex(a.secret) if a.secret else None
-    with PrefillSender(lay, spec, a.control, transport=a.transport, secret=secret, timeout_s=a.timeout,
-                       heartbeat_s=0.2, instance=a.instance) as tx:
+    with PrefillSender(
+        lay,
+        spec,
+        a.control,
+        transport=a.transport,
+        secret=secret,
+        timeout_s=a.timeout,
+        heartbeat_s=0.2,
+        instance=a.instance,
+    ) as tx:
         print(json.dumps({"ready": True}), flush=True)
         for i in range(a.requests):
             rid = f"{a.instance}-{i}"
@@ -40,8 +48,18 @@ def prefill(a: argparse.Namespace) -> None:
             tx.finish(rid)
             try:
                 out = tx.wait_outcome(rid, a.timeout * 2)
-                print(json.dumps({"request": rid, "state": out.state, "reason": out.reason, "blocks": g.blocks,
-                                  "location": g.location}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "request": rid,
+                            "state": out.state,
+                            "reason": out.reason,
+                            "blocks": g.blocks,
+                            "location": g.location,
+                        }
+                    ),
+                    flush=True,
+                )
             except Exception as exc:
                 print(json.dumps({"request": rid, "state": "error", "reason": str(exc)}), flush=True)
 
@@ -57,21 +75,38 @@ def decode(a: argparse.Namespace) -> None:
         ptr = _ffi.cuda.malloc(lay.block_bytes * nb)
         gspec = CacheSpec.for_buffer(lay, nb, ptr)
         gspec.device = 0
-        sched = DecodeScheduler(num_layers=lay.total_layers, gpu=BlockPool(nb),
-                                options=SchedulerOptions(direct_to_gpu=True, lease_s=a.timeout))
-        rx = DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, peer_timeout_s=a.timeout,
-                            control=f"tcp://{a.host}:0", data_host=a.host, transports=("cuda_ipc",),
-                            gpu_caches=[gspec])
+        sched = DecodeScheduler(
+            num_layers=lay.total_layers,
+            gpu=BlockPool(nb),
+            options=SchedulerOptions(direct_to_gpu=True, lease_s=a.timeout),
+        )
+        rx = DecodeReceiver(
+            sched,
+            [lay],
+            [buf],
+            nb,
+            auto_tick=True,
+            peer_timeout_s=a.timeout,
+            control=f"tcp://{a.host}:0",
+            data_host=a.host,
+            transports=("cuda_ipc",),
+            gpu_caches=[gspec],
+        )
         print(json.dumps({"control": rx.control_address, "shm": buf.name}), flush=True)
         while True:
             time.sleep(0.05)
             for r in sched.take_ready():
                 sched.finish(r.request_id)
     gpu = np.zeros(lay.block_bytes * nb, np.uint8)
-    eng = SwapEngine(CacheSpec.for_buffer(lay, nb, buf.address), CacheSpec.for_buffer(lay, nb, gpu.ctypes.data),
-                     strategy="host", buffer_pinned=False)
+    eng = SwapEngine(
+        CacheSpec.for_buffer(lay, nb, buf.address),
+        CacheSpec.for_buffer(lay, nb, gpu.ctypes.data),
+        strategy="host",
+        buffer_pinned=False,
+    )
     swap = eng
     if a.slow_swap:
+
         class _Slow:  # a swap that takes a.slow_swap seconds: a window to die in
             def __init__(self, h):
                 self.h, self.t = h, time.monotonic() + a.slow_swap
@@ -89,10 +124,24 @@ def decode(a: argparse.Namespace) -> None:
                 return _Slow(eng.submit(*args))
 
         swap = _SlowSwap()
-    sched = DecodeScheduler(num_layers=lay.total_layers, gpu=BlockPool(nb), buffer=BlockPool(nb), swap=swap,
-                            options=SchedulerOptions(direct_to_gpu=False, lease_s=a.timeout))
-    rx = DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, peer_timeout_s=a.timeout,
-                        control=f"tcp://{a.host}:0", data_host=a.host, auth_timeout_s=a.auth_timeout)
+    sched = DecodeScheduler(
+        num_layers=lay.total_layers,
+        gpu=BlockPool(nb),
+        buffer=BlockPool(nb),
+        swap=swap,
+        options=SchedulerOptions(direct_to_gpu=False, lease_s=a.timeout),
+    )
+    rx = DecodeReceiver(
+        sched,
+        [lay],
+        [buf],
+        nb,
+        auto_tick=True,
+        peer_timeout_s=a.timeout,
+        control=f"tcp://{a.host}:0",
+        data_host=a.host,
+        auth_timeout_s=a.auth_timeout,
+    )
     if a.nofile:  # a process short of descriptors: this many more than it has open now
         import os
         import resource
@@ -112,9 +161,19 @@ def decode(a: argparse.Namespace) -> None:
             n += 1
             if a.status and n % 4 == 0:
                 m = sched.metrics()
-                print(json.dumps({"buffer_free": m["buffer_blocks_free"], "gpu_free": m["gpu_blocks_free"],
-                                  "live": len(sched.live_requests()), "failed": m["requests_failed"],
-                                  "expired": m["requests_expired"], "ready": m["requests_ready"]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "buffer_free": m["buffer_blocks_free"],
+                            "gpu_free": m["gpu_blocks_free"],
+                            "live": len(sched.live_requests()),
+                            "failed": m["requests_failed"],
+                            "expired": m["requests_expired"],
+                            "ready": m["requests_ready"],
+                        }
+                    ),
+                    flush=True,
+                )
     finally:
         rx.close()
         eng.close()
@@ -142,8 +201,11 @@ if __name__ == "__main__":
     ap.add_argument("--nofile", type=int, default=0, help="decode: RLIMIT_NOFILE this many above the fds open")
     ap.add_argument("--auth-timeout", type=float, default=5.0)
     ap.add_argument("--device", type=int, default=0, help="prefill --gpu: the CUDA device of the cache")
-    ap.add_argument("--gpu", action="store_true",
-                    help="prefill: the cache in device memory; decode: serve cuda_ipc into a GPU cache")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="prefill: the cache in device memory; decode: serve cuda_ipc into a GPU cache",
+    )
     a = ap.parse_args()
     {"prefill": prefill, "decode": decode}[a.role](a)
     sys.exit(0)

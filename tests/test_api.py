@@ -8,11 +8,42 @@ import sys
 import pdkv
 
 PUBLIC = {
-    "__version__", "GIB", "BlockAllocator", "BlockPool", "CacheSpec", "CopyHandle", "CopyPlan", "DecodeReceiver",
-    "DecodeScheduler", "Event", "Grant", "KVLayout", "PrefillSender", "ReadyRequest", "RequestInfo", "RequestOutcome",
-    "Reservation", "SchedulerOptions", "Segment", "SendGrant", "SharedBuffer", "State", "SwapBackend", "SwapEngine", "SwapGroup",
-    "SwapHandle", "TensorInfo", "aligned_empty", "cache_from_tensors", "plan_copy", "tensor_info", "tp_segments",
-    "WriteTicket", "EventKind", "ReceiverOptions", "SenderOptions",
+    "__version__",
+    "GIB",
+    "BlockAllocator",
+    "BlockPool",
+    "CacheSpec",
+    "CopyHandle",
+    "CopyPlan",
+    "DecodeReceiver",
+    "DecodeScheduler",
+    "Event",
+    "Grant",
+    "KVLayout",
+    "PrefillSender",
+    "ReadyRequest",
+    "RequestInfo",
+    "RequestOutcome",
+    "Reservation",
+    "SchedulerOptions",
+    "Segment",
+    "SendGrant",
+    "SharedBuffer",
+    "State",
+    "SwapBackend",
+    "SwapEngine",
+    "SwapGroup",
+    "SwapHandle",
+    "TensorInfo",
+    "aligned_empty",
+    "cache_from_tensors",
+    "plan_copy",
+    "tensor_info",
+    "tp_segments",
+    "WriteTicket",
+    "EventKind",
+    "ReceiverOptions",
+    "SenderOptions",
     *pdkv.errors.__all__,
 }
 
@@ -27,12 +58,15 @@ def test_public_surface():
 
 
 def test_import_without_cuda_or_pyverbs():
-    code = ("import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None; sys.modules['pyverbs'] = None\n"
-            "import pdkv\n"
-            "from pdkv import _ffi\n"
-            "assert _ffi.cuda.device_count() == 0\n"
-            "assert _ffi.verbs.rdma_devices() == []\n"
-            "try:\n    pdkv.SharedBuffer.create(4096, require_pinned=True)\nexcept pdkv.CudaUnavailableError as e:\n    print('OK', e)\n")
+    code = (
+        "import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None; sys.modules['pyverbs'] = None\n"
+        "import pdkv\n"
+        "from pdkv import _ffi\n"
+        "assert _ffi.cuda.device_count() == 0\n"
+        "assert _ffi.verbs.rdma_devices() == []\n"
+        "try:\n    pdkv.SharedBuffer.create(4096, require_pinned=True)\n"
+        "except pdkv.CudaUnavailableError as e:\n    print('OK', e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("OK") and "no CUDA device" in out.stdout

@@ -207,12 +207,15 @@ ModelPoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_co
 TestModelPool = ModelPoolMachine.TestCase
 
 
-@pytest.mark.parametrize("blocks, why", [
-    ([0, 1, 1, 3], "duplicate"),  # a repeat inside a run-shaped list: never frees block 2
-    ([1, 1], "duplicate"),
-    ([3, 1, 3], "duplicate"),
-    ([5, 0, 5], "duplicate"),
-])
+@pytest.mark.parametrize(
+    "blocks, why",
+    [
+        ([0, 1, 1, 3], "duplicate"),  # a repeat inside a run-shaped list: never frees block 2
+        ([1, 1], "duplicate"),
+        ([3, 1, 3], "duplicate"),
+        ([5, 0, 5], "duplicate"),
+    ],
+)
 def test_duplicates_are_refused_whatever_their_order(blocks, why):
     p = BlockPool(8)
     p.allocate(8)

@@ -47,8 +47,11 @@ def _gather_with(ways: int):
 
 @needs_loop
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 9000), st.integers(0, 70)), min_size=0, max_size=12), st.data(),
-       st.sampled_from([None, 1, 3, 4, 8]))
+@given(
+    st.lists(st.tuples(st.integers(0, 9000), st.integers(0, 70)), min_size=0, max_size=12),
+    st.data(),
+    st.sampled_from([None, 1, 3, 4, 8]),
+)
 def test_gather_copies_exactly_the_pieces(pieces, data, ways):
     """Any lengths (0, below a vector, unaligned heads and tails) at any offsets of either side,
     and any number of pieces against any grouping (pdkv's, and loops built 1, 3, 4, 8 wide)."""
@@ -62,13 +65,15 @@ def test_gather_copies_exactly_the_pieces(pieces, data, ways):
         s_off.append(so)
         d_off.append(cursor + gap)
         lens.append(n)
-        want[cursor + gap:cursor + gap + n] = src[so:so + n]
+        want[cursor + gap : cursor + gap + n] = src[so : so + n]
         cursor += gap + n
     order = data.draw(st.permutations(range(len(lens))))
     run = cpu.gather if ways is None else _gather_with(ways)
-    run(np.array([src.ctypes.data + s_off[i] for i in order], np.int64),
+    run(
+        np.array([src.ctypes.data + s_off[i] for i in order], np.int64),
         np.array([dst.ctypes.data + d_off[i] for i in order], np.int64),
-        np.array([lens[i] for i in order], np.int64))
+        np.array([lens[i] for i in order], np.int64),
+    )
     assert np.array_equal(dst, want)
 
 
@@ -90,8 +95,14 @@ def test_contiguous_copy_and_bad_arguments():
 
 def test_environment_turns_the_loop_off_and_says_so():
     code = "from pdkv._ffi import cpu; print(cpu.available(), '|', cpu.unavailable_reason())"
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PDKV_CPU_COPY="numpy"),
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PDKV_CPU_COPY="numpy"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert out.strip() == "False | turned off by PDKV_CPU_COPY=numpy"
     with mock.patch.dict(cpu._state, {"reason": "test"}, clear=True):
         with pytest.raises(RuntimeError, match="streaming copy unavailable: test"):

@@ -29,8 +29,15 @@ class FakeIpc:
         self.closed: list[int] = []
         self.current = [0]  # the thread's current device, innermost last
         self.opened_on: list[int] = []  # the device current at each ipc_open
-        for name in ("address_range", "ipc_get_handle", "ipc_open", "ipc_close", "device_uuid", "set_device",
-                     "on_device"):
+        for name in (
+            "address_range",
+            "ipc_get_handle",
+            "ipc_open",
+            "ipc_close",
+            "device_uuid",
+            "set_device",
+            "on_device",
+        ):
             monkeypatch.setattr(_ffi.cuda, name, getattr(self, name))
         # no CUDA here: the sender's swap engine falls back to host copies
         monkeypatch.setattr(_ffi.cuda, "device_count", lambda: 0)
@@ -88,21 +95,38 @@ class IpcDecode:
         self.gspecs = [CacheSpec.for_buffer(lay, nb, g.ctypes.data) for lay, g in zip(self.lays, self.gpus)]
         for sp in self.gspecs:
             sp.device = 0
-        self.engine = SwapEngine(CacheSpec.for_buffer(self.lays[0], nb, self.bufs[0].address), self.gspecs[0],
-                                 strategy="host", buffer_pinned=False)
-        self.sched = DecodeScheduler(num_layers=self.lays[0].total_layers, gpu=BlockPool(nb), buffer=BlockPool(nb),
-                                     swap=self.engine, options=SchedulerOptions(direct_to_gpu=True, lease_s=5.0,
-                                                                                 fence_grace_s=0.5,
-                                                                                 gpu_reserve_blocks=gpu_reserve))
-        self.rx = DecodeReceiver(self.sched, self.lays, self.bufs, nb, transports=transports,
-                                 gpu_caches=self.gspecs, auto_tick=True, peer_timeout_s=3.0)
+        self.engine = SwapEngine(
+            CacheSpec.for_buffer(self.lays[0], nb, self.bufs[0].address),
+            self.gspecs[0],
+            strategy="host",
+            buffer_pinned=False,
+        )
+        self.sched = DecodeScheduler(
+            num_layers=self.lays[0].total_layers,
+            gpu=BlockPool(nb),
+            buffer=BlockPool(nb),
+            swap=self.engine,
+            options=SchedulerOptions(
+                direct_to_gpu=True, lease_s=5.0, fence_grace_s=0.5, gpu_reserve_blocks=gpu_reserve
+            ),
+        )
+        self.rx = DecodeReceiver(
+            self.sched,
+            self.lays,
+            self.bufs,
+            nb,
+            transports=transports,
+            gpu_caches=self.gspecs,
+            auto_tick=True,
+            peer_timeout_s=3.0,
+        )
 
     def block(self, where, rank, layer, t, b):
         lay = self.lays[rank]
         base = self.bufs[rank].address if where == "buffer" else self.gpus[rank].ctypes.data
         mem = self.bufs[rank].buf if where == "buffer" else memoryview(self.gpus[rank])
         a = CacheSpec.for_buffer(lay, self.nb, base).address(layer, t, b) - base
-        return bytes(mem[a:a + lay.tensor_block_bytes(t)])
+        return bytes(mem[a : a + lay.tensor_block_bytes(t)])
 
     def close(self):
         self.rx.close()
@@ -138,8 +162,10 @@ def test_gpu_grants_land_in_decode_gpu_cache_every_byte(monkeypatch, P, D, no_le
     dec = IpcDecode(monkeypatch, D=D)
     try:
         pre = [gpu_prefill(P, r) for r in range(P)]
-        txs = [PrefillSender(lay, gspec, dec.rx.control_address, transport="cuda_ipc", instance="pf", timeout_s=5)
-               for lay, _, _, gspec in pre]
+        txs = [
+            PrefillSender(lay, gspec, dec.rx.control_address, transport="cuda_ipc", instance="pf", timeout_s=5)
+            for lay, _, _, gspec in pre
+        ]
         assert all(tx.transport == "cuda_ipc" for tx in txs)
         sb = [5, 6, 7, 30, 2, 41]
         g, outs = run_request(txs, "a", sb)
@@ -176,8 +202,9 @@ def test_no_gpu_room_falls_back_to_the_buffer_and_tcp_peers_never_get_gpu_blocks
             assert outs[0].ok and g.location == "buffer"
             for layer in range(4):
                 for gi, b in enumerate(g.blocks):
-                    assert dec.block("buffer", 0, layer, 1, b) == expected_block([lay], [spec], [9, 10, 11], dec.lays[0],
-                                                                               layer, 1, gi)
+                    assert dec.block("buffer", 0, layer, 1, b) == expected_block(
+                        [lay], [spec], [9, 10, 11], dec.lays[0], layer, 1, gi
+                    )
         dec.sched.gpu.free(hog)
     finally:
         dec.close()
@@ -223,11 +250,14 @@ def test_auto_from_a_gpu_cache_takes_cuda_ipc_where_decode_serves_it_else_shm(mo
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("visible, peer, expect", [
-    (["dec0", "pre1"], True, "cuda_ipc"),
-    (["dec0", "pre1"], False, "no peer access to decode's device 0"),
-    (["dec0"], True, "not one decode sees"),
-])
+@pytest.mark.parametrize(
+    "visible, peer, expect",
+    [
+        (["dec0", "pre1"], True, "cuda_ipc"),
+        (["dec0", "pre1"], False, "no peer access to decode's device 0"),
+        (["dec0"], True, "not one decode sees"),
+    ],
+)
 def test_cuda_ipc_only_where_prefill_gpu_can_map_decode_memory(monkeypatch, visible, peer, expect, no_leaks):
     dec = IpcDecode(monkeypatch, D=1)
     try:
@@ -292,8 +322,15 @@ def test_export_then_parse_round_trip_with_several_allocations(monkeypatch):
     # one allocation per layer (as an engine with a tensor per layer has)
     per_layer = [np.zeros(lay.block_bytes * 8, np.uint8) for _ in range(4)]
     FakeIpc(monkeypatch, per_layer)
-    spec = CacheSpec(lay, 8, [[(a.ctypes.data + t * lay.tensor_block_bytes(0) * 8, lay.tensor_block_bytes(t))
-                               for t in range(2)] for a in per_layer], device=0)
+    spec = CacheSpec(
+        lay,
+        8,
+        [
+            [(a.ctypes.data + t * lay.tensor_block_bytes(0) * 8, lay.tensor_block_bytes(t)) for t in range(2)]
+            for a in per_layer
+        ],
+        device=0,
+    )
     sec = export_gpu_caches([lay], [spec], 8)
     assert len(sec["ranks"][0]["allocs"]) == 4
     caches = parse_ipc_section(sec, [0], [lay])
@@ -306,8 +343,14 @@ def test_export_then_parse_round_trip_with_several_allocations(monkeypatch):
 
 
 @settings(max_examples=40, deadline=None)
-@given(layers=st.integers(1, 6), mla=st.booleans(), nb=st.integers(1, 12), interleaved=st.booleans(),
-       per_layer=st.booleans(), data=st.data())
+@given(
+    layers=st.integers(1, 6),
+    mla=st.booleans(),
+    nb=st.integers(1, 12),
+    interleaved=st.booleans(),
+    per_layer=st.booleans(),
+    data=st.data(),
+)
 def test_export_parse_map_gives_every_block_the_same_address(layers, mla, nb, interleaved, per_layer, data):
     """Any cache shape (packed, K/V interleaved per block, one allocation per layer or one
     for all), exported, parsed and mapped back (identity mapping), addresses every
@@ -316,8 +359,9 @@ def test_export_parse_map_gives_every_block_the_same_address(layers, mla, nb, in
 
     mp = _pt.MonkeyPatch()
     try:
-        lay = KVLayout(num_layers=layers, kv_heads=1 if mla else 2, head_dim=16, tokens_per_block=4, dtype="bf16",
-                       mla=mla)
+        lay = KVLayout(
+            num_layers=layers, kv_heads=1 if mla else 2, head_dim=16, tokens_per_block=4, dtype="bf16", mla=mla
+        )
         nt = len(lay.tensors)
         tbs = [lay.tensor_block_bytes(t) for t in range(nt)]
         layer_bytes = sum(tbs) * nb
@@ -353,30 +397,44 @@ def test_export_parse_map_gives_every_block_the_same_address(layers, mla, nb, in
 def _valid_section(lay, nb=8):
     base = 1 << 20
     packed = CacheSpec.for_buffer(lay, nb, base)  # offsets of a packed cache in one allocation
-    return {"ranks": [{"rank": 0, "device_uuid": "ab", "num_blocks": nb,
-                       "allocs": [{"handle": bytes(64), "size": CacheSpec.buffer_bytes(lay, nb)}],
-                       "regions": [[0, packed.region(layer, t)[0] - base, packed.region(layer, t)[1]]
-                                   for layer in range(4) for t in range(2)]}]}
+    return {
+        "ranks": [
+            {
+                "rank": 0,
+                "device_uuid": "ab",
+                "num_blocks": nb,
+                "allocs": [{"handle": bytes(64), "size": CacheSpec.buffer_bytes(lay, nb)}],
+                "regions": [
+                    [0, packed.region(layer, t)[0] - base, packed.region(layer, t)[1]]
+                    for layer in range(4)
+                    for t in range(2)
+                ],
+            }
+        ]
+    }
 
 
-@pytest.mark.parametrize("breakage,match", [
-    (lambda s: s.update(extra=1), "must be {'ranks'"),
-    (lambda s: s["ranks"][0].pop("regions"), "exactly the fields"),
-    (lambda s: s["ranks"][0].update(rank=3), "not one of decode's ranks"),
-    (lambda s: s["ranks"].append(dict(s["ranks"][0])), "repeated"),
-    (lambda s: s["ranks"][0].update(num_blocks=0), "num_blocks"),
-    (lambda s: s["ranks"][0].update(num_blocks=True), "num_blocks"),
-    (lambda s: s["ranks"][0]["allocs"][0].update(handle=b"x" * 63), "64 bytes"),
-    (lambda s: s["ranks"][0]["allocs"][0].update(size="big"), "allocation size"),
-    (lambda s: s["ranks"][0].update(allocs=[]), "non-empty"),
-    (lambda s: s["ranks"][0]["regions"].pop(), "needs 8 regions"),
-    (lambda s: s["ranks"][0]["regions"][3].__setitem__(0, 1), "names allocation 1 of 1"),
-    (lambda s: s["ranks"][0]["regions"][3].__setitem__(2, 16), "stride 16 below"),
-    (lambda s: s["ranks"][0]["regions"][7].__setitem__(1, 1 << 40), "ends past its allocation"),
-    (lambda s: s["ranks"][0]["regions"][2].__setitem__(1, -8), "offset"),
-    (lambda s: s["ranks"][0].update(device_uuid=7), "device_uuid"),
-    (lambda s: s.update(ranks=[]), "no GPU cache for decode ranks"),
-])
+@pytest.mark.parametrize(
+    "breakage,match",
+    [
+        (lambda s: s.update(extra=1), "must be {'ranks'"),
+        (lambda s: s["ranks"][0].pop("regions"), "exactly the fields"),
+        (lambda s: s["ranks"][0].update(rank=3), "not one of decode's ranks"),
+        (lambda s: s["ranks"].append(dict(s["ranks"][0])), "repeated"),
+        (lambda s: s["ranks"][0].update(num_blocks=0), "num_blocks"),
+        (lambda s: s["ranks"][0].update(num_blocks=True), "num_blocks"),
+        (lambda s: s["ranks"][0]["allocs"][0].update(handle=b"x" * 63), "64 bytes"),
+        (lambda s: s["ranks"][0]["allocs"][0].update(size="big"), "allocation size"),
+        (lambda s: s["ranks"][0].update(allocs=[]), "non-empty"),
+        (lambda s: s["ranks"][0]["regions"].pop(), "needs 8 regions"),
+        (lambda s: s["ranks"][0]["regions"][3].__setitem__(0, 1), "names allocation 1 of 1"),
+        (lambda s: s["ranks"][0]["regions"][3].__setitem__(2, 16), "stride 16 below"),
+        (lambda s: s["ranks"][0]["regions"][7].__setitem__(1, 1 << 40), "ends past its allocation"),
+        (lambda s: s["ranks"][0]["regions"][2].__setitem__(1, -8), "offset"),
+        (lambda s: s["ranks"][0].update(device_uuid=7), "device_uuid"),
+        (lambda s: s.update(ranks=[]), "no GPU cache for decode ranks"),
+    ],
+)
 def test_parse_refuses_a_hostile_section(breakage, match):
     lay = KVLayout(**BASE)
     sec = _valid_section(lay)
@@ -388,10 +446,20 @@ def test_parse_refuses_a_hostile_section(breakage, match):
 
 # ------------------------------------------------------------------ GPU, two processes
 
+
 @pytest.mark.cuda
 @pytest.mark.multiproc
-@pytest.mark.parametrize("P,D,transport,gpus", [(1, 1, "cuda_ipc", 1), (2, 4, "cuda_ipc", 1), (1, 1, "auto", 1),
-                                                (1, 2, "cuda_ipc", 2), (2, 2, "auto", 2), (2, 4, "cuda_ipc", 2)])
+@pytest.mark.parametrize(
+    "P,D,transport,gpus",
+    [
+        (1, 1, "cuda_ipc", 1),
+        (2, 4, "cuda_ipc", 1),
+        (1, 1, "auto", 1),
+        (1, 2, "cuda_ipc", 2),
+        (2, 2, "auto", 2),
+        (2, 4, "cuda_ipc", 2),
+    ],
+)
 def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, transport, gpus, no_leaks):
     """gpus=2: decode rank r's cache on device r % 2 and prefill rank r on device (r + 1) % 2,
     so prefill's kernel writes over the peer link into the other GPU's memory."""
@@ -410,14 +478,34 @@ def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, transport, gpu
     try:
         gspecs = [CacheSpec.for_buffer(lay, nb, p, device=r % gpus) for r, (lay, p) in enumerate(zip(lays, ptrs))]
         # GPU blocks only: every grant is written by prefill's kernel straight into them
-        sched = DecodeScheduler(num_layers=4, gpu=BlockPool(nb), buffer=None,
-                                options=SchedulerOptions(direct_to_gpu=True, lease_s=10.0))
+        sched = DecodeScheduler(
+            num_layers=4, gpu=BlockPool(nb), buffer=None, options=SchedulerOptions(direct_to_gpu=True, lease_s=10.0)
+        )
         # auto: a GPU cache offers cuda_ipc first, and decode checks the GPU can map its memory
         rx = DecodeReceiver(sched, lays, bufs, nb, transports=("cuda_ipc", "shm"), gpu_caches=gspecs, auto_tick=True)
-        procs = [_spawn("prefill", "--control", rx.control_address, "--transport", transport, "--gpu",
-                        "--device", str((r + 1) % gpus),
-                        "--tp", str(P), "--rank", str(r), "--blocks", "5", "--timeout", "10", "--instance", "gpf")
-                 for r in range(P)]
+        procs = [
+            _spawn(
+                "prefill",
+                "--control",
+                rx.control_address,
+                "--transport",
+                transport,
+                "--gpu",
+                "--device",
+                str((r + 1) % gpus),
+                "--tp",
+                str(P),
+                "--rank",
+                str(r),
+                "--blocks",
+                "5",
+                "--timeout",
+                "10",
+                "--instance",
+                "gpf",
+            )
+            for r in range(P)
+        ]
         outs = [_lines(p, 6, timeout=60)[-1] for p in procs]
         assert all(o["state"] == "received" and o["location"] == "gpu" for o in outs), outs
         blocks = outs[0]["blocks"]
@@ -431,7 +519,7 @@ def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, transport, gpu
                 for t in range(2):
                     for gi, b in enumerate(blocks):
                         a = hspec.address(layer, t, b) - host.ctypes.data
-                        got = host[a:a + lay.tensor_block_bytes(t)].tobytes()
+                        got = host[a : a + lay.tensor_block_bytes(t)].tobytes()
                         assert got == expected_block(slays, sspecs, list(range(5)), lay, layer, t, gi)
         for r in sched.take_ready():
             sched.finish(r.request_id)
@@ -462,12 +550,30 @@ def test_cuda_ipc_prefill_killed_mid_transfer_decode_reclaims_gpu_blocks(cuda_de
     try:
         gspec = CacheSpec.for_buffer(lay, nb, ptr)
         gspec.device = 0
-        sched = DecodeScheduler(num_layers=4, gpu=BlockPool(nb),
-                                options=SchedulerOptions(direct_to_gpu=True, lease_s=2.0, fence_grace_s=0.5))
-        rx = DecodeReceiver(sched, [lay], [buf], nb, transports=("cuda_ipc",), gpu_caches=[gspec], auto_tick=True,
-                            peer_timeout_s=2.0)
-        p = _spawn("prefill", "--control", rx.control_address, "--transport", "cuda_ipc", "--gpu", "--blocks", "6",
-                   "--layer-sleep", "0.5", "--instance", "victim", "--timeout", "10")
+        sched = DecodeScheduler(
+            num_layers=4,
+            gpu=BlockPool(nb),
+            options=SchedulerOptions(direct_to_gpu=True, lease_s=2.0, fence_grace_s=0.5),
+        )
+        rx = DecodeReceiver(
+            sched, [lay], [buf], nb, transports=("cuda_ipc",), gpu_caches=[gspec], auto_tick=True, peer_timeout_s=2.0
+        )
+        p = _spawn(
+            "prefill",
+            "--control",
+            rx.control_address,
+            "--transport",
+            "cuda_ipc",
+            "--gpu",
+            "--blocks",
+            "6",
+            "--layer-sleep",
+            "0.5",
+            "--instance",
+            "victim",
+            "--timeout",
+            "10",
+        )
         _lines(p, 3, timeout=60)  # ready, layer 0, layer 1: GPU blocks half written
         assert sched.gpu.num_free == nb - 6
         p.send_signal(signal.SIGKILL)
@@ -476,8 +582,20 @@ def test_cuda_ipc_prefill_killed_mid_transfer_decode_reclaims_gpu_blocks(cuda_de
         assert sched.request("victim-0").state is State.FAILED
         reap(p)
         # a new prefill is served, straight into GPU blocks again
-        p = _spawn("prefill", "--control", rx.control_address, "--transport", "cuda_ipc", "--gpu", "--blocks", "3",
-                   "--instance", "after", "--timeout", "10")
+        p = _spawn(
+            "prefill",
+            "--control",
+            rx.control_address,
+            "--transport",
+            "cuda_ipc",
+            "--gpu",
+            "--blocks",
+            "3",
+            "--instance",
+            "after",
+            "--timeout",
+            "10",
+        )
         out = _lines(p, 6, timeout=60)[-1]
         assert out["state"] == "received" and out["location"] == "gpu", out
     finally:

@@ -21,12 +21,38 @@ def test_examples_run(framework, no_leaks):
     port = s.getsockname()[1]
     s.close()
     addr = f"tcp://127.0.0.1:{port}"
-    d = subprocess.Popen([sys.executable, os.path.join(EX, "decode_loop.py"), "--listen", addr, "--requests", "3",
-                          "--framework", framework], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    d = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(EX, "decode_loop.py"),
+            "--listen",
+            addr,
+            "--requests",
+            "3",
+            "--framework",
+            framework,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert "decode ready" in d.stdout.readline()
-        p = subprocess.run([sys.executable, os.path.join(EX, "prefill_loop.py"), "--connect", addr, "--requests", "3",
-                            "--framework", framework], capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(EX, "prefill_loop.py"),
+                "--connect",
+                addr,
+                "--requests",
+                "3",
+                "--framework",
+                framework,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == 0, p.stderr
         assert p.stdout.split() == ["req-0", "received", "req-1", "received", "req-2", "received"]
         out, err = d.communicate(timeout=60)

@@ -26,8 +26,9 @@ def all_free(dec):
 
 def serve_one(dec, control=None, transport="tcp", rid="ok"):
     lay, arr, spec = prefill_cache(1, 0)
-    with PrefillSender(lay, spec, control or dec.rx.control_address, transport=transport, timeout_s=5,
-                       instance=f"healthy-{rid}") as tx:
+    with PrefillSender(
+        lay, spec, control or dec.rx.control_address, transport=transport, timeout_s=5, instance=f"healthy-{rid}"
+    ) as tx:
         assert send_one(tx, rid, [0, 1]).ok
 
 
@@ -41,14 +42,14 @@ def test_hostile_control_messages_change_nothing(no_leaks):
         enc = msgspec.msgpack.Encoder()
         lay = KVLayout(**BASE)
         junk = [
-            [pack_frame(b"", b"\xc1garbage")],                                 # not msgpack
-            [pack_frame(b"", enc.encode([1, {"type": "reserve"}]))],           # truncated fields
-            [pack_frame(b"", enc.encode([1, {"type": "evil", "x": 1}]))],      # unknown type
+            [pack_frame(b"", b"\xc1garbage")],  # not msgpack
+            [pack_frame(b"", enc.encode([1, {"type": "reserve"}]))],  # truncated fields
+            [pack_frame(b"", enc.encode([1, {"type": "evil", "x": 1}]))],  # unknown type
             [pack_frame(b"x" * 32, enc.encode([1, {"type": "hb", "t": 1.0}]))],  # a MAC where none is configured
-            [b""],                                                             # empty frame
-            [b"\x07junk"],                                                     # bad MAC length
-            [b"", b""],                                                        # two frames
-            [pack_frame(b"", b"\x00" * (3 << 20))],                            # oversized: zmq drops the peer
+            [b""],  # empty frame
+            [b"\x07junk"],  # bad MAC length
+            [b"", b""],  # two frames
+            [pack_frame(b"", b"\x00" * (3 << 20))],  # oversized: zmq drops the peer
         ]
         for f in junk:
             s.send_multipart(f)
@@ -61,9 +62,9 @@ def test_hostile_control_messages_change_nothing(no_leaks):
         s2.send_multipart(c2.encode(ReserveReq("mine", 16)))
         assert s2.poll(5000)
         s2.recv_multipart()  # the grant
-        s2.send_multipart(c2.encode(LayerDone("mine", 1, [0])))            # shm-only message over tcp
-        s2.send_multipart(c2.encode(Complete("mine", 12345, True)))       # forged token
-        s2.send_multipart(c2.encode(ReserveReq("x" * 300, 16)))          # oversized id
+        s2.send_multipart(c2.encode(LayerDone("mine", 1, [0])))  # shm-only message over tcp
+        s2.send_multipart(c2.encode(Complete("mine", 12345, True)))  # forged token
+        s2.send_multipart(c2.encode(ReserveReq("x" * 300, 16)))  # oversized id
         time.sleep(0.5)
         assert dec.rx.stats["messages_rejected"] >= 6
         assert dec.sched.request("mine").state is State.RESERVED  # nothing was applied
@@ -144,8 +145,19 @@ def test_prefill_kill_points(point, no_leaks):
     dec = Decode(peer_timeout_s=2.0)
     try:
         sleep = {"handshake": "0", "mid-layer": "0.5", "between-layers": "0.3"}[point]
-        p = _spawn("prefill", "--control", dec.rx.control_address, "--transport", "tcp", "--blocks", "8",
-                   "--layer-sleep", sleep, "--instance", f"k-{point}")
+        p = _spawn(
+            "prefill",
+            "--control",
+            dec.rx.control_address,
+            "--transport",
+            "tcp",
+            "--blocks",
+            "8",
+            "--layer-sleep",
+            sleep,
+            "--instance",
+            f"k-{point}",
+        )
         try:
             if point == "handshake":
                 time.sleep(0.05)  # interpreter start: the kill lands before or during the handshake

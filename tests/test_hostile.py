@@ -54,8 +54,9 @@ TB = KVLayout(**BASE).tensor_block_bytes(0)  # one block of one layer of one ten
 
 def frame(token, items, *, rank=0, layer=0, tensor=0, off=0, length=TB, count=1, dstride=0) -> bytes:
     """A tcp data frame's header and items (the payload follows)."""
-    return (FRAME_HEADER.pack(b"PDKV", 1, 2, rank, token, layer, tensor, 0, 0, len(items), off, length, count, dstride)
-            + b"".join(FRAME_ITEM.pack(gi, nb) for gi, nb in items))
+    return FRAME_HEADER.pack(
+        b"PDKV", 1, 2, rank, token, layer, tensor, 0, 0, len(items), off, length, count, dstride
+    ) + b"".join(FRAME_ITEM.pack(gi, nb) for gi, nb in items)
 
 
 def block_ranges(dec, rank, blocks):
@@ -89,8 +90,9 @@ def outside_unchanged(dec, before, allowed=()):
 def good_peer(dec, rid="good", blocks=(0, 1), instance="good", transport="tcp", secret=None):
     """A real prefill serving one request at the same time as the attacker."""
     lay, arr, spec = prefill_cache(1, 0, seed=7)
-    with PrefillSender(lay, spec, dec.rx.control_address, transport=transport, timeout_s=5, instance=instance,
-                       secret=secret) as tx:
+    with PrefillSender(
+        lay, spec, dec.rx.control_address, transport=transport, timeout_s=5, instance=instance, secret=secret
+    ) as tx:
         out = send_one(tx, rid, list(blocks))
     assert out.ok, out
     return arr
@@ -100,17 +102,17 @@ def expected_layer_block(arr, layer, t, b):
     lay = KVLayout(**BASE)
     spec = CacheSpec.for_buffer(lay, 64, arr.ctypes.data)
     a = spec.address(layer, t, b) - arr.ctypes.data
-    return arr[a:a + lay.tensor_block_bytes(t)].tobytes()
+    return arr[a : a + lay.tensor_block_bytes(t)].tobytes()
 
 
 # ------------------------------------------------------------------ 1. late and trickled writes
+
 
 def _trickle_then_overwrite(lease_s, grace_s, io_timeout_s, peer_timeout_s, trickle_s, trickles):
     """Peer A's frame, validated while its grant was live, trickles past its lease, its
     fence and the grant of the same blocks to B, then delivers its tail after B's first
     layer landed. B's KV must be B's."""
-    dec = Decode(nb=2, lease_s=lease_s, fence_grace_s=grace_s, io_timeout_s=io_timeout_s,
-                 peer_timeout_s=peer_timeout_s)
+    dec = Decode(nb=2, lease_s=lease_s, fence_grace_s=grace_s, io_timeout_s=io_timeout_s, peer_timeout_s=peer_timeout_s)
     ctx = zmq.Context()
     try:
         lay = KVLayout(**BASE)
@@ -122,7 +124,7 @@ def _trickle_then_overwrite(lease_s, grace_s, io_timeout_s, peer_timeout_s, tric
         conn.sendall(frame(ga.token, [(0, 1)]))  # admitted under A's live grant
         for _ in range(trickles):  # one byte at a time: never a stall of io_timeout_s
             try:
-                conn.send(b"\xEE")
+                conn.send(b"\xee")
             except OSError:
                 break
             time.sleep(trickle_s)
@@ -141,7 +143,7 @@ def _trickle_then_overwrite(lease_s, grace_s, io_timeout_s, peer_timeout_s, tric
             tx.send_layer(0, [("b", [0, 1])])
             wait_until(lambda: dec.sched.request("b").layers_landed >= 1, 10, "B's first layer")
             try:  # A's tail, all at once
-                conn.sendall(b"\xEE" * (TB - trickles))
+                conn.sendall(b"\xee" * (TB - trickles))
             except OSError:
                 pass
             time.sleep(0.3)
@@ -166,8 +168,14 @@ def test_a_trickled_frame_never_lands_in_reused_blocks(no_leaks):
 
 @pytest.mark.multiproc
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lease=st.floats(0.4, 1.5), grace=st.floats(0.0, 1.0), io=st.floats(0.3, 1.0), peer=st.floats(0.6, 2.0),
-       trickle=st.floats(0.05, 0.25), n=st.integers(1, 25))
+@given(
+    lease=st.floats(0.4, 1.5),
+    grace=st.floats(0.0, 1.0),
+    io=st.floats(0.3, 1.0),
+    peer=st.floats(0.6, 2.0),
+    trickle=st.floats(0.05, 0.25),
+    n=st.integers(1, 25),
+)
 def test_trickled_frames_never_land_in_reused_blocks_random_timings(no_leaks, lease, grace, io, peer, trickle, n):
     _trickle_then_overwrite(lease, grace, io, peer, trickle, n)
 
@@ -194,23 +202,30 @@ def test_a_fenced_peer_loses_its_data_connections(no_leaks):
 
 # ------------------------------------------------------------------ 2. cross-session tokens
 
+
 @pytest.mark.parametrize("secret", [None, SECRET])
 def test_another_sessions_grant_token_is_refused_everywhere(no_leaks, secret):
     dec = Decode(secret=secret)
     ctx = zmq.Context()
     try:
         lay, arr, spec = prefill_cache(1, 0, seed=5)
-        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5, instance="victim",
-                           secret=secret) as tx:
+        with PrefillSender(
+            lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5, instance="victim", secret=secret
+        ) as tx:
             g = tx.reserve("v", 16)  # the attacker observed this grant on the wire
             atk = RawSession(dec.rx.control_address, KVLayout(**BASE), secret=secret, instance="attacker", ctx=ctx)
             before = snapshot(dec)
             conn = atk.data_conn(dec.rx.data_address)  # its own, authenticated, data connection
             conn.sendall(frame(g.token, [(0, 1)]) + b"\x66" * TB)
             conn.sendall(frame(g.token, [(1, 1)], tensor=1) + b"\x66" * TB)
-            for m in (LayerDone("v", g.token, [0]), LayerBatch(0, [("v", g.token, 0)]), Complete("v", g.token, True),
-                      Complete("v", g.token, False, "attacker says it failed"),
-                      CompleteBatch([("v", g.token, True, "")]), Abort("v", "attacker")):
+            for m in (
+                LayerDone("v", g.token, [0]),
+                LayerBatch(0, [("v", g.token, 0)]),
+                Complete("v", g.token, True),
+                Complete("v", g.token, False, "attacker says it failed"),
+                CompleteBatch([("v", g.token, True, "")]),
+                Abort("v", "attacker"),
+            ):
                 atk.send(m)
             wait_until(lambda: dec.rx.stats["frames_rejected"] >= 2, 5, "both frames refused")
             time.sleep(0.3)
@@ -284,8 +299,9 @@ def test_layer_reports_cannot_be_repeated_to_fill_another_ranks_share(no_leaks):
     dec = Decode(transports=("shm",))
     ctx = zmq.Context()
     try:
-        r0 = RawSession(dec.rx.control_address, KVLayout(**BASE, tp_size=2, tp_rank=0), instance="pf",
-                        transports=("shm",), ctx=ctx)
+        r0 = RawSession(
+            dec.rx.control_address, KVLayout(**BASE, tp_size=2, tp_rank=0), instance="pf", transports=("shm",), ctx=ctx
+        )
         r0.send(ReserveReq("rep", 8))
         g = r0.recv()
         r0.send(LayerDone("rep", g.token, [0]))
@@ -301,6 +317,7 @@ def test_layer_reports_cannot_be_repeated_to_fill_another_ranks_share(no_leaks):
 
 
 # ------------------------------------------------------------------ 3. replayed handshakes
+
 
 def test_a_replayed_hello_gets_no_session_and_no_data_access(no_leaks):
     dec = Decode(secret=SECRET)
@@ -351,8 +368,10 @@ def test_handshakes_in_progress_are_bounded_and_expire(no_leaks):
     ctx = zmq.Context()
     try:
         lay = KVLayout(**BASE)
-        half = [RawSession(dec.rx.control_address, lay, secret=SECRET, instance=f"h{i}", complete=False, ctx=ctx)
-                for i in range(6)]
+        half = [
+            RawSession(dec.rx.control_address, lay, secret=SECRET, instance=f"h{i}", complete=False, ctx=ctx)
+            for i in range(6)
+        ]
         got = [h.recv() for h in half]
         assert sum(isinstance(m, Challenge) for m in got) == 4
         assert sum(isinstance(m, ErrorMsg) and "too many handshakes" in m.message for m in got) == 2
@@ -367,17 +386,33 @@ def test_handshakes_in_progress_are_bounded_and_expire(no_leaks):
 
 # ------------------------------------------------------------------ 4. decoder input
 
+
 def _nested_body(fields, key, depth, in_map=True):
     """A msgpack envelope whose ``key`` holds ``{"x": [[[...]]]}``, ``depth`` arrays nested
     in each other (built as bytes: no encoder nests that deep). A map first: a field typed
     as a free-form dict (as ``Hello.layout`` once was) accepted it and recursed."""
     body = msgspec.msgpack.encode([1, {**fields, key: "@@NEST@@"}])
-    return body.replace(msgspec.msgpack.encode("@@NEST@@"), (b"\x81\xa1x" if in_map else b"") + b"\x91" * depth + b"\x00")
+    return body.replace(
+        msgspec.msgpack.encode("@@NEST@@"), (b"\x81\xa1x" if in_map else b"") + b"\x91" * depth + b"\x00"
+    )
 
 
 def test_deeply_nested_hello_is_a_protocol_error_and_the_loop_serves_on(no_leaks):
-    body = _nested_body({"type": "hello", "version": PROTOCOL_VERSION, "instance": "x", "tp_rank": 0, "tp_size": 1,
-                         "transports": ["tcp"], "boot_id": "b", "pid": 1, "nonce": b"n" * 16}, "layout", 5000)
+    body = _nested_body(
+        {
+            "type": "hello",
+            "version": PROTOCOL_VERSION,
+            "instance": "x",
+            "tp_rank": 0,
+            "tp_size": 1,
+            "transports": ["tcp"],
+            "boot_id": "b",
+            "pid": 1,
+            "nonce": b"n" * 16,
+        },
+        "layout",
+        5000,
+    )
     assert len(body) < 10_000
     with pytest.raises(ProtocolError):
         Codec(None).decode([pack_frame(b"", body)])
@@ -425,12 +460,37 @@ def test_an_exception_in_one_message_does_not_end_the_control_loop(no_leaks, mon
         dec.close()
 
 
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(allow_nan=False),
-                     st.text(max_size=20), st.binary(max_size=20))
-_values = st.recursive(_scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                       max_leaves=30)
-_TYPES = ["hello", "challenge", "auth", "welcome", "reserve", "reserves", "grant", "grants", "layer", "layers",
-          "complete", "completes", "outcome", "outcomes", "abort", "hb", "error", "nope"]
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 63), (1 << 64) - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+)
+_values = st.recursive(
+    _scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=30
+)
+_TYPES = [
+    "hello",
+    "challenge",
+    "auth",
+    "welcome",
+    "reserve",
+    "reserves",
+    "grant",
+    "grants",
+    "layer",
+    "layers",
+    "complete",
+    "completes",
+    "outcome",
+    "outcomes",
+    "abort",
+    "hb",
+    "error",
+    "nope",
+]
 
 
 def _fuzz_body(draw_seq, draw_type, fields):
@@ -454,8 +514,12 @@ def test_fuzzed_messages_raise_only_protocol_errors(seq, kind, fields):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # 20,000 examples take minutes on 2 cores (and -o faulthandler_timeout=0)
 @settings(max_examples=20_000, deadline=None)
-@given(seq=_scalars, kind=st.sampled_from(_TYPES), fields=st.dictionaries(st.text(max_size=12), _values, max_size=8),
-       depth=st.integers(0, 6000))
+@given(
+    seq=_scalars,
+    kind=st.sampled_from(_TYPES),
+    fields=st.dictionaries(st.text(max_size=12), _values, max_size=8),
+    depth=st.integers(0, 6000),
+)
 def test_fuzzed_messages_raise_only_protocol_errors_many(seq, kind, fields, depth):
     body = _fuzz_body(seq, kind, fields)
     if depth > 5000:
@@ -465,17 +529,24 @@ def test_fuzzed_messages_raise_only_protocol_errors_many(seq, kind, fields, dept
 
 # ------------------------------------------------------------------ every message type, misused
 
+
 def _all_messages(token, lay):
     desc = layout_desc(lay)
     return [
         Hello(PROTOCOL_VERSION, "x", 0, 1, desc, ["tcp"], "b", 1, b"n" * 16),  # a second hello inside a session
-        Challenge(b"c" * 16), Auth(b"c" * 16),  # handshake messages out of order
+        Challenge(b"c" * 16),
+        Auth(b"c" * 16),  # handshake messages out of order
         Welcome(PROTOCOL_VERSION, "x", 1, [0], [desc], "tcp", [], 1, "", b"s" * 16),  # decode's message, from prefill
         ReserveReq("m", 1 << 20),  # more than the buffer
         ReserveBatch([("m", 8), ("m", 8)]),  # the same id twice
-        LayerDone("m", token, [99]), LayerDone("m", token + 1, [0]), LayerDone("nobody", 1, [0]),
-        LayerBatch(7, [("m", token, 0)]), LayerBatch(0, [("m", token, 9999)]),
-        Complete("m", token + 1, True), Complete("nobody", 3, True), CompleteBatch([("m", token, True, "")]),
+        LayerDone("m", token, [99]),
+        LayerDone("m", token + 1, [0]),
+        LayerDone("nobody", 1, [0]),
+        LayerBatch(7, [("m", token, 0)]),
+        LayerBatch(0, [("m", token, 9999)]),
+        Complete("m", token + 1, True),
+        Complete("nobody", 3, True),
+        CompleteBatch([("m", token, True, "")]),
         Abort("nobody"),
         ErrorMsg("x", "y"),
     ]
@@ -506,11 +577,26 @@ def test_every_message_type_misused_inside_a_session(no_leaks):
         dec.close()
 
 
-@pytest.mark.parametrize("field,value", [
-    ("rank", 7), ("layer", 99), ("tensor", 9), ("off", TB), ("length", TB + 1), ("count", 3),
-    ("gi", 2), ("gi", 1 << 31), ("nb", 0), ("nb", 3), ("nitems", 0), ("nitems", 5000), ("magic", b"XXXX"),
-    ("version", 9), ("kind", 7),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("rank", 7),
+        ("layer", 99),
+        ("tensor", 9),
+        ("off", TB),
+        ("length", TB + 1),
+        ("count", 3),
+        ("gi", 2),
+        ("gi", 1 << 31),
+        ("nb", 0),
+        ("nb", 3),
+        ("nitems", 0),
+        ("nitems", 5000),
+        ("magic", b"XXXX"),
+        ("version", 9),
+        ("kind", 7),
+    ],
+)
 def test_every_data_frame_field_out_of_range(no_leaks, field, value):
     dec = Decode()
     ctx = zmq.Context()
@@ -520,13 +606,38 @@ def test_every_data_frame_field_out_of_range(no_leaks, field, value):
         g = a.recv()
         conn = a.data_conn(dec.rx.data_address)
         before = snapshot(dec)
-        hdr = dict(magic=b"PDKV", version=1, kind=2, rank=0, token=g.token, layer=0, tensor=0, nitems=1, off=0,
-                   length=TB, count=1, dstride=0)
+        hdr = dict(
+            magic=b"PDKV",
+            version=1,
+            kind=2,
+            rank=0,
+            token=g.token,
+            layer=0,
+            tensor=0,
+            nitems=1,
+            off=0,
+            length=TB,
+            count=1,
+            dstride=0,
+        )
         it = dict(gi=0, nb=1)
         (it if field in it else hdr)[field] = value
-        raw = FRAME_HEADER.pack(hdr["magic"], hdr["version"], hdr["kind"], hdr["rank"], hdr["token"], hdr["layer"],
-                                hdr["tensor"], 0, 0, hdr["nitems"], hdr["off"], hdr["length"], hdr["count"],
-                                hdr["dstride"])
+        raw = FRAME_HEADER.pack(
+            hdr["magic"],
+            hdr["version"],
+            hdr["kind"],
+            hdr["rank"],
+            hdr["token"],
+            hdr["layer"],
+            hdr["tensor"],
+            0,
+            0,
+            hdr["nitems"],
+            hdr["off"],
+            hdr["length"],
+            hdr["count"],
+            hdr["dstride"],
+        )
         payload = max(1, it["nb"]) * hdr["count"] * hdr["length"]
         try:
             conn.sendall(raw + FRAME_ITEM.pack(it["gi"], it["nb"]) * max(1, min(hdr["nitems"], 8)) + b"\x77" * payload)
@@ -545,6 +656,7 @@ def test_every_data_frame_field_out_of_range(no_leaks, field, value):
 
 
 # ------------------------------------------------------------------ 5. and 6. connection floods
+
 
 def _threads():
     return threading.active_count()
@@ -570,7 +682,11 @@ def test_silent_connections_hold_no_thread_and_are_closed(no_leaks):
         with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5) as tx:
             for _ in range(100):
                 sender_conn(dec.rx.data_address, tx).close()
-            wait_until(lambda: dec.rx.transport("tcp").connections == tx.transport_impl.connections, 5, "finished threads forgotten")
+            wait_until(
+                lambda: dec.rx.transport("tcp").connections == tx.transport_impl.connections,
+                5,
+                "finished threads forgotten",
+            )
             assert send_one(tx, "after", [0, 1]).ok
     finally:
         for s in socks:
@@ -581,8 +697,13 @@ def test_silent_connections_hold_no_thread_and_are_closed(no_leaks):
 @pytest.mark.multiproc
 def test_fd_exhaustion_does_not_end_accepting(no_leaks):
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    d = subprocess.Popen([sys.executable, os.path.join(HERE, "peers.py"), "decode", "--nofile", "20",
-                          "--auth-timeout", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    d = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "peers.py"), "decode", "--nofile", "20", "--auth-timeout", "0.5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     socks = []
     ctx = zmq.Context()
     try:

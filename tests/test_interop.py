@@ -96,8 +96,18 @@ def test_aligned_empty_is_aligned_sized_and_owned(nbytes, k):
     assert a.base is not None and a.base.nbytes >= nbytes  # the allocation lives as long as the view
 
 
-@pytest.mark.parametrize("nbytes, align, what", [(-1, 64, "nbytes"), (0, 64, "nbytes"), (1.5, 64, "nbytes"), (True, 64, "nbytes"),
-                                                 (64, 3, "align"), (64, 0, "align"), (64, 1 << 22, "align")])
+@pytest.mark.parametrize(
+    "nbytes, align, what",
+    [
+        (-1, 64, "nbytes"),
+        (0, 64, "nbytes"),
+        (1.5, 64, "nbytes"),
+        (True, 64, "nbytes"),
+        (64, 3, "align"),
+        (64, 0, "align"),
+        (64, 1 << 22, "align"),
+    ],
+)
 def test_aligned_empty_refuses_bad_arguments(nbytes, align, what):
     with pytest.raises(ValueError, match=what):
         aligned_empty(nbytes, align)

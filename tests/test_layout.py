@@ -80,11 +80,15 @@ def test_sizing_errors():
 
 layouts = st.builds(
     lambda nl, h_exp, hd, tpb, dt, sc, mla: KVLayout(
-        num_layers=nl, kv_heads=1 if mla else 2**h_exp, head_dim=hd, tokens_per_block=tpb,
-        dtype=dt, scales=sc, mla=mla),
-    st.integers(1, 80), st.integers(0, 6), st.sampled_from([64, 80, 128, 256, 576]),
-    st.sampled_from([1, 16, 32, 64, 128, 256]), st.sampled_from(sorted(DTYPE_BITS)),
-    st.booleans(), st.booleans(),
+        num_layers=nl, kv_heads=1 if mla else 2**h_exp, head_dim=hd, tokens_per_block=tpb, dtype=dt, scales=sc, mla=mla
+    ),
+    st.integers(1, 80),
+    st.integers(0, 6),
+    st.sampled_from([64, 80, 128, 256, 576]),
+    st.sampled_from([1, 16, 32, 64, 128, 256]),
+    st.sampled_from(sorted(DTYPE_BITS)),
+    st.booleans(),
+    st.booleans(),
 )
 
 
@@ -118,6 +122,7 @@ def test_descriptor_rejections_name_the_problem():
 
 # ------------------------------------------------------------------ TP mapping
 
+
 def _fill(lay: KVLayout, rank: int, t: int) -> np.ndarray:
     """A block of tensor t of `rank` whose every (head, token, byte) is a distinct code."""
     unit = lay.unit_bytes(t)
@@ -146,8 +151,8 @@ def _apply(src: KVLayout, dst: KVLayout):
             so, do = g.src_offset + i * g.src_stride, g.dst_offset + i * g.dst_stride
             assert 0 <= so and so + g.length <= src.tensor_block_bytes(g.tensor), "read outside the source block"
             assert 0 <= do and do + g.length <= dst.tensor_block_bytes(g.tensor), "write outside the destination block"
-            dbuf[do:do + g.length] = srcbuf[so:so + g.length]
-            count[do:do + g.length] += 1
+            dbuf[do : do + g.length] = srcbuf[so : so + g.length]
+            count[do : do + g.length] += 1
             reads.setdefault((g.dst_rank, g.tensor), set()).add(g.src_rank)
     return segs, out
 
@@ -172,9 +177,20 @@ def test_tp_mapping_writes_every_destination_byte_once_with_the_right_data(case)
     if mla:
         H = 1
     assume((H % P == 0 or P % H == 0) and (H % D == 0 or D % H == 0))
+
     def mk(tp, nhd):
-        return KVLayout(num_layers=1, kv_heads=H, head_dim=hd, tokens_per_block=T, dtype=dt, mla=mla, scales=sc,
-                        tp_size=tp, token_major=nhd)
+        return KVLayout(
+            num_layers=1,
+            kv_heads=H,
+            head_dim=hd,
+            tokens_per_block=T,
+            dtype=dt,
+            mla=mla,
+            scales=sc,
+            tp_size=tp,
+            token_major=nhd,
+        )
+
     src, dst = mk(P, snhd), mk(D, dnhd)
     segs, out = _apply(src, dst)
     for (s, t), (buf, count) in out.items():
@@ -193,7 +209,11 @@ def test_tp_mapping_segment_shapes():
     src, dst = llama8b(num_layers=1, tp_size=2), llama8b(num_layers=1, tp_size=4)
     segs = [g for g in tp_segments(src, dst) if g.tensor == 0]
     assert [(g.src_rank, g.dst_rank, g.src_offset, g.dst_offset, g.count) for g in segs] == [
-        (0, 0, 0, 0, 1), (0, 1, 2 * 64 * 256, 0, 1), (1, 2, 0, 0, 1), (1, 3, 2 * 64 * 256, 0, 1)]
+        (0, 0, 0, 0, 1),
+        (0, 1, 2 * 64 * 256, 0, 1),
+        (1, 2, 0, 0, 1),
+        (1, 3, 2 * 64 * 256, 0, 1),
+    ]
     # equal TP in NHD collapses to one whole-block copy
     same = tp_segments(llama8b(token_major=True, tp_size=2), llama8b(token_major=True, tp_size=2))
     assert all(g.count == 1 and g.length == src.tensor_block_bytes(0) for g in same)
@@ -208,6 +228,7 @@ def test_tp_mapping_refuses_mismatched_models():
 
 
 # ------------------------------------------------------------------ cache specs
+
 
 def test_buffer_spec_regions_are_contiguous_per_layer_and_tensor():
     lay = llama8b(num_layers=2, scales=True, dtype="fp8")
@@ -250,23 +271,27 @@ def test_gib_constant():
 
 # ------------------------------------------------------------------ every rule, its exact message
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(num_layers=0), "num_layers=0 must be a positive integer"),
-    (dict(num_layers=True), "num_layers=True must be a positive integer"),
-    (dict(num_layers=4097), "num_layers=4097 is absurd (more than 4096)"),
-    (dict(kv_heads=4097 * 2), "kv_heads=8194 is absurd (more than 4096)"),
-    (dict(head_dim=65537), "head_dim=65537 is absurd (more than 65536)"),
-    (dict(tokens_per_block=65537), "tokens_per_block=65537 is absurd (more than 65536)"),
-    (dict(tp_size=8192), "tp_size=8192 is absurd (more than 4096)"),
-    (dict(extra_layers=257), "extra_layers=257 is absurd (more than 256)"),
-    (dict(extra_layers=True), "extra_layers=True must be a non-negative integer"),
-    (dict(tp_rank=-1), "tp_rank=-1 must be a non-negative integer"),
-    (dict(tp_size=4, tp_rank=4), "tp_rank=4 must be < tp_size=4"),
-    (dict(mla=True, kv_heads=2), "kv_heads=2 with mla=True"),
-    (dict(tp_size=3), "kv_heads=8 and tp_size=3: one must divide the other"),
-    (dict(dtype="int4", head_dim=3), "head_dim=3 with dtype=int4 is not a whole number of bytes"),
-    (dict(dtype="float64"), "dtype='float64' is not supported"),
-])
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(num_layers=0), "num_layers=0 must be a positive integer"),
+        (dict(num_layers=True), "num_layers=True must be a positive integer"),
+        (dict(num_layers=4097), "num_layers=4097 is absurd (more than 4096)"),
+        (dict(kv_heads=4097 * 2), "kv_heads=8194 is absurd (more than 4096)"),
+        (dict(head_dim=65537), "head_dim=65537 is absurd (more than 65536)"),
+        (dict(tokens_per_block=65537), "tokens_per_block=65537 is absurd (more than 65536)"),
+        (dict(tp_size=8192), "tp_size=8192 is absurd (more than 4096)"),
+        (dict(extra_layers=257), "extra_layers=257 is absurd (more than 256)"),
+        (dict(extra_layers=True), "extra_layers=True must be a non-negative integer"),
+        (dict(tp_rank=-1), "tp_rank=-1 must be a non-negative integer"),
+        (dict(tp_size=4, tp_rank=4), "tp_rank=4 must be < tp_size=4"),
+        (dict(mla=True, kv_heads=2), "kv_heads=2 with mla=True"),
+        (dict(tp_size=3), "kv_heads=8 and tp_size=3: one must divide the other"),
+        (dict(dtype="int4", head_dim=3), "head_dim=3 with dtype=int4 is not a whole number of bytes"),
+        (dict(dtype="float64"), "dtype='float64' is not supported"),
+    ],
+)
 def test_every_layout_rule_and_its_message(kw, msg):
     with pytest.raises(LayoutError) as e:
         llama8b(**kw)
@@ -274,15 +299,26 @@ def test_every_layout_rule_and_its_message(kw, msg):
 
 
 def test_limits_are_inclusive():
-    KVLayout(num_layers=4096, kv_heads=4096, head_dim=8, tokens_per_block=1, extra_layers=256, tp_size=4096,
-             tp_rank=4095)
+    KVLayout(
+        num_layers=4096, kv_heads=4096, head_dim=8, tokens_per_block=1, extra_layers=256, tp_size=4096, tp_rank=4095
+    )
     KVLayout(num_layers=1, kv_heads=1, head_dim=65536, tokens_per_block=65536)
     KVLayout(num_layers=1, kv_heads=1, head_dim=2, tokens_per_block=1, dtype="int4")  # 2 x 4 bits: one byte
 
 
-@pytest.mark.parametrize("alias, canon", [("bf16", "bfloat16"), ("FP16", "float16"), ("half", "float16"),
-                                          ("fp8", "float8_e4m3"), ("float8", "float8_e4m3"),
-                                          ("e5m2", "float8_e5m2"), ("int8", "uint8"), ("int4", "int4")])
+@pytest.mark.parametrize(
+    "alias, canon",
+    [
+        ("bf16", "bfloat16"),
+        ("FP16", "float16"),
+        ("half", "float16"),
+        ("fp8", "float8_e4m3"),
+        ("float8", "float8_e4m3"),
+        ("e5m2", "float8_e5m2"),
+        ("int8", "uint8"),
+        ("int4", "int4"),
+    ],
+)
 def test_dtype_aliases(alias, canon):
     assert llama8b(dtype=alias).dtype == canon
 
@@ -326,7 +362,9 @@ def test_tensors_and_their_indices():
     sc = llama8b(scales=True)
     assert sc.tensor_index("v_scale") == 3 and sc.tensor_index(2) == 2
     assert sc.is_scale("k_scale") and not sc.is_scale(1) and sc.unit_bytes("k_scale") == 2
-    with pytest.raises(LayoutError, match=r"tensor index 4 out of range for tensors \('k', 'v', 'k_scale', 'v_scale'\)"):
+    with pytest.raises(
+        LayoutError, match=r"tensor index 4 out of range for tensors \('k', 'v', 'k_scale', 'v_scale'\)"
+    ):
         sc.tensor_index(4)
     with pytest.raises(LayoutError, match="tensor index -1 out of range"):
         sc.tensor_index(-1)
@@ -342,17 +380,30 @@ def test_descriptor_fields_and_every_rejection():
     assert d["format"] == "pdkv.layout" and d["version"] == 1 and d["block_bytes"] == lay.block_bytes
     assert KVLayout.from_descriptor(d) == lay
     assert KVLayout.from_descriptor({k: v for k, v in d.items() if k != "block_bytes"}) == lay
-    for bad, msg in ((5, "not a pdkv layout descriptor"), ({**d, "format": "x"}, "not a pdkv layout descriptor"),
-                     ({k: v for k, v in d.items() if k != "version"}, "version None is not supported"),
-                     ({k: v for k, v in d.items() if k != "num_layers"}, "layout descriptor is incomplete"),
-                     ({**d, "evil": 1, "bad": 2}, r"unknown fields \['bad', 'evil'\]"),
-                     ({**d, "block_bytes": 7}, f"block_bytes: descriptor says 7, computed {lay.block_bytes}")):
+    for bad, msg in (
+        (5, "not a pdkv layout descriptor"),
+        ({**d, "format": "x"}, "not a pdkv layout descriptor"),
+        ({k: v for k, v in d.items() if k != "version"}, "version None is not supported"),
+        ({k: v for k, v in d.items() if k != "num_layers"}, "layout descriptor is incomplete"),
+        ({**d, "evil": 1, "bad": 2}, r"unknown fields \['bad', 'evil'\]"),
+        ({**d, "block_bytes": 7}, f"block_bytes: descriptor says 7, computed {lay.block_bytes}"),
+    ):
         with pytest.raises(LayoutMismatchError, match=msg):
             KVLayout.from_descriptor(bad)
 
 
-@pytest.mark.parametrize("field, value", [("num_layers", 16), ("extra_layers", 1), ("kv_heads", 16), ("head_dim", 64),
-                                          ("tokens_per_block", 32), ("dtype", "fp8"), ("scales", True)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_layers", 16),
+        ("extra_layers", 1),
+        ("kv_heads", 16),
+        ("head_dim", 64),
+        ("tokens_per_block", 32),
+        ("dtype", "fp8"),
+        ("scales", True),
+    ],
+)
 def test_check_compatible_names_the_first_difference(field, value):
     a, b = llama8b(), llama8b(**{field: value})
     with pytest.raises(LayoutMismatchError, match=f"layout mismatch: {field} is"):
@@ -376,15 +427,20 @@ def test_cache_spec_checks_and_addresses():
     bases, strides = spec.region_arrays()
     assert bases.tolist() == [[4096, 8192], [1 << 20, 2 << 20]] and strides.tolist() == [[tb, tb + 64], [tb, tb]]
     assert spec.region_arrays()[0] is bases  # cached
-    for layer, block, msg in ((2, 0, r"layer 2 out of range \[0, 2\)"), (-1, 0, "layer -1 out of range"),
-                              (0, 10, r"block 10 out of range \[0, 10\)"), (0, -1, "block -1 out of range")):
+    for layer, block, msg in (
+        (2, 0, r"layer 2 out of range \[0, 2\)"),
+        (-1, 0, "layer -1 out of range"),
+        (0, 10, r"block 10 out of range \[0, 10\)"),
+        (0, -1, "block -1 out of range"),
+    ):
         with pytest.raises(LayoutError, match=msg):
             spec.address(layer, 0, block)
     for bad_regions, msg in (
-            (regions[:1], "regions has 1 layers; the layout has 2"),
-            ([regions[0][:1], regions[1]], r"layer 0 has 1 tensors; the layout has 2 \('k', 'v'\)"),
-            ([[(0, tb), (8192, tb)], regions[1]], "layer 0 tensor k: base pointer 0 is not a valid address"),
-            ([[(4096, tb), (8192, tb - 1)], regions[1]], f"layer 0 tensor v: block stride {tb - 1} is smaller than")):
+        (regions[:1], "regions has 1 layers; the layout has 2"),
+        ([regions[0][:1], regions[1]], r"layer 0 has 1 tensors; the layout has 2 \('k', 'v'\)"),
+        ([[(0, tb), (8192, tb)], regions[1]], "layer 0 tensor k: base pointer 0 is not a valid address"),
+        ([[(4096, tb), (8192, tb - 1)], regions[1]], f"layer 0 tensor v: block stride {tb - 1} is smaller than"),
+    ):
         with pytest.raises(LayoutError, match=msg):
             CacheSpec(lay, 10, bad_regions)
     for bad in (0, -1, 1.5):

@@ -49,8 +49,12 @@ def netns():
 
 class Proc:
     def __init__(self, ns, *args):
-        self.p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, PEERS, *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, PEERS, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def line(self, timeout=20):
         deadline = time.monotonic() + timeout
@@ -87,8 +91,22 @@ def test_link_down_then_up(netns, no_leaks):
     dec = Proc(netns["d"], "decode", "--host", "10.213.0.1", "--timeout", "2", "--status")
     try:
         addr = dec.line()["control"]
-        pre = Proc(netns["p"], "prefill", "--control", addr, "--transport", "tcp", "--blocks", "8",
-                   "--layer-sleep", "0.5", "--timeout", "2", "--instance", "cut")
+        pre = Proc(
+            netns["p"],
+            "prefill",
+            "--control",
+            addr,
+            "--transport",
+            "tcp",
+            "--blocks",
+            "8",
+            "--layer-sleep",
+            "0.5",
+            "--timeout",
+            "2",
+            "--instance",
+            "cut",
+        )
         try:
             pre.until(lambda d: d.get("layer") == 0, 20, "first layer sent")
             t0 = time.monotonic()
@@ -96,15 +114,30 @@ def test_link_down_then_up(netns, no_leaks):
             out = pre.until(lambda d: "state" in d, 20, "prefill outcome after the cut")
             assert out["state"] in ("failed", "error")
             prefill_s = time.monotonic() - t0
-            dec.until(lambda d: d.get("failed", 0) + d.get("expired", 0) >= 1 and d["live"] == 0
-                      and d["buffer_free"] == 64, 20, "decode failed the request and reclaimed its blocks")
+            dec.until(
+                lambda d: d.get("failed", 0) + d.get("expired", 0) >= 1 and d["live"] == 0 and d["buffer_free"] == 64,
+                20,
+                "decode failed the request and reclaimed its blocks",
+            )
             decode_s = time.monotonic() - t0
             assert prefill_s < 15 and decode_s < 15
         finally:
             pre.stop()
         sh("ip", "-n", netns["p"], "link", "set", netns["vp"], "up")
-        again = Proc(netns["p"], "prefill", "--control", addr, "--transport", "tcp", "--blocks", "4",
-                     "--timeout", "3", "--instance", "after")
+        again = Proc(
+            netns["p"],
+            "prefill",
+            "--control",
+            addr,
+            "--transport",
+            "tcp",
+            "--blocks",
+            "4",
+            "--timeout",
+            "3",
+            "--instance",
+            "after",
+        )
         try:
             out = again.until(lambda d: "state" in d, 30, "a new prefill served after the link came back")
             assert out["state"] == "received"
@@ -117,13 +150,44 @@ def test_link_down_then_up(netns, no_leaks):
 @pytest.mark.netns
 @pytest.mark.multiproc
 def test_throttled_link_still_transfers(netns, no_leaks):
-    sh("ip", "netns", "exec", netns["p"], "tc", "qdisc", "add", "dev", netns["vp"], "root", "tbf", "rate", "80mbit",
-       "burst", "64kb", "latency", "100ms")
+    sh(
+        "ip",
+        "netns",
+        "exec",
+        netns["p"],
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        netns["vp"],
+        "root",
+        "tbf",
+        "rate",
+        "80mbit",
+        "burst",
+        "64kb",
+        "latency",
+        "100ms",
+    )
     dec = Proc(netns["d"], "decode", "--host", "10.213.0.1", "--timeout", "10")
     try:
         addr = dec.line()["control"]
-        pre = Proc(netns["p"], "prefill", "--control", addr, "--transport", "tcp", "--blocks", "32", "--requests", "2",
-                   "--timeout", "10", "--instance", "slow")
+        pre = Proc(
+            netns["p"],
+            "prefill",
+            "--control",
+            addr,
+            "--transport",
+            "tcp",
+            "--blocks",
+            "32",
+            "--requests",
+            "2",
+            "--timeout",
+            "10",
+            "--instance",
+            "slow",
+        )
         try:
             t0 = time.monotonic()
             outs = [pre.until(lambda d: "state" in d, 60, "outcome over the throttled link") for _ in range(2)]

@@ -33,23 +33,39 @@ SECRET = b"k" * 32
 
 
 def hello(**kw):
-    base = dict(version=PROTOCOL_VERSION, instance="p", tp_rank=0, tp_size=1,
-                layout=layout_desc(KVLayout(num_layers=2, kv_heads=2, head_dim=8, tokens_per_block=4)),
-                transports=["tcp"],
-                boot_id="b", pid=1, nonce=b"n" * 16)
+    base = dict(
+        version=PROTOCOL_VERSION,
+        instance="p",
+        tp_rank=0,
+        tp_size=1,
+        layout=layout_desc(KVLayout(num_layers=2, kv_heads=2, head_dim=8, tokens_per_block=4)),
+        transports=["tcp"],
+        boot_id="b",
+        pid=1,
+        nonce=b"n" * 16,
+    )
     base.update(kw)
     return Hello(**base)
 
 
 def test_round_trip_and_replay():
     a, b = Codec(SECRET), Codec(SECRET)
-    for m in (hello(), Challenge(b"c" * 16), Auth(b"c" * 16), ReserveReq("r", 10), GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0),
-              LayerDone("r", 5, [0, 1]), LayerBatch(3, [("r", 5, 0), ("s", 6, 2)]), Complete("r", 5, True),
-              CompleteBatch([("r", 5, True, ""), ("s", 6, False, "disk on fire")]),
-              Outcome("r", "received"), OutcomeBatch([("r", "received", ""), ("s", "expired", "lease ran out")]),
-              ReserveBatch([("r", 10), ("s", 20)]),
-              GrantBatch([GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0), GrantMsg("s", "rejected", reason="full")]),
-              Heartbeat(1.0)):
+    for m in (
+        hello(),
+        Challenge(b"c" * 16),
+        Auth(b"c" * 16),
+        ReserveReq("r", 10),
+        GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0),
+        LayerDone("r", 5, [0, 1]),
+        LayerBatch(3, [("r", 5, 0), ("s", 6, 2)]),
+        Complete("r", 5, True),
+        CompleteBatch([("r", 5, True, ""), ("s", 6, False, "disk on fire")]),
+        Outcome("r", "received"),
+        OutcomeBatch([("r", "received", ""), ("s", "expired", "lease ran out")]),
+        ReserveBatch([("r", 10), ("s", 20)]),
+        GrantBatch([GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0), GrantMsg("s", "rejected", reason="full")]),
+        Heartbeat(1.0),
+    ):
         frames = a.encode(m)
         assert b.decode(frames) == m
     with pytest.raises(ProtocolError, match="replayed"):
@@ -70,45 +86,51 @@ def test_authentication():
         Codec(b"short")
 
 
-@pytest.mark.parametrize("msg, what", [
-    (hello(version=99), "version"),
-    (hello(tp_rank=3, tp_size=2), "tp_rank"),
-    (hello(nonce=b"x"), "nonce"),
-    (ReserveReq("", 1), "request_id"),
-    (ReserveReq("x" * 300, 1), "request_id"),
-    (ReserveReq("r", 0), "num_tokens"),
-    (LayerDone("r", 1, []), "layer"),
-    (LayerDone("r", 1, [-1]), "layer"),
-    (GrantMsg("r", "buffer", blocks=[-5]), "block"),
-    (LayerBatch(-1, [("r", 1, 0)]), "layer batch"),
-    (LayerBatch(0, []), "layer batch"),
-    (LayerBatch(0, [("r", 1, 0)] * 4097), "layer batch"),
-    (LayerBatch(0, [("r", 1, 0), ("", 1, 0)]), "layer batch item"),
-    (LayerBatch(0, [("r", -1, 0)]), "layer batch item"),
-    (LayerBatch(0, [("r", 1, -2)]), "layer batch item"),
-    (CompleteBatch([]), "complete batch"),
-    (CompleteBatch([("r", 1, True, "")] * 4097), "complete batch"),
-    (CompleteBatch([("", 1, True, "")]), "complete batch item"),
-    (CompleteBatch([("r", 1 << 63, True, "")]), "complete batch item"),
-    (CompleteBatch([("r", 1, False, "x" * 1025)]), "complete batch item"),
-    (Outcome("r", "teleported"), "outcome state 'teleported'"),
-    (OutcomeBatch([]), "outcome batch"),
-    (OutcomeBatch([("r", "received", "")] * 4097), "outcome batch"),
-    (OutcomeBatch([("r", "received", ""), ("", "failed", "")]), "outcome batch item"),
-    (OutcomeBatch([("r", "done", "")]), "outcome batch item"),
-    (OutcomeBatch([("r", "failed", "x" * 1025)]), "outcome batch item"),
-    (ReserveBatch([]), "reserve batch"),
-    (ReserveBatch([("r", 1)] * 4097), "reserve batch"),
-    (ReserveBatch([("r", 1), ("", 1)]), "reserve batch item"),
-    (ReserveBatch([("r", 0)]), "reserve batch item"),
-    (ReserveBatch([("r", (1 << 26) + 1)]), "reserve batch item"),
-    (GrantMsg("r", "stolen"), "grant outcome 'stolen'"),
-    (GrantBatch([]), "grant batch"),
-    (GrantBatch([GrantMsg("r", "buffer", "buffer", list(range(40000)), 1)] * 2), "grant batch"),
-    (GrantBatch([GrantMsg("r", "buffer", "buffer", [1], 1), GrantMsg("", "buffer", "buffer", [2], 1)]), "request_id"),
-    (GrantBatch([GrantMsg("r", "buffer", "buffer", [-3], 1)]), "block"),
-    (GrantBatch([GrantMsg("r", "buffer", "buffer", [3], 1 << 63)]), "token"),
-])
+@pytest.mark.parametrize(
+    "msg, what",
+    [
+        (hello(version=99), "version"),
+        (hello(tp_rank=3, tp_size=2), "tp_rank"),
+        (hello(nonce=b"x"), "nonce"),
+        (ReserveReq("", 1), "request_id"),
+        (ReserveReq("x" * 300, 1), "request_id"),
+        (ReserveReq("r", 0), "num_tokens"),
+        (LayerDone("r", 1, []), "layer"),
+        (LayerDone("r", 1, [-1]), "layer"),
+        (GrantMsg("r", "buffer", blocks=[-5]), "block"),
+        (LayerBatch(-1, [("r", 1, 0)]), "layer batch"),
+        (LayerBatch(0, []), "layer batch"),
+        (LayerBatch(0, [("r", 1, 0)] * 4097), "layer batch"),
+        (LayerBatch(0, [("r", 1, 0), ("", 1, 0)]), "layer batch item"),
+        (LayerBatch(0, [("r", -1, 0)]), "layer batch item"),
+        (LayerBatch(0, [("r", 1, -2)]), "layer batch item"),
+        (CompleteBatch([]), "complete batch"),
+        (CompleteBatch([("r", 1, True, "")] * 4097), "complete batch"),
+        (CompleteBatch([("", 1, True, "")]), "complete batch item"),
+        (CompleteBatch([("r", 1 << 63, True, "")]), "complete batch item"),
+        (CompleteBatch([("r", 1, False, "x" * 1025)]), "complete batch item"),
+        (Outcome("r", "teleported"), "outcome state 'teleported'"),
+        (OutcomeBatch([]), "outcome batch"),
+        (OutcomeBatch([("r", "received", "")] * 4097), "outcome batch"),
+        (OutcomeBatch([("r", "received", ""), ("", "failed", "")]), "outcome batch item"),
+        (OutcomeBatch([("r", "done", "")]), "outcome batch item"),
+        (OutcomeBatch([("r", "failed", "x" * 1025)]), "outcome batch item"),
+        (ReserveBatch([]), "reserve batch"),
+        (ReserveBatch([("r", 1)] * 4097), "reserve batch"),
+        (ReserveBatch([("r", 1), ("", 1)]), "reserve batch item"),
+        (ReserveBatch([("r", 0)]), "reserve batch item"),
+        (ReserveBatch([("r", (1 << 26) + 1)]), "reserve batch item"),
+        (GrantMsg("r", "stolen"), "grant outcome 'stolen'"),
+        (GrantBatch([]), "grant batch"),
+        (GrantBatch([GrantMsg("r", "buffer", "buffer", list(range(40000)), 1)] * 2), "grant batch"),
+        (
+            GrantBatch([GrantMsg("r", "buffer", "buffer", [1], 1), GrantMsg("", "buffer", "buffer", [2], 1)]),
+            "request_id",
+        ),
+        (GrantBatch([GrantMsg("r", "buffer", "buffer", [-3], 1)]), "block"),
+        (GrantBatch([GrantMsg("r", "buffer", "buffer", [3], 1 << 63)]), "token"),
+    ],
+)
 def test_semantic_validation(msg, what):
     with pytest.raises(ProtocolError, match=what):
         Codec(None).decode(Codec(None).encode(msg))
@@ -127,8 +149,13 @@ def test_the_largest_grant_fits_one_message_and_a_larger_one_is_refused():
 def test_schema_violations():
     enc = msgspec.msgpack.Encoder()
     dec = Codec(None)
-    for body in ([1, {"type": "nope"}], [1, {"type": "reserve", "request_id": 5, "num_tokens": 1}],
-                 [1, {"type": "reserve", "request_id": "r", "num_tokens": 1, "extra": 1}], "junk", [1]):
+    for body in (
+        [1, {"type": "nope"}],
+        [1, {"type": "reserve", "request_id": 5, "num_tokens": 1}],
+        [1, {"type": "reserve", "request_id": "r", "num_tokens": 1, "extra": 1}],
+        "junk",
+        [1],
+    ):
         with pytest.raises(ProtocolError, match="invalid message"):
             dec.decode([pack_frame(b"", enc.encode(body))])
     with pytest.raises(ProtocolError, match="1 frame"):

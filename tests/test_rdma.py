@@ -137,17 +137,25 @@ def test_no_rdma_here_says_so(no_leaks):
     with pytest.raises(RdmaUnavailableError, match="pyverbs|no RDMA device"):
         PrefillSender(lay, CacheSpec.for_buffer(lay, 8, arr.ctypes.data), "tcp://127.0.0.1:9", transport="rdma")
     with SharedBuffer.create(CacheSpec.buffer_bytes(lay, 8)) as buf:
-        sched = DecodeScheduler(num_layers=4, gpu=BlockPool(8), buffer=BlockPool(8),
-                                swap=SwapEngine(CacheSpec.for_buffer(lay, 8, buf.address),
-                                                CacheSpec.for_buffer(lay, 8, arr.ctypes.data), strategy="host",
-                                                buffer_pinned=False),
-                                options=SchedulerOptions(direct_to_gpu=False))
+        sched = DecodeScheduler(
+            num_layers=4,
+            gpu=BlockPool(8),
+            buffer=BlockPool(8),
+            swap=SwapEngine(
+                CacheSpec.for_buffer(lay, 8, buf.address),
+                CacheSpec.for_buffer(lay, 8, arr.ctypes.data),
+                strategy="host",
+                buffer_pinned=False,
+            ),
+            options=SchedulerOptions(direct_to_gpu=False),
+        )
         with pytest.raises(RdmaUnavailableError, match="pyverbs|no RDMA device"):
             DecodeReceiver(sched, [lay], [buf], 8, transports=("tcp", "rdma"))
         sched.swap.close()
 
 
 # ---------------------------------------------------------------- on the simulated verbs layer
+
 
 def _session(monkeypatch, transports=("rdma",), offer="rdma", **rx):
     fabric = fake_verbs.install(monkeypatch)
@@ -188,8 +196,11 @@ def test_failed_completion_fails_the_session_and_decode_frees_at_once(monkeypatc
         with pytest.raises(PeerError, match="RDMA queue pair failed"):
             tx.reserve("after", 8)
         # the aborts reach decode: no waiting for leases
-        wait_until(lambda: all(dec.sched.request(r).state in (State.FAILED, State.ABORTED) for r in ("bad", "other")),
-                   3, "decode dropped the broken session's requests")
+        wait_until(
+            lambda: all(dec.sched.request(r).state in (State.FAILED, State.ABORTED) for r in ("bad", "other")),
+            3,
+            "decode dropped the broken session's requests",
+        )
     finally:
         tx.close()
         dec.close()
@@ -218,7 +229,9 @@ def test_rdma_refuses_gpu_caches_and_bad_transports():
     spec = CacheSpec(lay, 8, [[base.region(layer, t) for t in range(2)] for layer in range(4)], device=0)
     with pytest.raises(LayoutError, match="host caches"):
         PrefillSender(lay, spec, "tcp://127.0.0.1:9", transport="rdma")
-    with pytest.raises(ValueError, match="must be auto or a registered transport.*registered: cuda_ipc, shm, rdma, tcp"):
+    with pytest.raises(
+        ValueError, match="must be auto or a registered transport.*registered: cuda_ipc, shm, rdma, tcp"
+    ):
         PrefillSender(lay, spec, "tcp://127.0.0.1:9", transport="ib")
 
 
@@ -248,9 +261,14 @@ def test_loopback_rc_write(rdma_device):
             target.close()
 
 
-@pytest.mark.parametrize("record", [{"qpn": "7", "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5},
-                                    {"qpn": 7, "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5, "rkey": 3},
-                                    {"qpn": 1 << 30, "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5}])
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"qpn": "7", "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5},
+        {"qpn": 7, "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5, "rkey": 3},
+        {"qpn": 1 << 30, "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5},
+    ],
+)
 def test_hostile_rdma_hello_is_refused_and_decode_serves_on(record, monkeypatch, no_leaks):
     import zmq
 
@@ -265,8 +283,9 @@ def test_hostile_rdma_hello_is_refused_and_decode_serves_on(record, monkeypatch,
         s.connect(dec.rx.control_address)
         lay = KVLayout(**BASE)
         c = Codec(None)
-        s.send_multipart(c.encode(Hello(PROTOCOL_VERSION, "evil", 0, 1, layout_desc(lay), ["rdma"], "b", 1,
-                                        b"n" * 16, record)))
+        s.send_multipart(
+            c.encode(Hello(PROTOCOL_VERSION, "evil", 0, 1, layout_desc(lay), ["rdma"], "b", 1, b"n" * 16, record))
+        )
         assert s.poll(5000)
         msg = c.decode(s.recv_multipart())
         if isinstance(msg, Challenge):  # a record the schema admits is checked when the session starts

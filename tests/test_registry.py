@@ -43,7 +43,7 @@ class CopySender(SenderTransport):
             for s, d, n in zip(src.tolist(), dst.tolist(), ln.tolist()):
                 o = d - buf.address
                 assert 0 <= o and o + n <= buf.size
-                buf.buf[o:o + n] = memoryview((ctypes.c_char * n).from_address(s)).cast("B")
+                buf.buf[o : o + n] = memoryview((ctypes.c_char * n).from_address(s)).cast("B")
         h.add_bytes(total)
         h.post(LayerBatch(layer, [(w.request_id, w.grant.token, len(w.src)) for w in work]))
 
@@ -80,8 +80,10 @@ def test_a_registered_transport_carries_requests_byte_for_byte(pycopy, no_leaks)
             lays.append(lay)
             arrs.append(arr)  # the caches' memory, alive while they are sent
             specs.append(spec)
-        txs = [PrefillSender(lay, spec, dec.rx.control_address, transport="pycopy", instance="p", timeout_s=5)
-               for lay, spec in zip(lays, specs)]
+        txs = [
+            PrefillSender(lay, spec, dec.rx.control_address, transport="pycopy", instance="p", timeout_s=5)
+            for lay, spec in zip(lays, specs)
+        ]
         try:
             assert {tx.transport for tx in txs} == {"pycopy"}
             src = [5, 6, 7, 20, 3]
@@ -152,8 +154,9 @@ def test_sessions_name_an_unknown_or_unfit_transport(no_leaks):
         PrefillSender(lay, gpu_like, "tcp://127.0.0.1:1", transport="tcp")
     with pytest.raises(TypeError, match="unexpected keyword argument.*strems"):
         PrefillSender(lay, spec, "tcp://127.0.0.1:1", strems=2)
-    sched = DecodeScheduler(num_layers=lay.total_layers, gpu=BlockPool(4),
-                            options=SchedulerOptions(direct_to_gpu=False))
+    sched = DecodeScheduler(
+        num_layers=lay.total_layers, gpu=BlockPool(4), options=SchedulerOptions(direct_to_gpu=False)
+    )
     buf = SharedBuffer.create(CacheSpec.buffer_bytes(lay, 4))
     try:
         with pytest.raises(ValueError, match="transport 'nope' is not served by DecodeReceiver"):

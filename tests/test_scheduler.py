@@ -54,10 +54,17 @@ def make(gpu=16, buf=32, layers=4, **opt):
     clock = Clock()
     swap = FakeSwap()
     events = []
-    s = DecodeScheduler(num_layers=layers, gpu=BlockPool(gpu, "gpu"), buffer=BlockPool(buf, "buffer"),
-                        swap=swap, tokens_per_block=16, block_bytes=100,
-                        options=SchedulerOptions(**{"lease_s": 10.0, "fence_grace_s": 1.0, **opt}),
-                        clock=clock, listener=events.append)
+    s = DecodeScheduler(
+        num_layers=layers,
+        gpu=BlockPool(gpu, "gpu"),
+        buffer=BlockPool(buf, "buffer"),
+        swap=swap,
+        tokens_per_block=16,
+        block_bytes=100,
+        options=SchedulerOptions(**{"lease_s": 10.0, "fence_grace_s": 1.0, **opt}),
+        clock=clock,
+        listener=events.append,
+    )
     return s, clock, swap, events
 
 
@@ -339,6 +346,7 @@ def test_threads_hammer_the_scheduler():
 
 # ---------------------------------------------------------------- stateful
 
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Every transition over the public API; accounting checked after every step."""
 
@@ -352,10 +360,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.swap = FakeSwap()
         self.gpu = self.pool_cls(24, "gpu")
         self.buf = self.pool_cls(40, "buffer")
-        self.s = DecodeScheduler(num_layers=3, gpu=self.gpu, buffer=self.buf, swap=self.swap,
-                                 options=SchedulerOptions(lease_s=5.0, fence_grace_s=1.0, gpu_reserve_blocks=4,
-                                                          on_full="queue", queue_timeout_s=8.0, max_queue=4),
-                                 clock=self.clock)
+        self.s = DecodeScheduler(
+            num_layers=3,
+            gpu=self.gpu,
+            buffer=self.buf,
+            swap=self.swap,
+            options=SchedulerOptions(
+                lease_s=5.0, fence_grace_s=1.0, gpu_reserve_blocks=4, on_full="queue", queue_timeout_s=8.0, max_queue=4
+            ),
+            clock=self.clock,
+        )
         self.n = 0
         self.tokens = {}
         self.host_only = set()  # reserved with gpu_ok=False: must never hold GPU blocks as their grant
@@ -500,9 +514,12 @@ def test_machine_catches_a_planted_accounting_bug():
         pool_cls = LeakyPool
 
     with pytest.raises(AssertionError):
-        run_state_machine_as_test(Broken, settings=settings(max_examples=200, stateful_step_count=40,
-                                                            deadline=None, database=None,
-                                                            report_multiple_bugs=False))
+        run_state_machine_as_test(
+            Broken,
+            settings=settings(
+                max_examples=200, stateful_step_count=40, deadline=None, database=None, report_multiple_bugs=False
+            ),
+        )
 
 
 @pytest.mark.slow
@@ -573,6 +590,7 @@ def test_renew_extends_a_live_lease_only():
 
 # ------------------------------------------------------------------ write tickets
 
+
 class _Clock:
     def __init__(self):
         self.t = 0.0
@@ -582,9 +600,14 @@ class _Clock:
 
 
 @settings(max_examples=300, deadline=None)
-@given(steps=st.lists(st.tuples(st.sampled_from(["advance", "tick", "fence", "end", "fail", "reserve_b"]),
-                                st.floats(0, 3)), max_size=25),
-       lease=st.floats(0.5, 3), grace=st.floats(0, 2))
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(["advance", "tick", "fence", "end", "fail", "reserve_b"]), st.floats(0, 3)),
+        max_size=25,
+    ),
+    lease=st.floats(0.5, 3),
+    grace=st.floats(0, 2),
+)
 def test_no_block_is_granted_again_while_an_admitted_write_may_run(steps, lease, grace):
     from pdkv import BlockPool, DecodeScheduler, SchedulerOptions
     from pdkv.errors import PdkvError
@@ -594,8 +617,14 @@ def test_no_block_is_granted_again_while_an_admitted_write_may_run(steps, lease,
             raise AssertionError("no swap in this test")
 
     clock = _Clock()
-    s = DecodeScheduler(num_layers=2, gpu=BlockPool(4), buffer=BlockPool(2), swap=NoSwap(), clock=clock,
-                        options=SchedulerOptions(direct_to_gpu=False, lease_s=lease, fence_grace_s=grace))
+    s = DecodeScheduler(
+        num_layers=2,
+        gpu=BlockPool(4),
+        buffer=BlockPool(2),
+        swap=NoSwap(),
+        clock=clock,
+        options=SchedulerOptions(direct_to_gpu=False, lease_s=lease, fence_grace_s=grace),
+    )
     ga = s.reserve("a", num_blocks=2, peer="A").grant
     ticket = s.begin_write("a", ga.token)
     open_ = True
@@ -632,8 +661,14 @@ def test_a_write_ticket_holds_its_blocks_past_grace_fence_and_expiry():
             raise AssertionError("no swap here")
 
     clock = _Clock()
-    s = DecodeScheduler(num_layers=2, gpu=BlockPool(4), buffer=BlockPool(2), swap=NoSwap(), clock=clock,
-                        options=SchedulerOptions(direct_to_gpu=False, lease_s=1.0, fence_grace_s=0.5))
+    s = DecodeScheduler(
+        num_layers=2,
+        gpu=BlockPool(4),
+        buffer=BlockPool(2),
+        swap=NoSwap(),
+        clock=clock,
+        options=SchedulerOptions(direct_to_gpu=False, lease_s=1.0, fence_grace_s=0.5),
+    )
     g = s.reserve("a", num_blocks=2, peer="A").grant
     t = s.begin_write("a", g.token)
     assert t.grant.blocks == g.blocks and s.metrics()["writes_admitted"] == 1
@@ -653,18 +688,22 @@ def test_a_write_ticket_holds_its_blocks_past_grace_fence_and_expiry():
 
 # ------------------------------------------------------------------ every validation, its exact message
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(lease_s=0), "lease_s=0 must be a positive number of seconds"),
-    (dict(queue_timeout_s=-1), "queue_timeout_s=-1 must be a positive number of seconds"),
-    (dict(starvation_s="5"), "starvation_s='5' must be a positive number of seconds"),
-    (dict(fence_grace_s=-1), "fence_grace_s=-1 must be >= 0"),
-    (dict(fence_grace_s="1"), "fence_grace_s='1' must be >= 0"),
-    (dict(gpu_reserve_blocks=-1), "gpu_reserve_blocks=-1 must be a non-negative integer"),
-    (dict(max_queue=1.5), "max_queue=1.5 must be a non-negative integer"),
-    (dict(max_tombstones=-3), "max_tombstones=-3 must be a non-negative integer"),
-    (dict(on_full="drop"), "on_full='drop' must be 'reject' or 'queue'"),
-    (dict(swap_order="lifo"), "swap_order='lifo' must be 'fifo' or 'shortest'"),
-])
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(lease_s=0), "lease_s=0 must be a positive number of seconds"),
+        (dict(queue_timeout_s=-1), "queue_timeout_s=-1 must be a positive number of seconds"),
+        (dict(starvation_s="5"), "starvation_s='5' must be a positive number of seconds"),
+        (dict(fence_grace_s=-1), "fence_grace_s=-1 must be >= 0"),
+        (dict(fence_grace_s="1"), "fence_grace_s='1' must be >= 0"),
+        (dict(gpu_reserve_blocks=-1), "gpu_reserve_blocks=-1 must be a non-negative integer"),
+        (dict(max_queue=1.5), "max_queue=1.5 must be a non-negative integer"),
+        (dict(max_tombstones=-3), "max_tombstones=-3 must be a non-negative integer"),
+        (dict(on_full="drop"), "on_full='drop' must be 'reject' or 'queue'"),
+        (dict(swap_order="lifo"), "swap_order='lifo' must be 'fifo' or 'shortest'"),
+    ],
+)
 def test_options_validation_messages(kw, msg):
     with pytest.raises(ValueError) as e:
         SchedulerOptions(**kw)
@@ -686,17 +725,21 @@ def test_scheduler_construction_and_reserve_validation_messages():
     DecodeScheduler(num_layers=1, gpu=BlockPool(4))
     s = DecodeScheduler(num_layers=2, gpu=BlockPool(8), options=SchedulerOptions(gpu_reserve_blocks=2))
     for kw, msg in (
-            (dict(request_id=""), "request_id='' must be a non-empty string of at most 256 characters"),
-            (dict(request_id=5), "request_id=5 must be a non-empty string of at most 256 characters"),
-            (dict(request_id="x" * 257), f"request_id={'x' * 257!r} must be a non-empty string of at most 256 characters"),
-            (dict(num_tokens=10), "give num_blocks, or num_tokens with tokens_per_block set on the scheduler"),
-            (dict(), "give num_blocks, or num_tokens with tokens_per_block set on the scheduler"),
-            (dict(num_blocks=True), "num_blocks=True must be a positive integer"),
-            (dict(num_blocks=0), "num_blocks=0 must be a positive integer"),
-            (dict(num_blocks=1, gpu_ok=1), "gpu_ok=1 must be a bool"),
-            (dict(num_blocks=7), "request 'a' needs 7 blocks: more than the GPU pool can ever give (6 above the reserve)"),
-            (dict(num_blocks=1, gpu_ok=False), "request 'a' needs 1 blocks: more than the GPU pool can ever give "
-                                               "(6 above the reserve) or the buffer holds (0)")):
+        (dict(request_id=""), "request_id='' must be a non-empty string of at most 256 characters"),
+        (dict(request_id=5), "request_id=5 must be a non-empty string of at most 256 characters"),
+        (dict(request_id="x" * 257), f"request_id={'x' * 257!r} must be a non-empty string of at most 256 characters"),
+        (dict(num_tokens=10), "give num_blocks, or num_tokens with tokens_per_block set on the scheduler"),
+        (dict(), "give num_blocks, or num_tokens with tokens_per_block set on the scheduler"),
+        (dict(num_blocks=True), "num_blocks=True must be a positive integer"),
+        (dict(num_blocks=0), "num_blocks=0 must be a positive integer"),
+        (dict(num_blocks=1, gpu_ok=1), "gpu_ok=1 must be a bool"),
+        (dict(num_blocks=7), "request 'a' needs 7 blocks: more than the GPU pool can ever give (6 above the reserve)"),
+        (
+            dict(num_blocks=1, gpu_ok=False),
+            "request 'a' needs 1 blocks: more than the GPU pool can ever give "
+            "(6 above the reserve) or the buffer holds (0)",
+        ),
+    ):
         with pytest.raises(RequestError) as e:
             s.reserve(**{"request_id": "a", **kw})
         assert str(e.value) == msg
@@ -717,8 +760,15 @@ def test_swap_bytes_count_only_with_block_bytes_and_tick_returns_submit_failures
     clock = Clock()
     swap = FakeSwap()
     seen = []
-    s = DecodeScheduler(num_layers=1, gpu=BlockPool(4), buffer=BlockPool(4), swap=swap, clock=clock,
-                        options=SchedulerOptions(direct_to_gpu=False), listener=seen.append)
+    s = DecodeScheduler(
+        num_layers=1,
+        gpu=BlockPool(4),
+        buffer=BlockPool(4),
+        swap=swap,
+        clock=clock,
+        options=SchedulerOptions(direct_to_gpu=False),
+        listener=seen.append,
+    )
     g = s.reserve("a", num_blocks=2).grant
     s.land_layers("a", g.token, [0])
     s.complete("a", g.token)
@@ -732,8 +782,9 @@ def test_swap_bytes_count_only_with_block_bytes_and_tick_returns_submit_failures
     swap.fail_submit = True
     seen.clear()
     ev = s.tick()  # the failed submission's event is returned and delivered
-    assert [(e.kind, e.request_id, e.reason, e.t) for e in ev] == [("failed", "b", "swap failed: launch failed",
-                                                                     clock.t)]
+    assert [(e.kind, e.request_id, e.reason, e.t) for e in ev] == [
+        ("failed", "b", "swap failed: launch failed", clock.t)
+    ]
     assert [e.kind for e in seen] == ["failed"]
     e = ev[0]
     assert e.grant is None
@@ -743,8 +794,14 @@ def test_swap_bytes_count_only_with_block_bytes_and_tick_returns_submit_failures
 def test_swaps_shortest_first_until_the_head_waited_starvation_s(waited, first):
     clock = Clock()
     swap = FakeSwap()
-    s = DecodeScheduler(num_layers=1, gpu=BlockPool(10), buffer=BlockPool(10), swap=swap, clock=clock,
-                        options=SchedulerOptions(direct_to_gpu=False, swap_order="shortest", starvation_s=4.0))
+    s = DecodeScheduler(
+        num_layers=1,
+        gpu=BlockPool(10),
+        buffer=BlockPool(10),
+        swap=swap,
+        clock=clock,
+        options=SchedulerOptions(direct_to_gpu=False, swap_order="shortest", starvation_s=4.0),
+    )
     for rid, n in (("big", 6), ("small", 2)):
         g = s.reserve(rid, num_blocks=n).grant
         s.land_layers(rid, g.token, [0])
@@ -758,8 +815,14 @@ def test_swaps_shortest_first_until_the_head_waited_starvation_s(waited, first):
 
 def test_fence_counts_every_entry_it_releases():
     clock = Clock()
-    s = DecodeScheduler(num_layers=1, gpu=BlockPool(8), buffer=BlockPool(8), swap=FakeSwap(), clock=clock,
-                        options=SchedulerOptions(direct_to_gpu=False, fence_grace_s=5.0))
+    s = DecodeScheduler(
+        num_layers=1,
+        gpu=BlockPool(8),
+        buffer=BlockPool(8),
+        swap=FakeSwap(),
+        clock=clock,
+        options=SchedulerOptions(direct_to_gpu=False, fence_grace_s=5.0),
+    )
     for rid, n in (("a", 2), ("b", 3), ("c", 1)):
         s.reserve(rid, num_blocks=n, peer="P" if rid != "c" else "Q")
         s.fail(rid, "gone")
@@ -784,8 +847,13 @@ def test_prometheus_text():
 
 def test_check_invariants_catches_planted_corruption():
     def build():
-        s = DecodeScheduler(num_layers=1, gpu=BlockPool(8), buffer=BlockPool(8), swap=FakeSwap(),
-                            options=SchedulerOptions(direct_to_gpu=False, on_full="queue", fence_grace_s=1.0))
+        s = DecodeScheduler(
+            num_layers=1,
+            gpu=BlockPool(8),
+            buffer=BlockPool(8),
+            swap=FakeSwap(),
+            options=SchedulerOptions(direct_to_gpu=False, on_full="queue", fence_grace_s=1.0),
+        )
         g = s.reserve("a", num_blocks=2).grant
         return s, g
 
@@ -864,9 +932,17 @@ def test_many_layers_ranges_and_their_messages():
 def test_counters_accumulate():
     clock = Clock()
     swap = FakeSwap()
-    s = DecodeScheduler(num_layers=1, gpu=BlockPool(8), buffer=BlockPool(8), swap=swap, clock=clock,
-                        options=SchedulerOptions(direct_to_gpu=False, on_full="queue", queue_timeout_s=2.0,
-                                                 fence_grace_s=1.0, max_queue=8), listener=lambda e: None)
+    s = DecodeScheduler(
+        num_layers=1,
+        gpu=BlockPool(8),
+        buffer=BlockPool(8),
+        swap=swap,
+        clock=clock,
+        options=SchedulerOptions(
+            direct_to_gpu=False, on_full="queue", queue_timeout_s=2.0, fence_grace_s=1.0, max_queue=8
+        ),
+        listener=lambda e: None,
+    )
     for rid in ("a", "b"):  # two swaps: the sums add, busy time covers both
         g = s.reserve(rid, num_blocks=2).grant
         clock.t += 1.0
@@ -905,8 +981,12 @@ def test_counters_accumulate():
 
 def test_a_queue_deadline_is_inclusive_and_a_rejected_reuse_is_unknown():
     clock = Clock()
-    s = DecodeScheduler(num_layers=1, gpu=BlockPool(2), clock=clock,
-                        options=SchedulerOptions(on_full="queue", queue_timeout_s=2.0, max_queue=1))
+    s = DecodeScheduler(
+        num_layers=1,
+        gpu=BlockPool(2),
+        clock=clock,
+        options=SchedulerOptions(on_full="queue", queue_timeout_s=2.0, max_queue=1),
+    )
     s.gpu.allocate(2)
     assert s.reserve("q", num_blocks=1).outcome == "queued"
     clock.t += 1.999
@@ -961,8 +1041,14 @@ def test_a_renewed_lease_still_expires_in_tick():
 def test_busy_time_adds_separate_busy_spells():
     clock = Clock()
     swap = FakeSwap()
-    s = DecodeScheduler(num_layers=1, gpu=BlockPool(8), buffer=BlockPool(8), swap=swap, clock=clock,
-                        options=SchedulerOptions(direct_to_gpu=False))
+    s = DecodeScheduler(
+        num_layers=1,
+        gpu=BlockPool(8),
+        buffer=BlockPool(8),
+        swap=swap,
+        clock=clock,
+        options=SchedulerOptions(direct_to_gpu=False),
+    )
     for rid in ("a", "b"):  # one swap at a time: two spells of 2 s
         g = s.reserve(rid, num_blocks=1).grant
         s.land_layers(rid, g.token, [0])

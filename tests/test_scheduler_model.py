@@ -104,14 +104,37 @@ class ModelScheduler:
         self.quar: list[MQuar] = []
         self.events: list[tuple] = []  # (kind, rid, reason, t, grant fields or None)
         self.now = 0.0
-        self.m = dict.fromkeys((
-            "reservations_gpu", "reservations_buffer", "reservations_queued", "reservations_rejected",
-            "grants_from_queue", "queue_timeouts", "layers_landed", "requests_received", "requests_ready",
-            "requests_finished", "requests_failed", "requests_expired", "requests_aborted",
-            "late_messages_rejected", "swaps_submitted", "swaps_completed", "swaps_failed", "swap_bytes",
-            "quarantined_blocks_released", "buffer_blocks_peak", "writes_admitted", "swap_seconds_sum",
-            "swap_seconds_max", "swap_busy_seconds", "prefill_wait_avoided_seconds_sum",
-            "prefill_wait_avoided_seconds_max"), 0)
+        self.m = dict.fromkeys(
+            (
+                "reservations_gpu",
+                "reservations_buffer",
+                "reservations_queued",
+                "reservations_rejected",
+                "grants_from_queue",
+                "queue_timeouts",
+                "layers_landed",
+                "requests_received",
+                "requests_ready",
+                "requests_finished",
+                "requests_failed",
+                "requests_expired",
+                "requests_aborted",
+                "late_messages_rejected",
+                "swaps_submitted",
+                "swaps_completed",
+                "swaps_failed",
+                "swap_bytes",
+                "quarantined_blocks_released",
+                "buffer_blocks_peak",
+                "writes_admitted",
+                "swap_seconds_sum",
+                "swap_seconds_max",
+                "swap_busy_seconds",
+                "prefill_wait_avoided_seconds_sum",
+                "prefill_wait_avoided_seconds_max",
+            ),
+            0,
+        )
         self.busy_since = 0.0
 
     # -- blocks
@@ -143,8 +166,9 @@ class ModelScheduler:
             req.loc, req.gpu = "gpu", self.alloc("gpu", n)
         elif self.has_buffer and len(self.free["buffer"]) >= n:
             req.loc, req.buf = "buffer", self.alloc("buffer", n)
-            self.m["buffer_blocks_peak"] = max(self.m["buffer_blocks_peak"],
-                                               self.total["buffer"] - len(self.free["buffer"]))
+            self.m["buffer_blocks_peak"] = max(
+                self.m["buffer_blocks_peak"], self.total["buffer"] - len(self.free["buffer"])
+            )
         else:
             return False
         req.state, req.expires, req.reserved_at = State.RESERVED, now + o.lease_s, now
@@ -175,8 +199,11 @@ class ModelScheduler:
         req.state = state
         del self.reqs[req.rid]
         self.entomb(req.rid, state, reason)
-        key = {State.FAILED: "requests_failed", State.EXPIRED: "requests_expired",
-               State.ABORTED: "requests_aborted"}.get(state)
+        key = {
+            State.FAILED: "requests_failed",
+            State.EXPIRED: "requests_expired",
+            State.ABORTED: "requests_aborted",
+        }.get(state)
         if key:
             self.m[key] += 1
         self.events.append((state.value, req.rid, reason, now, None))
@@ -211,8 +238,10 @@ class ModelScheduler:
         # leases that end at one instant end in no promised order: the real one's order is
         # taken (it decides which tombstones the oldest-first eviction drops)
         rank = {rid: i for i, rid in enumerate(expiry_order)}
-        for req in sorted([r for r in self.reqs.values() if r.state in WRITABLE and r.expires <= now],
-                          key=lambda r: (r.expires, rank.get(r.rid, len(rank)))):
+        for req in sorted(
+            [r for r in self.reqs.values() if r.state in WRITABLE and r.expires <= now],
+            key=lambda r: (r.expires, rank.get(r.rid, len(rank))),
+        ):
             self.terminate(req, State.EXPIRED, f"lease of {self.o.lease_s}s expired", now)
         while self.queue and self.reqs[self.queue[0]].queue_deadline <= now:
             self.m["queue_timeouts"] += 1
@@ -311,8 +340,15 @@ def _raises(expected, call):
 
 class SchedulerModelMachine(RuleBasedStateMachine):
     GPU, BUF = 12, 16
-    OPTS = dict(lease_s=5.0, fence_grace_s=1.0, gpu_reserve_blocks=2, on_full="queue", queue_timeout_s=8.0,
-                max_queue=3, direct_to_gpu=True)
+    OPTS = dict(
+        lease_s=5.0,
+        fence_grace_s=1.0,
+        gpu_reserve_blocks=2,
+        on_full="queue",
+        queue_timeout_s=8.0,
+        max_queue=3,
+        direct_to_gpu=True,
+    )
     BUFFER = True
 
     def __init__(self):
@@ -321,10 +357,16 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         self.swap = Swap()
         o = SchedulerOptions(**self.OPTS)
         self.real_events: list = []
-        self.s = DecodeScheduler(num_layers=LAYERS, gpu=BlockPool(self.GPU, "gpu"),
-                                 buffer=BlockPool(self.BUF, "buffer") if self.BUFFER else None,
-                                 swap=self.swap if self.BUFFER else None, block_bytes=BLOCK_BYTES, options=o,
-                                 clock=self.clock, listener=self.real_events.append)
+        self.s = DecodeScheduler(
+            num_layers=LAYERS,
+            gpu=BlockPool(self.GPU, "gpu"),
+            buffer=BlockPool(self.BUF, "buffer") if self.BUFFER else None,
+            swap=self.swap if self.BUFFER else None,
+            block_bytes=BLOCK_BYTES,
+            options=o,
+            clock=self.clock,
+            listener=self.real_events.append,
+        )
         self.m = ModelScheduler(self.GPU, self.BUF if self.BUFFER else None, o)
         self.k = 0
         self.tickets: list[tuple[object, MReq]] = []
@@ -373,10 +415,13 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         direct = o.direct_to_gpu and gpu_ok
         cap = self.GPU - o.gpu_reserve_blocks
         if n > cap or (not direct and n > m.total["buffer"]):
-            _raises(RequestError(f"request {rid!r} needs {n} blocks: more than the GPU pool can ever give "
-                                 f"({cap} above the reserve)"
-                                 + ("" if direct else f" or the buffer holds ({m.total['buffer']})")),
-                    lambda: self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok))
+            _raises(
+                RequestError(
+                    f"request {rid!r} needs {n} blocks: more than the GPU pool can ever give "
+                    f"({cap} above the reserve)" + ("" if direct else f" or the buffer holds ({m.total['buffer']})")
+                ),
+                lambda: self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok),
+            )
             return
         self.last_rid = rid
         req = MReq(rid, n, peer, gpu_ok)
@@ -420,8 +465,10 @@ class SchedulerModelMachine(RuleBasedStateMachine):
     def reserve_a_live_id_again(self, data):
         rid = self._pick(data, tuple(State))
         if rid is not None:
-            _raises(RequestError(f"request {rid!r} is already live ({self.m.reqs[rid].state.value})"),
-                    lambda: self.s.reserve(rid, num_blocks=1))
+            _raises(
+                RequestError(f"request {rid!r} is already live ({self.m.reqs[rid].state.value})"),
+                lambda: self.s.reserve(rid, num_blocks=1),
+            )
 
     @rule(data=st.data(), honest=st.integers(0, 9))
     def land(self, data, honest):
@@ -467,8 +514,10 @@ class SchedulerModelMachine(RuleBasedStateMachine):
                     m.m["layers_landed"] += len(left)
                     assert self.s.land_layers(rid, req.token, left) == LAYERS
                 else:
-                    _raises(LeaseExpiredError(f"request {rid!r}: its lease expired; the message is refused"),
-                            lambda: self.s.land_layers(rid, req.token, left))
+                    _raises(
+                        LeaseExpiredError(f"request {rid!r}: its lease expired; the message is refused"),
+                        lambda: self.s.land_layers(rid, req.token, left),
+                    )
                     self._events()
                     return
         err = m.writable(req, req.token, now)
@@ -588,8 +637,11 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         req = self.m.reqs.get(rid)
         if req is not None and req.state is State.READY:
             return
-        err = self.m.live(rid) if req is None else RequestError(
-            f"request {rid!r} is {req.state.value}, not ready; cannot finish it")
+        err = (
+            self.m.live(rid)
+            if req is None
+            else RequestError(f"request {rid!r} is {req.state.value}, not ready; cannot finish it")
+        )
         _raises(err, lambda: self.s.finish(rid))
 
     @rule(data=st.data())
@@ -616,9 +668,13 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         req = self.m.reqs[rid]
         token = req.token
         err = self.m.writable(req, token, self.clock.t)
-        call = {"land": lambda: self.s.land_layers(rid, token, [0]), "complete": lambda: self.s.complete(rid, token),
-                "renew": lambda: self.s.renew(rid, token), "check": lambda: self.s.check_write(rid, token),
-                "begin": lambda: self.s.begin_write(rid, token)}[how]
+        call = {
+            "land": lambda: self.s.land_layers(rid, token, [0]),
+            "complete": lambda: self.s.complete(rid, token),
+            "renew": lambda: self.s.renew(rid, token),
+            "check": lambda: self.s.check_write(rid, token),
+            "begin": lambda: self.s.begin_write(rid, token),
+        }[how]
         _raises(err, call)
 
     @rule(data=st.data(), bad=st.sampled_from([[LAYERS], [-1], [0, 0], range(0, LAYERS + 1), range(-1, 1)]))
@@ -715,8 +771,16 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         assert sorted(s.live_requests()) == sorted(m.reqs)
         for rid in [*m.reqs, *m.tomb]:
             i = s.request(rid)
-            got = (i.request_id, i.state, i.location, i.num_blocks, i.layers_landed, i.buffer_blocks, i.gpu_blocks,
-                   i.reason)
+            got = (
+                i.request_id,
+                i.state,
+                i.location,
+                i.num_blocks,
+                i.layers_landed,
+                i.buffer_blocks,
+                i.gpu_blocks,
+                i.reason,
+            )
             assert got == m.info(rid), (got, m.info(rid))
         for pool, real in (("gpu", s.gpu), ("buffer", s.buffer)):
             if real is None:
@@ -758,8 +822,15 @@ TestSchedulerModel = SchedulerModelMachine.TestCase
 class BufferOnlyMachine(SchedulerModelMachine):
     """Everything through the buffer (a transport that writes host memory), swaps shortest-first."""
 
-    OPTS = dict(SchedulerModelMachine.OPTS, direct_to_gpu=False, swap_order="shortest", starvation_s=4.0,
-                on_full="reject", gpu_reserve_blocks=1, fence_grace_s=0.0)
+    OPTS = dict(
+        SchedulerModelMachine.OPTS,
+        direct_to_gpu=False,
+        swap_order="shortest",
+        starvation_s=4.0,
+        on_full="reject",
+        gpu_reserve_blocks=1,
+        fence_grace_s=0.0,
+    )
 
 
 BufferOnlyMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)

@@ -193,8 +193,10 @@ def test_two_processes_share_bytes_both_ways(no_leaks):
 
 @pytest.mark.multiproc
 def test_killed_creator_segment_is_cleaned(no_leaks):
-    code = ("import sys, time; from pdkv import SharedBuffer; b = SharedBuffer.create(65536); "
-            "print(b.name, flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from pdkv import SharedBuffer; b = SharedBuffer.create(65536); "
+        "print(b.name, flush=True); time.sleep(60)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         name = p.stdout.readline().strip()
@@ -217,8 +219,10 @@ def test_killed_creator_segment_is_cleaned(no_leaks):
 @pytest.mark.multiproc
 def test_clean_keeps_segments_mapped_by_live_processes(no_leaks):
     # the creator is dead, but this process still maps the buffer: not stale until it closes
-    code = ("import time; from pdkv import SharedBuffer; b = SharedBuffer.create(65536); "
-            "print(b.name, flush=True); time.sleep(60)")
+    code = (
+        "import time; from pdkv import SharedBuffer; b = SharedBuffer.create(65536); "
+        "print(b.name, flush=True); time.sleep(60)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         name = p.stdout.readline().strip()
@@ -259,7 +263,7 @@ def test_pinned_buffer_and_cross_process_pin(cuda_device, no_leaks):
             with SharedBuffer.open(b.name, require_pinned=True) as o:
                 assert o.pinned
                 _ffi.cuda.memcpy(o.address + (2 << 20), d, 1 << 20)
-                assert bytes(o.buf[2 << 20: 3 << 20]) == bytes(b.buf[: 1 << 20])
+                assert bytes(o.buf[2 << 20 : 3 << 20]) == bytes(b.buf[: 1 << 20])
         finally:
             _ffi.cuda.free(d)
     assert not b.pinned
@@ -305,7 +309,7 @@ def test_second_process_pins_the_same_segment(cuda_device, no_leaks):
         assert p.exitcode == 0
         q.close()
         q.join_thread()
-        assert bytes(b.buf[1 << 20: 2 << 20]) == bytes(b.buf[: 1 << 20])
+        assert bytes(b.buf[1 << 20 : 2 << 20]) == bytes(b.buf[: 1 << 20])
 
 
 def test_populating_an_open_segment_never_changes_its_data(monkeypatch, shm_name, no_leaks):
@@ -329,6 +333,7 @@ def test_populating_an_open_segment_never_changes_its_data(monkeypatch, shm_name
 
 
 # ---------------------------------------------------------------- striped buffers
+
 
 @given(size=st.integers(1, 1 << 40), k=st.integers(1, 64))
 def test_stripe_sizes_cover_the_buffer_exactly(size, k):
@@ -381,7 +386,7 @@ def test_striped_buffer_is_one_range_shared_across_processes(no_leaks):
         arr[:] = expect
         # the bytes really are in the part files, at their offsets
         with open(f"/dev/shm/{b.name}@1", "rb") as f:
-            assert f.read(4096) == expect[2 << 20:(2 << 20) + 4096].tobytes()
+            assert f.read(4096) == expect[2 << 20 : (2 << 20) + 4096].tobytes()
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         p = ctx.Process(target=_child_stripes, args=(b.name, size, q))
@@ -455,8 +460,10 @@ def test_striped_population_out_of_room_fails_cleanly(monkeypatch, shm_name, no_
 
 
 def test_killed_creator_stripes_are_all_cleaned(no_leaks):
-    code = ("import time; from pdkv import SharedBuffer; b = SharedBuffer.create(5 << 20, stripes=3); "
-            "print(b.name, flush=True); time.sleep(60)")
+    code = (
+        "import time; from pdkv import SharedBuffer; b = SharedBuffer.create(5 << 20, stripes=3); "
+        "print(b.name, flush=True); time.sleep(60)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         name = p.stdout.readline().strip()
@@ -477,13 +484,13 @@ def test_striped_pinned_buffer_copies_across_stripes(cuda_device, no_leaks):
         assert b.pinned and b.device_address == b.address
         n, off = 3 << 20, 1 << 20  # bytes 1..4 MiB: stripes 0, 1 and 2
         data = os.urandom(n)
-        b.buf[off:off + n] = data
+        b.buf[off : off + n] = data
         d = _ffi.cuda.malloc(n)
         try:
             _ffi.cuda.memcpy(d, b.address + off, n)
-            b.buf[off:off + n] = bytes(n)
+            b.buf[off : off + n] = bytes(n)
             _ffi.cuda.memcpy(b.address + (2 << 20) + 7, d, n - 7)
-            assert bytes(b.buf[(2 << 20) + 7:(5 << 20)]) == data[:n - 7]
+            assert bytes(b.buf[(2 << 20) + 7 : (5 << 20)]) == data[: n - 7]
         finally:
             _ffi.cuda.free(d)
 
@@ -515,21 +522,25 @@ def test_huge_pages_where_the_mount_allows_them_and_only_there(no_leaks):
     subprocess.run(["mount", "-o", "remount,huge=advise", "/dev/shm"], check=True)
     try:
         for stripes in (1, 2):
-            with SharedBuffer.create(size, pin="never", huge_pages=True, stripes=stripes) as b, \
-                 SharedBuffer.create(size, pin="never", stripes=stripes) as plain:
+            with (
+                SharedBuffer.create(size, pin="never", huge_pages=True, stripes=stripes) as b,
+                SharedBuffer.create(size, pin="never", stripes=stripes) as plain,
+            ):
                 assert b.huge_pages_bytes == size, stripes
                 assert plain.huge_pages_bytes == 0
                 with SharedBuffer.open(b.name, pin="never", populate=True) as o:
                     assert o.huge_pages_bytes == size
     finally:
         subprocess.run(["mount", "-o", "remount,huge=never", "/dev/shm"], check=True)
-    assert _shm_mount_options() is not None and not any(o.startswith("huge=") and o != "huge=never"
-                                                         for o in _shm_mount_options())
+    assert _shm_mount_options() is not None and not any(
+        o.startswith("huge=") and o != "huge=never" for o in _shm_mount_options()
+    )
     with pytest.raises(ClosedError):
         _ = b.huge_pages_bytes
 
 
 # ------------------------------------------------------------------ origin records, memory, exit
+
 
 def test_clean_never_removes_what_it_cannot_prove_is_pdkvs(no_leaks):
     from pdkv.shmclean import clean
@@ -585,8 +596,9 @@ def _unshare():
 def test_clean_from_another_pid_namespace_keeps_live_segments(no_leaks):
     cmd = _unshare()
     with SharedBuffer.create(65536) as b:
-        out = subprocess.run([*cmd, sys.executable, "-m", "pdkv.cli.shm", "clean", "--yes"], capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            [*cmd, sys.executable, "-m", "pdkv.cli.shm", "clean", "--yes"], capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, out.stderr
         assert os.path.exists(f"/dev/shm/{b.name}")  # its pid means nothing over there: kept
         assert f"kept {b.name}: " in out.stdout and "cannot be seen" in out.stdout
@@ -595,8 +607,10 @@ def test_clean_from_another_pid_namespace_keeps_live_segments(no_leaks):
 @pytest.mark.multiproc
 def test_clean_sees_a_creator_in_a_child_pid_namespace(no_leaks):
     cmd = _unshare()
-    code = ("import time; from pdkv import SharedBuffer; b = SharedBuffer.create(65536); "
-            "print(b.name, flush=True); time.sleep(60)")
+    code = (
+        "import time; from pdkv import SharedBuffer; b = SharedBuffer.create(65536); "
+        "print(b.name, flush=True); time.sleep(60)"
+    )
     p = subprocess.Popen([*cmd, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         name = p.stdout.readline().strip()
@@ -625,8 +639,10 @@ def test_clean_sees_a_creator_in_a_child_pid_namespace(no_leaks):
 def test_clean_goes_on_after_a_file_it_may_not_remove(monkeypatch, no_leaks):
     from pdkv.shmclean import clean
 
-    code = ("import sys; from pdkv import SharedBuffer; bs = [SharedBuffer.create(65536) for _ in range(2)]; "
-            "print(' '.join(b.name for b in bs), flush=True); import os; os._exit(0)")
+    code = (
+        "import sys; from pdkv import SharedBuffer; bs = [SharedBuffer.create(65536) for _ in range(2)]; "
+        "print(' '.join(b.name for b in bs), flush=True); import os; os._exit(0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     a, b = out.stdout.split()
     real = _ffi.libc.shm_unlink
@@ -645,7 +661,7 @@ def test_clean_goes_on_after_a_file_it_may_not_remove(monkeypatch, no_leaks):
 
 
 def test_a_buffer_larger_than_memory_is_refused(monkeypatch, shm_name, no_leaks):
-    from pdkv import shm as shm_mod
+    from pdkv import shmseg as shm_mod  # where create() checks memory
 
     monkeypatch.setattr(shm_mod, "available_memory", lambda: (10 << 30, "MemAvailable"))
     with pytest.raises(OSError, match=r"does not fit in memory: MemAvailable leaves 10737418240 bytes") as e:
@@ -671,8 +687,10 @@ def test_ordinary_endings_leave_no_segment(no_leaks):
     name = out.stdout.strip()
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(name)]
     # SIGTERM inside the creator's with-block
-    code = ("import time; from pdkv import SharedBuffer\n"
-            "with SharedBuffer.create(65536) as b:\n    print(b.name, flush=True); time.sleep(60)\n")
+    code = (
+        "import time; from pdkv import SharedBuffer\n"
+        "with SharedBuffer.create(65536) as b:\n    print(b.name, flush=True); time.sleep(60)\n"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         name = p.stdout.readline().strip()

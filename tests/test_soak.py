@@ -49,8 +49,9 @@ def test_soak(no_leaks):
             kind = rng.choice(["shm", "tcp", "tcp", "kill", "reset", "stall", "abandon"])
             c["rounds"] += 1
             if kind in ("shm", "tcp"):
-                with PrefillSender(lay, spec, dec.rx.control_address, transport=kind, timeout_s=5,
-                                   instance=f"h{rnd}") as tx:
+                with PrefillSender(
+                    lay, spec, dec.rx.control_address, transport=kind, timeout_s=5, instance=f"h{rnd}"
+                ) as tx:
                     rids = [f"{rnd}-{i}" for i in range(rng.randint(1, 6))]
                     blocks = {}
                     for rid in rids:
@@ -68,8 +69,19 @@ def test_soak(no_leaks):
                     for rid in blocks:
                         c["ok" if tx.wait_outcome(rid, 15).ok else "failed_healthy"] += 1
             elif kind == "kill":
-                p = _spawn("prefill", "--control", dec.rx.control_address, "--transport", rng.choice(["shm", "tcp"]),
-                           "--blocks", str(rng.randint(1, 8)), "--layer-sleep", "0.1", "--instance", f"k{rnd}")
+                p = _spawn(
+                    "prefill",
+                    "--control",
+                    dec.rx.control_address,
+                    "--transport",
+                    rng.choice(["shm", "tcp"]),
+                    "--blocks",
+                    str(rng.randint(1, 8)),
+                    "--layer-sleep",
+                    "0.1",
+                    "--instance",
+                    f"k{rnd}",
+                )
                 try:
                     _lines(p, rng.randint(1, 4))
                     os.kill(p.pid, signal.SIGKILL)
@@ -80,12 +92,17 @@ def test_soak(no_leaks):
                 c["faults_kill9"] += 1
             elif kind in ("reset", "stall"):
                 host, port = dec.rx.data_address.split(":")
-                kw = {"reset_after": rng.randint(1, 40000)} if kind == "reset" else {"stall_after": rng.randint(1, 40000)}
+                kw = (
+                    {"reset_after": rng.randint(1, 40000)}
+                    if kind == "reset"
+                    else {"stall_after": rng.randint(1, 40000)}
+                )
                 proxy = FaultProxy((host, int(port)), **kw)
                 dec.rx.data_advertise = f"127.0.0.1:{proxy.port}"
                 try:
-                    with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=2,
-                                       instance=f"f{rnd}") as tx:
+                    with PrefillSender(
+                        lay, spec, dec.rx.control_address, transport="tcp", timeout_s=2, instance=f"f{rnd}"
+                    ) as tx:
                         tx.reserve(f"{rnd}-f", 64)
                         for layer in range(4):
                             tx.send_layer(layer, [(f"{rnd}-f", list(range(8)))])
@@ -102,7 +119,9 @@ def test_soak(no_leaks):
                 c["faults_abandoned"] += 1
             ts = time.monotonic()
             deadline = ts + 20
-            while not (dec.sched.buffer.num_free == 64 and dec.sched.gpu.num_free == 64 and not dec.sched.live_requests()):
+            while not (
+                dec.sched.buffer.num_free == 64 and dec.sched.gpu.num_free == 64 and not dec.sched.live_requests()
+            ):
                 assert time.monotonic() < deadline, f"round {rnd} ({kind}): blocks not back after 20 s"
                 time.sleep(0.02)
             recovery.append(time.monotonic() - ts)
@@ -112,9 +131,15 @@ def test_soak(no_leaks):
         dec.close()
     warm = [r for t, r in rss if t > min(60.0, duration / 4)]
     growth = (max(warm) - warm[0]) if len(warm) > 1 else 0.0
-    report = dict(c, seconds=round(time.monotonic() - t0, 1), leaked_blocks=0,
-                  recovery_s_max=round(max(recovery), 3), recovery_s_p50=round(sorted(recovery)[len(recovery) // 2], 3),
-                  rss_mib_start=round(warm[0] if warm else 0, 1), rss_mib_growth=round(growth, 1))
+    report = dict(
+        c,
+        seconds=round(time.monotonic() - t0, 1),
+        leaked_blocks=0,
+        recovery_s_max=round(max(recovery), 3),
+        recovery_s_p50=round(sorted(recovery)[len(recovery) // 2], 3),
+        rss_mib_start=round(warm[0] if warm else 0, 1),
+        rss_mib_growth=round(growth, 1),
+    )
     if os.environ.get("PDKV_SOAK_REPORT"):
         with open(os.environ["PDKV_SOAK_REPORT"], "w") as f:
             json.dump(report, f, indent=2)

@@ -27,11 +27,13 @@ class HostCache:
         else:  # flashinfer-like interleaving: K and V of one block side by side
             bb = layout.tensor_block_bytes(0)
             per_layer = 2 * bb * nblocks
-            self.spec = CacheSpec.flashinfer(layout, nblocks, [base + i * per_layer for i in range(layout.total_layers)])
+            self.spec = CacheSpec.flashinfer(
+                layout, nblocks, [base + i * per_layer for i in range(layout.total_layers)]
+            )
 
     def block(self, layer, t, b):
         a = self.spec.address(layer, t, b) - self.arr.ctypes.data
-        return self.arr[a:a + self.spec.layout.tensor_block_bytes(t)]
+        return self.arr[a : a + self.spec.layout.tensor_block_bytes(t)]
 
 
 def test_plan_coalesces_contiguous_runs():
@@ -126,6 +128,7 @@ def test_engine_refusals(monkeypatch):
     assert eng.strategy == "host"
     eng.close()
     from pdkv.errors import ClosedError
+
     with pytest.raises(ClosedError):
         eng.copy([0], [0])
 
@@ -148,8 +151,13 @@ def test_engine_is_a_swap_backend_for_the_scheduler():
     buf, gpu = HostCache(L, 8), HostCache(L, 8)
     buf.arr[:] = 7
     with SwapEngine(buf.spec, gpu.spec, strategy="host", buffer_pinned=False) as eng:
-        s = DecodeScheduler(num_layers=L.total_layers, gpu=BlockPool(8), buffer=BlockPool(8), swap=eng,
-                            options=SchedulerOptions(direct_to_gpu=False))
+        s = DecodeScheduler(
+            num_layers=L.total_layers,
+            gpu=BlockPool(8),
+            buffer=BlockPool(8),
+            swap=eng,
+            options=SchedulerOptions(direct_to_gpu=False),
+        )
         g = s.reserve("a", num_blocks=3).grant
         s.land_layers("a", g.token, range(L.total_layers))
         s.complete("a", g.token)
@@ -165,6 +173,7 @@ def test_engine_is_a_swap_backend_for_the_scheduler():
 
 
 # ------------------------------------------------------------------ CUDA
+
 
 @pytest.fixture(params=["kernel", "batch", "memcpy"])
 def strategy(request, cuda_device):
@@ -184,7 +193,7 @@ def _gpu_has_every_pair(L, bspec, ref, gspec, size, src, dst):
         for t in range(2):
             for s_, d_ in zip(src, dst):
                 so, do = bspec.address(layer, t, s_) - bbase, gspec.address(layer, t, d_) - gbase
-                assert (back[do:do + tb] == ref[so:so + tb]).all(), (layer, t, s_, d_)
+                assert (back[do : do + tb] == ref[so : so + tb]).all(), (layer, t, s_, d_)
     return back
 
 
@@ -217,14 +226,14 @@ def test_cuda_swap_every_strategy_both_directions(strategy, layerwise, n, k, tok
                 untouched = sorted(set(range(n)) - set(dst))
                 for d_ in untouched:
                     do = gspec.address(0, 0, d_) - dptr
-                    assert (back[do:do + tb] == 0xEE).all()
+                    assert (back[do : do + tb] == 0xEE).all()
                 # d2h into a poisoned buffer
                 host[:] = 0x55
                 eng.copy(dst, src, direction="d2h").wait(30)
                 for s_, d_ in zip(src, dst):
                     so = bspec.address(2, 1, s_) - sb.address
                     do = gspec.address(2, 1, d_) - dptr
-                    assert (host[so:so + tb] == back[do:do + tb]).all()
+                    assert (host[so : so + tb] == back[do : do + tb]).all()
             del host
         finally:
             _ffi.cuda.free(dptr)
@@ -273,7 +282,7 @@ def test_cuda_swap_on_a_second_gpu_called_from_threads_on_the_first(strategy, no
                 eng.copy(dst, src, direction="d2h").wait(30)
                 for s_, d_ in zip(src, dst):
                     so, do = bspec.address(1, 1, s_) - sb.address, gspec.address(1, 1, d_) - dptr
-                    assert (host[so:so + tb] == back[do:do + tb]).all()
+                    assert (host[so : so + tb] == back[do : do + tb]).all()
                 assert _ffi.cuda.current_device() == 0
             del host
         finally:
@@ -295,9 +304,21 @@ class FakeStreamCuda:
         self.devices: set[int] = set()  # current device at each stream/event call and submission
 
     def install(self, monkeypatch):
-        for name in ("device_count", "set_device", "current_device", "batch_copy_supported", "stream_create", "stream_destroy",
-                     "stream_synchronize", "event_create", "event_record", "event_query", "event_destroy",
-                     "memcpy_batch_async", "memcpy_async"):
+        for name in (
+            "device_count",
+            "set_device",
+            "current_device",
+            "batch_copy_supported",
+            "stream_create",
+            "stream_destroy",
+            "stream_synchronize",
+            "event_create",
+            "event_record",
+            "event_query",
+            "event_destroy",
+            "memcpy_batch_async",
+            "memcpy_async",
+        ):
             monkeypatch.setattr(_ffi.cuda, name, getattr(self, name))
 
     def device_count(self):

@@ -10,22 +10,44 @@ import sys
 import pytest
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "mooncake_synthetic_200.jsonl")  # ships with the tests
-SMALL = ["--model", "tiny", "--requests", "10", "--prompt-len", "uniform:20:200", "--buffer-blocks", "24",
-         "--gpu-blocks", "16", "--timeout", "10"]
+SMALL = [
+    "--model",
+    "tiny",
+    "--requests",
+    "10",
+    "--prompt-len",
+    "uniform:20:200",
+    "--buffer-blocks",
+    "24",
+    "--gpu-blocks",
+    "16",
+    "--timeout",
+    "10",
+]
 
 
 def run(args, tmp_path, timeout=120):
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, "-m", "pdkv.cli.transfer_tool", *args, "--json", str(out)], capture_output=True,
-                       text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli.transfer_tool", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     rep = json.loads(out.read_text()) if out.exists() else None
     return p, rep
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("extra", [["--transport", "shm"], ["--transport", "tcp"],
-                                   ["--transport", "tcp", "--prefill-tp", "2", "--decode-tp", "4", "--streams", "2"],
-                                   ["--transport", "shm", "--prefill-tp", "4", "--decode-tp", "2"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--transport", "shm"],
+        ["--transport", "tcp"],
+        ["--transport", "tcp", "--prefill-tp", "2", "--decode-tp", "4", "--streams", "2"],
+        ["--transport", "shm", "--prefill-tp", "4", "--decode-tp", "2"],
+    ],
+)
 def test_local_mode_verifies_every_byte(extra, tmp_path, no_leaks):
     p, rep = run(SMALL + extra, tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -36,37 +58,69 @@ def test_local_mode_verifies_every_byte(extra, tmp_path, no_leaks):
     from pdkv._ffi import cpu
 
     # which copy the shm senders ran: the streaming loop wherever it builds here
-    assert rep["shm_copy"] == ([] if extra[1] != "shm" else ["streaming loop"] if cpu.available()
-                               else [f"numpy ({cpu.unavailable_reason()})"])
-    for k in ("throughput_GBps_mean", "time_to_received_ms_p50", "time_to_ready_ms_p99", "layer_latency_ms_p50",
-              "swap_GBps", "prefill_wait_avoided_s_total"):
+    assert rep["shm_copy"] == (
+        [] if extra[1] != "shm" else ["streaming loop"] if cpu.available() else [f"numpy ({cpu.unavailable_reason()})"]
+    )
+    for k in (
+        "throughput_GBps_mean",
+        "time_to_received_ms_p50",
+        "time_to_ready_ms_p99",
+        "layer_latency_ms_p50",
+        "swap_GBps",
+        "prefill_wait_avoided_s_total",
+    ):
         assert k in rep
 
 
 @pytest.mark.multiproc
 def test_trace_replay_and_plot(tmp_path, no_leaks):
     plot = tmp_path / "p.html"
-    p, rep = run(["--model", "tiny", "--trace", TRACE, "--trace-limit", "6", "--time-scale", "0.001",
-                  "--buffer-blocks", "4096", "--gpu-blocks", "4096", "--plot", str(plot), "--prefill-blocks", "4096"],
-                 tmp_path, timeout=240)
+    p, rep = run(
+        [
+            "--model",
+            "tiny",
+            "--trace",
+            TRACE,
+            "--trace-limit",
+            "6",
+            "--time-scale",
+            "0.001",
+            "--buffer-blocks",
+            "4096",
+            "--gpu-blocks",
+            "4096",
+            "--plot",
+            str(plot),
+            "--prefill-blocks",
+            "4096",
+        ],
+        tmp_path,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert rep["requests_ready"] == 6 and rep["verify_errors"] == 0
     assert "<svg" in plot.read_text()
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["--requests", "0"], "--requests must be positive"),
-    (["--model", "gpt-9"], "--model 'gpt-9'"),
-    (["--prompt-len", "banana:1"], "--prompt-len"),
-    (["--decode-tp", "3"], "kv_heads=8 and tp_size=3"),
-    (["prefill"], "needs --connect"),
-    (["--bogus"], "unrecognized arguments"),
-    (["--secret", "short"], "at least 16"),
-    (["--trace", "/nonexistent"], "no such file"),
-    (["--prefill-gpu", "--transport", "tcp"], "--prefill-gpu works with --transport auto, shm or cuda_ipc, not tcp"),
-    (["--prefill-gpu", "--transport", "rdma"], "not rdma"),
-    (["--transport", "cuda_ipc", "--no-gpu"], "cannot run with --no-gpu"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--requests", "0"], "--requests must be positive"),
+        (["--model", "gpt-9"], "--model 'gpt-9'"),
+        (["--prompt-len", "banana:1"], "--prompt-len"),
+        (["--decode-tp", "3"], "kv_heads=8 and tp_size=3"),
+        (["prefill"], "needs --connect"),
+        (["--bogus"], "unrecognized arguments"),
+        (["--secret", "short"], "at least 16"),
+        (["--trace", "/nonexistent"], "no such file"),
+        (
+            ["--prefill-gpu", "--transport", "tcp"],
+            "--prefill-gpu works with --transport auto, shm or cuda_ipc, not tcp",
+        ),
+        (["--prefill-gpu", "--transport", "rdma"], "not rdma"),
+        (["--transport", "cuda_ipc", "--no-gpu"], "cannot run with --no-gpu"),
+    ],
+)
 def test_bad_flags_get_one_line(args, msg, tmp_path):
     p, rep = run(args, tmp_path, timeout=60)
     assert p.returncode == 2
@@ -74,8 +128,15 @@ def test_bad_flags_get_one_line(args, msg, tmp_path):
     assert len(lines) == 1 and msg in lines[0], p.stderr
 
 
-@pytest.mark.parametrize("args", [["--transport", "cuda_ipc"], ["--transport", "shm", "--prefill-gpu"], ["--prefill-gpu"],
-                                  ["prefill", "--connect", "tcp://127.0.0.1:9", "--transport", "cuda_ipc"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--transport", "cuda_ipc"],
+        ["--transport", "shm", "--prefill-gpu"],
+        ["--prefill-gpu"],
+        ["prefill", "--connect", "tcp://127.0.0.1:9", "--transport", "cuda_ipc"],
+    ],
+)
 def test_gpu_modes_say_no_gpu_on_a_cpu_host(args, tmp_path):
     from pdkv import _ffi
 
@@ -89,16 +150,42 @@ def test_gpu_modes_say_no_gpu_on_a_cpu_host(args, tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.multiproc
-@pytest.mark.parametrize("extra", [[],  # the README's main job on a GPU host: host caches, shm, the buffer
-                                   ["--prefill-gpu"],  # auto from GPU caches: cuda_ipc, as an engine's sender
-                                   ["--transport", "cuda_ipc"],
-                                   ["--transport", "cuda_ipc", "--prefill-tp", "2", "--decode-tp", "4"],
-                                   ["--transport", "shm", "--prefill-gpu", "--prefill-tp", "4", "--decode-tp", "2"],
-                                   # two GPUs: prefill ranks on one, decode ranks spread over both
-                                   ["--transport", "cuda_ipc", "--prefill-tp", "2", "--decode-tp", "2",
-                                    "--prefill-devices", "1", "--decode-devices", "0,1"],
-                                   ["--transport", "shm", "--prefill-gpu", "--prefill-tp", "2", "--decode-tp", "2",
-                                    "--prefill-devices", "1,0", "--decode-devices", "0,1"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # the README's main job on a GPU host: host caches, shm, the buffer
+        ["--prefill-gpu"],  # auto from GPU caches: cuda_ipc, as an engine's sender
+        ["--transport", "cuda_ipc"],
+        ["--transport", "cuda_ipc", "--prefill-tp", "2", "--decode-tp", "4"],
+        ["--transport", "shm", "--prefill-gpu", "--prefill-tp", "4", "--decode-tp", "2"],
+        # two GPUs: prefill ranks on one, decode ranks spread over both
+        [
+            "--transport",
+            "cuda_ipc",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "2",
+            "--prefill-devices",
+            "1",
+            "--decode-devices",
+            "0,1",
+        ],
+        [
+            "--transport",
+            "shm",
+            "--prefill-gpu",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "2",
+            "--prefill-devices",
+            "1,0",
+            "--decode-devices",
+            "0,1",
+        ],
+    ],
+)
 def test_local_mode_gpu_caches_every_byte(cuda_device, extra, tmp_path, no_leaks):
     # 16 GPU blocks for 10 requests of 2-13 blocks sent at once: with cuda_ipc the first
     # requests get GPU blocks (written by prefill directly), the rest go through the buffer
@@ -123,8 +210,11 @@ def test_local_mode_gpu_caches_every_byte(cuda_device, extra, tmp_path, no_leaks
 
 
 def test_unreachable_decode_is_one_line(tmp_path):
-    p, _ = run(["prefill", "--connect", "tcp://127.0.0.1:9", "--timeout", "1", "--model", "tiny", "--requests", "1"],
-               tmp_path, timeout=60)
+    p, _ = run(
+        ["prefill", "--connect", "tcp://127.0.0.1:9", "--timeout", "1", "--model", "tiny", "--requests", "1"],
+        tmp_path,
+        timeout=60,
+    )
     assert p.returncode == 3
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "did not answer" in lines[0]
@@ -134,14 +224,33 @@ def test_unreachable_decode_is_one_line(tmp_path):
 def test_layout_mismatch_between_two_hosts_is_one_line(tmp_path):
     import time
 
-    d = subprocess.Popen([sys.executable, "-m", "pdkv.cli.transfer_tool", "decode", "--listen", "tcp://127.0.0.1:0",
-                          "--model", "tiny", "--buffer-blocks", "16", "--duration", "20"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    d = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdkv.cli.transfer_tool",
+            "decode",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--model",
+            "tiny",
+            "--buffer-blocks",
+            "16",
+            "--duration",
+            "20",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = d.stdout.readline()
         addr = line.split("listening on ")[1].split(" ")[0]
-        p, _ = run(["prefill", "--connect", addr, "--model", "tiny", "--head-dim", "32", "--requests", "1",
-                    "--timeout", "3"], tmp_path, timeout=60)
+        p, _ = run(
+            ["prefill", "--connect", addr, "--model", "tiny", "--head-dim", "32", "--requests", "1", "--timeout", "3"],
+            tmp_path,
+            timeout=60,
+        )
         assert p.returncode == 3
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and "head_dim is 32 here and 64" in lines[0], p.stderr

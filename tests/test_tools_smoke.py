@@ -14,8 +14,9 @@ TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
 
 
 def run(script, *args, timeout=300):
-    return subprocess.run([sys.executable, os.path.join(TOOLS, script), *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, os.path.join(TOOLS, script), *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_bench_scheduler_smoke():

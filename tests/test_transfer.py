@@ -43,12 +43,20 @@ class Decode:
         self.nb = nb
         self.bufs = [SharedBuffer.create(CacheSpec.buffer_bytes(lay, nb)) for lay in self.lays]
         self.gpu = np.zeros(self.lays[0].block_bytes * nb, np.uint8)
-        eng = SwapEngine(CacheSpec.for_buffer(self.lays[0], nb, self.bufs[0].address),
-                         CacheSpec.for_buffer(self.lays[0], nb, self.gpu.ctypes.data), strategy="host", buffer_pinned=False)
+        eng = SwapEngine(
+            CacheSpec.for_buffer(self.lays[0], nb, self.bufs[0].address),
+            CacheSpec.for_buffer(self.lays[0], nb, self.gpu.ctypes.data),
+            strategy="host",
+            buffer_pinned=False,
+        )
         self.engine = eng
-        self.sched = DecodeScheduler(num_layers=self.lays[0].total_layers, gpu=BlockPool(nb), buffer=BlockPool(nb), swap=eng,
-                                     options=SchedulerOptions(direct_to_gpu=False, lease_s=lease_s,
-                                                              fence_grace_s=fence_grace_s))
+        self.sched = DecodeScheduler(
+            num_layers=self.lays[0].total_layers,
+            gpu=BlockPool(nb),
+            buffer=BlockPool(nb),
+            swap=eng,
+            options=SchedulerOptions(direct_to_gpu=False, lease_s=lease_s, fence_grace_s=fence_grace_s),
+        )
         rx.setdefault("auto_tick", True)
         rx.setdefault("peer_timeout_s", 3.0)
         self.rx = DecodeReceiver(self.sched, self.lays, self.bufs, nb, **rx)
@@ -66,7 +74,7 @@ class Decode:
     def block(self, rank, layer, t, b):
         spec = CacheSpec.for_buffer(self.lays[rank], self.nb, self.bufs[rank].address)
         a = spec.address(layer, t, b) - self.bufs[rank].address
-        return bytes(self.bufs[rank].buf[a:a + self.lays[rank].tensor_block_bytes(t)])
+        return bytes(self.bufs[rank].buf[a : a + self.lays[rank].tensor_block_bytes(t)])
 
     def close(self):
         self._stop.set()
@@ -120,10 +128,12 @@ def expected_block(src_lays, src_specs, src_blocks_of, dst_lay, layer, t, gi):
             continue
         spec = src_specs[g.src_rank]
         base = spec.address(layer, t, src_blocks_of[gi])
-        mem = (np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * src_lays[0].tensor_block_bytes(t)).from_address(base)))
+        mem = np.ctypeslib.as_array(
+            (np.ctypeslib.ctypes.c_uint8 * src_lays[0].tensor_block_bytes(t)).from_address(base)
+        )
         for c in range(g.count):
             s, d = g.src_offset + c * g.src_stride, g.dst_offset + c * g.dst_stride
-            out[d:d + g.length] = mem[s:s + g.length].tobytes()
+            out[d : d + g.length] = mem[s : s + g.length].tobytes()
     return bytes(out)
 
 
@@ -135,8 +145,10 @@ def test_layerwise_transfer_every_byte(transport, P, D, nhd, no_leaks, monkeypat
     dec = Decode(D=D, token_major=nhd, transports=(transport,))
     try:
         caches = [prefill_cache(P, r, token_major=nhd) for r in range(P)]
-        txs = [PrefillSender(lay, spec, dec.rx.control_address, transport=transport, instance="pf", timeout_s=5)
-               for lay, _, spec in caches]
+        txs = [
+            PrefillSender(lay, spec, dec.rx.control_address, transport=transport, instance="pf", timeout_s=5)
+            for lay, _, spec in caches
+        ]
         assert all(tx.transport == transport for tx in txs)
         src_blocks = {"a": [3, 4, 5, 9, 10], "b": [20, 21, 22, 23, 30, 31]}
         grants = {}
@@ -250,15 +262,19 @@ def test_hostile_tcp_frames_never_land(no_leaks):
             for f in bad:
                 s = conn()
                 rank, token, layer, t, gi, nb, off, ln, cnt, ds = f
-                s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, rank, token, layer, t, 0, 0, 1, off, ln, cnt, ds)
-                          + FRAME_ITEM.pack(gi, nb))
-                s.sendall(b"\xAB" * (nb * cnt * ln))
+                s.sendall(
+                    FRAME_HEADER.pack(b"PDKV", 1, 2, rank, token, layer, t, 0, 0, 1, off, ln, cnt, ds)
+                    + FRAME_ITEM.pack(gi, nb)
+                )
+                s.sendall(b"\xab" * (nb * cnt * ln))
                 s.close()
             s = conn(b"\0" * 16)  # unknown session: connection dropped
             s.sendall(b"x" * 100)
             s.close()
             s = conn()  # oversized frame: connection dropped
-            s.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, 0, g.token, 0, 0, 0, 0, 1, 0, 1 << 30, 1, 0) + FRAME_ITEM.pack(0, 1))
+            s.sendall(
+                FRAME_HEADER.pack(b"PDKV", 1, 2, 0, g.token, 0, 0, 0, 0, 1, 0, 1 << 30, 1, 0) + FRAME_ITEM.pack(0, 1)
+            )
             s.close()
             wait_until(lambda: dec.rx.stats["frames_rejected"] >= 5, 5, "five hostile frames refused")
             assert [dec.block(0, 0, 0, b) for b in range(64)] == before
@@ -272,8 +288,12 @@ def test_hostile_tcp_frames_never_land(no_leaks):
 
 
 def _spawn(*args):
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "peers.py"), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "peers.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _lines(p, n, timeout=20):
@@ -293,8 +313,19 @@ def _lines(p, n, timeout=20):
 def test_prefill_killed_mid_transfer_decode_reclaims_and_serves_on(transport, no_leaks):
     dec = Decode()
     try:
-        p = _spawn("prefill", "--control", dec.rx.control_address, "--transport", transport, "--blocks", "6",
-                   "--layer-sleep", "0.3", "--instance", "victim")
+        p = _spawn(
+            "prefill",
+            "--control",
+            dec.rx.control_address,
+            "--transport",
+            transport,
+            "--blocks",
+            "6",
+            "--layer-sleep",
+            "0.3",
+            "--instance",
+            "victim",
+        )
         try:
             _lines(p, 3)  # ready, layer 0, layer 1
             assert dec.sched.buffer.num_free == 58
@@ -325,8 +356,9 @@ def test_decode_killed_prefill_fails_in_bounded_time(no_leaks):
         info = _lines(d, 1)[0]
         lay, arr, spec = prefill_cache(1, 0)
         outcomes = []
-        tx = PrefillSender(lay, spec, info["control"], transport="tcp", timeout_s=1.5, heartbeat_s=0.2,
-                           on_outcome=outcomes.append)
+        tx = PrefillSender(
+            lay, spec, info["control"], transport="tcp", timeout_s=1.5, heartbeat_s=0.2, on_outcome=outcomes.append
+        )
         try:
             tx.reserve("r", 16)
             tx.send_layer(0, [("r", [0, 1])])
@@ -361,7 +393,6 @@ def test_rejected_when_full(no_leaks):
         dec.close()
 
 
-
 @pytest.mark.cuda
 @pytest.mark.multiproc
 @pytest.mark.parametrize("P,D,gpus", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (4, 2, 1), (2, 1, 2), (4, 2, 2)])
@@ -387,7 +418,9 @@ def test_shm_from_gpu_caches_uses_the_swap_kernel(cuda_device, P, D, gpus, no_le
             hosts.append(arr)
             specs.append(CacheSpec.for_buffer(lay, 64, arr.ctypes.data))  # same bytes, host copy for checking
             lays.append(lay)
-            txs.append(PrefillSender(lay, gspec, dec.rx.control_address, transport="shm", instance="gpu-pf", timeout_s=10))
+            txs.append(
+                PrefillSender(lay, gspec, dec.rx.control_address, transport="shm", instance="gpu-pf", timeout_s=10)
+            )
         sb = [5, 6, 7, 30, 2]
         g = None
         for tx in txs:
@@ -596,11 +629,10 @@ class _TrickleSocket:
         return took
 
 
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 300), max_size=1500), st.lists(st.integers(1, 5000), min_size=1, max_size=8))
 def test_sendmsg_all_sends_every_byte_in_order_through_partial_sends(sizes, caps):
-    from pdkv.transfer.tcp import _sendmsg_all
+    from pdkv.transfer.sockets import sendmsg_all as _sendmsg_all
 
     rng = np.random.default_rng(len(sizes))
     bufs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
@@ -623,11 +655,13 @@ def test_source_block_ids_are_checked_before_anything_is_written(no_leaks):
         lay, arr, spec = prefill_cache(1, 0)  # 64 blocks
         with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=5) as tx:
             g = tx.reserve("a", 3 * 8)
-            for bad, match in [([1, 2, 64], r"source block ids \[64\] out of range \[0, 64\)"),
-                               ([-1, 2, 3], r"\[-1\] out of range"),
-                               ([1.0, 2.0, 3.0], "flat list of integers.*float64"),
-                               ([[1, 2, 3]], "flat list of integers.*shape \\(1, 3\\)"),
-                               ([], "no source blocks for layer 0")]:
+            for bad, match in [
+                ([1, 2, 64], r"source block ids \[64\] out of range \[0, 64\)"),
+                ([-1, 2, 3], r"\[-1\] out of range"),
+                ([1.0, 2.0, 3.0], "flat list of integers.*float64"),
+                ([[1, 2, 3]], "flat list of integers.*shape \\(1, 3\\)"),
+                ([], "no source blocks for layer 0"),
+            ]:
                 with pytest.raises(RequestError, match=match):
                     tx.send_layer(0, [("a", bad)])
             with pytest.raises(RequestError, match="first_block=-1"):
@@ -642,7 +676,9 @@ def test_source_block_ids_are_checked_before_anything_is_written(no_leaks):
             assert tx.wait_outcome("a", 10).ok
             for layer in range(4):
                 for gi, b in enumerate(g.blocks):
-                    assert dec.block(0, layer, 0, b) == expected_block([lay], [spec], [5, 6, 7], dec.lays[0], layer, 0, gi)
+                    assert dec.block(0, layer, 0, b) == expected_block(
+                        [lay], [spec], [5, 6, 7], dec.lays[0], layer, 0, gi
+                    )
     finally:
         dec.close()
 
@@ -657,14 +693,19 @@ def test_reserve_many_overlaps_round_trips_and_reports_each_request(no_leaks):
         with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=5) as tx:
             with pytest.raises(RequestError, match="appears twice"):
                 tx.reserve_many([("a", 8), ("a", 8)])
-            for bad, match in [([("a", 8), ("", 8)], "1-256 characters"), ([("a", 8), ("b", 0)], "num_tokens=0"),
-                               ([("a", 8), ("b", 2.5)], "num_tokens=2.5"), ([("a", True)], "num_tokens=True")]:
+            for bad, match in [
+                ([("a", 8), ("", 8)], "1-256 characters"),
+                ([("a", 8), ("b", 0)], "num_tokens=0"),
+                ([("a", 8), ("b", 2.5)], "num_tokens=2.5"),
+                ([("a", True)], "num_tokens=True"),
+            ]:
                 with pytest.raises(RequestError, match=match):
                     tx.reserve_many(bad)
             n0 = tx.stats["grant_messages"]
             # 10 requests of one block, one larger than decode can ever hold, then 10 more
-            res = tx.reserve_many([(f"r{i}", 8) for i in range(10)] + [("huge", 8 * 100)]
-                                  + [(f"s{i}", 8) for i in range(10)])
+            res = tx.reserve_many(
+                [(f"r{i}", 8) for i in range(10)] + [("huge", 8 * 100)] + [(f"s{i}", 8) for i in range(10)]
+            )
             grants, errs = res[:10] + res[11:], res[10]
             assert isinstance(errs, TransferError) and "huge" in str(errs)
             ok = [g for g in grants if not isinstance(g, BaseException)]
@@ -769,8 +810,13 @@ def test_one_plan_per_layer_copies_what_per_request_plans_copy(P, D, nhd, data):
 
 @pytest.mark.skipif(not cpu.available(), reason=f"streaming copy loop unavailable: {cpu.unavailable_reason()}")
 @settings(max_examples=60, deadline=None)
-@given(P=st.sampled_from([1, 2, 4]), D=st.sampled_from([1, 2, 4]), nhd=st.booleans(),
-       threads=st.integers(1, 3), data=st.data())
+@given(
+    P=st.sampled_from([1, 2, 4]),
+    D=st.sampled_from([1, 2, 4]),
+    nhd=st.booleans(),
+    threads=st.integers(1, 3),
+    data=st.data(),
+)
 def test_streaming_and_numpy_copies_write_the_same_bytes(P, D, nhd, threads, data):
     """Whole blocks, head slices, token-major pieces, runs across requests: the sender's
     streaming path (split over threads in small shares) writes what its numpy path writes.
@@ -811,8 +857,12 @@ def test_a_streamed_piece_outside_its_region_is_refused_before_anything_is_writt
 
 
 @settings(max_examples=200, deadline=None)
-@given(nb=st.lists(st.integers(1, 300), max_size=40), unit=st.sampled_from([1, 3, 64, 4096]),
-       cap=st.integers(1, 5000), most=st.integers(1, 70))
+@given(
+    nb=st.lists(st.integers(1, 300), max_size=40),
+    unit=st.sampled_from([1, 3, 64, 4096]),
+    cap=st.integers(1, 5000),
+    most=st.integers(1, 70),
+)
 def test_tcp_frames_cut_runs_and_bound_every_frame(nb, unit, cap, most):
     """Every block of every item is sent once, in order, from the right address; no item is
     longer than ``cap`` allows, no frame holds more than ``most`` items or (past its first)
@@ -918,26 +968,30 @@ def test_grants_decided_together_go_out_in_batches_within_the_limits():
     """512 grants or MAX_BATCH_BLOCKS block ids a GrantBatch at most; a grant larger than
     that alone goes as a plain GrantMsg; every message passes the receiving side's checks."""
     from pdkv.protocol import MAX_BATCH_BLOCKS, Codec, GrantBatch, GrantMsg
+    from pdkv.transfer.channel import Replies
 
-    rx = DecodeReceiver.__new__(DecodeReceiver)  # only the batching state
-    rx._outbox = threading.local()
     sent = []
-    rx._send = lambda ident, m: sent.append((ident, m))
+    replies = Replies(lambda ident, m: sent.append((ident, m)))  # the receiver's batching of grants
     big = GrantMsg("big", "buffer", "buffer", list(range(MAX_BATCH_BLOCKS + 1)), 1)
     small = [GrantMsg(f"s{i}", "buffer", "buffer", [i], 1) for i in range(900)]
-    with rx._replies_together():
+    with replies.together():
         for g in small[:300] + [big] + small[300:]:
-            rx._send_grant(b"p", g)
-        rx._send_grant(b"q", small[0])
+            replies.grant(b"p", g)
+        replies.grant(b"q", small[0])
     shape = [(i, type(m).__name__, len(m.items) if isinstance(m, GrantBatch) else 1) for i, m in sent]
-    assert shape == [(b"p", "GrantBatch", 300), (b"p", "GrantMsg", 1), (b"p", "GrantBatch", 512),
-                     (b"p", "GrantBatch", 88), (b"q", "GrantMsg", 1)]
+    assert shape == [
+        (b"p", "GrantBatch", 300),
+        (b"p", "GrantMsg", 1),
+        (b"p", "GrantBatch", 512),
+        (b"p", "GrantBatch", 88),
+        (b"q", "GrantMsg", 1),
+    ]
     got = [g.request_id for _, m in sent[:4] for g in (m.items if isinstance(m, GrantBatch) else [m])]
     assert got == [g.request_id for g in small[:300] + [big] + small[300:]]  # nothing lost, order kept
     codec = Codec(None)
     for _, m in sent:
         codec.decode(codec.encode(m))
-    rx._send_grant(b"p", small[1])  # outside the block: sent at once
+    replies.grant(b"p", small[1])  # outside the block: sent at once
     assert sent[-1] == (b"p", small[1])
 
 
@@ -945,17 +999,16 @@ def test_grants_decided_together_go_out_in_batches_within_the_limits():
 @given(sizes=st.lists(st.one_of(st.integers(0, 40), st.integers(20000, 70000)), min_size=1, max_size=1200))
 def test_grant_batches_keep_every_grant_in_order_within_the_limits(sizes):
     from pdkv.protocol import MAX_BATCH_BLOCKS, GrantBatch, GrantMsg
+    from pdkv.transfer.channel import Replies
 
-    rx = DecodeReceiver.__new__(DecodeReceiver)
-    rx._outbox = threading.local()
     sent = []
-    rx._send = lambda ident, m: sent.append(m)
+    replies = Replies(lambda ident, m: sent.append(m))
     blocks = [list(range(n)) for n in sorted(set(sizes))]  # shared lists: building 1200 is cheap
     by_n = {len(b): b for b in blocks}
     grants = [GrantMsg(f"r{i}", "buffer", "buffer", by_n[n], 1) for i, n in enumerate(sizes)]
-    with rx._replies_together():
+    with replies.together():
         for g in grants:
-            rx._send_grant(b"p", g)
+            replies.grant(b"p", g)
     out = []
     for m in sent:
         if isinstance(m, GrantBatch):
@@ -968,7 +1021,7 @@ def test_grant_batches_keep_every_grant_in_order_within_the_limits(sizes):
     i = 0
     for m in sent[:-1]:
         n = len(m.items) if isinstance(m, GrantBatch) else 1
-        part = grants[i:i + n]
+        part = grants[i : i + n]
         nxt = grants[i + n]
         assert len(part) == 512 or sum(len(g.blocks) for g in part) + len(nxt.blocks) > MAX_BATCH_BLOCKS
         i += n

@@ -136,16 +136,36 @@ def main() -> int:
     print(f"{'baseline: MAP_POPULATE (1 thread)':<44}{base_pop:>10.2f}")
     print(f"{'baseline: cudaHostRegister':<44}{base_pin:>10.2f}")
     print(f"{'baseline total':<44}{base_total:>10.2f}")
-    print(f"{'pdkv SharedBuffer.create (populate + pin)':<44}{pd_total:>10.2f}   {base_total / pd_total:.2f}x faster"
-          f"   ({stripes[0]} stripes, the default here)")
-    print(f"(runs in order baseline, pdkv, pdkv, baseline: {b1[0] + b1[1]:.2f}, {p1:.2f}, {p2:.2f}, {b2[0] + b2[1]:.2f} s)")
-    print(f"{'pdkv, huge_pages=True (shmem THP: ' + thp + ')':<44}{pd_huge:>10.2f}   {base_total / pd_huge:.2f}x faster")
+    print(
+        f"{'pdkv SharedBuffer.create (populate + pin)':<44}{pd_total:>10.2f}   {base_total / pd_total:.2f}x faster"
+        f"   ({stripes[0]} stripes, the default here)"
+    )
+    print(
+        "(runs in order baseline, pdkv, pdkv, baseline: "
+        f"{b1[0] + b1[1]:.2f}, {p1:.2f}, {p2:.2f}, {b2[0] + b2[1]:.2f} s)"
+    )
+    print(
+        f"{'pdkv, huge_pages=True (shmem THP: ' + thp + ')':<44}{pd_huge:>10.2f}   {base_total / pd_huge:.2f}x faster"
+    )
     print("population alone (unpinned), by stripes: " + ", ".join(f"{k}: {v:.2f} s" for k, v in sweep.items()))
-    print(f"host->GPU {a.copy_gib:g} GiB: pdkv buffer {bw_pd:.1f} GB/s, cudaMallocHost {bw_mh:.1f} GB/s ({bw_pd / bw_mh:.3f})")
-    print(json.dumps({"speedup_vs_baseline": round(base_total / pd_total, 2),
-                      "h2d_vs_cudamallochost": round(bw_pd / bw_mh, 3),
-                      "pdkv_create_s": round(pd_total, 3), "pdkv_huge_pages_s": round(pd_huge, 3), "baseline_s": round(base_total, 3),
-                      "h2d_GBps": round(bw_pd, 1), "cudamallochost_GBps": round(bw_mh, 1), "stripes": stripes[0]}))
+    print(
+        f"host->GPU {a.copy_gib:g} GiB: pdkv buffer {bw_pd:.1f} "
+        f"GB/s, cudaMallocHost {bw_mh:.1f} GB/s ({bw_pd / bw_mh:.3f})"
+    )
+    print(
+        json.dumps(
+            {
+                "speedup_vs_baseline": round(base_total / pd_total, 2),
+                "h2d_vs_cudamallochost": round(bw_pd / bw_mh, 3),
+                "pdkv_create_s": round(pd_total, 3),
+                "pdkv_huge_pages_s": round(pd_huge, 3),
+                "baseline_s": round(base_total, 3),
+                "h2d_GBps": round(bw_pd, 1),
+                "cudamallochost_GBps": round(bw_mh, 1),
+                "stripes": stripes[0],
+            }
+        )
+    )
     return 0
 
 

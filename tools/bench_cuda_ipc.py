@@ -51,8 +51,9 @@ def decode_main(a: argparse.Namespace) -> None:
     gpu = torch.zeros(nb * lay.block_bytes, dtype=torch.uint8, device="cuda")
     gspec = pdkv.CacheSpec.for_buffer(lay, nb, gpu.data_ptr(), device=a.decode_device)
     buf = pdkv.SharedBuffer.create(pdkv.CacheSpec.buffer_bytes(lay, 1))
-    sched = pdkv.DecodeScheduler(num_layers=1, gpu=pdkv.BlockPool(nb),
-                                 options=pdkv.SchedulerOptions(direct_to_gpu=True, lease_s=60))
+    sched = pdkv.DecodeScheduler(
+        num_layers=1, gpu=pdkv.BlockPool(nb), options=pdkv.SchedulerOptions(direct_to_gpu=True, lease_s=60)
+    )
     rx = pdkv.DecodeReceiver(sched, [lay], [buf], 1, transports=("cuda_ipc",), gpu_caches=[gspec], auto_tick=True)
     print(json.dumps({"control": rx.control_address}), flush=True)
     try:
@@ -104,9 +105,23 @@ def main() -> int:
         bb = lay.block_bytes
         nb = (a.gib << 30) // bb
         total = nb * bb
-        child = subprocess.Popen([sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib),
-                                  "--decode-device", str(a.decode_device)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--role",
+                "decode",
+                "--kib",
+                str(kib),
+                "--gib",
+                str(a.gib),
+                "--decode-device",
+                str(a.decode_device),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
         def ask(cmd):
             child.stdin.write(json.dumps(cmd) + "\n")
@@ -139,7 +154,7 @@ def main() -> int:
                 sync()
                 return total / (time.perf_counter() - t0)
 
-            plan = plan_copy(spec, lspec, perm[:nreq * per], np.arange(nreq * per))
+            plan = plan_copy(spec, lspec, perm[: nreq * per], np.arange(nreq * per))
 
             def bare():
                 sync()
@@ -152,9 +167,9 @@ def main() -> int:
                 rids = [f"r{counter[0]}-{i}" for i in range(nreq)]
                 grants = [tx.reserve(r, per * lay.tokens_per_block) for r in rids]
                 assert all(g.location == "gpu" for g in grants)
-                dt = send_and_wait(tx, [(r, perm[i * per:(i + 1) * per].tolist()) for i, r in enumerate(rids)])
+                dt = send_and_wait(tx, [(r, perm[i * per : (i + 1) * per].tolist()) for i, r in enumerate(rids)])
                 dst = [b for g in grants for b in g.blocks]
-                if not ask({"op": "verify", "dst": dst, "src": perm[:nreq * per].tolist()})["ok"]:
+                if not ask({"op": "verify", "dst": dst, "src": perm[: nreq * per].tolist()})["ok"]:
                     raise SystemExit(f"VERIFY FAILED: cuda_ipc {kib} KiB")
                 if not ask({"op": "finish"})["ok"]:
                     raise SystemExit("decode did not finish the requests")
@@ -163,8 +178,13 @@ def main() -> int:
             ceiling(), bare(), transfer()  # warm-up
             reps = [(ceiling(), transfer(), bare()) for _ in range(a.reps)]
             med = statistics.median
-            res = {"ipc": med(r[1] for r in reps), "ceiling": med(r[0] for r in reps), "bare": med(r[2] for r in reps),
-                   "ratio": med(r[1] / r[0] for r in reps), "vs_bare": med(r[1] / r[2] for r in reps)}
+            res = {
+                "ipc": med(r[1] for r in reps),
+                "ceiling": med(r[0] for r in reps),
+                "bare": med(r[2] for r in reps),
+                "ratio": med(r[1] / r[0] for r in reps),
+                "vs_bare": med(r[1] / r[2] for r in reps),
+            }
             out[kib] = res
             rows.append((kib, res))
             tx.close()
@@ -185,14 +205,24 @@ def main() -> int:
     print(f"{a.gib} GiB per run, {where}, random order, every block verified by decode; GB/s (ratio)")
     print(f"{'KiB':>6} {'cuda_ipc':>16} {'bare kernel copy':>17} {'D2D ceiling':>12}")
     for kib, r in rows:
-        print(f"{kib:>6} {r['ipc'] / 1e9:>9.1f} ({r['ratio']:.2f}) {r['bare'] / 1e9:>10.1f} ({r['vs_bare']:.2f}) "
-              f"{r['ceiling'] / 1e9:>12.1f}")
-    print("(medians; cuda_ipc ratio to the ceiling, and in the second column its ratio to the bare copy. "
-          "ceiling: one contiguous device-to-device copy of the same bytes in one process)")
-    print(json.dumps({"ipc_vs_ceiling_min": round(min(r["ratio"] for r in out.values()), 3),
-                      "ipc_vs_bare_min": round(min(r["vs_bare"] for r in out.values()), 3),
-                      "ipc_GBps": {str(k): round(r["ipc"] / 1e9, 1) for k, r in out.items()},
-                      "decode_device": a.decode_device}))
+        print(
+            f"{kib:>6} {r['ipc'] / 1e9:>9.1f} ({r['ratio']:.2f}) {r['bare'] / 1e9:>10.1f} ({r['vs_bare']:.2f}) "
+            f"{r['ceiling'] / 1e9:>12.1f}"
+        )
+    print(
+        "(medians; cuda_ipc ratio to the ceiling, and in the second column its ratio to the bare copy. "
+        "ceiling: one contiguous device-to-device copy of the same bytes in one process)"
+    )
+    print(
+        json.dumps(
+            {
+                "ipc_vs_ceiling_min": round(min(r["ratio"] for r in out.values()), 3),
+                "ipc_vs_bare_min": round(min(r["vs_bare"] for r in out.values()), 3),
+                "ipc_GBps": {str(k): round(r["ipc"] / 1e9, 1) for k, r in out.items()},
+                "decode_device": a.decode_device,
+            }
+        )
+    )
     return 0
 
 

@@ -34,8 +34,13 @@ class _InstantSwap:
 
 
 def lifecycles(n: int, layers: int, per_layer: bool, batch: int = 64) -> float:
-    s = DecodeScheduler(num_layers=layers, gpu=BlockPool(10_000, "gpu"), buffer=BlockPool(10_000, "buffer"),
-                        swap=_InstantSwap(), options=SchedulerOptions(direct_to_gpu=False))
+    s = DecodeScheduler(
+        num_layers=layers,
+        gpu=BlockPool(10_000, "gpu"),
+        buffer=BlockPool(10_000, "buffer"),
+        swap=_InstantSwap(),
+        options=SchedulerOptions(direct_to_gpu=False),
+    )
     rng = range(layers)
     t0 = time.perf_counter()
     done = 0
@@ -87,10 +92,21 @@ def main() -> None:
     print(f"{'lifecycles, layers landed in one call':<52}{bulk:>14,.0f}")
     print(f"{'lifecycles, one message per layer (' + str(a.layers) + ' layers)':<52}{per:>14,.0f}")
     print(f"{'pool operations (allocate or free 64 blocks)':<52}{ops:>14,.0f}")
-    print(f"scheduler time per lifecycle: {1e6 / bulk:.1f} us (bulk), {1e6 / per:.1f} us (per layer); "
-          f"a 20 ms decode step admits {step_budget * bulk:,.0f} lifecycles")
-    print(json.dumps({"lifecycles_per_s": round(bulk), "lifecycles_per_layer_msgs_per_s": round(per),
-                      "pool_ops_per_s": round(ops), "layers": a.layers, "target_lifecycles_per_s": 50_000}))
+    print(
+        f"scheduler time per lifecycle: {1e6 / bulk:.1f} us (bulk), {1e6 / per:.1f} us (per layer); "
+        f"a 20 ms decode step admits {step_budget * bulk:,.0f} lifecycles"
+    )
+    print(
+        json.dumps(
+            {
+                "lifecycles_per_s": round(bulk),
+                "lifecycles_per_layer_msgs_per_s": round(per),
+                "pool_ops_per_s": round(ops),
+                "layers": a.layers,
+                "target_lifecycles_per_s": 50_000,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

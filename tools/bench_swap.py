@@ -40,6 +40,7 @@ def _one_call(submit, s_, d_, direction):
     """One copy submitted and waited for: the latency of a single call."""
     submit(s_, d_, direction).wait(60)
 
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=4096)
@@ -85,8 +86,12 @@ def main() -> int:
         return statistics.median(ps), statistics.median(cs)
 
     print(f"{N} scattered blocks per call, {a.reps} calls back to back, GB/s (ratio to the one-large-copy ceiling)")
-    print(f"{'KiB':>5} {'dir':>4} {'pdkv':>14} {'1 batch call':>14} {'torch loop':>14} {'ceiling':>8} {'pdkv 1 call ms':>15}",
-          flush=True)
+    print(
+        f"{'KiB':>5} {'dir':>4} {'pdkv':>14} {'1 batch call':>14} "
+        f"{'torch loop':>14} {'ceiling':>8} {'pdkv 1 call ms':>15}",
+        flush=True,
+    )
+
     def one_size(kib: int) -> int:
         """Measure one block size into ``rows`` and ``out``; 1 if a copy was wrong."""
         size = kib << 10
@@ -129,8 +134,7 @@ def main() -> int:
             _cuda.memcpy_batch_async(p.dst.tolist(), p.src.tolist(), p.lengths.tolist(), bare_stream)
             return StreamDone()
 
-        methods = {"auto": lambda s_, d_, direction: eng.copy(s_, d_, direction=direction),
-                   "batch": one_batch_call}
+        methods = {"auto": lambda s_, d_, direction: eng.copy(s_, d_, direction=direction), "batch": one_batch_call}
         for strat, submit in methods.items():
             for direction in ("h2d", "d2h"):
                 # verify once: poison the destination, copy, compare every pair
@@ -146,20 +150,23 @@ def main() -> int:
                 submit(s_, d_, direction).wait(60)
                 torch.cuda.synchronize()
                 hv, gv = host.view(nb, size), gpu.view(nb, size)
-                ok = torch.equal(gv.index_select(0, torch.tensor(dst, device="cuda")).cpu(),
-                                 hv.index_select(0, torch.tensor(src)))
+                ok = torch.equal(
+                    gv.index_select(0, torch.tensor(dst, device="cuda")).cpu(), hv.index_select(0, torch.tensor(src))
+                )
                 if not ok:
                     print(f"VERIFY FAILED: {strat} {direction} {kib} KiB", file=sys.stderr)
                     return 1
                 if direction == "d2h":
                     host.copy_(saved)
                     del saved
+
                 # throughput: `reps` calls submitted back to back (as the scheduler does),
                 # so planning the next overlaps the copy in flight; latency: one call alone
                 def burst(submit=submit, s_=s_, d_=d_, direction=direction):
                     hs = [submit(s_, d_, direction) for _ in range(a.reps)]
                     for h in hs:
                         h.wait(60)
+
                 if strat == "auto":  # alternating with the ceiling, five of each
                     ts, cs = interleaved(burst, rep(ceiling(direction)))
                     res[(strat, direction)] = total * a.reps / ts / 1e9
@@ -186,11 +193,23 @@ def main() -> int:
         res[("torch", "d2h")] = total * a.reps / timed(rep(torch_loop_d2h), torch.cuda.synchronize) / 1e9
         for direction in ("h2d", "d2h"):
             c = res[("ceiling", direction)]
-            rows.append((kib, direction, res[("auto", direction)], res[("batch", direction)], res[("torch", direction)], c,
-                         res[("auto", direction, "latency_ms")]))
+            rows.append(
+                (
+                    kib,
+                    direction,
+                    res[("auto", direction)],
+                    res[("batch", direction)],
+                    res[("torch", direction)],
+                    c,
+                    res[("auto", direction, "latency_ms")],
+                )
+            )
             _, d, k, b, t, c, lat = rows[-1]
-            print(f"{kib:>5} {d:>4} {k:>7.1f} ({k / c:.2f}) {b:>7.1f} ({b / c:.2f}) {t:>7.1f} ({t / c:.2f}) {c:>8.1f} "
-                  f"{lat:>15.2f}", flush=True)
+            print(
+                f"{kib:>5} {d:>4} {k:>7.1f} ({k / c:.2f}) {b:>7.1f} ({b / c:.2f}) {t:>7.1f} ({t / c:.2f}) {c:>8.1f} "
+                f"{lat:>15.2f}",
+                flush=True,
+            )
         out[kib] = res
         host = hv = gv = pinned = flat = gpu = None  # GPU and pinned memory freed before the next size
         torch.cuda.empty_cache()
@@ -209,14 +228,18 @@ def main() -> int:
         one = s128[("torch", "h2d", "latency_ms")] / s128[("auto", "h2d", "latency_ms")]
         burst = s128[("auto", "h2d")] / s128[("torch", "h2d")]
         print(f"128 KiB h2d, pdkv vs torch per-block loop: {one:.2f}x for one call, {burst:.2f}x back to back")
-    print(json.dumps({
-        "min_ratio_vs_ceiling_h2d": round(min(h2d), 3),
-        "min_ratio_vs_ceiling_d2h": round(min(d2h), 3),
-        "speedup_vs_torch_128k": round(one, 2) if s128 else None,
-        "speedup_vs_torch_128k_back_to_back": round(burst, 2) if s128 else None,
-        "blocks": N,
-        "reps": a.reps,
-    }))
+    print(
+        json.dumps(
+            {
+                "min_ratio_vs_ceiling_h2d": round(min(h2d), 3),
+                "min_ratio_vs_ceiling_d2h": round(min(d2h), 3),
+                "speedup_vs_torch_128k": round(one, 2) if s128 else None,
+                "speedup_vs_torch_128k_back_to_back": round(burst, 2) if s128 else None,
+                "blocks": N,
+                "reps": a.reps,
+            }
+        )
+    )
     return 0
 
 

@@ -69,13 +69,21 @@ def decode_main(a: argparse.Namespace) -> None:
         if ev.kind == "ready":
             ready.set()
 
-    sched = pdkv.DecodeScheduler(num_layers=1, gpu=pdkv.BlockPool(nb), buffer=pdkv.BlockPool(nb), swap=NullSwap(),
-                                 options=pdkv.SchedulerOptions(direct_to_gpu=False, lease_s=120),
-                                 listener=on_event)
+    sched = pdkv.DecodeScheduler(
+        num_layers=1,
+        gpu=pdkv.BlockPool(nb),
+        buffer=pdkv.BlockPool(nb),
+        swap=NullSwap(),
+        options=pdkv.SchedulerOptions(direct_to_gpu=False, lease_s=120),
+        listener=on_event,
+    )
     rx = pdkv.DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, io_timeout_s=30)
     sink = socket.create_server(("127.0.0.1", 0))
-    print(json.dumps({"control": rx.control_address, "shm": buf.name, "blocks": nb,
-                      "sink": sink.getsockname()[1]}), flush=True)
+    print(
+        json.dumps({"control": rx.control_address, "shm": buf.name, "blocks": nb, "sink": sink.getsockname()[1]}),
+        flush=True,
+    )
+
     def engine() -> None:  # the decode engine: takes ready requests and finishes them
         while True:
             ready.wait(0.05)
@@ -104,7 +112,7 @@ def decode_main(a: argparse.Namespace) -> None:
         n = int.from_bytes(hdr, "little")
         got = 0
         while got < n:
-            k = conn.recv_into(view[got % len(view):min(len(view), got % len(view) + n - got)])
+            k = conn.recv_into(view[got % len(view) : min(len(view), got % len(view) + n - got)])
             if k == 0:
                 break
             got += k
@@ -119,16 +127,19 @@ def decode_main(a: argparse.Namespace) -> None:
 
 def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
     lay = layout_for(kib)
-    child = subprocess.Popen([sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib)]
-                             + (["--huge-pages"] if a.huge_pages else []),
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib)]
+        + (["--huge-pages"] if a.huge_pages else []),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         info = json.loads(child.stdout.readline())
         nb = info["blocks"]
         total = nb * lay.block_bytes
         # the prefill cache: page-aligned, as an engine's allocator gives it (np.random's
         # own array would start 16 bytes into its page; --src-offset reproduces that)
-        src = pdkv.aligned_empty(total + a.src_offset)[a.src_offset:]
+        src = pdkv.aligned_empty(total + a.src_offset)[a.src_offset :]
         src[:] = np.random.default_rng(kib).integers(0, 256, total, dtype=np.uint8)
         spec = pdkv.CacheSpec.for_buffer(lay, nb, src.ctypes.data)
         view_buf = pdkv.SharedBuffer.open(info["shm"], pin="never")
@@ -160,7 +171,7 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
 
         def contiguous(kind: str) -> float:
             if kind == "copyto":
-                work = lambda i: np.copyto(dst[cut[i]:cut[i + 1]], src[cut[i]:cut[i + 1]])  # noqa: E731
+                work = lambda i: np.copyto(dst[cut[i] : cut[i + 1]], src[cut[i] : cut[i + 1]])  # noqa: E731
             elif kind == "stream":
                 work = lambda i: cpu.copy(dbase + cut[i], sbase + cut[i], cut[i + 1] - cut[i])  # noqa: E731
             else:
@@ -190,11 +201,23 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         def bare_gather():
             t0 = time.perf_counter()
             if stream:
-                list(pool.map(lambda i: cpu.gather(g_src[bcut[i]:bcut[i + 1]], g_dst[bcut[i]:bcut[i + 1]],
-                                                   g_len[bcut[i]:bcut[i + 1]]), range(nth)))
+                list(
+                    pool.map(
+                        lambda i: cpu.gather(
+                            g_src[bcut[i] : bcut[i + 1]], g_dst[bcut[i] : bcut[i + 1]], g_len[bcut[i] : bcut[i + 1]]
+                        ),
+                        range(nth),
+                    )
+                )
             else:
-                list(pool.map(lambda i: np.take(s2, perm[bcut[i]:bcut[i + 1]], axis=0, out=d2[bcut[i]:bcut[i + 1]],
-                                                mode="clip"), range(nth)))
+                list(
+                    pool.map(
+                        lambda i: np.take(
+                            s2, perm[bcut[i] : bcut[i + 1]], axis=0, out=d2[bcut[i] : bcut[i + 1]], mode="clip"
+                        ),
+                        range(nth),
+                    )
+                )
             return total / (time.perf_counter() - t0)
 
         # socket loop baseline: one stream, sendall of the same bytes, recv_into on the far side
@@ -204,14 +227,25 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
             s.sendall(total.to_bytes(8, "little"))
             mv = memoryview(src)
             for off in range(0, total, 8 << 20):
-                s.sendall(mv[off:off + (8 << 20)])
+                s.sendall(mv[off : off + (8 << 20)])
             assert s.recv(2) == b"ok"
             dt = time.perf_counter() - t0
             s.close()
             return total / dt
 
-        txs = {t: pdkv.PrefillSender(lay, spec, info["control"], transport=t, streams=a.streams, timeout_s=60,
-                                     instance=f"bench-{t}", copy_threads=nth) for t in ("shm", "tcp")}
+        txs = {
+            t: pdkv.PrefillSender(
+                lay,
+                spec,
+                info["control"],
+                transport=t,
+                streams=a.streams,
+                timeout_s=60,
+                instance=f"bench-{t}",
+                copy_threads=nth,
+            )
+            for t in ("shm", "tcp")
+        }
         counter = [0]
 
         def transfer(transport: str) -> float:
@@ -221,11 +255,11 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
             rids = [f"{transport}-{counter[0]}-{i}" for i in range(nreq)]
             # reservation is control-plane work (measured below); the clock starts with data
             grants = [tx.reserve(r, per * lay.tokens_per_block) for r in rids]
-            dt = send_and_wait(tx, [(r, perm[i * per:(i + 1) * per].tolist()) for i, r in enumerate(rids)])
+            dt = send_and_wait(tx, [(r, perm[i * per : (i + 1) * per].tolist()) for i, r in enumerate(rids)])
             bb = lay.block_bytes
             for i, g in enumerate(grants):  # every byte: block grants[i][j] holds source perm[i*per+j]
-                got = dst[:nb * bb].reshape(nb, bb)[np.asarray(g.blocks)]
-                if not np.array_equal(got, src.reshape(nb, bb)[perm[i * per:(i + 1) * per]]):
+                got = dst[: nb * bb].reshape(nb, bb)[np.asarray(g.blocks)]
+                if not np.array_equal(got, src.reshape(nb, bb)[perm[i * per : (i + 1) * per]]):
                     raise SystemExit(f"VERIFY FAILED: {transport} {kib} KiB request {i}")
             return nreq * per * bb / dt
 
@@ -234,9 +268,14 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         ceiling(), socket_loop(), transfer("shm"), transfer("tcp"), bare_gather()
         reps = [(ceiling(), transfer("shm"), socket_loop(), transfer("tcp"), bare_gather()) for _ in range(a.reps)]
         med = lambda xs: statistics.median(xs)  # noqa: E731
-        res = {"shm": med([r[1] for r in reps]), "tcp": med([r[3] for r in reps]),
-               "shm_ratio": med([r[1] / r[0] for r in reps]), "tcp_ratio": med([r[3] / r[2] for r in reps]),
-               "shm_vs_bare_gather": med([r[1] / r[4] for r in reps]), "bare_gather": med([r[4] for r in reps])}
+        res = {
+            "shm": med([r[1] for r in reps]),
+            "tcp": med([r[3] for r in reps]),
+            "shm_ratio": med([r[1] / r[0] for r in reps]),
+            "tcp_ratio": med([r[3] / r[2] for r in reps]),
+            "shm_vs_bare_gather": med([r[1] / r[4] for r in reps]),
+            "bare_gather": med([r[4] for r in reps]),
+        }
         shm_ceiling, sock_bw = med([r[0] for r in reps]), med([r[2] for r in reps])
         for transport, tx in txs.items():
             # control overhead of one-block requests: grant -> completion (from holding the
@@ -262,9 +301,22 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         dst = s2 = d2 = None  # drop the views before closing the mapping
         view_buf.close()
         gib = 1 << 30
-        rows.append((kib, res["shm"] / gib, res["shm_ratio"], shm_ceiling / gib, res["bare_gather"] / gib,
-                     res["tcp"] / gib, res["tcp_ratio"], sock_bw / gib, res["shm_ctl_p50_ms"], res["tcp_ctl_p50_ms"],
-                     res["shm_cycle_p50_ms"], res["tcp_cycle_p50_ms"]))
+        rows.append(
+            (
+                kib,
+                res["shm"] / gib,
+                res["shm_ratio"],
+                shm_ceiling / gib,
+                res["bare_gather"] / gib,
+                res["tcp"] / gib,
+                res["tcp_ratio"],
+                sock_bw / gib,
+                res["shm_ctl_p50_ms"],
+                res["tcp_ctl_p50_ms"],
+                res["shm_cycle_p50_ms"],
+                res["tcp_cycle_p50_ms"],
+            )
+        )
         out[kib] = dict(res, shm_ceiling=shm_ceiling, socket=sock_bw, copyto=med(copyto_bw), huge_mib=huge_mib)
     finally:
         child.kill()
@@ -282,12 +334,23 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--sizes-kib", default="32,128,1024")
     ap.add_argument("--streams", type=int, default=2)
-    ap.add_argument("--copy-threads", type=int, default=None,
-                    help="shm copy threads (default: pdkv's default_copy_threads()); the ceiling uses as many")
-    ap.add_argument("--src-offset", type=int, default=0,
-                    help="bytes the prefill cache starts past a page boundary (default 0; a large np.empty: 16)")
-    ap.add_argument("--huge-pages", action="store_true",
-                    help="decode's buffer asks for huge pages (takes effect on a /dev/shm mounted huge=advise)")
+    ap.add_argument(
+        "--copy-threads",
+        type=int,
+        default=None,
+        help="shm copy threads (default: pdkv's default_copy_threads()); the ceiling uses as many",
+    )
+    ap.add_argument(
+        "--src-offset",
+        type=int,
+        default=0,
+        help="bytes the prefill cache starts past a page boundary (default 0; a large np.empty: 16)",
+    )
+    ap.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="decode's buffer asks for huge pages (takes effect on a /dev/shm mounted huge=advise)",
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--control-requests", type=int, default=200)
     a = ap.parse_args()
@@ -302,39 +365,52 @@ def main() -> int:
     out: dict = {}
     for kib in [int(x) for x in a.sizes_kib.split(",")]:
         run_size(kib, a, rows, out)
-    print(f"{a.gib:g} GiB per run, random destination order, every byte verified; GiB/s (ratio);"
-          f" shm copy threads: {a.copy_threads} (pdkv and both baselines);"
-          f" prefill cache {a.src_offset} B past a page boundary; decode buffer in huge pages:"
-          f" {', '.join(str(v['huge_mib']) + ' MiB' for v in out.values())}")
+    print(
+        f"{a.gib:g} GiB per run, random destination order, every byte verified; GiB/s (ratio);"
+        f" shm copy threads: {a.copy_threads} (pdkv and both baselines);"
+        f" prefill cache {a.src_offset} B past a page boundary; decode buffer in huge pages:"
+        f" {', '.join(str(v['huge_mib']) + ' MiB' for v in out.values())}"
+    )
     from pdkv.native import cpu
 
-    print("shm copy primitive: " + ("pdkv's streaming copy loop (_ffi.cpu)" if cpu.available()
-                                    else f"np.take ({cpu.unavailable_reason()})"))
-    print(f"{'KiB':>6} {'shm':>14} {'shm ceiling':>12} {'np.copyto':>10} {'bare gather':>12} {'tcp':>14} {'socket loop':>12}"
-          f" {'grant->done ms shm/tcp':>23} {'+reserve ms':>12}")
+    print(
+        "shm copy primitive: "
+        + ("pdkv's streaming copy loop (_ffi.cpu)" if cpu.available() else f"np.take ({cpu.unavailable_reason()})")
+    )
+    print(
+        f"{'KiB':>6} {'shm':>14} {'shm ceiling':>12} {'np.copyto':>10} "
+        f"{'bare gather':>12} {'tcp':>14} {'socket loop':>12}"
+        f" {'grant->done ms shm/tcp':>23} {'+reserve ms':>12}"
+    )
     for kib, s, sr, sc, bg, t, tr, sk, c1, c2, f1, f2 in rows:
-        print(f"{kib:>6} {s:>7.2f} ({sr:.2f}) {sc:>12.2f} {out[kib]['copyto'] / (1 << 30):>10.2f} {bg:>12.2f}"
-              f" {t:>7.2f} ({tr:.2f}) {sk:>12.2f}"
-              f" {c1:>13.2f}/{c2:.2f} {f1:>7.2f}/{f2:.2f}")
+        print(
+            f"{kib:>6} {s:>7.2f} ({sr:.2f}) {sc:>12.2f} {out[kib]['copyto'] / (1 << 30):>10.2f} {bg:>12.2f}"
+            f" {t:>7.2f} ({tr:.2f}) {sk:>12.2f}"
+            f" {c1:>13.2f}/{c2:.2f} {f1:>7.2f}/{f2:.2f}"
+        )
     print("(medians over repetitions; a ratio is the median of per-repetition ratios. shm ceiling: one contiguous")
     print(" copy of the same bytes, the fastest of np.copyto and pdkv's streaming loop (one piece, 128 KiB pieces)")
     print(" each time; bare gather: the same random-order block copy by the shm transport's copy primitive,")
     print(" no transport)")
     print("reference (DESIGN.md, same machine class): NIXL/UCX TCP best 2.14 GiB/s, Mooncake TCP best 2.3 GiB/s")
     r128 = out.get(128) or next(iter(out.values()))
-    print(json.dumps({
-        "shm_vs_ceiling": round(min(r["shm_ratio"] for r in out.values()), 3),
-        "tcp_vs_socket": round(min(r["tcp_ratio"] for r in out.values()), 3),
-        "tcp_GiBps": round(r128["tcp"] / (1 << 30), 3),
-        "control_p50_ms": round(statistics.median([r["tcp_ctl_p50_ms"] for r in out.values()]), 3),
-        "control_p50_ms_shm": round(statistics.median([r["shm_ctl_p50_ms"] for r in out.values()]), 3),
-        "cycle_with_reserve_p50_ms": round(statistics.median([r["tcp_cycle_p50_ms"] for r in out.values()]), 3),
-        "shm_vs_bare_gather": round(min(r["shm_vs_bare_gather"] for r in out.values()), 3),
-        "streams": a.streams,
-        "copy_threads": a.copy_threads,
-        "src_offset": a.src_offset,
-        "copy": "stream" if cpu.available() else "numpy",
-    }))
+    print(
+        json.dumps(
+            {
+                "shm_vs_ceiling": round(min(r["shm_ratio"] for r in out.values()), 3),
+                "tcp_vs_socket": round(min(r["tcp_ratio"] for r in out.values()), 3),
+                "tcp_GiBps": round(r128["tcp"] / (1 << 30), 3),
+                "control_p50_ms": round(statistics.median([r["tcp_ctl_p50_ms"] for r in out.values()]), 3),
+                "control_p50_ms_shm": round(statistics.median([r["shm_ctl_p50_ms"] for r in out.values()]), 3),
+                "cycle_with_reserve_p50_ms": round(statistics.median([r["tcp_cycle_p50_ms"] for r in out.values()]), 3),
+                "shm_vs_bare_gather": round(min(r["shm_vs_bare_gather"] for r in out.values()), 3),
+                "streams": a.streams,
+                "copy_threads": a.copy_threads,
+                "src_offset": a.src_offset,
+                "copy": "stream" if cpu.available() else "numpy",
+            }
+        )
+    )
     return 0
 
 

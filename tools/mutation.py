@@ -53,10 +53,14 @@ def run_module(module: str, tests: list[str], children: int, diffs: bool, keep: 
     try:
         if not resume:  # a kept folder with results goes on where it stopped (mutmut is incremental)
             os.makedirs(work, exist_ok=True)
-            shutil.copytree(os.path.join(ROOT, "pdkv"), os.path.join(work, "pdkv"),
-                            ignore=shutil.ignore_patterns("__pycache__"))
-            shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(work, "tests"),
-                            ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+            shutil.copytree(
+                os.path.join(ROOT, "pdkv"), os.path.join(work, "pdkv"), ignore=shutil.ignore_patterns("__pycache__")
+            )
+            shutil.copytree(
+                os.path.join(ROOT, "tests"),
+                os.path.join(work, "tests"),
+                ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"),
+            )
         with open(os.path.join(ROOT, "pyproject.toml")) as f:
             text = f.read()
         if resume:
@@ -65,14 +69,16 @@ def run_module(module: str, tests: list[str], children: int, diffs: bool, keep: 
         sel = ", ".join(json.dumps(t) for t in tests)
         # this run's module and tests, in mutmut's own table
         text = re.sub(r"(?m)^only_mutate = .*$", f'only_mutate = ["pdkv/{module}.py"]', text)
-        text = re.sub(r"(?m)^pytest_add_cli_args_test_selection = .*$",
-                      f"pytest_add_cli_args_test_selection = [{sel}]", text)
+        text = re.sub(
+            r"(?m)^pytest_add_cli_args_test_selection = .*$", f"pytest_add_cli_args_test_selection = [{sel}]", text
+        )
         with open(os.path.join(work, "pyproject.toml"), "w") as f:
             f.write(text)
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
         mm = [sys.executable, "-m", "mutmut"]
-        run = subprocess.run([*mm, "run", "--max-children", str(children)], cwd=work, env=env,
-                             capture_output=True, text=True)
+        run = subprocess.run(
+            [*mm, "run", "--max-children", str(children)], cwd=work, env=env, capture_output=True, text=True
+        )
         if run.returncode != 0:
             raise SystemExit(f"mutmut run failed for {module}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
         res = subprocess.run([*mm, "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True)
@@ -90,9 +96,17 @@ def run_module(module: str, tests: list[str], children: int, diffs: bool, keep: 
         survivors = sorted(n for n, s in status.items() if s not in dead and n not in eq)
         killed = sum(1 for s in status.values() if s in dead)
         total = len(status) - len(excluded)
-        out = {"module": module, "mutants": len(status), "killed": killed, "survived": len(survivors),
-               "equivalent": len(excluded), "score": killed / total if total else 1.0,
-               "survivors": survivors, "stale_equivalents": stale, "by_status": {}}
+        out = {
+            "module": module,
+            "mutants": len(status),
+            "killed": killed,
+            "survived": len(survivors),
+            "equivalent": len(excluded),
+            "score": killed / total if total else 1.0,
+            "survivors": survivors,
+            "stale_equivalents": stale,
+            "by_status": {},
+        }
         for s in status.values():
             out["by_status"][s] = out["by_status"].get(s, 0) + 1
         if diffs:
@@ -114,8 +128,9 @@ def main() -> int:
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--diffs", action="store_true", help="print each survivor's diff")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR/<module> and keep it; a second run resumes there")
-    ap.add_argument("--tests", help="comma-separated test files instead of the module's own (to see what one "
-                                    "file alone kills)")
+    ap.add_argument(
+        "--tests", help="comma-separated test files instead of the module's own (to see what one file alone kills)"
+    )
     a = ap.parse_args()
     results = []
     for m in a.modules:
@@ -125,20 +140,27 @@ def main() -> int:
         results.append(run_module(m, tests, a.max_children, a.diffs, a.keep))
     print(f"{'module':12} {'mutants':>8} {'killed':>7} {'survived':>9} {'equivalent':>11} {'score':>7}")
     for r in results:
-        print(f"{r['module']:12} {r['mutants']:8d} {r['killed']:7d} {r['survived']:9d} {r['equivalent']:11d} "
-              f"{r['score']:7.1%}")
+        print(
+            f"{r['module']:12} {r['mutants']:8d} {r['killed']:7d} {r['survived']:9d} {r['equivalent']:11d} "
+            f"{r['score']:7.1%}"
+        )
     for r in results:
         if r["stale_equivalents"]:
-            print(f"\nlisted as equivalent but killed (stale entries in {os.path.basename(EQUIVALENT)}): "
-                  + ", ".join(r["stale_equivalents"]))
+            print(
+                f"\nlisted as equivalent but killed (stale entries in {os.path.basename(EQUIVALENT)}): "
+                + ", ".join(r["stale_equivalents"])
+            )
         if r["survivors"]:
             print(f"\nsurvivors in pdkv/{r['module']}.py ({r['by_status']}):")
             for n in r["survivors"]:
                 print(f"  {n}")
                 if a.diffs:
                     print("    " + r["diffs"][n].replace("\n", "\n    "))
-    print(json.dumps({r["module"]: {k: r[k] for k in ("mutants", "killed", "survived", "equivalent", "score")}
-                      for r in results}))
+    print(
+        json.dumps(
+            {r["module"]: {k: r[k] for k in ("mutants", "killed", "survived", "equivalent", "score")} for r in results}
+        )
+    )
     return 0
 
 

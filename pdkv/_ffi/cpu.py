@@ -46,31 +46,41 @@ _WAYS = 4  # pieces copied side by side: 4 streams keep more misses in flight th
 def _step(tag: str, s: str, d: str, k: str) -> tuple[str, str]:
     """IR loading, then storing, the 256 bytes at step ``k`` of a piece whose 64-byte-aligned
     part starts at source ``s`` / destination ``d`` (i64 values)."""
-    ld = [f"  %{tag}o = shl i64 {k}, 8\n  %{tag}sa = add i64 {s}, %{tag}o\n  %{tag}da = add i64 {d}, %{tag}o\n"
-          f"  %{tag}p = inttoptr i64 %{tag}sa to ptr\n  %{tag}q = inttoptr i64 %{tag}da to ptr\n"]
+    ld = [
+        f"  %{tag}o = shl i64 {k}, 8\n  %{tag}sa = add i64 {s}, %{tag}o\n  %{tag}da = add i64 {d}, %{tag}o\n"
+        f"  %{tag}p = inttoptr i64 %{tag}sa to ptr\n  %{tag}q = inttoptr i64 %{tag}da to ptr\n"
+    ]
     st = []
     for j in range(4):
-        ld.append(f"  %{tag}p{j} = getelementptr i8, ptr %{tag}p, i64 {64 * j}\n"
-                  f"  %{tag}v{j} = load <8 x i64>, ptr %{tag}p{j}, align 1\n")
-        st.append(f"  %{tag}q{j} = getelementptr i8, ptr %{tag}q, i64 {64 * j}\n"
-                  f"  store <8 x i64> %{tag}v{j}, ptr %{tag}q{j}, align 64, !nontemporal !0\n")
+        ld.append(
+            f"  %{tag}p{j} = getelementptr i8, ptr %{tag}p, i64 {64 * j}\n"
+            f"  %{tag}v{j} = load <8 x i64>, ptr %{tag}p{j}, align 1\n"
+        )
+        st.append(
+            f"  %{tag}q{j} = getelementptr i8, ptr %{tag}q, i64 {64 * j}\n"
+            f"  store <8 x i64> %{tag}v{j}, ptr %{tag}q{j}, align 64, !nontemporal !0\n"
+        )
     return "".join(ld), "".join(st)
 
 
 def _head(w: str, s: str, d: str, n: str) -> str:
     """IR copying a piece's bytes up to its destination's next 64-byte boundary; defines
     %S{w} / %D{w} (where the aligned part starts), %N{w} (its 256-byte steps), %T{w} (tail)."""
-    return (f"  %mis{w} = and i64 {d}, 63\n  %h0{w} = sub i64 64, %mis{w}\n  %h1{w} = and i64 %h0{w}, 63\n"
-            f"  %hlt{w} = icmp ult i64 %h1{w}, {n}\n  %hd{w} = select i1 %hlt{w}, i64 %h1{w}, i64 {n}\n"
-            f"  %hs{w} = inttoptr i64 {s} to ptr\n  %hq{w} = inttoptr i64 {d} to ptr\n"
-            f"  call void @llvm.memcpy.p0.p0.i64(ptr %hq{w}, ptr %hs{w}, i64 %hd{w}, i1 false)\n"
-            f"  %rm{w} = sub i64 {n}, %hd{w}\n  %N{w} = lshr i64 %rm{w}, 8\n  %T{w} = and i64 %rm{w}, 255\n"
-            f"  %S{w} = add i64 {s}, %hd{w}\n  %D{w} = add i64 {d}, %hd{w}\n")
+    return (
+        f"  %mis{w} = and i64 {d}, 63\n  %h0{w} = sub i64 64, %mis{w}\n  %h1{w} = and i64 %h0{w}, 63\n"
+        f"  %hlt{w} = icmp ult i64 %h1{w}, {n}\n  %hd{w} = select i1 %hlt{w}, i64 %h1{w}, i64 {n}\n"
+        f"  %hs{w} = inttoptr i64 {s} to ptr\n  %hq{w} = inttoptr i64 {d} to ptr\n"
+        f"  call void @llvm.memcpy.p0.p0.i64(ptr %hq{w}, ptr %hs{w}, i64 %hd{w}, i1 false)\n"
+        f"  %rm{w} = sub i64 {n}, %hd{w}\n  %N{w} = lshr i64 %rm{w}, 8\n  %T{w} = and i64 %rm{w}, 255\n"
+        f"  %S{w} = add i64 {s}, %hd{w}\n  %D{w} = add i64 {d}, %hd{w}\n"
+    )
 
 
 def _load_piece(w: str, i: str) -> str:
-    return "".join(f"  %{x}p{w} = getelementptr i64, ptr %{arr}, i64 {i}\n  %{x}{w} = load i64, ptr %{x}p{w}\n"
-                   for x, arr in (("s", "srcs"), ("d", "dsts"), ("l", "lens")))
+    return "".join(
+        f"  %{x}p{w} = getelementptr i64, ptr %{arr}, i64 {i}\n  %{x}{w} = load i64, ptr %{x}p{w}\n"
+        for x, arr in (("s", "srcs"), ("d", "dsts"), ("l", "lens"))
+    )
 
 
 def _build_ir(ways: int = _WAYS) -> str:
@@ -80,23 +90,25 @@ def _build_ir(ways: int = _WAYS) -> str:
     pieces left over (fewer than ``_WAYS``) one at a time."""
     W = ways
     ld, st = _step("r", "%s", "%d", "%k")
-    rest = ("define internal void @pdkv_rest(i64 %s, i64 %d, i64 %k0, i64 %n, i64 %t) nounwind {\n"
-            "entry:\n  br label %loop\nloop:\n  %k = phi i64 [%k0, %entry], [%k1, %step]\n"
-            "  %go = icmp ult i64 %k, %n\n  br i1 %go, label %step, label %tail\nstep:\n"
-            f"{ld}{st}  %k1 = add i64 %k, 1\n  br label %loop\ntail:\n  %e = shl i64 %n, 8\n"
-            "  %ts = add i64 %s, %e\n  %td = add i64 %d, %e\n  %tp = inttoptr i64 %ts to ptr\n"
-            "  %tq = inttoptr i64 %td to ptr\n"
-            "  call void @llvm.memcpy.p0.p0.i64(ptr %tq, ptr %tp, i64 %t, i1 false)\n  ret void\n}\n")
+    rest = (
+        "define internal void @pdkv_rest(i64 %s, i64 %d, i64 %k0, i64 %n, i64 %t) nounwind {\n"
+        "entry:\n  br label %loop\nloop:\n  %k = phi i64 [%k0, %entry], [%k1, %step]\n"
+        "  %go = icmp ult i64 %k, %n\n  br i1 %go, label %step, label %tail\nstep:\n"
+        f"{ld}{st}  %k1 = add i64 %k, 1\n  br label %loop\ntail:\n  %e = shl i64 %n, 8\n"
+        "  %ts = add i64 %s, %e\n  %td = add i64 %d, %e\n  %tp = inttoptr i64 %ts to ptr\n"
+        "  %tq = inttoptr i64 %td to ptr\n"
+        "  call void @llvm.memcpy.p0.p0.i64(ptr %tq, ptr %tp, i64 %t, i1 false)\n  ret void\n}\n"
+    )
     idx = "".join(f"  %ix{w} = add i64 %i, {w}\n" for w in range(W))
     heads = "".join(_load_piece(str(w), f"%ix{w}") + _head(str(w), f"%s{w}", f"%d{w}", f"%l{w}") for w in range(W))
     mins = ["%N0"]
     for w in range(1, W):
         mins.append(f"%mn{w}")
-        heads += (f"  %lt{w} = icmp ult i64 %N{w}, {mins[-2]}\n"
-                  f"  %mn{w} = select i1 %lt{w}, i64 %N{w}, i64 {mins[-2]}\n")
+        heads += f"  %lt{w} = icmp ult i64 %N{w}, {mins[-2]}\n  %mn{w} = select i1 %lt{w}, i64 %N{w}, i64 {mins[-2]}\n"
     lds, sts = zip(*(_step(f"g{w}", f"%S{w}", f"%D{w}", "%k") for w in range(W)))
-    rests = "".join(f"  call void @pdkv_rest(i64 %S{w}, i64 %D{w}, i64 {mins[-1]}, i64 %N{w}, i64 %T{w})\n"
-                    for w in range(W))
+    rests = "".join(
+        f"  call void @pdkv_rest(i64 %S{w}, i64 %D{w}, i64 {mins[-1]}, i64 %N{w}, i64 %T{w})\n" for w in range(W)
+    )
     gather = (
         "define void @pdkv_nt_gather(i64 %n, ptr %srcs, ptr %dsts, ptr %lens) nounwind {\n"
         f"entry:\n  %nr = urem i64 %n, {W}\n  %ng = sub i64 %n, %nr\n  br label %gouter\n"
@@ -112,9 +124,9 @@ def _build_ir(ways: int = _WAYS) -> str:
         f"single:\n{_load_piece('x', '%j')}{_head('x', '%sx', '%dx', '%lx')}"
         "  call void @pdkv_rest(i64 %Sx, i64 %Dx, i64 0, i64 %Nx, i64 %Tx)\n"
         "  %j1 = add i64 %j, 1\n  br label %souter\n"
-        "exit:\n  fence seq_cst\n  ret void\n}\n")
-    return ("declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)\n\n" + rest + "\n" + gather
-            + "\n!0 = !{i32 1}\n")
+        "exit:\n  fence seq_cst\n  ret void\n}\n"
+    )
+    return "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)\n\n" + rest + "\n" + gather + "\n!0 = !{i32 1}\n"
 
 
 _IR = _build_ir()
@@ -134,8 +146,9 @@ def _jit(llvm: Any, ir: str) -> tuple[Any, Any]:
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     target = llvm.Target.from_default_triple()
-    tm = target.create_target_machine(cpu=llvm.get_host_cpu_name(),
-                                      features=llvm.get_host_cpu_features().flatten(), opt=3)
+    tm = target.create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
+    )
     mod = llvm.parse_assembly(ir)
     mod.verify()
     engine = llvm.create_mcjit_compiler(mod, tm)

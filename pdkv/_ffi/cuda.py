@@ -64,9 +64,7 @@ def _rt() -> Any:
         try:
             from cuda.bindings import runtime as _imported_rt
         except ImportError as exc:
-            raise CudaUnavailableError(
-                "CUDA support needs cuda-bindings: pip install 'pdkv[cuda]'"
-            ) from exc
+            raise CudaUnavailableError("CUDA support needs cuda-bindings: pip install 'pdkv[cuda]'") from exc
         mod = _mods["rt"] = _imported_rt
     return mod
 
@@ -94,9 +92,7 @@ def _nvrtc() -> Any:
 
             _imported_nvrtc.nvrtcVersion()
         except RuntimeError as exc:
-            raise CudaUnavailableError(
-                f"NVRTC not found (pip install 'pdkv[cuda]' brings it): {exc}"
-            ) from exc
+            raise CudaUnavailableError(f"NVRTC not found (pip install 'pdkv[cuda]' brings it): {exc}") from exc
         mod = _mods["nvrtc"] = _imported_nvrtc
     return mod
 
@@ -173,6 +169,7 @@ def _check_nvrtc(res: Any, call: str, prog: Any = None) -> Any:
 
 # ---------------------------------------------------------------- devices
 
+
 def device_count() -> int:
     """Number of CUDA devices; 0 without bindings, driver or device. Raises on other errors."""
     try:
@@ -224,6 +221,7 @@ def mem_get_info() -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- host memory
+
 
 def host_register(addr: int, size: int, *, mapped: bool = True, portable: bool = True) -> None:
     """Page-lock ``[addr, addr+size)`` with ``cudaHostRegister``."""
@@ -336,8 +334,12 @@ def enable_peer_access(peer: int) -> None:
 
 def multiprocessor_count(device: int) -> int:
     rt = _rt()
-    return int(_call(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device),
-                     "cudaDeviceGetAttribute"))
+    return int(
+        _call(
+            rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device),
+            "cudaDeviceGetAttribute",
+        )
+    )
 
 
 def memcpy(dst: int, src: int, size: int) -> None:
@@ -350,6 +352,7 @@ def memset(ptr: int, value: int, size: int) -> None:
 
 
 # ---------------------------------------------------------------- streams and events
+
 
 def stream_create(nonblocking: bool = True) -> int:
     rt = _rt()
@@ -403,6 +406,7 @@ def event_destroy(event: int) -> None:
 
 # ---------------------------------------------------------------- copies
 
+
 def memcpy_async(dst: int, src: int, size: int, stream: int) -> None:
     rt = _rt()
     _call(
@@ -419,9 +423,7 @@ def _as_list(x: Sequence[int]) -> list[int]:
     return x if isinstance(x, list) else list(x)
 
 
-def memcpy_batch_async(
-    dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int
-) -> None:
+def memcpy_batch_async(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int) -> None:
     """One ``cudaMemcpyBatchAsync`` call (CUDA 12.8+).
 
     Returns ``(err, failIdx)`` on 12.x bindings and ``(err,)`` on 13.x; both are handled.
@@ -464,8 +466,9 @@ def compile_kernel(source: str, name: str, device: int | None = None) -> Any:
         cubin = _cubins.get((source, name, arch))
         if cubin is None:
             nv = _nvrtc()
-            prog = _check_nvrtc(nv.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []),
-                                "nvrtcCreateProgram")
+            prog = _check_nvrtc(
+                nv.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []), "nvrtcCreateProgram"
+            )
             try:
                 opts = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), b"-std=c++17", b"--use_fast_math"]
                 _check_nvrtc(nv.nvrtcCompileProgram(prog, len(opts), opts), "nvrtcCompileProgram", prog)
@@ -484,7 +487,13 @@ def compile_kernel(source: str, name: str, device: int | None = None) -> Any:
         return fn
 
 
-_CTYPES = {"ptr": ctypes.c_void_p, "u64": ctypes.c_uint64, "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "i32": ctypes.c_int32}
+_CTYPES = {
+    "ptr": ctypes.c_void_p,
+    "u64": ctypes.c_uint64,
+    "i64": ctypes.c_int64,
+    "u32": ctypes.c_uint32,
+    "i32": ctypes.c_int32,
+}
 
 
 def launch(fn: Any, grid: int, block: int, args: Sequence[tuple[str, int]], stream: int, shared_mem: int = 0) -> None:

@@ -105,8 +105,14 @@ def mmap_fixed(addr: int, length: int, fd: int, offset: int = 0) -> None:
     what was mapped there (``MAP_FIXED``): the caller owns ``[addr, addr+length)``,
     typically a reservation it made with :class:`mmap.mmap`, whose ``close()`` then
     unmaps this too. Raises ``OSError``."""
-    got = _F["mmap"](addr, length, mmap.PROT_READ | mmap.PROT_WRITE,  # type: ignore[operator]
-                     mmap.MAP_SHARED | MAP_FIXED, fd, offset)
+    got = _F["mmap"](
+        addr,
+        length,
+        mmap.PROT_READ | mmap.PROT_WRITE,  # type: ignore[operator]
+        mmap.MAP_SHARED | MAP_FIXED,
+        fd,
+        offset,
+    )
     if got != addr:  # pragma: no cover - MAP_FIXED either maps at addr or fails
         raise OSError(0, f"mmap placed the mapping at {hex(got)}, not {hex(addr)}")
 
@@ -146,4 +152,3 @@ def host_view(addr: int, length: int) -> memoryview:
 
 
 _ARRAY_TYPES: dict[int, type[ctypes.Array[ctypes.c_ubyte]]] = {}  # building a ctypes array type costs microseconds
-

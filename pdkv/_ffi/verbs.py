@@ -12,8 +12,20 @@ from typing import Any
 
 from ..errors import RdmaError, RdmaUnavailableError
 
-__all__ = ["available", "import_pyverbs", "rdma_devices", "require_device", "open_device", "register",
-           "create_rc_qp", "connect_qp", "post_writes", "poll", "close", "close_device"]
+__all__ = [
+    "available",
+    "import_pyverbs",
+    "rdma_devices",
+    "require_device",
+    "open_device",
+    "register",
+    "create_rc_qp",
+    "connect_qp",
+    "post_writes",
+    "poll",
+    "close",
+    "close_device",
+]
 
 # errnos with which rdma-core reports "no devices / no driver" from ibv_get_device_list
 _ABSENT = {errno.ENOSYS, errno.ENODEV, errno.ENOENT, 0}
@@ -26,8 +38,7 @@ def import_pyverbs() -> Any:
         import pyverbs.device  # noqa: F401
     except ImportError as exc:
         raise RdmaUnavailableError(
-            "RDMA needs pyverbs (pip install 'pdkv[rdma]' or the distro's python3-pyverbs)"
-            f": {exc}"
+            f"RDMA needs pyverbs (pip install 'pdkv[rdma]' or the distro's python3-pyverbs): {exc}"
         ) from exc
     return pyverbs
 
@@ -77,6 +88,7 @@ def require_device(name: str | None = None) -> str:
 # mr.MR, cq.CQ, qp.QP/QPInitAttr/QPCap/QPAttr, addr.AHAttr/GlobalRoute, wr.SGE/SendWR).
 # NOT RUN ON HARDWARE: no RDMA device exists on the machines this was written on.
 
+
 def _wrap(what: str, fn: Any, *args: Any, **kw: Any) -> Any:
     pv = import_pyverbs()
     from pyverbs.pyverbs_error import PyverbsError
@@ -101,8 +113,16 @@ def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> d
     cqo = _wrap("ibv_create_cq", cq.CQ, ctx, 4096, None, None, 0)
     pattr = _wrap("ibv_query_port", ctx.query_port, port)
     gid = _wrap("ibv_query_gid", ctx.query_gid, port, gid_index)
-    return {"ctx": ctx, "pd": pdom, "cq": cqo, "port": port, "gid_index": gid_index,
-            "lid": int(pattr.lid), "gid": str(gid), "mtu": int(pattr.active_mtu)}
+    return {
+        "ctx": ctx,
+        "pd": pdom,
+        "cq": cqo,
+        "port": port,
+        "gid_index": gid_index,
+        "lid": int(pattr.lid),
+        "gid": str(gid),
+        "mtu": int(pattr.active_mtu),
+    }
 
 
 def register(res: dict[str, Any], addr: int, length: int, remote_write: bool) -> tuple[Any, int, int]:
@@ -154,8 +174,13 @@ def post_writes(qp: Any, wrs: list[tuple[int, int, int, int, int, int, bool]]) -
 
     objs = []
     for wr_id, la, n, lkey, ra, rkey, sig in wrs:
-        w = SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[SGE(la, n, lkey)],
-                   send_flags=e.IBV_SEND_SIGNALED if sig else 0)
+        w = SendWR(
+            wr_id=wr_id,
+            opcode=e.IBV_WR_RDMA_WRITE,
+            num_sge=1,
+            sg=[SGE(la, n, lkey)],
+            send_flags=e.IBV_SEND_SIGNALED if sig else 0,
+        )
         w.set_wr_rdma(rkey, ra)
         objs.append(w)
     for a, b in zip(objs, objs[1:]):

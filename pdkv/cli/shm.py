@@ -23,8 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         if not segs:
             print("no pdkv segments")
         for s in segs:
-            print(f"{s.name}\t{s.size}\tmode={s.mode:o}\towner={s.owner_pid}\t{s.verdict}\t{s.why}"
-                  f"\tmapped_by={','.join(map(str, s.mapped_by)) or '-'}")
+            print(
+                f"{s.name}\t{s.size}\tmode={s.mode:o}\towner={s.owner_pid}\t{s.verdict}\t{s.why}"
+                f"\tmapped_by={','.join(map(str, s.mapped_by)) or '-'}"
+            )
         return 0
     rep = clean(dry_run=not args.yes)
     verb = "removed" if args.yes else "would remove"

@@ -27,11 +27,31 @@ from .rdma import RdmaReceiver, RdmaSender
 from .shm import ShmReceiver, ShmSender
 from .tcp import FRAME_HEADER, FRAME_ITEM, TcpReceiver, TcpSender
 
-__all__ = ["DecodeReceiver", "PrefillSender", "SendGrant", "RequestOutcome", "ReceiverOptions", "SenderOptions",
-           "default_copy_threads", "SenderTransport", "ReceiverTransport", "WriteItem", "register", "unregister",
-           "names", "auto_offer", "FRAME_HEADER", "FRAME_ITEM", "base"]
+__all__ = [
+    "DecodeReceiver",
+    "PrefillSender",
+    "SendGrant",
+    "RequestOutcome",
+    "ReceiverOptions",
+    "SenderOptions",
+    "default_copy_threads",
+    "SenderTransport",
+    "ReceiverTransport",
+    "WriteItem",
+    "register",
+    "unregister",
+    "names",
+    "auto_offer",
+    "FRAME_HEADER",
+    "FRAME_ITEM",
+    "base",
+]
 
-for _s, _r in ((CudaIpcSender, CudaIpcReceiver), (ShmSender, ShmReceiver), (RdmaSender, RdmaReceiver),
-               (TcpSender, TcpReceiver)):
+for _s, _r in (
+    (CudaIpcSender, CudaIpcReceiver),
+    (ShmSender, ShmReceiver),
+    (RdmaSender, RdmaReceiver),
+    (TcpSender, TcpReceiver),
+):
     if _s.name not in base._REGISTRY:  # a reload keeps what is registered
         register(_s, _r)

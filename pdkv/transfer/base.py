@@ -25,12 +25,28 @@ if TYPE_CHECKING:
     from ..scheduler import DecodeScheduler
     from ..shm import SharedBuffer
 
-__all__ = ["SendGrant", "WriteItem", "LayerJob", "FinishJob", "Peer", "Inflight", "SenderHost", "ReceiverHost",
-           "SenderTransport", "ReceiverTransport", "TransportEntry", "register", "unregister", "get", "names",
-           "auto_offer"]
+__all__ = [
+    "SendGrant",
+    "WriteItem",
+    "LayerJob",
+    "FinishJob",
+    "Peer",
+    "Inflight",
+    "SenderHost",
+    "ReceiverHost",
+    "SenderTransport",
+    "ReceiverTransport",
+    "TransportEntry",
+    "register",
+    "unregister",
+    "get",
+    "names",
+    "auto_offer",
+]
 
 
 # ---------------------------------------------------------------------- prefill values
+
 
 @dataclass(frozen=True, slots=True)
 class SendGrant:
@@ -111,6 +127,7 @@ class SenderHost(Protocol):
 
 
 # ---------------------------------------------------------------------- decode values
+
 
 @dataclass
 class Peer:
@@ -198,6 +215,7 @@ class ReceiverHost(Protocol):
 
 # ---------------------------------------------------------------------- interface
 
+
 class SenderTransport:
     """Prefill side of a transport, one per :class:`~pdkv.transfer.PrefillSender` session.
 
@@ -216,8 +234,7 @@ class SenderTransport:
         kind = "gpu" if cache.device is not None else "host"
         if kind in cls.caches:
             return None
-        return (f"the {cls.name} transport sends from {' and '.join(sorted(cls.caches))} caches, "
-                f"not from a {kind} cache")
+        return f"the {cls.name} transport sends from {' and '.join(sorted(cls.caches))} caches, not from a {kind} cache"
 
     @classmethod
     def available(cls) -> bool:
@@ -273,6 +290,7 @@ class ReceiverTransport:
 
 # ---------------------------------------------------------------------- registry
 
+
 @dataclass(frozen=True, slots=True)
 class TransportEntry:
     name: str
@@ -289,8 +307,10 @@ def register(sender: type[SenderTransport], receiver: type[ReceiverTransport], *
     :class:`~pdkv.transfer.DecodeReceiver`. Both classes carry the same ``name``."""
     name = getattr(sender, "name", None)
     if not isinstance(name, str) or not name or name != getattr(receiver, "name", None):
-        raise ValueError(f"register: sender and receiver must carry the same non-empty name, got "
-                         f"{name!r} and {getattr(receiver, 'name', None)!r}")
+        raise ValueError(
+            f"register: sender and receiver must carry the same non-empty name, got "
+            f"{name!r} and {getattr(receiver, 'name', None)!r}"
+        )
     if name == "auto" or len(name) > 32:
         raise ValueError(f"register: {name!r} cannot name a transport")
     if not (issubclass(sender, SenderTransport) and issubclass(receiver, ReceiverTransport)):

@@ -3,18 +3,19 @@ control sessions share (a rate-limited warning, batch-item clipping)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
-from ..protocol import MAX_BATCH_ERROR
+from ..protocol import MAX_BATCH_BLOCKS, MAX_BATCH_ERROR, GrantBatch, GrantMsg, Message, Outcome, OutcomeBatch
 
-__all__ = ["Channel", "RateLimitedLog", "clip", "SEND_BATCH"]
+__all__ = ["Channel", "RateLimitedLog", "Replies", "clip", "SEND_BATCH"]
 
 SEND_BATCH = 512  # items one batch message carries as sent (protocol limit: MAX_BATCH_ITEMS)
 
@@ -120,7 +121,7 @@ class Channel:
 
 def clip(text: str) -> str:
     """``text`` cut to what one batch item may carry (``MAX_BATCH_ERROR`` characters)."""
-    return text if len(text) <= MAX_BATCH_ERROR else text[:MAX_BATCH_ERROR - 3] + "..."
+    return text if len(text) <= MAX_BATCH_ERROR else text[: MAX_BATCH_ERROR - 3] + "..."
 
 
 class RateLimitedLog:
@@ -136,3 +137,58 @@ class RateLimitedLog:
         if now - self._last.get(key, -1e9) >= self.every:
             self._last[key] = now
             _log.warning(msg, *args)
+
+
+class Replies:
+    """Decode's grants and outcomes to peers: sent at once, or, inside :meth:`together`
+    (this thread), gathered and sent at its end as one ``GrantBatch`` and one
+    ``OutcomeBatch`` per peer (``SEND_BATCH`` items, at most ``MAX_BATCH_BLOCKS`` block ids
+    a message) instead of one message each."""
+
+    def __init__(self, send: Callable[[bytes, Message], None]) -> None:
+        self._send = send
+        self._local = threading.local()
+
+    def grant(self, ident: bytes, g: GrantMsg) -> None:
+        grants = getattr(self._local, "grants", None)
+        if grants is None:
+            self._send(ident, g)
+        else:
+            grants.setdefault(ident, []).append(g)
+
+    def outcome(self, ident: bytes, o: Outcome) -> None:
+        box = getattr(self._local, "box", None)
+        if box is None:
+            self._send(ident, o)
+        else:
+            box.setdefault(ident, []).append((o.request_id, o.state, clip(o.reason)))
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        box: dict[bytes, list[tuple[str, str, str]]] = {}
+        grants: dict[bytes, list[GrantMsg]] = {}
+        self._local.box, self._local.grants = box, grants
+        try:
+            yield
+        finally:
+            self._local.box = self._local.grants = None
+            for ident, gs in grants.items():
+                part: list[GrantMsg] = []
+                nblocks = 0
+                for g in gs:
+                    if part and (len(part) == SEND_BATCH or nblocks + len(g.blocks) > MAX_BATCH_BLOCKS):
+                        self._grants(ident, part)
+                        part, nblocks = [], 0
+                    part.append(g)
+                    nblocks += len(g.blocks)
+                self._grants(ident, part)
+            for ident, items in box.items():
+                if len(items) == 1:
+                    self._send(ident, Outcome(*items[0]))
+                    continue
+                for i in range(0, len(items), SEND_BATCH):
+                    self._send(ident, OutcomeBatch(items[i : i + SEND_BATCH]))
+
+    def _grants(self, ident: bytes, part: list[GrantMsg]) -> None:
+        # one grant (also one too large for a batch) goes as itself
+        self._send(ident, part[0] if len(part) == 1 else GrantBatch(part))

@@ -96,4 +96,3 @@ class CudaIpcReceiver(ShmReceiver):
 
     def open_session(self, peer: Peer, hello: Hello) -> dict[str, Any]:
         return {**super().open_session(peer, hello), "cuda": msgspec.convert(self._section, IpcSection)}
-

@@ -10,36 +10,29 @@ definite outcome on both sides in bounded time.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
 import zmq
 
-from ..errors import GrantViolation, LayoutError, PdkvError, ProtocolError, RequestError
-from ..layout import CacheSpec, KVLayout, Segment, tp_segments
+from ..errors import GrantViolation, PdkvError, ProtocolError, RequestError
+from ..layout import CacheSpec, KVLayout
 from ..plan import run_lengths
-from ..procs import boot_id, pid_alive
+from ..procs import pid_alive
 from ..protocol import (
-    MAX_BATCH_BLOCKS,
     MAX_GRANT_BLOCKS,
-    PROTOCOL_VERSION,
     Abort,
     Auth,
-    Challenge,
     Codec,
     Complete,
     CompleteBatch,
     ErrorMsg,
-    GrantBatch,
     GrantMsg,
     Heartbeat,
     Hello,
@@ -47,37 +40,20 @@ from ..protocol import (
     LayerDone,
     Message,
     Outcome,
-    OutcomeBatch,
     ReserveBatch,
     ReserveReq,
-    Welcome,
-    layout_desc,
-    new_nonce,
 )
 from ..scheduler import DecodeScheduler, Event, EventKind
 from ..shm import SharedBuffer
 from . import base as registry
+from . import handshake
 from .base import Inflight, Peer, ReceiverTransport
-from .channel import SEND_BATCH, Channel, RateLimitedLog, clip
+from .channel import Channel, RateLimitedLog, Replies
 from .options import ReceiverOptions, merge_options
 
 __all__ = ["DecodeReceiver"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Handshake:
-    """A Hello answered with a Challenge, waiting for the peer's Auth (holds no resources)."""
-
-    codec: Codec
-    hello: Hello
-    layout: KVLayout
-    segs: list[Segment]
-    transport: str
-    same_host: bool
-    nonce: bytes
-    deadline: float
 
 
 class DecodeReceiver:
@@ -104,8 +80,15 @@ class DecodeReceiver:
     scheduler stay the caller's.
     """
 
-    def __init__(self, scheduler: DecodeScheduler, layouts: Sequence[KVLayout], buffers: Sequence[SharedBuffer],
-                 buffer_blocks: int, options: ReceiverOptions | None = None, **kw: Any) -> None:
+    def __init__(
+        self,
+        scheduler: DecodeScheduler,
+        layouts: Sequence[KVLayout],
+        buffers: Sequence[SharedBuffer],
+        buffer_blocks: int,
+        options: ReceiverOptions | None = None,
+        **kw: Any,
+    ) -> None:
         opts: ReceiverOptions = merge_options(ReceiverOptions, options, kw, "DecodeReceiver")
         entries = []
         for t in opts.transports:
@@ -114,8 +97,10 @@ class DecodeReceiver:
             except ValueError as exc:
                 raise ValueError(f"transport {t!r} is not served by DecodeReceiver: {exc}") from None
         if scheduler.options.direct_to_gpu and not any(e.receiver.writes_gpu for e in entries):
-            raise ValueError(f"{', '.join(opts.transports)} write into the CPU buffer: create the scheduler with "
-                             "SchedulerOptions(direct_to_gpu=False), or serve cuda_ipc with gpu_caches")
+            raise ValueError(
+                f"{', '.join(opts.transports)} write into the CPU buffer: create the scheduler with "
+                "SchedulerOptions(direct_to_gpu=False), or serve cuda_ipc with gpu_caches"
+            )
         if opts.gpu_caches is not None and not any(e.receiver.writes_gpu for e in entries):
             raise ValueError("gpu_caches are served by cuda_ipc only: add it to transports")
         if len(layouts) != len(buffers) or not layouts:
@@ -127,26 +112,38 @@ class DecodeReceiver:
         self.tp_size = layouts[0].tp_size
         self.buffers = list(buffers)
         self.buffer_blocks = buffer_blocks
-        self.specs = {lay.tp_rank: CacheSpec.for_buffer(lay, buffer_blocks, b.address)
-                      for lay, b in zip(layouts, buffers)}
+        self.specs = {
+            lay.tp_rank: CacheSpec.for_buffer(lay, buffer_blocks, b.address) for lay, b in zip(layouts, buffers)
+        }
         for lay, b in zip(layouts, buffers):
             if b.size < CacheSpec.buffer_bytes(lay, buffer_blocks):
-                raise ValueError(f"buffer {b.name} holds {b.size} bytes; rank {lay.tp_rank} needs "
-                                 f"{CacheSpec.buffer_bytes(lay, buffer_blocks)} for {buffer_blocks} blocks")
+                raise ValueError(
+                    f"buffer {b.name} holds {b.size} bytes; rank {lay.tp_rank} needs "
+                    f"{CacheSpec.buffer_bytes(lay, buffer_blocks)} for {buffer_blocks} blocks"
+                )
         self.secret = opts.secret
         Codec(opts.secret)  # checks the secret now (ValueError), not at the first hello
         self.instance = f"decode-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.stats = {"frames": 0, "bytes": 0, "frames_rejected": 0, "messages_rejected": 0, "peers_dead": 0,
-                      "connections_refused": 0, "auth_failed": 0, "accept_errors": 0, "loop_errors": 0,
-                      "frames_cut": 0}
+        self.stats = {
+            "frames": 0,
+            "bytes": 0,
+            "frames_rejected": 0,
+            "messages_rejected": 0,
+            "peers_dead": 0,
+            "connections_refused": 0,
+            "auth_failed": 0,
+            "accept_errors": 0,
+            "loop_errors": 0,
+            "frames_cut": 0,
+        }
         self._stats_lock = threading.Lock()
         self._warn = RateLimitedLog()
         self.lock = threading.RLock()
         self.stopping = threading.Event()
-        # outcomes of requests ended while one batch message is handled: sent together
-        self._outbox = threading.local()
+        # grants and outcomes decided while one batch message is handled: sent together
+        self._replies = Replies(self._send)
         self._peers: dict[bytes, Peer] = {}
-        self._pending: dict[bytes, _Handshake] = {}
+        self._pending: dict[bytes, handshake.Handshake] = {}
         self._sessions: dict[bytes, bytes] = {}  # session id -> peer ident
         self._inflight: dict[str, Inflight] = {}
         self._by_token: dict[int, Inflight] = {}
@@ -310,9 +307,9 @@ class DecodeReceiver:
                     self.count("messages_rejected")
                     self.count("auth_failed")
                     return
-                self._accept_session(ident, hs)
+                handshake.accept_session(self, ident, hs)
             elif isinstance(msg, Hello):
-                self._on_hello(ident, codec, msg)
+                handshake.answer_hello(self, ident, codec, msg)
             else:
                 self.count("messages_rejected")
             return
@@ -324,92 +321,13 @@ class DecodeReceiver:
             rid = getattr(msg, "request_id", "")
             self._send(ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}" if rid else str(exc)))
 
-    def _on_hello(self, ident: bytes, codec: Codec, h: Hello) -> None:
-        """Check a Hello and answer it with a Challenge; the session starts only on a valid
-        Auth (:meth:`_accept_session`). Nothing is allocated for the peer before that."""
-        def refuse(why: str) -> None:
-            self._ch.send(lambda: [ident, *codec.encode(ErrorMsg("refused", why))])
-
-        try:
-            lay = KVLayout.from_descriptor(msgspec.structs.asdict(h.layout))
-            lay.check_compatible(self.layouts[0])
-            if lay.tp_size != h.tp_size or lay.tp_rank != h.tp_rank:
-                raise LayoutError(f"hello says rank {h.tp_rank}/{h.tp_size}, layout says {lay.tp_rank}/{lay.tp_size}")
-            segs = [g for g in tp_segments(lay, self.layouts[0]) if g.dst_rank in self.specs]
-        except PdkvError as exc:
-            refuse(str(exc))
-            return
-        if len(self._pending) >= self.options.max_handshakes:
-            self.count("connections_refused")
-            self._warn.warning("handshakes", "pdkv decode: %d control handshakes in progress (max_handshakes); "
-                               "refusing more until they complete or time out", len(self._pending))
-            refuse("too many handshakes in progress; retry later")
-            return
-        same = h.boot_id == boot_id()
-        with self.lock:
-            sibling = next((p.transport for p in self._peers.values() if p.instance == h.instance), None)
-        why: list[str] = []  # why offered transports that decode serves cannot serve this peer
-        transport = None
-        for t in h.transports:
-            tr = self._transports.get(t)
-            if tr is None:
-                continue
-            if tr.same_host and not same:
-                why.append(f"{t} needs the same host")
-                continue
-            # the ranks of one instance share a grant: GPU blocks only if all of them write them
-            if sibling is not None and tr.writes_gpu != self._transports[sibling].writes_gpu:
-                why.append(f"another rank of instance {h.instance!r} uses {sibling}; "
-                           f"{t if tr.writes_gpu else sibling} is all ranks or none")
-                continue
-            no = tr.refuses(h)
-            if no is not None:
-                why.append(no)
-                continue
-            transport = t
-            break
-        if transport is None:
-            refuse(f"no common transport: prefill offers {h.transports}, decode serves {list(self._transports)}"
-                   + "".join(f" ({w})" for w in why))
-            return
-        nonce = new_nonce()
-        frames = codec.encode(Challenge(nonce))  # under the secret
-        codec.set_session(h.nonce, nonce)
-        self._pending[ident] = _Handshake(codec, h, lay, segs, transport, same, nonce,
-                                          time.monotonic() + self.options.auth_timeout_s)
-        self._ch.send(lambda: [ident, *frames])
-
-    def _accept_session(self, ident: bytes, hs: _Handshake) -> None:
-        """The peer proved the session key: make the session, answer Welcome."""
-        h, codec, transport = hs.hello, hs.codec, hs.transport
-        peer = Peer(ident, codec, h.instance, h.tp_rank, h.tp_size, h.pid, hs.same_host, transport,
-                    os.urandom(16), time.monotonic(), hs.layout)
-        for g in hs.segs:
-            peer.segs_by_src.setdefault(g.src_rank, []).append(g)
-        peer.block_bytes_by_src = {r: sum(g.nbytes for g in gs) for r, gs in peer.segs_by_src.items()}
-        try:
-            fields = self._transports[transport].open_session(peer, h)
-        except PdkvError as exc:
-            refusal = ErrorMsg("refused", f"{transport}: {exc}")
-            self._ch.send(lambda: [ident, *codec.encode(refusal)])
-            return
-        fields = {"shm_names": [], "data_addr": "", "rdma": None, "cuda": None, **fields}
-        welcome = Welcome(PROTOCOL_VERSION, self.instance, self.tp_size, self.ranks,
-                          [layout_desc(x) for x in self.layouts], transport, fields["shm_names"],
-                          self.buffer_blocks, fields["data_addr"], peer.session_id, fields["rdma"], fields["cuda"])
-        frames = codec.encode(welcome)  # under the session key
-        with self.lock:
-            self._peers[ident] = peer
-            self._sessions[peer.session_id] = ident
-        self._ch.send(lambda: [ident, *frames])
-
     def _dispatch(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, Heartbeat):
             self._send(peer.ident, Heartbeat(time.time()))
         elif isinstance(msg, ReserveReq):
             self._on_reserve(peer, msg.request_id, msg.num_tokens)
         elif isinstance(msg, ReserveBatch):
-            with self._replies_together():
+            with self._replies.together():
                 for rid, num_tokens in msg.items:  # each item stands alone, as a ReserveReq would
                     try:
                         self._on_reserve(peer, rid, num_tokens)
@@ -419,7 +337,7 @@ class DecodeReceiver:
         elif isinstance(msg, LayerDone):
             self._layers_done(peer, msg.request_id, msg.token, msg.layers, msg.blocks)
         elif isinstance(msg, LayerBatch):
-            with self._replies_together():
+            with self._replies.together():
                 for rid, token, blocks in msg.items:  # each item stands alone, as a LayerDone would
                     try:
                         self._layers_done(peer, rid, token, [msg.layer], blocks)
@@ -429,7 +347,7 @@ class DecodeReceiver:
         elif isinstance(msg, Complete):
             self._completed(peer, msg.request_id, msg.token, msg.ok, msg.error)
         elif isinstance(msg, CompleteBatch):
-            with self._replies_together():
+            with self._replies.together():
                 for rid, token, ok, error in msg.items:  # each item stands alone, as a Complete would
                     try:
                         self._completed(peer, rid, token, ok, error)
@@ -476,8 +394,9 @@ class DecodeReceiver:
             keys = [(layer, peer.tp_rank) for layer in layers]
             over = [k[0] for k in keys if inf.reported.get(k, 0) + n > len(inf.blocks)]
             if over:
-                raise GrantViolation(f"request {rid!r}: rank {peer.tp_rank} reported more blocks of layers "
-                                     f"{over[:8]} than were granted")
+                raise GrantViolation(
+                    f"request {rid!r}: rank {peer.tp_rank} reported more blocks of layers {over[:8]} than were granted"
+                )
             for k in keys:
                 inf.reported[k] = inf.reported.get(k, 0) + n
         nbytes = peer.block_bytes_by_src.get(peer.tp_rank, 0) * n
@@ -507,10 +426,19 @@ class DecodeReceiver:
                 return
         nblk = self.layouts[0].blocks_for_tokens(num_tokens)
         if nblk > MAX_GRANT_BLOCKS:  # its grant could not be sent: refuse now, holding nothing
-            self._send_grant(peer.ident, GrantMsg(rid, "rejected", reason=f"{num_tokens} tokens need {nblk} blocks, "
-                                                  f"more than the {MAX_GRANT_BLOCKS} one grant may carry"))
+            self._send_grant(
+                peer.ident,
+                GrantMsg(
+                    rid,
+                    "rejected",
+                    reason=f"{num_tokens} tokens need {nblk} blocks, "
+                    f"more than the {MAX_GRANT_BLOCKS} one grant may carry",
+                ),
+            )
             return
-        res = self.scheduler.reserve(rid, num_blocks=nblk, peer=peer.instance, gpu_ok=self._transports[peer.transport].writes_gpu)
+        res = self.scheduler.reserve(
+            rid, num_blocks=nblk, peer=peer.instance, gpu_ok=self._transports[peer.transport].writes_gpu
+        )
         if res.grant is None:
             g = GrantMsg(rid, res.outcome, reason=res.reason)
             if res.outcome == "queued":
@@ -530,9 +458,17 @@ class DecodeReceiver:
         g = GrantMsg(grant.request_id, grant.location, grant.location, blocks, grant.token, grant.lease_s)
         with self.lock:
             old = self._inflight.get(grant.request_id)
-            inf = Inflight(grant.request_id, peer.instance, grant.token, blocks, [per_layer] * nl, peer.tp_size,
-                            peers=set(old.peers) if old else {peer.ident}, run_len=run_lengths(blocks),
-                            location=grant.location)
+            inf = Inflight(
+                grant.request_id,
+                peer.instance,
+                grant.token,
+                blocks,
+                [per_layer] * nl,
+                peer.tp_size,
+                peers=set(old.peers) if old else {peer.ident},
+                run_len=run_lengths(blocks),
+                location=grant.location,
+            )
             inf.peers.add(peer.ident)
             self._inflight[grant.request_id] = inf
             self._by_token[grant.token] = inf
@@ -579,45 +515,8 @@ class DecodeReceiver:
             return
         self._finish(inf, Outcome(inf.request_id, "received"))
 
-    @contextlib.contextmanager
-    def _replies_together(self) -> Iterator[None]:
-        """Outcomes and grants decided in this block (this thread) go out at its end as one
-        ``OutcomeBatch`` and one ``GrantBatch`` per peer (``SEND_BATCH`` items, at most
-        ``MAX_BATCH_BLOCKS`` block ids a message) instead of one message each."""
-        box: dict[bytes, list[tuple[str, str, str]]] = {}
-        grants: dict[bytes, list[GrantMsg]] = {}
-        self._outbox.box, self._outbox.grants = box, grants
-        try:
-            yield
-        finally:
-            self._outbox.box = self._outbox.grants = None
-            for ident, gs in grants.items():
-                part: list[GrantMsg] = []
-                nblocks = 0
-                for g in gs:
-                    if part and (len(part) == SEND_BATCH or nblocks + len(g.blocks) > MAX_BATCH_BLOCKS):
-                        self._send_grants(ident, part)
-                        part, nblocks = [], 0
-                    part.append(g)
-                    nblocks += len(g.blocks)
-                self._send_grants(ident, part)
-            for ident, items in box.items():
-                if len(items) == 1:
-                    self._send(ident, Outcome(*items[0]))
-                    continue
-                for i in range(0, len(items), SEND_BATCH):
-                    self._send(ident, OutcomeBatch(items[i:i + SEND_BATCH]))
-
-    def _send_grants(self, ident: bytes, part: list[GrantMsg]) -> None:
-        # one grant (also one too large for a batch) goes as itself
-        self._send(ident, part[0] if len(part) == 1 else GrantBatch(part))
-
     def _send_grant(self, ident: bytes, g: GrantMsg) -> None:
-        grants = getattr(self._outbox, "grants", None)
-        if grants is None:
-            self._send(ident, g)
-        else:
-            grants.setdefault(ident, []).append(g)
+        self._replies.grant(ident, g)
 
     def _finish(self, inf: Inflight, outcome: Outcome | None) -> None:
         with self.lock:
@@ -629,12 +528,8 @@ class DecodeReceiver:
             peers = list(inf.peers)
         if outcome is None:
             return
-        box = getattr(self._outbox, "box", None)
         for ident in peers:
-            if box is None:
-                self._send(ident, outcome)
-            else:
-                box.setdefault(ident, []).append((outcome.request_id, outcome.state, clip(outcome.reason)))
+            self._replies.outcome(ident, outcome)
 
     def _on_event(self, ev: Event) -> None:
         if ev.kind.terminal:
@@ -653,8 +548,11 @@ class DecodeReceiver:
         for ident in [i for i, hs in self._pending.items() if hs.deadline <= now]:
             del self._pending[ident]  # a Hello never followed by its Auth
         with self.lock:
-            dead = [p for p in self._peers.values() if now - p.last_seen > self.options.peer_timeout_s
-                    or (p.same_host and p.pid and not pid_alive(p.pid))]
+            dead = [
+                p
+                for p in self._peers.values()
+                if now - p.last_seen > self.options.peer_timeout_s or (p.same_host and p.pid and not pid_alive(p.pid))
+            ]
             for p in dead:
                 del self._peers[p.ident]
                 self._sessions.pop(p.session_id, None)

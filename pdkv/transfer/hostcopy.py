@@ -84,7 +84,9 @@ class HostCopier:
                 si = (src[single] - sbase - seg.src_offset) // sstride
                 brk = np.flatnonzero(np.diff(di) != 1) + 1
                 if brk.size < di.size // 4:
-                    s2 = np.frombuffer(sv, np.uint8).reshape(-1, sstride)[:, seg.src_offset:seg.src_offset + seg.length]
+                    s2 = np.frombuffer(sv, np.uint8).reshape(-1, sstride)[
+                        :, seg.src_offset : seg.src_offset + seg.length
+                    ]
                     d2 = np.frombuffer(dv, np.uint8).reshape(-1, dstride)
                     # runs cut into pieces of about 4 MiB, so that threads share them evenly
                     step = max(1, self.piece // seg.length)
@@ -92,7 +94,7 @@ class HostCopier:
                         d0 = int(di[a])
                         for lo in range(a, b, step):
                             hi = min(b, lo + step)
-                            takes.append((s2, si[lo:hi], d2[d0 + lo - a:d0 + hi - a]))
+                            takes.append((s2, si[lo:hi], d2[d0 + lo - a : d0 + hi - a]))
                     src, dst, ln = src[~single], dst[~single], ln[~single]
             if src.size:
                 rest.append((sv, sbase, dv, dbase, src, dst, ln))
@@ -103,7 +105,7 @@ class HostCopier:
         # process_vm_writev (scatter-gather in the kernel, no GIL) was no faster into shm.
         for sv, sbase, dv, dbase, src, dst, ln in rest:
             for so, do, n in zip((src - sbase).tolist(), (dst - dbase).tolist(), ln.tolist()):
-                dv[do:do + n] = sv[so:so + n]
+                dv[do : do + n] = sv[so : so + n]
 
     def stream(self, layer: int, plans: list[Pieces]) -> None:
         """Every piece of the layer copied by the streaming (non-temporal) copy loop of
@@ -120,8 +122,9 @@ class HostCopier:
             s, d, k = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, ln))
             where = f"(tensor {seg.tensor}, decode rank {seg.dst_rank})"
             check_within(s, k, sbase, len(sv), f"layer {layer}: a planned copy falls outside its source region {where}")
-            check_within(d, k, dbase, len(dv), f"layer {layer}: a planned copy falls outside its destination "
-                                               f"region {where}")
+            check_within(
+                d, k, dbase, len(dv), f"layer {layer}: a planned copy falls outside its destination region {where}"
+            )
             srcs.append(s)
             dsts.append(d)
             lens.append(k)
@@ -146,6 +149,7 @@ class HostCopier:
     def gather(self, takes: list[Take]) -> None:
         """``out[:] = rows[idx]`` for every ``(rows, idx, out)``: np.take copies in C without
         the GIL, so ``threads`` threads run at once."""
+
         def run(share: list[Take]) -> None:
             for rows, idx, out in share:
                 np.take(rows, idx, axis=0, out=out, mode="clip")

@@ -24,8 +24,9 @@ def _positive(name: str, v: object) -> None:
 
 def _count(name: str, n: object, lo: int = 1, hi: int | None = None) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < lo or (hi is not None and n > hi):
-        raise ValueError(f"{name}={n!r} must be " + (f"an integer in {lo}..{hi}" if hi is not None
-                                                      else "a positive integer"))
+        raise ValueError(
+            f"{name}={n!r} must be " + (f"an integer in {lo}..{hi}" if hi is not None else "a positive integer")
+        )
 
 
 def _secret(v: object) -> None:
@@ -180,8 +181,10 @@ def merge_options(cls: type[Any], options: Any, kw: dict[str, Any], owner: str) 
     fields = {f.name for f in dataclasses.fields(cls)}
     bad = sorted(set(kw) - fields)
     if bad:
-        raise TypeError(f"{owner}() got unexpected keyword argument(s) {', '.join(bad)} "
-                        f"(fields of {cls.__name__}: {', '.join(sorted(fields))})")
+        raise TypeError(
+            f"{owner}() got unexpected keyword argument(s) {', '.join(bad)} "
+            f"(fields of {cls.__name__}: {', '.join(sorted(fields))})"
+        )
     if options is None:
         return cls(**kw)
     return dataclasses.replace(options, **kw) if kw else options  # options: an instance of cls

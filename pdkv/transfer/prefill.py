@@ -10,7 +10,6 @@ resolves every request to a definite :class:`RequestOutcome` in bounded time.
 from __future__ import annotations
 
 import collections
-import os
 import queue
 import threading
 import time
@@ -18,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from .. import _ffi
@@ -32,15 +30,11 @@ from ..errors import (
     RequestError,
     TransferError,
 )
-from ..layout import CacheSpec, KVLayout, tp_segments
-from ..procs import boot_id
+from ..layout import CacheSpec, KVLayout, Segment
 from ..protocol import (
     MAX_ID,
     MAX_NUM_TOKENS,
-    PROTOCOL_VERSION,
     Abort,
-    Auth,
-    Challenge,
     Codec,
     Complete,
     CompleteBatch,
@@ -48,18 +42,14 @@ from ..protocol import (
     GrantBatch,
     GrantMsg,
     Heartbeat,
-    Hello,
     Message,
     Outcome,
     OutcomeBatch,
     ReserveBatch,
     ReserveReq,
-    Welcome,
-    is_unauthenticated,
-    layout_desc,
-    new_nonce,
 )
 from . import base as registry
+from . import handshake
 from .base import FinishJob, LayerJob, SenderTransport, SendGrant, WriteItem
 from .channel import SEND_BATCH, Channel, clip
 from .options import SenderOptions, merge_options
@@ -115,20 +105,23 @@ class PrefillSender:
     the sender never frees engine memory.
     """
 
-    def __init__(self, layout: KVLayout, cache: CacheSpec, control: str, options: SenderOptions | None = None,
-                 **kw: Any) -> None:
+    def __init__(
+        self, layout: KVLayout, cache: CacheSpec, control: str, options: SenderOptions | None = None, **kw: Any
+    ) -> None:
         opts: SenderOptions = merge_options(SenderOptions, options, kw, "PrefillSender")
         if opts.transport == "auto":
             offer = registry.auto_offer(cache)
             if not offer:
-                raise LayoutError(f"no registered transport sends from this cache (registered: "
-                                  f"{', '.join(registry.names())})")
+                raise LayoutError(
+                    f"no registered transport sends from this cache (registered: {', '.join(registry.names())})"
+                )
         else:
             try:
                 why = registry.get(opts.transport).sender.refuses(cache)
             except ValueError as exc:
-                raise ValueError(f"transport={opts.transport!r} must be auto or a registered transport: {exc}") \
-                    from None
+                raise ValueError(
+                    f"transport={opts.transport!r} must be auto or a registered transport: {exc}"
+                ) from None
             if why is not None:
                 raise LayoutError(why)
             offer = [opts.transport]
@@ -156,6 +149,12 @@ class PrefillSender:
         self._candidates: dict[str, SenderTransport] = {}
         self._data: SenderTransport | None = None
         self.session_id = b""
+        # set by the handshake from the welcome: the transport decode chose, its layout, and
+        # this rank's TP segments into the decode ranks it serves
+        self.transport = ""
+        self.dst_layout = layout
+        self.segments: list[Segment] = []
+        self._last_heard = time.monotonic()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
@@ -163,12 +162,14 @@ class PrefillSender:
         self._sock.connect(control)
         self._ch = Channel(self._sock)
         try:
-            self._handshake(offer, opts.timeout_s)
+            handshake.open_session(self, offer, opts.timeout_s)
         except BaseException:
             self._teardown()
             raise
-        self._threads = [threading.Thread(target=self._io_loop, name="pdkv-prefill-io", daemon=True),
-                         threading.Thread(target=self._data_loop, name="pdkv-prefill-data", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._io_loop, name="pdkv-prefill-io", daemon=True),
+            threading.Thread(target=self._data_loop, name="pdkv-prefill-data", daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -206,63 +207,6 @@ class PrefillSender:
                 self.post(Abort(r, why))
         self._fail_all(why)
 
-    # ------------------------------------------------------------------ handshake
-    def _handshake(self, offer: list[str], timeout_s: float) -> None:
-        fields: dict[str, Any] = {"rdma": None, "cuda": None}
-        for name in offer:
-            # each offered transport made before the hello (rdma registers the cache and
-            # makes its queue pair, whose record the hello carries): RdmaUnavailableError
-            # here says what is missing
-            tr = self._candidates[name] = registry.get(name).sender(self, self.options)
-            fields.update(tr.hello_fields())
-        nonce = new_nonce()
-        deadline = time.monotonic() + timeout_s
-        self._sock.send_multipart(self._codec.encode(Hello(
-            PROTOCOL_VERSION, self.instance, self.layout.tp_rank, self.layout.tp_size, layout_desc(self.layout),
-            offer, boot_id(), os.getpid(), nonce, fields["rdma"], fields["cuda"])))
-        ch = self._handshake_reply(deadline, timeout_s)
-        if not isinstance(ch, Challenge):
-            raise ProtocolError(f"expected challenge, got {type(ch).__name__}")
-        # from here on the session key: HMAC(secret, our nonce, decode's fresh nonce)
-        self._codec.set_session(nonce, ch.nonce)
-        self._sock.send_multipart(self._codec.encode(Auth(ch.nonce)))
-        msg = self._handshake_reply(deadline, timeout_s)
-        if not isinstance(msg, Welcome):
-            raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
-        chosen = self._candidates.pop(msg.transport, None)
-        if chosen is None:
-            raise ProtocolError(f"decode chose {msg.transport!r}, which this sender did not offer")
-        for other in self._candidates.values():  # offered, not chosen
-            other.close()
-        self._candidates.clear()
-        self._data = chosen
-        self.transport = msg.transport
-        self.session_id = msg.session_id  # names this session on data connections (no credential)
-        layouts = [KVLayout.from_descriptor(msgspec.structs.asdict(d)) for d in msg.layouts]
-        for lay in layouts:
-            lay.check_compatible(self.layout)
-        self.dst_layout = layouts[0]
-        self.segments = [g for g in tp_segments(self.layout, layouts[0]) if g.src_rank == self.layout.tp_rank
-                         and g.dst_rank in msg.ranks]
-        chosen.connect(msg, layouts, deadline)  # closed by _teardown on failure
-        self._last_heard = time.monotonic()
-
-    def _handshake_reply(self, deadline: float, timeout_s: float) -> Message:
-        """The next handshake message from decode; a refusal raises PeerError."""
-        if not self._sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-            raise PdkvTimeoutError(f"decode did not answer the handshake within {timeout_s}s (is it running?)")
-        frames = self._sock.recv_multipart()
-        try:
-            msg = self._codec.decode(frames)
-        except ProtocolError:
-            refusal = Codec(None).decode(frames) if is_unauthenticated(frames) else None  # sent unauthenticated
-            if not isinstance(refusal, ErrorMsg):
-                raise
-            msg = refusal
-        if isinstance(msg, ErrorMsg):
-            raise PeerError(f"decode refused the session: {msg.message}")
-        return msg
-
     # ------------------------------------------------------------------ API
     def reserve(self, request_id: str, num_tokens: int, timeout: float | None = None) -> SendGrant:
         """Ask decode for destination blocks. Returns the grant; raises TransferError if
@@ -272,8 +216,9 @@ class PrefillSender:
             raise res
         return res
 
-    def reserve_many(self, requests: Sequence[tuple[str, int]],
-                     timeout: float | None = None) -> list[SendGrant | PdkvError]:
+    def reserve_many(
+        self, requests: Sequence[tuple[str, int]], timeout: float | None = None
+    ) -> list[SendGrant | PdkvError]:
         """Reserve several requests at once: every request is sent before any answer is
         awaited, so their round trips overlap (one at a time costs a round trip each).
         Returns one result per request, in order: its grant, or the error :meth:`reserve`
@@ -305,7 +250,7 @@ class PrefillSender:
         else:  # one message per SEND_BATCH requests; decode answers each with one GrantBatch
             items = [(rid, n) for rid, n in requests]
             for i in range(0, len(items), SEND_BATCH):
-                self.post(ReserveBatch(items[i:i + SEND_BATCH]))
+                self.post(ReserveBatch(items[i : i + SEND_BATCH]))
         limit = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         out: list[SendGrant | PdkvError] = []
@@ -336,8 +281,9 @@ class PrefillSender:
         index follows the order in which blocks are sent, see ``first_block``)."""
         self._queue_layer(layer, [(rid, b, 0) for rid, b in items], event, chunk=False)
 
-    def send_chunk(self, layer: int, request_id: str, src_blocks: Sequence[int], first_block: int,
-                   event: int | None = None) -> None:
+    def send_chunk(
+        self, layer: int, request_id: str, src_blocks: Sequence[int], first_block: int, event: int | None = None
+    ) -> None:
         """Chunked prefill: write full blocks ``first_block..`` of the grant for one layer."""
         if not isinstance(first_block, int) or first_block < 0:
             raise RequestError(f"request {request_id!r}: first_block={first_block!r} must be an integer >= 0")
@@ -381,8 +327,9 @@ class PrefillSender:
         except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a tensor on a GPU
             raise RequestError(f"request {rid!r}: source block ids are not an id list: {exc}") from None
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-            raise RequestError(f"request {rid!r}: source block ids must be a flat list of integers, "
-                               f"got shape {a.shape} of {a.dtype}")
+            raise RequestError(
+                f"request {rid!r}: source block ids must be a flat list of integers, got shape {a.shape} of {a.dtype}"
+            )
         a = a.astype(np.int64)  # a copy: the engine may reuse its list at once
         nb = self.cache.num_blocks
         if a.size and (int(a.min()) < 0 or int(a.max()) >= nb):
@@ -562,7 +509,7 @@ class PrefillSender:
                 if g is not None:  # else already resolved (failed, expired)
                     items.append((rid, g.token, ok and err is None, clip(error or (err or ""))))
         for i in range(0, len(items), SEND_BATCH):
-            self.post(CompleteBatch(items[i:i + SEND_BATCH]))
+            self.post(CompleteBatch(items[i : i + SEND_BATCH]))
 
     def _data_loop(self) -> None:
         while True:
@@ -604,9 +551,11 @@ class PrefillSender:
                 g = self._grants.get(rid)
             if g is None:
                 continue  # resolved meanwhile (expired, aborted): nothing to write
-            dst = self._grant_ids(g)[first:first + len(src_blocks)]
+            dst = self._grant_ids(g)[first : first + len(src_blocks)]
             if len(dst) != len(src_blocks):
-                self.fail_request(rid, f"{len(src_blocks)} source blocks but the grant has {len(g.blocks) - first} left")
+                self.fail_request(
+                    rid, f"{len(src_blocks)} source blocks but the grant has {len(g.blocks) - first} left"
+                )
                 continue
             work.append(WriteItem(rid, g, src_blocks, dst, first))
         if not work or not self.segments:

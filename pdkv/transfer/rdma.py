@@ -33,8 +33,10 @@ class RdmaSender(SenderTransport):
     @classmethod
     def refuses(cls, cache: CacheSpec) -> str | None:
         if cache.device is not None:
-            return ("the rdma transport writes from host caches (GPUDirect RDMA is not supported); "
-                    "stage GPU caches or use shm")
+            return (
+                "the rdma transport writes from host caches (GPUDirect RDMA is not supported); "
+                "stage GPU caches or use shm"
+            )
         return None
 
     @classmethod
@@ -48,9 +50,15 @@ class RdmaSender(SenderTransport):
         # RdmaUnavailableError here says what is missing
         spec, lay = host.cache, host.layout
         self._writer: RdmaWriter | None = RdmaWriter(
-            [(b, st * spec.num_blocks) for b, st in
-             (spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors)))],
-            device=options.rdma_device, timeout_s=host.timeout_s)
+            [
+                (b, st * spec.num_blocks)
+                for b, st in (
+                    spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))
+                )
+            ],
+            device=options.rdma_device,
+            timeout_s=host.timeout_s,
+        )
         self._regions: dict[int, RemoteRegion] = {}
         self._dst_specs: dict[int, CacheSpec] = {}
 
@@ -71,8 +79,10 @@ class RdmaSender(SenderTransport):
             reg = regions.get(rank)
             need = CacheSpec.buffer_bytes(lay, welcome.buffer_blocks)
             if reg is None or reg.length < need:
-                raise ProtocolError(f"decode rank {rank}'s RDMA region is missing or smaller than the "
-                                    f"{need} bytes {welcome.buffer_blocks} blocks need")
+                raise ProtocolError(
+                    f"decode rank {rank}'s RDMA region is missing or smaller than the "
+                    f"{need} bytes {welcome.buffer_blocks} blocks need"
+                )
             self._regions[rank] = reg
             self._dst_specs[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, reg.addr)
         self._writer.connect(ep)
@@ -83,8 +93,9 @@ class RdmaSender(SenderTransport):
         h, writer = self.host, self._writer
         assert writer is not None
         for w in work:
-            plans, total = layer_pieces(h.segments, h.layout, h.dst_layout, h.cache, self._dst_specs, w.src, w.dst,
-                                        layer)
+            plans, total = layer_pieces(
+                h.segments, h.layout, h.dst_layout, h.cache, self._dst_specs, w.src, w.dst, layer
+            )
             try:
                 for seg, src, dst, ln in plans:
                     writer.write(w.request_id, src.tolist(), dst.tolist(), ln.tolist(), self._regions[seg.dst_rank])
@@ -114,8 +125,10 @@ class RdmaReceiver(ReceiverTransport):
         super().__init__(host)
         # every buffer registered once for remote writes; raises RdmaUnavailableError
         # (saying what is missing) on a host without pyverbs or an RDMA device
-        self._target = RdmaTarget([(lay.tp_rank, b.address, b.size) for lay, b in zip(host.layouts, host.buffers)],
-                                  device=host.options.rdma_device)
+        self._target = RdmaTarget(
+            [(lay.tp_rank, b.address, b.size) for lay, b in zip(host.layouts, host.buffers)],
+            device=host.options.rdma_device,
+        )
         self._qpn: dict[bytes, int] = {}  # peer ident -> its queue pair
 
     def refuses(self, hello: Hello) -> str | None:
@@ -125,8 +138,10 @@ class RdmaReceiver(ReceiverTransport):
         assert hello.rdma is not None
         ep = self._target.accept(EndpointInfo.from_dict(msgspec.structs.asdict(hello.rdma)))  # PdkvError: refused
         self._qpn[peer.ident] = ep.qpn
-        offer = {"endpoint": ep.to_dict(),
-                 "regions": [dict(rank=r, **reg.to_dict()) for r, reg in self._target.regions.items()]}
+        offer = {
+            "endpoint": ep.to_dict(),
+            "regions": [dict(rank=r, **reg.to_dict()) for r, reg in self._target.regions.items()],
+        }
         return {"rdma": msgspec.convert(offer, RdmaOffer)}
 
     def fence(self, peer: Peer) -> None:
@@ -136,4 +151,3 @@ class RdmaReceiver(ReceiverTransport):
 
     def close(self) -> None:
         self._target.close()
-

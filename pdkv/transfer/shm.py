@@ -49,8 +49,10 @@ class ShmSender(SenderTransport):
             self._shm[rank] = b
             need = CacheSpec.buffer_bytes(lay, welcome.buffer_blocks)
             if b.size < need:
-                raise ProtocolError(f"decode rank {rank}'s buffer {name!r} has {b.size} bytes, but "
-                                    f"{welcome.buffer_blocks} blocks of its layout need {need}")
+                raise ProtocolError(
+                    f"decode rank {rank}'s buffer {name!r} has {b.size} bytes, but "
+                    f"{welcome.buffer_blocks} blocks of its layout need {need}"
+                )
             self.dst_specs[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, b.address)
         if cache.device is not None:
             from ..swap import SwapEngine
@@ -70,10 +72,11 @@ class ShmSender(SenderTransport):
         """Tell decode the layer's blocks are written (it cannot see memory writes land)."""
         items = [(w.request_id, w.grant.token, len(w.src)) for w in work]
         for i in range(0, len(items), MAX_BATCH_ITEMS):
-            self.host.post(LayerBatch(layer, items[i:i + MAX_BATCH_ITEMS]))
+            self.host.post(LayerBatch(layer, items[i : i + MAX_BATCH_ITEMS]))
 
-    def copy_layer(self, layer: int, work: list[WriteItem], dsts: dict[int, CacheSpec],
-                   direction: str | None = None) -> None:
+    def copy_layer(
+        self, layer: int, work: list[WriteItem], dsts: dict[int, CacheSpec], direction: str | None = None
+    ) -> None:
         """Every request of the layer in one plan: the pieces are plain memory copies, so a
         run may continue from one request's blocks into the next one's."""
         h = self.host

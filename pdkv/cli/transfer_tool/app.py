@@ -22,18 +22,58 @@ from .workload import PRESETS, MiB, Parser, UsageError, layout_kw, make_workload
 
 
 def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
-    argv = [sys.executable, "-m", "pdkv.cli.transfer_tool", "prefill", "--connect", addr, "--rank", str(rank),
-            "--prefill-tp", str(a.prefill_tp), "--model", a.model, "--transport", a.transport,
-            "--requests", str(a.requests), "--prompt-len", a.prompt_len, "--rate", str(a.rate),
-            "--concurrency", str(a.concurrency), "--seed", str(a.seed), "--timeout", str(a.timeout),
-            "--streams", str(a.streams), "--layer-ms", str(a.layer_ms), "--prefill-blocks", str(a.prefill_blocks),
-            "--instance", a.instance, "--time-scale", str(a.time_scale), "--duration", str(a.duration)]
+    argv = [
+        sys.executable,
+        "-m",
+        "pdkv.cli.transfer_tool",
+        "prefill",
+        "--connect",
+        addr,
+        "--rank",
+        str(rank),
+        "--prefill-tp",
+        str(a.prefill_tp),
+        "--model",
+        a.model,
+        "--transport",
+        a.transport,
+        "--requests",
+        str(a.requests),
+        "--prompt-len",
+        a.prompt_len,
+        "--rate",
+        str(a.rate),
+        "--concurrency",
+        str(a.concurrency),
+        "--seed",
+        str(a.seed),
+        "--timeout",
+        str(a.timeout),
+        "--streams",
+        str(a.streams),
+        "--layer-ms",
+        str(a.layer_ms),
+        "--prefill-blocks",
+        str(a.prefill_blocks),
+        "--instance",
+        a.instance,
+        "--time-scale",
+        str(a.time_scale),
+        "--duration",
+        str(a.duration),
+    ]
     if a.prefill_gpu:
         argv.append("--prefill-gpu")
     argv += ["--prefill-devices", a.prefill_devices]
-    for opt, attr in (("--layers", "layers"), ("--kv-heads", "kv_heads"), ("--head-dim", "head_dim"),
-                      ("--tokens-per-block", "tokens_per_block"), ("--dtype", "dtype"), ("--trace", "trace"),
-                      ("--trace-limit", "trace_limit")):
+    for opt, attr in (
+        ("--layers", "layers"),
+        ("--kv-heads", "kv_heads"),
+        ("--head-dim", "head_dim"),
+        ("--tokens-per-block", "tokens_per_block"),
+        ("--dtype", "dtype"),
+        ("--trace", "trace"),
+        ("--trace-limit", "trace_limit"),
+    ):
         v = getattr(a, attr)
         if v is not None and v != 0:
             argv += [opt, str(v)]
@@ -62,8 +102,15 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
     try:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         for r in range(a.prefill_tp):
-            procs.append(subprocess.Popen(_prefill_argv(a, dec.rx.control_address, r), stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=env))
+            procs.append(
+                subprocess.Popen(
+                    _prefill_argv(a, dec.rx.control_address, r),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
 
         def reader(p: subprocess.Popen[str]) -> None:
             assert p.stdout is not None
@@ -115,7 +162,9 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
         # let the last swaps and verifications finish (bounded)
         deadline = time.monotonic() + a.timeout * 2
         while time.monotonic() < deadline:
-            pending = [r for r, s in outcomes.items() if s == "received" and dec.tracks.get(r, Track()).state != "ready"]
+            pending = [
+                r for r, s in outcomes.items() if s == "received" and dec.tracks.get(r, Track()).state != "ready"
+            ]
             if not pending:
                 break
             time.sleep(0.02)
@@ -163,9 +212,11 @@ def _finish(a: argparse.Namespace, rep: dict[str, Any], console: Any, dec: Decod
     if a.plot:
         write_plot(a.plot, dec)
     ok = rep["verify_errors"] == 0 and rep["requests_failed"] == 0 and rep["requests_ready"] > 0
-    console.print("[green]PASS[/green]" if ok else "[red]FAIL[/red]",
-                  f"{rep['requests_ready']} requests ready, {rep['bytes_verified']:,} bytes verified, "
-                  f"{rep['verify_errors']} verify errors, {rep['requests_failed']} failed")
+    console.print(
+        "[green]PASS[/green]" if ok else "[red]FAIL[/red]",
+        f"{rep['requests_ready']} requests ready, {rep['bytes_verified']:,} bytes verified, "
+        f"{rep['verify_errors']} verify errors, {rep['requests_failed']} failed",
+    )
     return 0 if ok else 1
 
 
@@ -195,14 +246,23 @@ def run_decode(a: argparse.Namespace, console: Any) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="pdkv-transfer-test", description=__doc__.splitlines()[0])
-    p.add_argument("mode", nargs="?", default="local", choices=["local", "decode", "prefill"],
-                   help="local (default): both sides on this host; decode/prefill: one side of a two-host test")
+    p.add_argument(
+        "mode",
+        nargs="?",
+        default="local",
+        choices=["local", "decode", "prefill"],
+        help="local (default): both sides on this host; decode/prefill: one side of a two-host test",
+    )
     g = p.add_argument_group("endpoints")
     g.add_argument("--listen", default="", help="decode: ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555")
     g.add_argument("--connect", default="", help="prefill: decode's endpoint, e.g. tcp://decode-host:5555")
     g.add_argument("--data-host", default="127.0.0.1", help="decode: address of the TCP data listener")
-    g.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma", "cuda_ipc"],
-                   help="auto: shm on one host, else rdma where both hosts have a device, else tcp")
+    g.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "shm", "tcp", "rdma", "cuda_ipc"],
+        help="auto: shm on one host, else rdma where both hosts have a device, else tcp",
+    )
     g.add_argument("--streams", type=int, default=1, help="TCP data connections per prefill rank")
     g.add_argument("--secret", default="", help="shared secret (>= 16 characters) to authenticate the pair")
     g = p.add_argument_group("layout")
@@ -226,25 +286,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--duration", type=float, default=0.0, help="stop issuing requests after this many seconds")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("decode")
-    g.add_argument("--buffer-gib", type=float, default=None,
-                   help="CPU buffer per decode rank (default: sized to the workload, its --concurrency largest "
-                        "requests)")
+    g.add_argument(
+        "--buffer-gib",
+        type=float,
+        default=None,
+        help="CPU buffer per decode rank (default: sized to the workload, its --concurrency largest requests)",
+    )
     g.add_argument("--buffer-blocks", type=int, default=0, help="CPU buffer in blocks (overrides --buffer-gib)")
     g.add_argument("--gpu-blocks", type=int, default=0, help="decode GPU block budget (small forces the buffer path)")
     g.add_argument("--lease-s", type=float, default=30.0)
     g.add_argument("--no-gpu", action="store_true", help="use host memory for decode blocks even with a GPU")
-    g.add_argument("--decode-devices", default="0",
-                   help="CUDA devices of the decode ranks' GPU caches, comma-separated: rank r on the (r mod n)th")
+    g.add_argument(
+        "--decode-devices",
+        default="0",
+        help="CUDA devices of the decode ranks' GPU caches, comma-separated: rank r on the (r mod n)th",
+    )
     g.add_argument("--no-verify", action="store_true")
     g.add_argument("--expect-requests", type=int, default=0, help="decode: stop after this many requests ended")
     g = p.add_argument_group("prefill")
     g.add_argument("--rank", type=int, default=0)
     g.add_argument("--instance", default="pdkv-test-prefill")
     g.add_argument("--prefill-blocks", type=int, default=64, help="prefill cache blocks per rank")
-    g.add_argument("--prefill-devices", default="0",
-                   help="with a GPU prefill cache: CUDA devices of the ranks, comma-separated, rank r on the (r mod n)th")
-    g.add_argument("--prefill-gpu", action="store_true",
-                   help="prefill caches in GPU memory (auto, shm or cuda_ipc; implied by --transport cuda_ipc)")
+    g.add_argument(
+        "--prefill-devices",
+        default="0",
+        help="with a GPU prefill cache: CUDA devices of the ranks, comma-separated, rank r on the (r mod n)th",
+    )
+    g.add_argument(
+        "--prefill-gpu",
+        action="store_true",
+        help="prefill caches in GPU memory (auto, shm or cuda_ipc; implied by --transport cuda_ipc)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure to this JSON file")
     g.add_argument("--plot", help="throughput and buffer occupancy over time (.png or .html)")
@@ -269,8 +341,10 @@ def _check_args(a: argparse.Namespace) -> None:
     if a.trace and not os.path.exists(a.trace):
         raise UsageError(f"--trace {a.trace}: no such file")
     if prefill_on_gpu(a) and a.transport not in ("auto", "shm", "cuda_ipc"):
-        raise UsageError(f"--prefill-gpu works with --transport auto, shm or cuda_ipc, not {a.transport} "
-                         "(tcp and rdma send from host caches)")
+        raise UsageError(
+            f"--prefill-gpu works with --transport auto, shm or cuda_ipc, not {a.transport} "
+            "(tcp and rdma send from host caches)"
+        )
     if a.transport == "cuda_ipc" and a.no_gpu:
         raise UsageError("--transport cuda_ipc writes decode's GPU blocks: it cannot run with --no-gpu")
     gpu_here = (a.mode != "decode" and prefill_on_gpu(a)) or (a.mode != "prefill" and a.transport == "cuda_ipc")
@@ -279,8 +353,10 @@ def _check_args(a: argparse.Namespace) -> None:
         what = "--transport cuda_ipc" if a.transport == "cuda_ipc" else "--prefill-gpu"
         why = "" if _ffi.cuda.bindings_available() else " (cuda-bindings not installed: pip install 'pdkv[cuda]')"
         raise UsageError(f"{what} needs a CUDA GPU on this host; none found{why}")
-    for flag, value, used in (("--prefill-devices", a.prefill_devices, a.mode != "decode" and prefill_on_gpu(a)),
-                              ("--decode-devices", a.decode_devices, a.mode != "prefill" and ndev > 0 and not a.no_gpu)):
+    for flag, value, used in (
+        ("--prefill-devices", a.prefill_devices, a.mode != "decode" and prefill_on_gpu(a)),
+        ("--decode-devices", a.decode_devices, a.mode != "prefill" and ndev > 0 and not a.no_gpu),
+    ):
         devs = parse_devices(value, flag)
         if used and max(devs) >= ndev:
             raise UsageError(f"{flag} {value}: this host has {ndev} CUDA device(s), 0..{ndev - 1}")
@@ -292,7 +368,6 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
 
 
-
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
@@ -301,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         a = build_parser().parse_args(argv)
         _check_args(a)
         if a.mode == "prefill":
+
             def emit(d: dict[str, Any]) -> None:
                 print(json.dumps(d), flush=True)
 
@@ -316,7 +392,3 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt:
         return 130
-
-
-
-

@@ -85,8 +85,10 @@ class DecodeSide:
                 except OSError as exc:
                     if exc.errno not in (errno.ENOMEM, errno.ENOSPC):
                         raise
-                    raise UsageError(f"the decode buffer of {nb} blocks per rank cannot be made: {exc.strerror} "
-                                     "(size it with --buffer-gib or --buffer-blocks)") from None
+                    raise UsageError(
+                        f"the decode buffer of {nb} blocks per rank cannot be made: {exc.strerror} "
+                        "(size it with --buffer-gib or --buffer-blocks)"
+                    ) from None
                 self.bufs.append(b)
                 size = L.block_bytes * gpu_blocks
                 dev = None
@@ -101,22 +103,41 @@ class DecodeSide:
                     arr[:] = 0
                     self.gpu_mem.append(arr)
                     ptr = arr.ctypes.data
-                engines.append(SwapEngine(CacheSpec.for_buffer(L, nb, b.address),
-                                          CacheSpec.for_buffer(L, gpu_blocks, ptr, device=dev),
-                                          strategy="auto" if self.cuda else "host", buffer_pinned=self.cuda))
+                engines.append(
+                    SwapEngine(
+                        CacheSpec.for_buffer(L, nb, b.address),
+                        CacheSpec.for_buffer(L, gpu_blocks, ptr, device=dev),
+                        strategy="auto" if self.cuda else "host",
+                        buffer_pinned=self.cuda,
+                    )
+                )
             self.engines = engines
             self.sched = DecodeScheduler(
-                num_layers=lay.total_layers, gpu=BlockPool(gpu_blocks, "gpu"), buffer=BlockPool(nb, "buffer"),
-                swap=SwapGroup(engines), block_bytes=lay.block_bytes * D,
+                num_layers=lay.total_layers,
+                gpu=BlockPool(gpu_blocks, "gpu"),
+                buffer=BlockPool(nb, "buffer"),
+                swap=SwapGroup(engines),
+                block_bytes=lay.block_bytes * D,
                 # cuda_ipc: GPU blocks granted at reservation while there are any (written
                 # by prefill directly), the buffer and a swap after that
-                options=SchedulerOptions(direct_to_gpu=ipc, lease_s=a.lease_s, on_full="queue",
-                                         queue_timeout_s=a.timeout * 4),
-                listener=self._on_event)
-            self.rx = DecodeReceiver(self.sched, self.lays, self.bufs, nb, control=listen, data_host=a.data_host,
-                                     secret=a.secret.encode() if a.secret else None, auto_tick=True,
-                                     transports=served_transports(a.transport, ipc), gpu_caches=gspecs if ipc else None,
-                                     peer_timeout_s=a.timeout)
+                options=SchedulerOptions(
+                    direct_to_gpu=ipc, lease_s=a.lease_s, on_full="queue", queue_timeout_s=a.timeout * 4
+                ),
+                listener=self._on_event,
+            )
+            self.rx = DecodeReceiver(
+                self.sched,
+                self.lays,
+                self.bufs,
+                nb,
+                control=listen,
+                data_host=a.data_host,
+                secret=a.secret.encode() if a.secret else None,
+                auto_tick=True,
+                transports=served_transports(a.transport, ipc),
+                gpu_caches=gspecs if ipc else None,
+                peer_timeout_s=a.timeout,
+            )
         except BaseException:
             self.close()
             raise
@@ -142,7 +163,7 @@ class DecodeSide:
         L = self.lays[rank]
         tb = L.tensor_block_bytes(t)
         mem = self.gpu_mem[rank]
-        spec_base = (mem if isinstance(mem, int) else mem.ctypes.data)
+        spec_base = mem if isinstance(mem, int) else mem.ctypes.data
         spec = CacheSpec.for_buffer(L, self.gpu_blocks, spec_base)
         out = np.empty((len(blocks), tb), np.uint8)
         if isinstance(mem, int):
@@ -150,7 +171,9 @@ class DecodeSide:
                 _ffi.cuda.memcpy(out[i].ctypes.data, spec.address(layer, t, b), tb)
         else:
             base, stride = spec.region(layer, t)
-            region = mem[base - spec_base: base - spec_base + stride * self.gpu_blocks].reshape(self.gpu_blocks, stride)
+            region = mem[base - spec_base : base - spec_base + stride * self.gpu_blocks].reshape(
+                self.gpu_blocks, stride
+            )
             out[:] = region[np.asarray(blocks)][:, :tb]
         return out
 
@@ -185,8 +208,14 @@ class DecodeSide:
             if now - last >= 0.05:
                 last = now
                 m = self.sched.metrics()
-                self.timeline.append((now - self.t0, int(m["buffer_blocks_total"] - m["buffer_blocks_free"]),
-                                      int(m["gpu_blocks_total"] - m["gpu_blocks_free"]), int(self.rx.stats["bytes"])))
+                self.timeline.append(
+                    (
+                        now - self.t0,
+                        int(m["buffer_blocks_total"] - m["buffer_blocks_free"]),
+                        int(m["gpu_blocks_total"] - m["gpu_blocks_free"]),
+                        int(self.rx.stats["bytes"]),
+                    )
+                )
             if not ready:
                 time.sleep(0.001)
 

@@ -57,8 +57,17 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
         sem.release()
 
     try:
-        tx = PrefillSender(lay, spec, a.connect, instance=a.instance, secret=a.secret.encode() if a.secret else None,
-                           transport=a.transport, streams=a.streams, timeout_s=a.timeout, on_outcome=on_outcome)
+        tx = PrefillSender(
+            lay,
+            spec,
+            a.connect,
+            instance=a.instance,
+            secret=a.secret.encode() if a.secret else None,
+            transport=a.transport,
+            streams=a.streams,
+            timeout_s=a.timeout,
+            on_outcome=on_outcome,
+        )
     except BaseException:
         if gpu is not None:
             gpu.close()
@@ -67,7 +76,9 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
     if tx.transport == "shm" and gpu is None:  # host cache into decode's buffer: which copy runs
         copy = "streaming loop" if _ffi.cpu.available() else f"numpy ({_ffi.cpu.unavailable_reason()})"
     emit({"type": "hello", "rank": a.rank, "transport": tx.transport, "copy": copy})
-    regions = {(layer, t): host_spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))}
+    regions = {
+        (layer, t): host_spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))
+    }
     base = cache.ctypes.data
     try:
         for r in work:
@@ -103,16 +114,23 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
                 continue
             with cv:
                 held[r.rid] = blocks
-            emit({"type": "grant", "rid": r.rid, "blocks": len(g.blocks), "wait": time.monotonic() - ts,
-                  "tokens": r.tokens})
+            emit(
+                {
+                    "type": "grant",
+                    "rid": r.rid,
+                    "blocks": len(g.blocks),
+                    "wait": time.monotonic() - ts,
+                    "tokens": r.tokens,
+                }
+            )
             rk = request_key(r.rid)
             gis = np.arange(n)
             idx = np.asarray(blocks)
             for layer in range(lay.total_layers):
                 for t in range(len(lay.tensors)):  # "compute" layer L: write its KV
                     rb, stride = regions[(layer, t)]
-                    region = cache[rb - base: rb - base + stride * nb].reshape(nb, stride)
-                    region[idx, :lay.tensor_block_bytes(t)] = pattern(lay, rk, layer, t, gis)
+                    region = cache[rb - base : rb - base + stride * nb].reshape(nb, stride)
+                    region[idx, : lay.tensor_block_bytes(t)] = pattern(lay, rk, layer, t, gis)
                 if a.layer_ms:
                     time.sleep(a.layer_ms / 1000)
                 ev = gpu.to_gpu(layer, idx) if gpu is not None else None
@@ -130,8 +148,16 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
         tx.close()
         if gpu is not None:
             gpu.close()
-    emit({"type": "summary", "rank": a.rank, "failed": failed + len(lost), "layer_s": [x[1] for x in layers],
-          "bytes": stats["bytes"], "elapsed": time.monotonic() - t0})
+    emit(
+        {
+            "type": "summary",
+            "rank": a.rank,
+            "failed": failed + len(lost),
+            "layer_s": [x[1] for x in layers],
+            "bytes": stats["bytes"],
+            "elapsed": time.monotonic() - t0,
+        }
+    )
     return 1 if failed or lost else 0
 
 

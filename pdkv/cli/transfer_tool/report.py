@@ -17,8 +17,15 @@ def _pct(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
-def build_report(dec: DecodeSide, prefill: list[dict[str, Any]], outcomes: dict[str, str], elapsed: float,
-                 lay: KVLayout, D: int, reasons: dict[str, str] | None = None) -> dict[str, Any]:
+def build_report(
+    dec: DecodeSide,
+    prefill: list[dict[str, Any]],
+    outcomes: dict[str, str],
+    elapsed: float,
+    lay: KVLayout,
+    D: int,
+    reasons: dict[str, str] | None = None,
+) -> dict[str, Any]:
     ready = [t for t in dec.tracks.values() if t.state == "ready"]
     inst_block = lay.block_bytes * D
     per_req_gbps = [t.blocks * inst_block / (t.received - t.reserved) / 1e9 for t in ready if t.received > t.reserved]
@@ -55,8 +62,8 @@ def build_report(dec: DecodeSide, prefill: list[dict[str, Any]], outcomes: dict[
         "prefill_wait_avoided_s_total": m["prefill_wait_avoided_seconds_sum"],
         "prefill_wait_avoided_s_max": m["prefill_wait_avoided_seconds_max"],
         "gpu": dec.cuda,
-        "failures": sorted(dec.failures)[:20] + sorted(_failure_line(r, outcomes, dec, reasons or {})
-                                                      for r in list(failed_ids)[:20]),
+        "failures": sorted(dec.failures)[:20]
+        + sorted(_failure_line(r, outcomes, dec, reasons or {}) for r in list(failed_ids)[:20]),
     }
 
 
@@ -73,14 +80,28 @@ def print_report(rep: dict[str, Any], console: Any) -> None:
     t.add_column("figure")
     t.add_column("value", justify="right")
     fmt = {
-        "requests": "{:d}", "requests_ready": "{:d}", "requests_into_gpu_blocks": "{:d}", "requests_failed": "{:d}",
+        "requests": "{:d}",
+        "requests_ready": "{:d}",
+        "requests_into_gpu_blocks": "{:d}",
+        "requests_failed": "{:d}",
         "verify_errors": "{:d}",
-        "bytes_verified": "{:,d}", "bytes_transferred": "{:,d}", "elapsed_s": "{:.2f}",
-        "throughput_GBps_mean": "{:.2f}", "request_GBps_p50": "{:.2f}", "request_GBps_p99": "{:.2f}",
-        "layer_latency_ms_p50": "{:.2f}", "layer_latency_ms_p99": "{:.2f}", "time_to_received_ms_p50": "{:.1f}",
-        "time_to_received_ms_p99": "{:.1f}", "time_to_ready_ms_p50": "{:.1f}", "time_to_ready_ms_p99": "{:.1f}",
-        "peak_buffer_blocks": "{:d}", "peak_buffer_occupancy": "{:.0%}", "swap_GBps": "{:.2f}",
-        "prefill_wait_avoided_s_total": "{:.2f}", "prefill_wait_avoided_s_max": "{:.3f}",
+        "bytes_verified": "{:,d}",
+        "bytes_transferred": "{:,d}",
+        "elapsed_s": "{:.2f}",
+        "throughput_GBps_mean": "{:.2f}",
+        "request_GBps_p50": "{:.2f}",
+        "request_GBps_p99": "{:.2f}",
+        "layer_latency_ms_p50": "{:.2f}",
+        "layer_latency_ms_p99": "{:.2f}",
+        "time_to_received_ms_p50": "{:.1f}",
+        "time_to_received_ms_p99": "{:.1f}",
+        "time_to_ready_ms_p50": "{:.1f}",
+        "time_to_ready_ms_p99": "{:.1f}",
+        "peak_buffer_blocks": "{:d}",
+        "peak_buffer_occupancy": "{:.0%}",
+        "swap_GBps": "{:.2f}",
+        "prefill_wait_avoided_s_total": "{:.2f}",
+        "prefill_wait_avoided_s_max": "{:.3f}",
     }
     if rep.get("transports_chosen"):
         t.add_row("transport", ", ".join(rep["transports_chosen"]))
@@ -108,15 +129,19 @@ def write_plot(path: str, dec: DecodeSide) -> None:
         ymax = max(thr) or 1.0
 
         def poly(ys: Sequence[float], top: float, color: str) -> str:
-            pts = " ".join(f"{40 + x[0] / tmax * (W - 60):.1f},{H - 30 - y / top * (H - 60):.1f}" for x, y in zip(tl, ys))
+            pts = " ".join(
+                f"{40 + x[0] / tmax * (W - 60):.1f},{H - 30 - y / top * (H - 60):.1f}" for x, y in zip(tl, ys)
+            )
             return f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{pts}"/>'
 
         occ = [x[1] / dec.nb for x in tl]
-        svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}">'
-               f'<rect width="{W}" height="{H}" fill="white"/>'
-               f'{poly(thr, ymax, "#1f77b4")}{poly(occ, 1.0, "#d62728")}'
-               f'<text x="40" y="20" font-size="12">throughput into the buffer (blue, max {ymax:.2f} GB/s) and '
-               f'buffer occupancy (red, 0-100%) over {tmax:.1f} s</text></svg>')
+        svg = (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}">'
+            f'<rect width="{W}" height="{H}" fill="white"/>'
+            f"{poly(thr, ymax, '#1f77b4')}{poly(occ, 1.0, '#d62728')}"
+            f'<text x="40" y="20" font-size="12">throughput into the buffer (blue, max {ymax:.2f} GB/s) and '
+            f"buffer occupancy (red, 0-100%) over {tmax:.1f} s</text></svg>"
+        )
         with open(path, "w") as f:
             f.write(f"<!doctype html><meta charset=utf-8><title>pdkv transfer test</title>{svg}")
         return
@@ -126,7 +151,9 @@ def write_plot(path: str, dec: DecodeSide) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("--plot with a .png file needs matplotlib (pip install 'pdkv[plot]'); .html needs nothing") from None
+        raise UsageError(
+            "--plot with a .png file needs matplotlib (pip install 'pdkv[plot]'); .html needs nothing"
+        ) from None
     ts = [x[0] for x in tl]
     thr = [0.0] + [(tl[i][3] - tl[i - 1][3]) / max(1e-9, tl[i][0] - tl[i - 1][0]) / 1e9 for i in range(1, len(tl))]
     fig, ax = plt.subplots(figsize=(8, 3.5))

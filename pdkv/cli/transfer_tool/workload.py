@@ -36,13 +36,20 @@ class Parser(argparse.ArgumentParser):
 
 # ---------------------------------------------------------------------- data pattern
 
+
 def _keys(rkey: int, layer: int, t: int, gis: np.ndarray, heads: np.ndarray) -> np.ndarray:
     """uint32 key per (block index in the request, global head)."""
     with np.errstate(over="ignore"):
-        k = (np.uint32(rkey) * np.uint32(0x9E3779B1) + np.uint32(layer) * np.uint32(0x85EBCA77)
-             + np.uint32(t) * np.uint32(0xC2B2AE3D))
-        out: np.ndarray = (k + gis.astype(np.uint32)[:, None] * np.uint32(0x27D4EB2F)
-                           + heads.astype(np.uint32)[None, :] * np.uint32(0x165667B1))
+        k = (
+            np.uint32(rkey) * np.uint32(0x9E3779B1)
+            + np.uint32(layer) * np.uint32(0x85EBCA77)
+            + np.uint32(t) * np.uint32(0xC2B2AE3D)
+        )
+        out: np.ndarray = (
+            k
+            + gis.astype(np.uint32)[:, None] * np.uint32(0x27D4EB2F)
+            + heads.astype(np.uint32)[None, :] * np.uint32(0x165667B1)
+        )
         return out
 
 
@@ -66,6 +73,7 @@ def request_key(rid: str) -> int:
 
 # ---------------------------------------------------------------------- workload
 
+
 @dataclass(frozen=True, slots=True)
 class Req:
     rid: str
@@ -84,8 +92,14 @@ def make_workload(a: argparse.Namespace) -> list[Req]:
                     if a.trace_limit and len(out) >= a.trace_limit:
                         break
                     d = json.loads(line)
-                    out.append(Req(f"t{i}", d["timestamp"] / 1000.0 * a.time_scale, int(d["input_length"]),
-                                   int(d.get("output_length", 1))))
+                    out.append(
+                        Req(
+                            f"t{i}",
+                            d["timestamp"] / 1000.0 * a.time_scale,
+                            int(d["input_length"]),
+                            int(d.get("output_length", 1)),
+                        )
+                    )
         except (OSError, ValueError, KeyError) as exc:
             raise UsageError(f"--trace {a.trace}: {exc}") from None
         if not out:
@@ -118,15 +132,20 @@ def workload_buffer_blocks(reqs: list[Req], concurrency: int, tokens_per_block: 
     """Buffer blocks per rank that hold the ``concurrency`` largest requests of the workload
     at once: what the tool's decode needs when it sizes the buffer itself."""
     sizes = sorted((-(-r.tokens // tokens_per_block) for r in reqs), reverse=True)
-    return sum(sizes[:max(1, concurrency)])
+    return sum(sizes[: max(1, concurrency)])
 
 
 def layout_kw(a: argparse.Namespace) -> dict[str, Any]:
     if a.model not in PRESETS:
         raise UsageError(f"--model {a.model!r}: choose one of {', '.join(PRESETS)}")
     kw = dict(PRESETS[a.model])
-    for f, attr in (("num_layers", "layers"), ("kv_heads", "kv_heads"), ("head_dim", "head_dim"),
-                    ("tokens_per_block", "tokens_per_block"), ("dtype", "dtype")):
+    for f, attr in (
+        ("num_layers", "layers"),
+        ("kv_heads", "kv_heads"),
+        ("head_dim", "head_dim"),
+        ("tokens_per_block", "tokens_per_block"),
+        ("dtype", "dtype"),
+    ):
         v = getattr(a, attr)
         if v is not None:
             kw[f] = v

@@ -1,0 +1,145 @@
+"""What :meth:`DecodeScheduler.tick` does each engine step, as functions over its state:
+leases that ran out expire (in the order they ran out), queued reservations that waited
+too long are rejected, quarantined blocks nothing can still write go back, queued
+reservations are granted in order, finished swaps are polled, and received buffer
+requests are admitted to swaps and submitted (without the lock: the backend may launch
+kernels).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+from .lifecycle import _WRITABLE, Event, EventKind, State, SwapHandle, _Req
+
+if TYPE_CHECKING:
+    from .scheduler import DecodeScheduler
+
+__all__ = ["expire_due", "release_quarantine", "grant_queued", "admit_swaps", "submit", "swap_finished"]
+
+
+def expire_due(s: DecodeScheduler, now: float) -> None:
+    heap = s._expiry
+    while heap and heap[0][0] <= now:
+        t, _, rid = heapq.heappop(heap)
+        req = s._reqs.get(rid)
+        if req is None or req.state not in _WRITABLE:
+            continue
+        if req.expires != t:
+            # a renewed lease, or the entry of an earlier request of this id: due at its
+            # own time (leases end in the order they run out)
+            s._push_expiry(req)
+            continue
+        s._expire(req, now)
+    while s._queue:
+        req = s._reqs[s._queue[0]]
+        if req.queue_deadline > now:
+            break
+        s._m["queue_timeouts"] += 1
+        s._terminate(req, State.REJECTED, "timed out in the reservation queue", now)
+
+
+def release_quarantine(s: DecodeScheduler, now: float) -> None:
+    if not s._quarantine:
+        return
+    keep = []
+    for q in s._quarantine:
+        if q.releasable(now):
+            q.pool.free(q.blocks)
+            s._m["quarantined_blocks_released"] += len(q.blocks)
+            q.writers.entries.remove(q)
+        else:
+            keep.append(q)
+    s._quarantine = keep
+
+
+def grant_queued(s: DecodeScheduler, now: float) -> None:
+    while s._queue:
+        req = s._reqs[s._queue[0]]
+        grant = s._grant(req, now)
+        if grant is None:
+            return
+        s._queue.popleft()
+        s._m["grants_from_queue"] += 1
+        s._event(EventKind.GRANTED, req.rid, grant=grant, t=now)
+
+
+def admit_swaps(s: DecodeScheduler, now: float) -> list[_Req]:
+    out: list[_Req] = []
+    o = s.options
+    while s._swapq:
+        rid = next(iter(s._swapq))
+        if o.swap_order == "shortest":
+            head = s._reqs[rid]
+            if now - head.received_at < o.starvation_s:
+                rid = min(s._swapq, key=lambda k: s._reqs[k].n)
+        req = s._reqs[rid]
+        if s.gpu.num_free - req.n < o.gpu_reserve_blocks:
+            break
+        blocks = s.gpu.try_allocate(req.n)
+        if blocks is None:
+            break
+        del s._swapq[rid]
+        req.gpu_blocks = blocks
+        req.state = State.SWAPPING
+        req.swap_started = now
+        wait = now - req.reserved_at
+        s._m["prefill_wait_avoided_seconds_sum"] += wait
+        s._m["prefill_wait_avoided_seconds_max"] = max(s._m["prefill_wait_avoided_seconds_max"], wait)
+        if not s._swapping:
+            s._busy_since = now
+        s._swapping[rid] = req
+        out.append(req)
+    return out
+
+
+def submit(s: DecodeScheduler, reqs: list[_Req]) -> list[Event]:
+    assert s.swap is not None
+    results: list[tuple[_Req, SwapHandle | None, Exception | None]] = []
+    for req in reqs:  # no lock held: the backend may launch kernels, take time
+        try:
+            assert req.buffer_blocks is not None and req.gpu_blocks is not None
+            results.append((req, s.swap.submit(req.rid, req.buffer_blocks, req.gpu_blocks), None))
+        except Exception as exc:  # a failed submit fails the request, never the loop
+            results.append((req, None, exc))
+    with s._lock:
+        now = s.clock()
+        for req, handle, err in results:
+            s._m["swaps_submitted"] += 1
+            if err is not None:
+                swap_finished(s, req, err, now)
+            else:
+                req.handle = handle
+        return s._emit()
+
+
+def swap_finished(s: DecodeScheduler, req: _Req, err: BaseException | None, now: float) -> None:
+    if s._swapping.pop(req.rid, None) is None:
+        return
+    if not s._swapping:  # time with at least one swap in flight: swap_bytes / this = swap throughput
+        s._m["swap_busy_seconds"] += now - s._busy_since
+    dt = now - req.swap_started
+    m = s._m
+    m["swap_seconds_sum"] += dt
+    m["swap_seconds_max"] = max(m["swap_seconds_max"], dt)
+    req.handle = None
+    assert req.buffer_blocks is not None
+    s.buffer.free(req.buffer_blocks)  # type: ignore[union-attr]
+    req.buffer_blocks = None
+    if err is not None:
+        m["swaps_failed"] += 1
+        req.state = State.RECEIVED  # no writer, no swap: release at once
+        s._terminate(req, State.FAILED, f"swap failed: {err}", now)
+        return
+    m["swaps_completed"] += 1
+    m["swap_bytes"] += req.n * s.block_bytes
+    req.state = State.READY
+    if req.cancel is not None:
+        state, reason = req.cancel
+        s._terminate(req, state, reason, now)
+        return
+    req.in_ready = True
+    s._ready.append(req)
+    m["requests_ready"] += 1
+    s._event(EventKind.READY, req.rid, t=now)

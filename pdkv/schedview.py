@@ -1,0 +1,72 @@
+"""What :class:`~pdkv.scheduler.DecodeScheduler` shows of itself: its counters and gauges
+(:func:`metrics`), their Prometheus text (:func:`prometheus`), and the accounting
+invariants tests assert (:func:`check_invariants`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .blocks import BlockPool
+from .lifecycle import TERMINAL, State
+
+if TYPE_CHECKING:
+    from .scheduler import DecodeScheduler
+
+__all__ = ["metrics", "prometheus", "check_invariants"]
+
+
+def metrics(s: DecodeScheduler) -> dict[str, float]:
+    """Counters and gauges as a flat dict. ``live_<state>`` counts the live requests in
+    each state now (``live_ready``); ``requests_<event>`` are counters since start."""
+    with s._lock:
+        out = dict(s._m)
+        by_state = {st: 0 for st in State if st not in TERMINAL}
+        for r in s._reqs.values():
+            by_state[r.state] += 1
+        for st, n in by_state.items():
+            # a name of its own: "requests_received"/"requests_ready" are counters
+            out[f"live_{st.value}"] = n
+        out["gpu_blocks_free"] = s.gpu.num_free
+        out["gpu_blocks_total"] = s.gpu.num_total
+        if s.buffer is not None:
+            out["buffer_blocks_free"] = s.buffer.num_free
+            out["buffer_blocks_total"] = s.buffer.num_total
+        out["quarantined_blocks"] = sum(len(q.blocks) for q in s._quarantine)
+        out["queue_length"] = len(s._queue)
+        return out
+
+
+def prometheus(s: DecodeScheduler, prefix: str = "pdkv_") -> str:
+    """:meth:`metrics` in the Prometheus text exposition format."""
+    lines = []
+    for k, v in sorted(metrics(s).items()):
+        kind = "counter" if k in s._m and not k.endswith(("_max", "_peak")) else "gauge"
+        lines.append(f"# TYPE {prefix}{k} {kind}")
+        lines.append(f"{prefix}{k} {float(v):.9g}")
+    return "\n".join(lines) + "\n"
+
+
+def check_invariants(s: DecodeScheduler) -> None:
+    """Assert the accounting invariants (tests): every pool's held blocks are exactly
+    those of live requests plus quarantine; no block has two owners."""
+    with s._lock:
+        owned: dict[int, dict[int, str]] = {id(s.gpu): {}, id(s.buffer): {}}
+        for r in s._reqs.values():
+            for pool, blocks in ((s.gpu, r.gpu_blocks), (s.buffer, r.buffer_blocks)):
+                for b in blocks or ():
+                    assert b not in owned[id(pool)], f"block {b} held by {owned[id(pool)][b]} and {r.rid}"
+                    owned[id(pool)][b] = r.rid
+            if r.state in (State.QUEUED,):
+                assert not r.gpu_blocks and not r.buffer_blocks
+            if r.state is State.READY:
+                assert r.gpu_blocks and not r.buffer_blocks
+        for q in s._quarantine:
+            for b in q.blocks:
+                assert b not in owned[id(q.pool)], f"quarantined block {b} also held by {owned[id(q.pool)][b]}"
+                owned[id(q.pool)][b] = "<quarantine>"
+        for pool in (s.gpu, s.buffer):
+            if isinstance(pool, BlockPool):
+                held = owned[id(pool)]
+                assert pool.num_held == len(held), f"{pool.name}: pool holds {pool.num_held}, owners {len(held)}"
+                assert all(pool.is_held(b) for b in held)
+                assert pool.num_free + pool.num_held == pool.num_total

@@ -1,0 +1,243 @@
+"""Session setup on both sides: Hello, Challenge, Auth, Welcome.
+
+Prefill (:func:`open_session`) offers its layout, rank and transports with a nonce; decode
+(:func:`answer_hello`) checks the layout against its own, picks the first offered
+transport it serves and can use for this peer, and answers a Challenge under the shared
+secret, holding nothing; prefill answers Auth under the session key both derive from the
+two nonces; decode (:func:`accept_session`) then makes the session and sends Welcome with
+what the chosen transport needs; prefill connects that transport.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..errors import LayoutError, PdkvError, PdkvTimeoutError, PeerError, ProtocolError
+from ..layout import KVLayout, Segment, tp_segments
+from ..procs import boot_id
+from ..protocol import (
+    PROTOCOL_VERSION,
+    Auth,
+    Challenge,
+    Codec,
+    ErrorMsg,
+    Hello,
+    Message,
+    Welcome,
+    is_unauthenticated,
+    layout_desc,
+    new_nonce,
+)
+from . import base as registry
+from .base import Peer
+
+if TYPE_CHECKING:
+    from .decode import DecodeReceiver
+    from .prefill import PrefillSender
+
+__all__ = ["Handshake", "answer_hello", "accept_session", "open_session"]
+
+
+@dataclass
+class Handshake:
+    """A Hello answered with a Challenge, waiting for the peer's Auth (holds no resources)."""
+
+    codec: Codec
+    hello: Hello
+    layout: KVLayout
+    segs: list[Segment]
+    transport: str
+    same_host: bool
+    nonce: bytes
+    deadline: float
+
+
+def answer_hello(rx: DecodeReceiver, ident: bytes, codec: Codec, h: Hello) -> None:
+    """Check a Hello and answer it with a Challenge; the session starts only on a valid
+    Auth (:func:`accept_session`). Nothing is allocated for the peer before that."""
+
+    def refuse(why: str) -> None:
+        rx._ch.send(lambda: [ident, *codec.encode(ErrorMsg("refused", why))])
+
+    try:
+        lay = KVLayout.from_descriptor(msgspec.structs.asdict(h.layout))
+        lay.check_compatible(rx.layouts[0])
+        if lay.tp_size != h.tp_size or lay.tp_rank != h.tp_rank:
+            raise LayoutError(f"hello says rank {h.tp_rank}/{h.tp_size}, layout says {lay.tp_rank}/{lay.tp_size}")
+        segs = [g for g in tp_segments(lay, rx.layouts[0]) if g.dst_rank in rx.specs]
+    except PdkvError as exc:
+        refuse(str(exc))
+        return
+    if len(rx._pending) >= rx.options.max_handshakes:
+        rx.count("connections_refused")
+        rx._warn.warning(
+            "handshakes",
+            "pdkv decode: %d control handshakes in progress (max_handshakes); "
+            "refusing more until they complete or time out",
+            len(rx._pending),
+        )
+        refuse("too many handshakes in progress; retry later")
+        return
+    same = h.boot_id == boot_id()
+    with rx.lock:
+        sibling = next((p.transport for p in rx._peers.values() if p.instance == h.instance), None)
+    why: list[str] = []  # why offered transports that decode serves cannot serve this peer
+    transport = None
+    for t in h.transports:
+        tr = rx._transports.get(t)
+        if tr is None:
+            continue
+        if tr.same_host and not same:
+            why.append(f"{t} needs the same host")
+            continue
+        # the ranks of one instance share a grant: GPU blocks only if all of them write them
+        if sibling is not None and tr.writes_gpu != rx._transports[sibling].writes_gpu:
+            why.append(
+                f"another rank of instance {h.instance!r} uses {sibling}; "
+                f"{t if tr.writes_gpu else sibling} is all ranks or none"
+            )
+            continue
+        no = tr.refuses(h)
+        if no is not None:
+            why.append(no)
+            continue
+        transport = t
+        break
+    if transport is None:
+        refuse(
+            f"no common transport: prefill offers {h.transports}, decode serves {list(rx._transports)}"
+            + "".join(f" ({w})" for w in why)
+        )
+        return
+    nonce = new_nonce()
+    frames = codec.encode(Challenge(nonce))  # under the secret
+    codec.set_session(h.nonce, nonce)
+    rx._pending[ident] = Handshake(
+        codec, h, lay, segs, transport, same, nonce, time.monotonic() + rx.options.auth_timeout_s
+    )
+    rx._ch.send(lambda: [ident, *frames])
+
+
+def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake) -> None:
+    """The peer proved the session key: make the session, answer Welcome."""
+    h, codec, transport = hs.hello, hs.codec, hs.transport
+    peer = Peer(
+        ident,
+        codec,
+        h.instance,
+        h.tp_rank,
+        h.tp_size,
+        h.pid,
+        hs.same_host,
+        transport,
+        os.urandom(16),
+        time.monotonic(),
+        hs.layout,
+    )
+    for g in hs.segs:
+        peer.segs_by_src.setdefault(g.src_rank, []).append(g)
+    peer.block_bytes_by_src = {r: sum(g.nbytes for g in gs) for r, gs in peer.segs_by_src.items()}
+    try:
+        fields = rx._transports[transport].open_session(peer, h)
+    except PdkvError as exc:
+        refusal = ErrorMsg("refused", f"{transport}: {exc}")
+        rx._ch.send(lambda: [ident, *codec.encode(refusal)])
+        return
+    fields = {"shm_names": [], "data_addr": "", "rdma": None, "cuda": None, **fields}
+    welcome = Welcome(
+        PROTOCOL_VERSION,
+        rx.instance,
+        rx.tp_size,
+        rx.ranks,
+        [layout_desc(x) for x in rx.layouts],
+        transport,
+        fields["shm_names"],
+        rx.buffer_blocks,
+        fields["data_addr"],
+        peer.session_id,
+        fields["rdma"],
+        fields["cuda"],
+    )
+    frames = codec.encode(welcome)  # under the session key
+    with rx.lock:
+        rx._peers[ident] = peer
+        rx._sessions[peer.session_id] = ident
+    rx._ch.send(lambda: [ident, *frames])
+
+
+def open_session(tx: PrefillSender, offer: list[str], timeout_s: float) -> None:
+    fields: dict[str, Any] = {"rdma": None, "cuda": None}
+    for name in offer:
+        # each offered transport made before the hello (rdma registers the cache and
+        # makes its queue pair, whose record the hello carries): RdmaUnavailableError
+        # here says what is missing
+        tr = tx._candidates[name] = registry.get(name).sender(tx, tx.options)
+        fields.update(tr.hello_fields())
+    nonce = new_nonce()
+    deadline = time.monotonic() + timeout_s
+    tx._sock.send_multipart(
+        tx._codec.encode(
+            Hello(
+                PROTOCOL_VERSION,
+                tx.instance,
+                tx.layout.tp_rank,
+                tx.layout.tp_size,
+                layout_desc(tx.layout),
+                offer,
+                boot_id(),
+                os.getpid(),
+                nonce,
+                fields["rdma"],
+                fields["cuda"],
+            )
+        )
+    )
+    ch = reply(tx, deadline, timeout_s)
+    if not isinstance(ch, Challenge):
+        raise ProtocolError(f"expected challenge, got {type(ch).__name__}")
+    # from here on the session key: HMAC(secret, our nonce, decode's fresh nonce)
+    tx._codec.set_session(nonce, ch.nonce)
+    tx._sock.send_multipart(tx._codec.encode(Auth(ch.nonce)))
+    msg = reply(tx, deadline, timeout_s)
+    if not isinstance(msg, Welcome):
+        raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
+    chosen = tx._candidates.pop(msg.transport, None)
+    if chosen is None:
+        raise ProtocolError(f"decode chose {msg.transport!r}, which this sender did not offer")
+    for other in tx._candidates.values():  # offered, not chosen
+        other.close()
+    tx._candidates.clear()
+    tx._data = chosen
+    tx.transport = msg.transport
+    tx.session_id = msg.session_id  # names this session on data connections (no credential)
+    layouts = [KVLayout.from_descriptor(msgspec.structs.asdict(d)) for d in msg.layouts]
+    for lay in layouts:
+        lay.check_compatible(tx.layout)
+    tx.dst_layout = layouts[0]
+    tx.segments = [
+        g for g in tp_segments(tx.layout, layouts[0]) if g.src_rank == tx.layout.tp_rank and g.dst_rank in msg.ranks
+    ]
+    chosen.connect(msg, layouts, deadline)  # closed by _teardown on failure
+    tx._last_heard = time.monotonic()
+
+
+def reply(tx: PrefillSender, deadline: float, timeout_s: float) -> Message:
+    """The next handshake message from decode; a refusal raises PeerError."""
+    if not tx._sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        raise PdkvTimeoutError(f"decode did not answer the handshake within {timeout_s}s (is it running?)")
+    frames = tx._sock.recv_multipart()
+    try:
+        msg = tx._codec.decode(frames)
+    except ProtocolError:
+        refusal = Codec(None).decode(frames) if is_unauthenticated(frames) else None  # sent unauthenticated
+        if not isinstance(refusal, ErrorMsg):
+            raise
+        msg = refusal
+    if isinstance(msg, ErrorMsg):
+        raise PeerError(f"decode refused the session: {msg.message}")
+    return msg

@@ -1,0 +1,121 @@
+"""The planner (pdkv.plan), once for every data path: runs against a naive model, cuts,
+coalescing, the bounds check, and every layer plan inside its regions, covering each
+granted byte exactly once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdkv import CacheSpec, KVLayout, tp_segments
+from pdkv.errors import TransferError
+from pdkv.plan import (
+    check_within,
+    coalesce,
+    layer_pieces,
+    plan_layer,
+    run_lengths,
+    run_starts,
+    runs_of,
+    split_runs,
+)
+
+ids = st.lists(st.integers(0, 40), max_size=40)
+
+
+def _naive_breaks(a, b=None):
+    return [i for i in range(len(a)) if i == 0 or a[i] != a[i - 1] + 1 or (b is not None and b[i] != b[i - 1] + 1)]
+
+
+@given(ids, ids)
+def test_run_starts_breaks_where_either_sequence_stops_advancing(a, b):
+    b = (b + a)[: len(a)]
+    starts, lens = run_starts(np.asarray(a), np.asarray(b))
+    assert starts.tolist() == _naive_breaks(a, b)
+    assert int(lens.sum()) == len(a) and all(n >= 1 for n in lens.tolist())
+    one, _ = run_starts(np.asarray(a))
+    assert one.tolist() == _naive_breaks(a)
+    assert [(a[s], a[s] + n) for s, n in zip(*(x.tolist() for x in run_starts(np.asarray(a))))] == runs_of(a)
+
+
+@given(ids)
+def test_run_lengths_count_consecutive_ids_from_each_index(a):
+    want = []
+    for i in range(len(a)):
+        k = 1
+        while i + k < len(a) and a[i + k] == a[i + k - 1] + 1:
+            k += 1
+        want.append(k)
+    assert run_lengths(a) == want
+
+
+@given(st.lists(st.integers(0, 50), max_size=20), st.integers(1, 9))
+def test_split_runs_cuts_every_run_into_pieces_of_at_most_most(lengths, most):
+    idx, off, ln = split_runs(np.asarray(lengths, np.int64), most)
+    got = [(i, o, n) for i, o, n in zip(idx.tolist(), off.tolist(), ln.tolist())]
+    want = [(i, o, min(most, n - o)) for i, n in enumerate(lengths) for o in range(0, n, most)]
+    assert got == want
+    with pytest.raises(ValueError, match="most=0"):
+        split_runs(np.asarray([1]), 0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 6)), max_size=12), st.integers(1, 10))
+def test_coalesce_merges_pieces_contiguous_on_both_sides_and_cuts_to_max(steps, cap):
+    local, remote, lengths = [], [], []
+    la = ra = 1000
+    for gap_l, gap_r, n in steps:
+        la, ra = la + gap_l, ra + gap_r
+        local.append(la)
+        remote.append(ra)
+        lengths.append(n)
+        la, ra = la + n, ra + n
+    out = coalesce(local, remote, lengths, cap)
+    assert all(0 < n <= cap for _, _, n in out)
+
+    def bytes_of(ps):  # every (local byte -> remote byte) pair, in order
+        return [(a + k, b + k) for a, b, n in ps for k in range(n)]
+
+    assert bytes_of(out) == bytes_of(zip(local, remote, lengths))
+    assert len(out) <= sum(-(-n // cap) for n in lengths)  # never more pieces than cutting alone makes
+    if cap >= sum(lengths) and all(gl == gr == 0 for gl, gr, _ in steps):
+        assert len(out) <= 1  # one contiguous stretch that fits: one piece
+
+
+def test_check_within_names_the_piece_outside():
+    check_within([100, 150], [50, 50], 100, 100, "x")
+    for addrs, lens in (([99], [1]), ([150], [51]), ([120], [0]), ([120], [-4])):
+        with pytest.raises(TransferError, match=r"x: piece \[0x[0-9a-f]+, \+-?\d+\) falls outside \[0x64, \+100\)"):
+            check_within(addrs, lens, 100, 100, "x")
+
+
+@settings(max_examples=80, deadline=None)
+@given(P=st.sampled_from([1, 2, 4]), D=st.sampled_from([1, 2, 4]), nhd=st.booleans(), data=st.data())
+def test_every_layer_plan_stays_in_its_regions_and_covers_each_byte_once(P, D, nhd, data):
+    nb = 16
+    kw = dict(num_layers=3, kv_heads=4, head_dim=16, tokens_per_block=4, token_major=nhd)
+    src_lay = KVLayout(**kw, tp_size=P, tp_rank=data.draw(st.integers(0, P - 1)))
+    dst_lays = [KVLayout(**kw, tp_size=D, tp_rank=r) for r in range(D)]
+    src = CacheSpec.for_buffer(src_lay, nb, 1 << 20)
+    dsts = {r: CacheSpec.for_buffer(lay, nb, (r + 2) << 24) for r, lay in enumerate(dst_lays)}
+    segs = [g for g in tp_segments(src_lay, dst_lays[0]) if g.src_rank == src_lay.tp_rank]
+    n = data.draw(st.integers(1, nb))
+    sb = np.asarray(data.draw(st.lists(st.integers(0, nb - 1), min_size=n, max_size=n)), np.int64)
+    db = np.asarray(data.draw(st.permutations(range(nb)))[:n], np.int64)
+    layer = data.draw(st.integers(0, 2))
+    pieces, total = layer_pieces(segs, src_lay, dst_lays[0], src, dsts, sb, db, layer)
+    assert total == sum(g.nbytes for g in segs) * n
+    spans = []
+    for seg, s, d, ln in pieces:
+        sbase, sstride = src.region(layer, seg.tensor)
+        dbase, dstride = dsts[seg.dst_rank].region(layer, seg.tensor)
+        check_within(s, ln, sbase, sstride * nb, "source")
+        check_within(d, ln, dbase, dstride * nb, "destination")
+        spans += zip(d.tolist(), (d + ln).tolist())
+    spans.sort()
+    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:])), "a destination byte written twice"
+    assert sum(e - s for s, e in spans) == total
+    groups = plan_layer(segs, src_lay, dst_lays[0], src, None, sb, db, layer)  # tcp: offsets into packed buffers
+    for grp in groups:
+        assert int(grp.nb.sum()) == n and (grp.dst >= 0).all()
