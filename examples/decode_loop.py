@@ -41,7 +41,7 @@ gpu = pdkv.cache_from_tensors(layout, kv)  # checked: shape, dtype, contiguity, 
 buf = pdkv.SharedBuffer.create(pdkv.CacheSpec.buffer_bytes(layout, BUFFER_BLOCKS))
 swap = pdkv.SwapEngine(pdkv.CacheSpec.for_buffer(layout, BUFFER_BLOCKS, buf.address), gpu, buffer_pinned=buf.pinned)
 sched = pdkv.DecodeScheduler(
-    num_layers=layout.total_layers,
+    layout=layout,
     gpu=pdkv.BlockPool(GPU_BLOCKS),
     buffer=pdkv.BlockPool(BUFFER_BLOCKS),
     swap=swap,

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from . import schedloop, schedview
 from .blocks import BlockAllocator, BlockPool
 from .errors import GrantViolation, LeaseExpiredError, RequestError
+from .layout import KVLayout
 from .lifecycle import (
     _COUNTER_OF,
     _WRITABLE,
@@ -84,10 +85,15 @@ class DecodeScheduler:
         The CPU buffer's pool; ``None`` disables the buffer path.
     swap:
         Moves buffer blocks into GPU blocks; required with a buffer.
+    layout:
+        The decode rank's :class:`~pdkv.layout.KVLayout`: gives ``num_layers``
+        (``total_layers``), the tokens per block (so :meth:`reserve` takes ``num_tokens``)
+        and ``block_bytes``. Without it, give ``num_layers`` and, where wanted, the two others.
     tokens_per_block:
-        Lets :meth:`reserve` take ``num_tokens``.
+        Lets :meth:`reserve` take ``num_tokens`` (the layout's, when one is given).
     block_bytes:
-        Bytes of one block (all layers, one rank), for swap byte counters.
+        Bytes of one block (all layers, every rank this scheduler serves), for swap byte
+        counters; default the layout's (one rank).
     options:
         :class:`SchedulerOptions`.
     clock:
@@ -102,8 +108,9 @@ class DecodeScheduler:
     def __init__(
         self,
         *,
-        num_layers: int,
+        num_layers: int | None = None,
         gpu: BlockAllocator,
+        layout: KVLayout | None = None,
         buffer: BlockPool | None = None,
         swap: SwapBackend | None = None,
         tokens_per_block: int | None = None,
@@ -112,7 +119,16 @@ class DecodeScheduler:
         clock: Callable[[], float] = time.monotonic,
         listener: Callable[[Event], None] | None = None,
     ) -> None:
-        if not isinstance(num_layers, int) or num_layers <= 0:
+        if layout is not None:
+            for name, given, own in (
+                ("num_layers", num_layers, layout.total_layers),
+                ("tokens_per_block", tokens_per_block, layout.tokens_per_block),
+            ):
+                if given is not None and given != own:
+                    raise ValueError(f"{name}={given!r} disagrees with the layout's {own}: give one of them")
+            num_layers, tokens_per_block = layout.total_layers, layout.tokens_per_block
+            block_bytes = block_bytes or layout.block_bytes
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers <= 0:
             raise ValueError(f"num_layers={num_layers!r} must be a positive integer")
         if num_layers > 4096:
             raise ValueError(f"num_layers={num_layers} is absurd (more than 4096)")
@@ -319,7 +335,9 @@ class DecodeScheduler:
             raise RequestError(f"request_id={request_id!r} must be a non-empty string of at most 256 characters")
         if num_blocks is None:
             if num_tokens is None or self.tokens_per_block is None:
-                raise RequestError("give num_blocks, or num_tokens with tokens_per_block set on the scheduler")
+                raise RequestError(
+                    "give num_blocks, or num_tokens with a layout (or tokens_per_block) on the scheduler"
+                )
             if not isinstance(num_tokens, int) or num_tokens <= 0:
                 raise RequestError(f"num_tokens={num_tokens!r} must be a positive integer")
             num_blocks = -(-num_tokens // self.tokens_per_block)

@@ -161,6 +161,11 @@ def test_sessions_name_an_unknown_or_unfit_transport(no_leaks):
     try:
         with pytest.raises(ValueError, match="transport 'nope' is not served by DecodeReceiver"):
             DecodeReceiver(sched, [lay], [buf], 4, transports=("shm", "nope"))
+        other = DecodeScheduler(
+            num_layers=lay.total_layers + 1, gpu=BlockPool(4), options=SchedulerOptions(direct_to_gpu=False)
+        )
+        with pytest.raises(ValueError, match=r"counts 5 layers a request, the layout has 4.*DecodeScheduler\(layout="):
+            DecodeReceiver(other, [lay], [buf], 4, transports=("shm",))
     finally:
         buf.close()
         buf.unlink()

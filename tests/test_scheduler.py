@@ -728,8 +728,8 @@ def test_scheduler_construction_and_reserve_validation_messages():
         (dict(request_id=""), "request_id='' must be a non-empty string of at most 256 characters"),
         (dict(request_id=5), "request_id=5 must be a non-empty string of at most 256 characters"),
         (dict(request_id="x" * 257), f"request_id={'x' * 257!r} must be a non-empty string of at most 256 characters"),
-        (dict(num_tokens=10), "give num_blocks, or num_tokens with tokens_per_block set on the scheduler"),
-        (dict(), "give num_blocks, or num_tokens with tokens_per_block set on the scheduler"),
+        (dict(num_tokens=10), "give num_blocks, or num_tokens with a layout (or tokens_per_block) on the scheduler"),
+        (dict(), "give num_blocks, or num_tokens with a layout (or tokens_per_block) on the scheduler"),
         (dict(num_blocks=True), "num_blocks=True must be a positive integer"),
         (dict(num_blocks=0), "num_blocks=0 must be a positive integer"),
         (dict(num_blocks=1, gpu_ok=1), "gpu_ok=1 must be a bool"),
@@ -1089,3 +1089,24 @@ def test_leases_end_in_the_order_they_run_out_also_for_a_reused_id():
     assert s.request("r1").state is State.EXPIRED
     with pytest.raises(RequestError, match="unknown request 'r2'"):
         s.request("r2")
+
+
+def test_the_layout_gives_layers_tokens_per_block_and_block_bytes():
+    from pdkv import KVLayout
+
+    lay = KVLayout(num_layers=3, kv_heads=2, head_dim=8, tokens_per_block=16, dtype="bf16", mla=False)
+    s = DecodeScheduler(layout=lay, gpu=BlockPool(8))
+    assert (s.num_layers, s.tokens_per_block, s.block_bytes) == (lay.total_layers, 16, lay.block_bytes)
+    assert s.reserve("a", num_tokens=17).grant.blocks == (0, 1)  # 17 tokens: two blocks of 16
+    for bad, msg in (
+        (dict(num_layers=4), "num_layers=4 disagrees with the layout's 3"),
+        (dict(tokens_per_block=8), "tokens_per_block=8 disagrees with the layout's 16"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            DecodeScheduler(layout=lay, gpu=BlockPool(8), **bad)
+    assert (
+        DecodeScheduler(layout=lay, gpu=BlockPool(8), block_bytes=2 * lay.block_bytes).block_bytes
+        == 2 * lay.block_bytes
+    )
+    with pytest.raises(ValueError, match="num_layers=None must be a positive integer"):
+        DecodeScheduler(gpu=BlockPool(8))

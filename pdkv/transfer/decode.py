@@ -105,6 +105,11 @@ class DecodeReceiver:
             raise ValueError("gpu_caches are served by cuda_ipc only: add it to transports")
         if len(layouts) != len(buffers) or not layouts:
             raise ValueError("give one buffer per decode rank layout")
+        if scheduler.num_layers != layouts[0].total_layers:
+            raise ValueError(
+                f"the scheduler counts {scheduler.num_layers} layers a request, the layout has "
+                f"{layouts[0].total_layers}: make it with DecodeScheduler(layout=...)"
+            )
         self.options = opts
         self.scheduler = scheduler
         self.layouts = list(layouts)

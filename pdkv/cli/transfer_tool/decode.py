@@ -113,7 +113,7 @@ class DecodeSide:
                 )
             self.engines = engines
             self.sched = DecodeScheduler(
-                num_layers=lay.total_layers,
+                layout=lay,
                 gpu=BlockPool(gpu_blocks, "gpu"),
                 buffer=BlockPool(nb, "buffer"),
                 swap=SwapGroup(engines),
