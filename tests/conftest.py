@@ -101,3 +101,25 @@ def shm_name(request) -> str:
     import uuid
 
     return f"pdkv-{os.getpid()}-{TAG}{uuid.uuid4().hex[:8]}"
+
+
+# hardware probes run when a test asks for them, not when its module is imported
+
+
+@pytest.fixture
+def stream_copy():
+    """The streaming copy loop of ``_ffi.cpu``; skips where it does not build (where
+    llvmlite is installed, tests/test_cpu_copy.py fails instead, so a broken build shows)."""
+    from pdkv._ffi import cpu
+
+    if not cpu.available():
+        pytest.skip(f"streaming copy loop unavailable: {cpu.unavailable_reason()}")
+
+
+@pytest.fixture
+def no_rdma_device():
+    """A host without an RDMA device (tests of the clear "no RDMA device" errors)."""
+    from pdkv import _ffi
+
+    if _ffi.verbs.rdma_devices():
+        pytest.skip("this host has an RDMA device")

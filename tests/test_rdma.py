@@ -125,10 +125,7 @@ def test_remote_region_record_validation():
             RemoteRegion.from_dict({**r.to_dict(), **bad})
 
 
-no_pyverbs_device = pytest.mark.skipif(bool(_ffi.verbs.rdma_devices()), reason="this host has an RDMA device")
-
-
-@no_pyverbs_device
+@pytest.mark.usefixtures("no_rdma_device")
 def test_no_rdma_here_says_so(no_leaks):
     with pytest.raises(RdmaUnavailableError, match="pyverbs|no RDMA device"):
         RdmaWriter([(4096, 4096)])

@@ -27,7 +27,6 @@ from pdkv import (
     SwapEngine,
     tp_segments,
 )
-from pdkv._ffi import cpu
 from pdkv.errors import PdkvTimeoutError, PeerError, TransferError
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM, DecodeReceiver, PrefillSender
 
@@ -808,7 +807,7 @@ def test_one_plan_per_layer_copies_what_per_request_plans_copy(P, D, nhd, data):
     assert any(m.any() for m in merged)
 
 
-@pytest.mark.skipif(not cpu.available(), reason=f"streaming copy loop unavailable: {cpu.unavailable_reason()}")
+@pytest.mark.usefixtures("stream_copy")
 @settings(max_examples=60, deadline=None)
 @given(
     P=st.sampled_from([1, 2, 4]),
@@ -839,7 +838,7 @@ def test_streaming_and_numpy_copies_write_the_same_bytes(P, D, nhd, threads, dat
     assert any(d.any() for d in out["stream"])
 
 
-@pytest.mark.skipif(not cpu.available(), reason=f"streaming copy loop unavailable: {cpu.unavailable_reason()}")
+@pytest.mark.usefixtures("stream_copy")
 def test_a_streamed_piece_outside_its_region_is_refused_before_anything_is_written():
     nb = 8
     lay = KVLayout(**BASE)
