@@ -1,3 +1,5 @@
+"""``python -m pdkv.cli.transfer_tool``: the ``pdkv-transfer-test`` command."""
+
 import sys
 
 from .app import main
