@@ -332,33 +332,15 @@ class DecodeReceiver:
         elif isinstance(msg, ReserveReq):
             self._on_reserve(peer, msg.request_id, msg.num_tokens)
         elif isinstance(msg, ReserveBatch):
-            with self._replies.together():
-                for rid, num_tokens in msg.items:  # each item stands alone, as a ReserveReq would
-                    try:
-                        self._on_reserve(peer, rid, num_tokens)
-                    except PdkvError as exc:
-                        self.count("messages_rejected")
-                        self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
+            self._each(peer, [(rid, (peer, rid, n)) for rid, n in msg.items], self._on_reserve)
         elif isinstance(msg, LayerDone):
             self._layers_done(peer, msg.request_id, msg.token, msg.layers, msg.blocks)
         elif isinstance(msg, LayerBatch):
-            with self._replies.together():
-                for rid, token, blocks in msg.items:  # each item stands alone, as a LayerDone would
-                    try:
-                        self._layers_done(peer, rid, token, [msg.layer], blocks)
-                    except PdkvError as exc:
-                        self.count("messages_rejected")
-                        self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
+            self._each(peer, [(rid, (peer, rid, t, [msg.layer], b)) for rid, t, b in msg.items], self._layers_done)
         elif isinstance(msg, Complete):
             self._completed(peer, msg.request_id, msg.token, msg.ok, msg.error)
         elif isinstance(msg, CompleteBatch):
-            with self._replies.together():
-                for rid, token, ok, error in msg.items:  # each item stands alone, as a Complete would
-                    try:
-                        self._completed(peer, rid, token, ok, error)
-                    except PdkvError as exc:
-                        self.count("messages_rejected")
-                        self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
+            self._each(peer, [(rid, (peer, rid, t, ok, e)) for rid, t, ok, e in msg.items], self._completed)
         elif isinstance(msg, Abort):
             with self.lock:
                 inf = self._inflight.get(msg.request_id)
@@ -371,6 +353,17 @@ class DecodeReceiver:
                 pass
         else:
             raise ProtocolError(f"unexpected message {type(msg).__name__} from prefill")
+
+    def _each(self, peer: Peer, items: list[tuple[str, tuple[Any, ...]]], fn: Callable[..., None]) -> None:
+        """A batch message's items, each standing alone as its single message would: one
+        item's error is answered for that item; replies go out together at the end."""
+        with self._replies.together():
+            for rid, args in items:
+                try:
+                    fn(*args)
+                except PdkvError as exc:
+                    self.count("messages_rejected")
+                    self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
 
     def _completed(self, peer: Peer, rid: str, token: int, ok: bool, error: str) -> None:
         """This prefill rank finished every write of ``rid`` (or reports that it failed)."""
