@@ -736,3 +736,25 @@ def test_fd_exhaustion_does_not_end_accepting(no_leaks):
             d.wait(10)
         finally:
             reap(d)
+
+
+@pytest.mark.multiproc
+def test_a_session_of_another_transport_opens_no_data_connection(no_leaks):
+    """The tcp listener authenticates only sessions whose transport is tcp: an shm session,
+    with its own key, cannot open a data connection (and so cannot send frames)."""
+    dec = Decode(transports=("shm", "tcp"))
+    ctx = zmq.Context()
+    try:
+        shm = RawSession(dec.rx.control_address, KVLayout(**BASE), transports=("shm",), instance="s", ctx=ctx)
+        assert shm.welcome.transport == "shm"
+        refused = dec.rx.stats["auth_failed"]
+        with pytest.raises((ConnectionError, OSError)):
+            shm.data_conn(dec.rx.data_address)
+        wait_until(lambda: dec.rx.stats["auth_failed"] > refused, 5, "the refusal counted")
+        tcp = RawSession(dec.rx.control_address, KVLayout(**BASE), transports=("tcp",), instance="t", ctx=ctx)
+        tcp.data_conn(dec.rx.data_address).close()  # a tcp session's, the same way, is accepted
+        for s in (shm, tcp):
+            s.close()
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
