@@ -210,8 +210,8 @@ class EndpointInfo:
             raise ProtocolError(f"RDMA endpoint record with non-integer numbers: {e}")
         if not (0 < e.qpn < 1 << 24 and 0 <= e.psn < 1 << 24 and 0 <= e.lid < 1 << 16 and 1 <= e.mtu <= 5):
             raise ProtocolError(f"RDMA endpoint record out of range: {e}")
-        if not isinstance(e.gid, str) or len(e.gid) > 64:
-            raise ProtocolError("bad GID in RDMA endpoint record")
+        if not isinstance(e.gid, str) or not _ffi.verbs.GID_RE.match(e.gid):
+            raise ProtocolError(f"bad GID {e.gid!r:.80} in RDMA endpoint record (eight groups of four hex digits)")
         return e
 
 

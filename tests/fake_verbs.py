@@ -85,7 +85,7 @@ class Fabric:
             "port": port,
             "gid_index": gid_index,
             "lid": 1,
-            "gid": "fe80::1",
+            "gid": "fe80:0000:0000:0000:0000:0000:0000:0001",
             "mtu": 5,
         }
 

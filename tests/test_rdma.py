@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import fake_verbs
@@ -89,9 +92,9 @@ def test_wait_is_bounded():
 
 
 def test_endpoint_record_validation():
-    e = EndpointInfo(qpn=7, psn=1, lid=3, gid="fe80::1", mtu=5)
+    e = EndpointInfo(qpn=7, psn=1, lid=3, gid="fe80:0000:0000:0000:0000:0000:0000:0001", mtu=5)
     assert EndpointInfo.from_dict(e.to_dict()) == e
-    for bad in ({"qpn": 0}, {"mtu": 9}, {"gid": 5}, {"qpn": "7"}, {"lid": 1.5}, {"extra": 1}):
+    for bad in ({"qpn": 0}, {"mtu": 9}, {"gid": 5}, {"gid": "fe80::1"}, {"qpn": "7"}, {"lid": 1.5}, {"extra": 1}):
         with pytest.raises(ProtocolError):
             EndpointInfo.from_dict({**e.to_dict(), **bad})
     with pytest.raises(ProtocolError):
@@ -261,9 +264,9 @@ def test_loopback_rc_write(rdma_device):
 @pytest.mark.parametrize(
     "record",
     [
-        {"qpn": "7", "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5},
-        {"qpn": 7, "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5, "rkey": 3},
-        {"qpn": 1 << 30, "psn": 0, "lid": 1, "gid": "fe80::1", "mtu": 5},
+        {"qpn": "7", "psn": 0, "lid": 1, "gid": "fe80:0000:0000:0000:0000:0000:0000:0001", "mtu": 5},
+        {"qpn": 7, "psn": 0, "lid": 1, "gid": "fe80:0000:0000:0000:0000:0000:0000:0001", "mtu": 5, "rkey": 3},
+        {"qpn": 1 << 30, "psn": 0, "lid": 1, "gid": "fe80:0000:0000:0000:0000:0000:0000:0001", "mtu": 5},
     ],
 )
 def test_hostile_rdma_hello_is_refused_and_decode_serves_on(record, monkeypatch, no_leaks):
@@ -298,3 +301,35 @@ def test_hostile_rdma_hello_is_refused_and_decode_serves_on(record, monkeypatch,
     finally:
         ctx.destroy(linger=0)
         dec.close()
+
+
+STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin_pyverbs")
+
+
+def test_verbs_calls_pass_pyverbs_own_types_and_enums_of_rdma_core_59():
+    """pdkv's verbs layer against a stand-in with pyverbs v59's class signatures and types:
+    no ``pyverbs.enums`` (removed in v59), enum members only on their types (Cython >= 3.1),
+    ``GlobalRoute(dgid=GID)`` typed. Before, ``import pyverbs.enums`` failed and a GID string
+    raised TypeError; a malformed peer GID is refused by name."""
+    code = (
+        "from pdkv import _ffi\n"
+        "from pdkv.errors import RdmaError\n"
+        "v = _ffi.verbs\n"
+        "assert v.rdma_devices() == ['stand0']\n"
+        "res = v.open_device()\n"
+        "mr, lkey, rkey = v.register(res, 4096, 1 << 20, remote_write=True)\n"
+        "qp = v.create_rc_qp(res, 64)\n"
+        "v.connect_qp(res, qp, {'qpn': 7, 'psn': 0, 'lid': 0, 'gid': res['gid'], 'mtu': 5})\n"
+        "v.post_writes(qp, [(1, 4096, 64, lkey, 8192, rkey, True)])\n"
+        "assert v.enum('IBV_QPT_RC') == 2 and v.enum('IBV_SEND_SIGNALED') == 2\n"
+        "try:\n"
+        "    v.connect_qp(res, qp, {'qpn': 7, 'psn': 0, 'lid': 0, 'gid': 'fe80::1', 'mtu': 5})\n"
+        "except RdmaError as e:\n"
+        "    print('refused', e)\n"
+        "print('OK', res['gid'])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([STANDIN, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "refused peer GID 'fe80::1' is not eight groups of four hex digits" in out.stdout
+    assert "OK fe80:0000:0000:0000:0002:00ff:fe00:0001" in out.stdout

@@ -8,6 +8,7 @@ lets every other failure through as :class:`~pdkv.errors.RdmaError`.
 from __future__ import annotations
 
 import errno
+import re
 from typing import Any
 
 from ..errors import RdmaError, RdmaUnavailableError
@@ -25,10 +26,26 @@ __all__ = [
     "poll",
     "close",
     "close_device",
+    "enum",
+    "GID_RE",
 ]
 
 # errnos with which rdma-core reports "no devices / no driver" from ibv_get_device_list
 _ABSENT = {errno.ENOSYS, errno.ENODEV, errno.ENOENT, 0}
+
+# a GID as pyverbs' GID(val) parses it and str(GID) prints it: eight groups of four hex digits
+GID_RE = re.compile(r"^[0-9a-fA-F]{4}(:[0-9a-fA-F]{4}){7}$")
+
+# the enum type of each IBV_* name pdkv uses: rdma-core v59 dropped pyverbs.enums, and with
+# Cython >= 3.1 a cpdef enum's members are attributes of its type in
+# pyverbs.libibverbs_enums, not of the module
+_ENUM_TYPE = {
+    "IBV_ACCESS_": "ibv_access_flags",
+    "IBV_QPT_": "ibv_qp_type",
+    "IBV_WR_": "ibv_wr_opcode",
+    "IBV_SEND_": "ibv_send_flags",
+    "IBV_WC_": "ibv_wc_status",
+}
 
 
 def import_pyverbs() -> Any:
@@ -83,6 +100,32 @@ def require_device(name: str | None = None) -> str:
     return name
 
 
+def enum(name: str) -> int:
+    """The value of the verbs constant ``name`` (``IBV_QPT_RC``...) in any pyverbs: a member of
+    its enum type in ``pyverbs.libibverbs_enums`` (rdma-core v59+, Cython >= 3.1), a name of
+    that module (older Cython), or of ``pyverbs.enums`` (before v59)."""
+    try:
+        import pyverbs.libibverbs_enums as le
+    except ImportError:
+        le = None
+    if le is not None:
+        v = getattr(le, name, None)
+        if v is None:
+            typ = next((t for p, t in _ENUM_TYPE.items() if name.startswith(p)), None)
+            v = getattr(getattr(le, typ, None), name, None) if typ else None
+        if v is not None:
+            return int(v)
+    try:
+        import pyverbs.enums as old
+
+        return int(getattr(old, name))
+    except (ImportError, AttributeError):
+        raise RdmaUnavailableError(
+            f"this pyverbs defines no {name} (in pyverbs.libibverbs_enums or pyverbs.enums): "
+            "install the distribution's python3-pyverbs matching its rdma-core"
+        ) from None
+
+
 # ---------------------------------------------------------------- resources
 # Written against pyverbs' documented API (rdma-core/pyverbs: device.Context, pd.PD,
 # mr.MR, cq.CQ, qp.QP/QPInitAttr/QPCap/QPAttr, addr.AHAttr/GlobalRoute, wr.SGE/SendWR).
@@ -95,7 +138,7 @@ def _wrap(what: str, fn: Any, *args: Any, **kw: Any) -> Any:
 
     try:
         return fn(*args, **kw)
-    except PyverbsError as exc:
+    except (PyverbsError, TypeError, ValueError) as exc:  # also an argument pyverbs' types refuse
         raise RdmaError(f"{what} failed: {exc}") from exc
     finally:
         del pv
@@ -127,34 +170,34 @@ def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> d
 
 def register(res: dict[str, Any], addr: int, length: int, remote_write: bool) -> tuple[Any, int, int]:
     """One memory region over ``[addr, addr+length)``; returns (mr, lkey, rkey)."""
-    import pyverbs.enums as e
     import pyverbs.mr as mr
 
-    access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_WRITE if remote_write else 0)
+    access = enum("IBV_ACCESS_LOCAL_WRITE") | (enum("IBV_ACCESS_REMOTE_WRITE") if remote_write else 0)
     m = _wrap("ibv_reg_mr", mr.MR, res["pd"], length, access, address=addr)
     return m, int(m.lkey), int(m.rkey)
 
 
 def create_rc_qp(res: dict[str, Any], max_send_wr: int) -> Any:
-    import pyverbs.enums as e
     from pyverbs.qp import QP, QPCap, QPInitAttr
 
     cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-    init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=res["cq"], rcq=res["cq"], cap=cap, sq_sig_all=0)
+    init = QPInitAttr(qp_type=enum("IBV_QPT_RC"), scq=res["cq"], rcq=res["cq"], cap=cap, sq_sig_all=0)
     return _wrap("ibv_create_qp", QP, res["pd"], init)
 
 
 def connect_qp(res: dict[str, Any], qp: Any, remote: dict[str, Any]) -> None:
     """RESET -> INIT -> RTR -> RTS towards ``remote`` (qpn, psn, lid, gid)."""
-    import pyverbs.enums as e
-    from pyverbs.addr import AHAttr, GlobalRoute
+    from pyverbs.addr import GID, AHAttr, GlobalRoute
     from pyverbs.qp import QPAttr
 
+    gid = remote["gid"]
+    if not isinstance(gid, str) or not GID_RE.match(gid):
+        raise RdmaError(f"peer GID {gid!r:.80} is not eight groups of four hex digits")
     a = QPAttr()
-    a.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+    a.qp_access_flags = enum("IBV_ACCESS_LOCAL_WRITE") | enum("IBV_ACCESS_REMOTE_WRITE")
     a.port_num = res["port"]
     _wrap("modify_qp(INIT)", qp.to_init, a)
-    gr = GlobalRoute(dgid=remote["gid"], sgid_index=res["gid_index"])
+    gr = _wrap("GlobalRoute", GlobalRoute, dgid=GID(gid), sgid_index=res["gid_index"])
     a.ah_attr = AHAttr(port_num=res["port"], is_global=1, gr=gr, dlid=remote["lid"])
     a.dest_qp_num = remote["qpn"]
     a.rq_psn = remote["psn"]
@@ -169,17 +212,17 @@ def connect_qp(res: dict[str, Any], qp: Any, remote: dict[str, Any]) -> None:
 
 def post_writes(qp: Any, wrs: list[tuple[int, int, int, int, int, int, bool]]) -> None:
     """Post a chain of RDMA writes: (wr_id, local_addr, length, lkey, remote_addr, rkey, signaled)."""
-    import pyverbs.enums as e
     from pyverbs.wr import SGE, SendWR
 
+    write, signaled = enum("IBV_WR_RDMA_WRITE"), enum("IBV_SEND_SIGNALED")
     objs = []
     for wr_id, la, n, lkey, ra, rkey, sig in wrs:
         w = SendWR(
             wr_id=wr_id,
-            opcode=e.IBV_WR_RDMA_WRITE,
+            opcode=write,
             num_sge=1,
             sg=[SGE(la, n, lkey)],
-            send_flags=e.IBV_SEND_SIGNALED if sig else 0,
+            send_flags=signaled if sig else 0,
         )
         w.set_wr_rdma(rkey, ra)
         objs.append(w)
