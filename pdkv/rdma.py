@@ -16,6 +16,7 @@ it raises :class:`~pdkv.errors.RdmaUnavailableError` saying so.
 from __future__ import annotations
 
 import bisect
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -285,12 +286,14 @@ class RdmaWriter:
         self.timeout_s = timeout_s
         self.tracker = CompletionTracker()
         self.connected = False
+        self.psn = secrets.randbelow(1 << 24)  # where this end's sends start, announced in the handshake
 
-    def local_info(self, psn: int = 0) -> EndpointInfo:
-        return EndpointInfo(int(self._qp.qp_num), psn, self._res["lid"], self._res["gid"], self._res["mtu"])
+    def local_info(self) -> EndpointInfo:
+        """This end's record for the peer, with its random starting PSN."""
+        return EndpointInfo(int(self._qp.qp_num), self.psn, self._res["lid"], self._res["gid"], self._res["mtu"])
 
     def connect(self, remote: EndpointInfo) -> None:
-        _ffi.verbs.connect_qp(self._res, self._qp, remote.to_dict())
+        _ffi.verbs.connect_qp(self._res, self._qp, remote.to_dict(), local_psn=self.psn)
         self.connected = True
 
     def lkey(self, addr: int, n: int) -> int:
@@ -367,14 +370,15 @@ class RdmaTarget:
     def accept(self, prefill: EndpointInfo) -> EndpointInfo:
         """A queue pair connected to ``prefill``'s; returns this end's record."""
         qp = _ffi.verbs.create_rc_qp(self._res, self._max_send_wr)
+        psn = secrets.randbelow(1 << 24)  # random starting PSNs, as rdma-core's own tests use
         try:
-            _ffi.verbs.connect_qp(self._res, qp, prefill.to_dict())
+            _ffi.verbs.connect_qp(self._res, qp, prefill.to_dict(), local_psn=psn)
         except BaseException:
             _ffi.verbs.close(qp)
             raise
         qpn = int(qp.qp_num)
         self._qps[qpn] = qp
-        return EndpointInfo(qpn, 0, self._res["lid"], self._res["gid"], self._res["mtu"])
+        return EndpointInfo(qpn, psn, self._res["lid"], self._res["gid"], self._res["mtu"])
 
     def drop(self, qpn: int) -> None:
         """Destroy one peer's queue pair (fence it)."""

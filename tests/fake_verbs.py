@@ -47,6 +47,7 @@ class _QP:
         self.fabric, self.qp_num, self.cq, self.max_send_wr = fabric, qpn, cq, max_send_wr
         self.peer = 0
         self.state = "reset"
+        self.sq_psn = self.rq_psn = -1
 
     def close(self) -> None:
         with self.fabric.lock:
@@ -103,11 +104,20 @@ class Fabric:
             self.qps[qp.qp_num] = qp
         return qp
 
-    def connect_qp(self, res: dict[str, Any], qp: _QP, remote: dict[str, Any]) -> None:
+    def connect_qp(self, res: dict[str, Any], qp: _QP, remote: dict[str, Any], local_psn: int) -> None:
         with self.lock:
-            if remote["qpn"] not in self.qps:
+            peer = self.qps.get(remote["qpn"])
+            if peer is None:
                 raise RdmaError(f"modify_qp(RTR) failed: no queue pair {remote['qpn']}")
+            # RC: each side receives from the PSN the other sends from; a mismatch is RETRY_EXC
+            # on a NIC. The peer connected first must send from what it announced, and expect ours.
+            if peer.state == "rts" and (peer.sq_psn != remote["psn"] or peer.rq_psn != local_psn):
+                raise RdmaError(
+                    f"PSN mismatch: peer sends from {peer.sq_psn}, announced {remote['psn']}; "
+                    f"it expects {peer.rq_psn}, this side sends from {local_psn}"
+                )
             qp.peer, qp.state = remote["qpn"], "rts"
+            qp.sq_psn, qp.rq_psn = local_psn, remote["psn"]
 
     def _covers(self, key: int, addr: int, n: int, remote: bool) -> bool:
         mr = self.mrs.get(key)

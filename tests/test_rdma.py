@@ -319,11 +319,12 @@ def test_verbs_calls_pass_pyverbs_own_types_and_enums_of_rdma_core_59():
         "res = v.open_device()\n"
         "mr, lkey, rkey = v.register(res, 4096, 1 << 20, remote_write=True)\n"
         "qp = v.create_rc_qp(res, 64)\n"
-        "v.connect_qp(res, qp, {'qpn': 7, 'psn': 0, 'lid': 0, 'gid': res['gid'], 'mtu': 5})\n"
+        "v.connect_qp(res, qp, {'qpn': 7, 'psn': 4242, 'lid': 0, 'gid': res['gid'], 'mtu': 5}, local_psn=777)\n"
+        "assert (qp.rq_psn, qp.sq_psn) == (4242, 777)  # receives from the peer's PSN, sends from its own\n"
         "v.post_writes(qp, [(1, 4096, 64, lkey, 8192, rkey, True)])\n"
         "assert v.enum('IBV_QPT_RC') == 2 and v.enum('IBV_SEND_SIGNALED') == 2\n"
         "try:\n"
-        "    v.connect_qp(res, qp, {'qpn': 7, 'psn': 0, 'lid': 0, 'gid': 'fe80::1', 'mtu': 5})\n"
+        "    v.connect_qp(res, qp, {'qpn': 7, 'psn': 0, 'lid': 0, 'gid': 'fe80::1', 'mtu': 5}, local_psn=1)\n"
         "except RdmaError as e:\n"
         "    print('refused', e)\n"
         "print('OK', res['gid'])\n"
@@ -333,3 +334,24 @@ def test_verbs_calls_pass_pyverbs_own_types_and_enums_of_rdma_core_59():
     assert out.returncode == 0, out.stderr
     assert "refused peer GID 'fe80::1' is not eight groups of four hex digits" in out.stdout
     assert "OK fe80:0000:0000:0000:0002:00ff:fe00:0001" in out.stdout
+
+
+def test_each_end_starts_from_a_random_psn_it_announced(monkeypatch):
+    """PSNs are random 24-bit numbers exchanged in the handshake (they were always 0, and the
+    send PSN was read from a key never sent); the simulated fabric refuses an RC pair whose
+    ends do not send from what they announced."""
+    fab = fake_verbs.install(monkeypatch)
+    psns = set()
+    for _ in range(4):
+        target = RdmaTarget([(0, 4096, 1 << 16)])
+        w = RdmaWriter([(8192, 1 << 16)])
+        mine = w.local_info()
+        theirs = target.accept(mine)
+        w.connect(theirs)
+        qp_w, qp_t = fab.qps[mine.qpn], fab.qps[theirs.qpn]
+        assert (qp_w.sq_psn, qp_w.rq_psn) == (mine.psn, theirs.psn)
+        assert (qp_t.sq_psn, qp_t.rq_psn) == (theirs.psn, mine.psn)
+        psns |= {mine.psn, theirs.psn}
+        w.close()
+        target.close()
+    assert len(psns) > 1 and all(0 <= p < 1 << 24 for p in psns)

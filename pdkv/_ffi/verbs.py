@@ -185,8 +185,11 @@ def create_rc_qp(res: dict[str, Any], max_send_wr: int) -> Any:
     return _wrap("ibv_create_qp", QP, res["pd"], init)
 
 
-def connect_qp(res: dict[str, Any], qp: Any, remote: dict[str, Any]) -> None:
-    """RESET -> INIT -> RTR -> RTS towards ``remote`` (qpn, psn, lid, gid)."""
+def connect_qp(res: dict[str, Any], qp: Any, remote: dict[str, Any], local_psn: int) -> None:
+    """RESET -> INIT -> RTR -> RTS towards ``remote`` (qpn, psn, lid, gid): this side
+    receives from the peer's announced PSN and sends from ``local_psn``, the one it announced."""
+    if not isinstance(local_psn, int) or not 0 <= local_psn < 1 << 24:
+        raise RdmaError(f"local PSN {local_psn!r} is not a 24-bit number")
     from pyverbs.addr import GID, AHAttr, GlobalRoute
     from pyverbs.qp import QPAttr
 
@@ -205,7 +208,7 @@ def connect_qp(res: dict[str, Any], qp: Any, remote: dict[str, Any]) -> None:
     a.max_dest_rd_atomic = 1
     a.min_rnr_timer = 12
     _wrap("modify_qp(RTR)", qp.to_rtr, a)
-    a.sq_psn = remote.get("local_psn", 0)
+    a.sq_psn = local_psn
     a.timeout, a.retry_cnt, a.rnr_retry, a.max_rd_atomic = 14, 7, 7, 1
     _wrap("modify_qp(RTS)", qp.to_rts, a)
 

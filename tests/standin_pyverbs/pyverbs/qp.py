@@ -45,9 +45,10 @@ class QP:
     def to_rtr(self, attr):
         if not isinstance(attr.ah_attr, AHAttr):
             raise TypeError("ah_attr must be an AHAttr")
+        self.rq_psn = attr.rq_psn
 
     def to_rts(self, attr):
-        pass
+        self.sq_psn = attr.sq_psn  # the stand-in records it for the test
 
     def post_send(self, send_wr, bad_wr=None):
         if not isinstance(send_wr, SendWR):
