@@ -271,6 +271,7 @@ class RdmaWriter:
         self._mrs: list[Any] = []
         self._qp: Any = None
         try:
+            _ffi.verbs.check_memlock(sum(n for _, n in merge_regions(regions)))
             self._local: list[tuple[int, int, int]] = []  # (start, end, lkey), sorted
             for addr, n in merge_regions(regions):
                 mr, lkey, _ = _ffi.verbs.register(self._res, addr, n, remote_write=False)
@@ -358,6 +359,7 @@ class RdmaTarget:
         self._qps: dict[int, Any] = {}
         self._max_send_wr = max_send_wr
         try:
+            _ffi.verbs.check_memlock(sum(n for _, _, n in buffers))
             self.regions: dict[int, RemoteRegion] = {}
             for rank, addr, n in buffers:
                 mr, _, rkey = _ffi.verbs.register(self._res, addr, n, remote_write=True)

@@ -355,3 +355,24 @@ def test_each_end_starts_from_a_random_psn_it_announced(monkeypatch):
         w.close()
         target.close()
     assert len(psns) > 1 and all(0 <= p < 1 << 24 for p in psns)
+
+
+def test_a_locked_memory_limit_too_small_is_named_before_any_registration(monkeypatch):
+    """ibv_reg_mr past RLIMIT_MEMLOCK fails with a bare ENOMEM (containers start at 64 KiB
+    or 8 MiB): the limit is checked up front and the error says what to raise."""
+    import resource
+
+    from pdkv import _ffi
+
+    fab = fake_verbs.install(monkeypatch)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (64 << 10, 64 << 10))
+    monkeypatch.setattr(_ffi.verbs, "_has_ipc_lock", lambda: False)
+    for make in (lambda: RdmaTarget([(0, 4096, 1 << 20)]), lambda: RdmaWriter([(8192, 1 << 20)])):
+        with pytest.raises(RdmaError, match=r"needs a locked-memory limit .* RLIMIT_MEMLOCK is 65536 bytes.*ulimit -l"):
+            make()
+        assert not fab.mrs  # nothing registered
+    monkeypatch.setattr(_ffi.verbs, "_has_ipc_lock", lambda: True)  # CAP_IPC_LOCK lifts the limit
+    RdmaTarget([(0, 4096, 1 << 20)]).close()
+    monkeypatch.setattr(_ffi.verbs, "_has_ipc_lock", lambda: False)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    RdmaWriter([(8192, 1 << 20)]).close()

@@ -28,6 +28,7 @@ __all__ = [
     "close_device",
     "enum",
     "GID_RE",
+    "check_memlock",
 ]
 
 # errnos with which rdma-core reports "no devices / no driver" from ibv_get_device_list
@@ -124,6 +125,34 @@ def enum(name: str) -> int:
             f"this pyverbs defines no {name} (in pyverbs.libibverbs_enums or pyverbs.enums): "
             "install the distribution's python3-pyverbs matching its rdma-core"
         ) from None
+
+
+def _has_ipc_lock() -> bool:
+    """Whether this process holds CAP_IPC_LOCK (then RLIMIT_MEMLOCK does not bound ibv_reg_mr)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> 14 & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def check_memlock(nbytes: int) -> None:
+    """RdmaError, saying what to raise, when registering ``nbytes`` would pass this process's
+    locked-memory limit: ibv_reg_mr pins the pages and fails with a bare ENOMEM past it
+    (containers often start with 64 KiB or 8 MiB)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or nbytes <= soft or _has_ipc_lock():
+        return
+    raise RdmaError(
+        f"registering {nbytes} bytes for RDMA needs a locked-memory limit of at least that, but "
+        f"RLIMIT_MEMLOCK is {soft} bytes: raise it (ulimit -l unlimited; docker run --ulimit "
+        "memlock=-1; LimitMEMLOCK=infinity in a systemd unit; or grant CAP_IPC_LOCK)"
+    )
 
 
 # ---------------------------------------------------------------- resources
