@@ -56,7 +56,7 @@ WC_STATUS = {
     20: "response timeout",
     21: "general error",
 }
-MAX_WR_BYTES = 1 << 30  # below every device's max_msg_sz (2^31)
+MAX_WR_BYTES = 1 << 30  # at most this per work request, and never more than the port's max_msg_sz
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +288,8 @@ class RdmaWriter:
         self.tracker = CompletionTracker()
         self.connected = False
         self.psn = secrets.randbelow(1 << 24)  # where this end's sends start, announced in the handshake
+        # one work request moves at most the port's largest message (queried, not assumed)
+        self.max_wr_bytes = max(1, min(MAX_WR_BYTES, int(self._res.get("max_msg_sz") or MAX_WR_BYTES)))
 
     def local_info(self) -> EndpointInfo:
         """This end's record for the peer, with its random starting PSN."""
@@ -311,7 +313,7 @@ class RdmaWriter:
         completions; raise RdmaError if any completion failed."""
         if not self.connected:
             raise RdmaError("queue pair not connected")
-        wrs = plan_writes(request, local, remote, lengths, region.addr, region.length)
+        wrs = plan_writes(request, local, remote, lengths, region.addr, region.length, self.max_wr_bytes)
         for chain in batch_chains(wrs, self.max_chain, self.signal_every):
             ids = self.tracker.register_chain(chain)
             _ffi.verbs.post_writes(

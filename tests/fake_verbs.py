@@ -21,7 +21,7 @@ from typing import Any
 
 from pdkv.errors import RdmaError
 
-SUCCESS, LOC_PROT_ERR, WR_FLUSH_ERR, REM_ACCESS_ERR, RETRY_EXC_ERR = 0, 4, 5, 10, 12
+SUCCESS, LOC_LEN_ERR, LOC_PROT_ERR, WR_FLUSH_ERR, REM_ACCESS_ERR, RETRY_EXC_ERR = 0, 1, 4, 5, 10, 12
 
 
 class _MR:
@@ -61,6 +61,8 @@ class Fabric:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.mrs: dict[int, tuple[int, int, bool]] = {}  # key -> (addr, length, remote_write)
+        self.max_msg_sz = 1 << 31  # what ibv_query_port reports (a test may lower it)
+        self.largest_wr = 0  # the longest work request posted
         self.qps: dict[int, _QP] = {}
         self._keys = itertools.count(0x100)
         self._qpns = itertools.count(0x20)
@@ -88,6 +90,7 @@ class Fabric:
             "lid": 1,
             "gid": "fe80:0000:0000:0000:0000:0000:0000:0001",
             "mtu": 5,
+            "max_msg_sz": self.max_msg_sz,
         }
 
     def register(self, res: dict[str, Any], addr: int, length: int, remote_write: bool) -> tuple[Any, int, int]:
@@ -131,8 +134,11 @@ class Fabric:
                 raise RdmaError("ibv_post_send failed: send queue full")
             done = []
             for wr_id, la, n, lkey, ra, rkey, sig in wrs:
+                self.largest_wr = max(self.largest_wr, n)
                 if qp.state == "error":
                     status = WR_FLUSH_ERR
+                elif n > self.max_msg_sz:
+                    status = LOC_LEN_ERR  # longer than the port's largest message
                 elif qp.peer not in self.qps:
                     status = RETRY_EXC_ERR  # the peer's queue pair is gone: no acks come back
                 elif not self._covers(lkey, la, n, remote=False):

@@ -376,3 +376,26 @@ def test_a_locked_memory_limit_too_small_is_named_before_any_registration(monkey
     monkeypatch.setattr(_ffi.verbs, "_has_ipc_lock", lambda: False)
     monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     RdmaWriter([(8192, 1 << 20)]).close()
+
+
+def test_work_requests_never_pass_the_ports_largest_message(monkeypatch):
+    """The largest message is queried from the port (max_msg_sz), not assumed to be 2^31: a
+    run longer than it goes as several work requests, and every byte lands. The simulated
+    fabric fails a longer work request with LOC_LEN_ERR, as a NIC does."""
+    import ctypes
+
+    fab = fake_verbs.install(monkeypatch)
+    fab.max_msg_sz = 64 << 10
+    n = 300 << 10
+    src = (ctypes.c_ubyte * n).from_buffer(bytearray(np.random.default_rng(5).integers(0, 256, n, np.uint8)))
+    dst = (ctypes.c_ubyte * n)()
+    target = RdmaTarget([(0, ctypes.addressof(dst), n)])
+    w = RdmaWriter([(ctypes.addressof(src), n)])
+    try:
+        w.connect(target.accept(w.local_info()))
+        assert w.max_wr_bytes == 64 << 10
+        w.write("r", [ctypes.addressof(src)], [ctypes.addressof(dst)], [n], target.regions[0])
+        assert bytes(dst) == bytes(src) and fab.largest_wr == 64 << 10 and fab.writes == -(-n // (64 << 10))
+    finally:
+        w.close()
+        target.close()

@@ -194,6 +194,7 @@ def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> d
         "lid": int(pattr.lid),
         "gid": str(gid),
         "mtu": int(pattr.active_mtu),
+        "max_msg_sz": int(pattr.max_msg_sz),  # the largest message (one work request) the port takes
     }
 
 

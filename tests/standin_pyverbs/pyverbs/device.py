@@ -12,6 +12,7 @@ def get_device_list():
 class _Port:
     lid = 0
     active_mtu = 5
+    max_msg_sz = 1 << 30
 
 
 class Context:
