@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _ffi
-from .errors import PdkvTimeoutError, ProtocolError, RdmaError
-from .plan import coalesce
+from .errors import PdkvTimeoutError, ProtocolError, RdmaError, TransferError
+from .plan import check_within, coalesce
 
 __all__ = [
     "WriteWR",
@@ -83,11 +83,10 @@ def plan_writes(
 
     Raises ProtocolError for a write outside ``[remote_base, remote_base+remote_len)``.
     """
-    for ra, n in zip(remote, lengths):
-        if n <= 0:
-            raise ProtocolError(f"write of {n} bytes")
-        if ra < remote_base or ra + n > remote_base + remote_len:
-            raise ProtocolError(f"write [{ra:#x}, +{n}) outside the peer's region [{remote_base:#x}, +{remote_len})")
+    try:  # the planner's bounds check: every piece non-empty and inside the region
+        check_within(remote, lengths, remote_base, remote_len, "RDMA write outside the peer's region")
+    except TransferError as exc:
+        raise ProtocolError(str(exc)) from None
     return [WriteWR(request, la, ra, n) for la, ra, n in coalesce(local, remote, lengths, max_bytes)]
 
 
@@ -271,9 +270,10 @@ class RdmaWriter:
         self._mrs: list[Any] = []
         self._qp: Any = None
         try:
-            _ffi.verbs.check_memlock(sum(n for _, n in merge_regions(regions)))
+            merged = merge_regions(regions)
+            _ffi.verbs.check_memlock(sum(n for _, n in merged))
             self._local: list[tuple[int, int, int]] = []  # (start, end, lkey), sorted
-            for addr, n in merge_regions(regions):
+            for addr, n in merged:
                 mr, lkey, _ = _ffi.verbs.register(self._res, addr, n, remote_write=False)
                 self._mrs.append(mr)
                 self._local.append((addr, addr + n, lkey))
