@@ -243,7 +243,7 @@ def aligned_empty(nbytes: int, align: int = 4096) -> Any:
     the AMD EPYC development VM (glibc 2.36), 128 KiB blocks gathered with numpy in random
     order from page offset 16 ran at 0.83 of a contiguous copy, from offsets 0, 64 or 2048
     at 0.97-1.04; 32 KiB blocks 0.71-0.74 against 0.78-0.89
-    (``docs/perf-logs/devvm-alignment-s6.log``). Engines' own allocators align already
+    (``tools/bench_transport.py --src-offset 16``). Engines' own allocators align already
     (torch's CPU allocator to 64 bytes, paddle's and pinned ``cudaHostAlloc`` memory to a
     page).
 

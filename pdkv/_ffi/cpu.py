@@ -17,7 +17,7 @@ side: one stream stalls at the start of every randomly placed block until the ha
 prefetcher has caught on, four keep more misses in flight (glibc's own large copies
 interleave four pages for the same reason). Dev VM, 32 KiB blocks in random order: 0.89-0.93
 of a one-stream contiguous copy four at a time, 0.67-0.71 one at a time
-(docs/perf-logs/devvm-ways-s6.log). The loop is LLVM IR, compiled once per process
+(tools/bench_transport.py's bare gather column). The loop is LLVM IR, compiled once per process
 for the host CPU; no compiler or build step is involved. The ctypes call releases the
 GIL, so several threads copy at once.
 

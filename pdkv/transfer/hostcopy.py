@@ -133,7 +133,7 @@ class HostCopier:
         src, dst, ln = (a[0] if len(a) == 1 else np.concatenate(a) for a in (srcs, dsts, lens))
         # pieces stay in destination order (grant order): sorted by source address instead,
         # random 32 KiB blocks ran 0.69-0.73 of the ceiling against 0.79-0.81 on the H200 x2
-        # host's Xeon (ABBA, docs/perf-logs/h200x2-ab-order-s6-*), though 0.73-0.75 against
+        # host's Xeon (ABBA runs of tools/bench_transport.py), though 0.73-0.75 against
         # 0.57-0.66 on the dev VM
         n = min(self.threads, max(1, int(ln.sum()) // self.piece))
         if n > 1 and int(ln.max()) > self.piece:  # cut long runs so the threads share evenly
