@@ -134,31 +134,41 @@ class _CudaHandle(CopyHandle):
         self._events = events  # one per layer when layer-wise, else one
         self._keep = keep  # descriptor memory: freed when the copy is done
         self._finished = False
+        self._lock = threading.Lock()
         self._fin = weakref.finalize(self, _destroy_events, list(events))
 
+    # done() may be called from several threads at once (staged sends: the lanes of a
+    # chunk, and the engine reusing descriptor memory): the lock keeps one from querying
+    # an event another has just destroyed (a crash in the driver)
     def done(self) -> bool:
         if self._finished:
             return True
-        try:
-            ok = _ffi.cuda.event_query(self._events[-1])
-        except Exception as exc:  # a CUDA error surfaces here: the copy failed
-            self._error = exc
-            ok = True
-        if ok:
-            self._finished = True
-            self._t1 = time.perf_counter()
-            self._keep = None
-            self._fin()
-        return ok
+        with self._lock:
+            if self._finished:
+                return True
+            try:
+                ok = _ffi.cuda.event_query(self._events[-1])
+            except Exception as exc:  # a CUDA error surfaces here: the copy failed
+                self._error = exc
+                ok = True
+            if ok:
+                self._t1 = time.perf_counter()
+                self._keep = None
+                self._fin()
+                self._finished = True
+            return ok
 
     def layer_done(self, layer: int) -> bool:
         if self._finished or len(self._events) == 1:
             return self.done()
-        try:
-            return _ffi.cuda.event_query(self._events[layer])
-        except Exception as exc:
-            self._error = exc
-            return True
+        with self._lock:
+            if self._finished:
+                return True
+            try:
+                return _ffi.cuda.event_query(self._events[layer])
+            except Exception as exc:
+                self._error = exc
+                return True
 
 
 _DRAIN_TIMEOUT_S = 60.0

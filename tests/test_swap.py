@@ -482,3 +482,40 @@ def test_drain_gives_up_after_its_bound(monkeypatch):
     monkeypatch.setattr(_ffi.cuda, "event_query", lambda e: False)  # a stream that never finishes
     assert swap._drain(7, timeout=0.05) is False
     assert not fake.events
+
+
+@pytest.mark.cuda
+def test_cuda_copy_handles_polled_from_several_threads_at_once(cuda_device, no_leaks):
+    """Staged sends poll one copy's handle from several lanes and the engine's own
+    descriptor reuse: a poll must never query an event another thread has just destroyed
+    (that crashed the process in the driver)."""
+    import threading
+
+    L = lay(num_layers=1, kv_heads=1, head_dim=128, tokens_per_block=8)
+    n = 64
+    size = L.block_bytes * n
+    with SharedBuffer.create(size, require_pinned=True) as sb:
+        bspec = CacheSpec.for_buffer(L, n, sb.address)
+        dptr = _ffi.cuda.malloc(size)
+        try:
+            gspec = CacheSpec.for_buffer(L, n, dptr)
+            with SwapEngine(bspec, gspec, strategy="kernel") as eng:
+                for _ in range(300):
+                    h = eng.copy(list(range(n)), list(range(n)), layerwise=True)
+                    errs: list[BaseException] = []
+
+                    def poll(h=h, errs=errs):
+                        try:
+                            while not (h.layer_done(0) and h.done()):
+                                pass
+                        except BaseException as exc:
+                            errs.append(exc)
+
+                    ts = [threading.Thread(target=poll) for _ in range(4)]
+                    for t in ts:
+                        t.start()
+                    for t in ts:
+                        t.join(10)
+                    assert not errs and h.error is None
+        finally:
+            _ffi.cuda.free(dptr)
