@@ -27,6 +27,17 @@ def prefill(a: argparse.Namespace) -> None:
         _ffi.cuda.memcpy(ptr, src.ctypes.data, src.nbytes)
         spec = CacheSpec.for_buffer(lay, 64, ptr, device=a.device)
     secret = bytes.fromhex(a.secret) if a.secret else None
+    if a.send_delay:  # a slow link: each staged frame's send takes this long
+        from pdkv.transfer import tcp
+
+        push = tcp._push_staged
+
+        def slow(sock, fs, sent):
+            for f in fs:
+                time.sleep(a.send_delay)
+                push(sock, [f], sent)
+
+        tcp._push_staged = slow
     with PrefillSender(
         lay,
         spec,
@@ -36,6 +47,8 @@ def prefill(a: argparse.Namespace) -> None:
         timeout_s=a.timeout,
         heartbeat_s=0.2,
         instance=a.instance,
+        staging=a.staging,
+        staging_slot_bytes=a.slot_bytes or None,
     ) as tx:
         print(json.dumps({"ready": True}), flush=True)
         for i in range(a.requests):
@@ -198,6 +211,9 @@ if __name__ == "__main__":
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--status", action="store_true")
     ap.add_argument("--slow-swap", type=float, default=0.0)
+    ap.add_argument("--staging", default="auto")
+    ap.add_argument("--slot-bytes", type=int, default=0)
+    ap.add_argument("--send-delay", type=float, default=0.0)
     ap.add_argument("--nofile", type=int, default=0, help="decode: RLIMIT_NOFILE this many above the fds open")
     ap.add_argument("--auth-timeout", type=float, default=5.0)
     ap.add_argument("--device", type=int, default=0, help="prefill --gpu: the CUDA device of the cache")

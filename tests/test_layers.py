@@ -25,6 +25,7 @@ LAYERS = [
         "pdkv.transfer.channel",
         "pdkv.transfer.hostcopy",
         "pdkv.transfer.sockets",
+        "pdkv.transfer.staging",
     },
     {"pdkv.transfer.shm", "pdkv.transfer.tcp", "pdkv.transfer.rdma", "pdkv.transfer.cuda_ipc"},
     {"pdkv.transfer.handshake", "pdkv.transfer.decode", "pdkv.transfer.prefill"},

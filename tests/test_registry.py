@@ -150,8 +150,8 @@ def test_sessions_name_an_unknown_or_unfit_transport(no_leaks):
         PrefillSender(lay, spec, "tcp://127.0.0.1:1", transport="nope")
     regions = [[spec.region(layer, t) for t in range(len(lay.tensors))] for layer in range(lay.total_layers)]
     gpu_like = CacheSpec(lay, spec.num_blocks, regions, device=0)  # never touched: refused first
-    with pytest.raises(LayoutError, match="tcp transport sends from host caches"):
-        PrefillSender(lay, gpu_like, "tcp://127.0.0.1:1", transport="tcp")
+    with pytest.raises(LayoutError, match="rdma transport writes from host caches"):
+        PrefillSender(lay, gpu_like, "tcp://127.0.0.1:1", transport="rdma")
     with pytest.raises(TypeError, match="unexpected keyword argument.*strems"):
         PrefillSender(lay, spec, "tcp://127.0.0.1:1", strems=2)
     sched = DecodeScheduler(

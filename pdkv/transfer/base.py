@@ -14,7 +14,7 @@ requests) are defined here.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -254,8 +254,26 @@ class SenderTransport:
 
     def write_layer(self, layer: int, work: list[WriteItem]) -> None:
         """Write one layer of every item (and report it where decode cannot see writes
-        land). A failure of one request: ``host.fail_request``; of the whole layer: raise."""
+        land). A failure of one request: ``host.fail_request``; of the whole layer: raise.
+        A transport may return before the bytes are out (staged sends): it then fails the
+        requests of a write that fails later, before :meth:`after_writes` callbacks run."""
         raise NotImplementedError
+
+    def after_writes(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once every write handed to :meth:`write_layer` so far has finished
+        (the session's Complete goes out so): at once for a transport that writes before
+        ``write_layer`` returns."""
+        fn()
+
+    @property
+    def path(self) -> str:
+        """The data path in use, for stats and reports (``tcp staged (kernel gather)``)."""
+        return self.name
+
+    @property
+    def staging(self) -> Any:
+        """The :class:`~.staging.StagedSends` of a staged path, else None."""
+        return None
 
     def close(self) -> None:
         """Release everything; no write is in flight after it returns."""

@@ -223,6 +223,7 @@ def open_session(tx: PrefillSender, offer: list[str], timeout_s: float) -> None:
         g for g in tp_segments(tx.layout, layouts[0]) if g.src_rank == tx.layout.tp_rank and g.dst_rank in msg.ranks
     ]
     chosen.connect(msg, layouts, deadline)  # closed by _teardown on failure
+    tx.stats["path"] = chosen.path  # e.g. "tcp staged (kernel gather)"
     tx._last_heard = time.monotonic()
 
 

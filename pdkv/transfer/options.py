@@ -147,6 +147,15 @@ class SenderOptions:
     copy_threads:
         Threads that copy host caches into decode's shared buffers (shm), each a C-level
         gather without the GIL; default :func:`default_copy_threads` (1..64).
+    staging:
+        ``auto``: a transport that sends from host memory (tcp) gathers a GPU cache's
+        layers into a pinned staging ring and sends from there; ``always``: a host cache
+        is staged too (the same path on a host without a GPU).
+    staging_slots:
+        Slots in the staging ring (1..1024, default 4): chunks gathered ahead of the send.
+    staging_slot_bytes:
+        Bytes per slot; default :func:`~.staging.default_slot_bytes` (256 blocks of one
+        layer of this rank, within 16-64 MiB, at least one block's largest piece).
     """
 
     instance: str = "prefill"
@@ -158,6 +167,9 @@ class SenderOptions:
     on_outcome: Callable[[Any], None] | None = None
     rdma_device: str | None = None
     copy_threads: int | None = None
+    staging: str = "auto"
+    staging_slots: int = 4
+    staging_slot_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, str):
@@ -171,6 +183,11 @@ class SenderOptions:
         if self.copy_threads is None:
             object.__setattr__(self, "copy_threads", default_copy_threads())
         _count("copy_threads", self.copy_threads, 1, 64)
+        if self.staging not in ("auto", "always"):
+            raise ValueError(f"staging={self.staging!r} must be 'auto' or 'always'")
+        _count("staging_slots", self.staging_slots, 1, 1024)
+        if self.staging_slot_bytes is not None:
+            _count("staging_slot_bytes", self.staging_slot_bytes, 1, 1 << 32)
 
 
 def merge_options(cls: type[Any], options: Any, kw: dict[str, Any], owner: str) -> Any:

@@ -131,7 +131,14 @@ class PrefillSender:
         self.instance = opts.instance
         self.timeout_s, self.heartbeat_s = opts.timeout_s, opts.heartbeat_s
         self.on_outcome = opts.on_outcome
-        self.stats = {"bytes": 0, "frames": 0, "layers": 0, "grant_messages": 0, "outcome_messages": 0}
+        self.stats: dict[str, Any] = {
+            "bytes": 0,
+            "frames": 0,
+            "layers": 0,
+            "grant_messages": 0,
+            "outcome_messages": 0,
+            "path": "",
+        }
         self._stats_lock = threading.Lock()
         # (layer, seconds from send_layer() to its writes done, bytes): per-layer latency
         self.layer_log: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=1 << 16)
@@ -523,13 +530,15 @@ class PrefillSender:
                     self._pending_jobs -= 1
 
     def _run_job(self, job: LayerJob | FinishJob) -> None:
+        tr = self.transport_impl
         if isinstance(job, FinishJob):
+            # once every write before it is out (a staged transport may still be sending)
             if job.batch:
-                self._complete_many(job.request_ids, job.ok, job.error)
+                tr.after_writes(lambda: self._complete_many(job.request_ids, job.ok, job.error))
             else:
-                self._complete(job.request_ids[0], job.ok, job.error)
+                tr.after_writes(lambda: self._complete(job.request_ids[0], job.ok, job.error))
             return
-        layer, b0 = job.layer, self.stats["bytes"]
+        layer, mark = job.layer, [0]
         try:
             if job.event is not None:
                 deadline = time.monotonic() + self.timeout_s
@@ -537,8 +546,12 @@ class PrefillSender:
                     if time.monotonic() > deadline:
                         raise PdkvTimeoutError(f"layer {layer}: the engine's event did not complete")
                     time.sleep(20e-6)
+            # the layer's bytes and its end counted where its writes are done, in write order
+            tr.after_writes(lambda: mark.__setitem__(0, self.stats["bytes"]))
             self._write_layer(layer, job.items)
-            self.layer_log.append((layer, time.monotonic() - job.queued_at, self.stats["bytes"] - b0))
+            tr.after_writes(
+                lambda: self.layer_log.append((layer, time.monotonic() - job.queued_at, self.stats["bytes"] - mark[0]))
+            )
         except Exception as exc:  # every request of the layer failed: report it
             with self._lock:
                 for rid, _, _ in job.items:

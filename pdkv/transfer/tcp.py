@@ -21,16 +21,20 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from .. import _ffi
 from ..errors import ClosedError, GrantViolation, PdkvError, ProtocolError, TransferError
-from ..layout import CacheSpec, KVLayout, Segment
+from ..layout import KVLayout, Segment
 from ..plan import plan_layer, tcp_frames, tcp_items
 from ..protocol import Hello, Welcome
 from ..scheduler import WriteTicket
 from .base import Inflight, Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
 from .sockets import FRAME_HEADER, K_DATA, MAGIC, DataListener, connect_authenticated, sendmsg_all
+from .staging import StagedSends, chunk_ranges, default_slot_bytes
 
 _log = logging.getLogger(__name__)
 
@@ -44,28 +48,27 @@ _ITEMS_PER_FRAME = 64  # blocks per frame: one syscall each side moves them all
 # 16 and 64 MiB ones by 5-15 % on the H200 x2 host (docs/PERF.md)
 _FRAME_BYTES = 4 << 20
 # a frame as sent: header and items, segment, source addresses and blocks of its items,
-# the source region's view and base
-_Frame = tuple[bytes, Segment, list[int], list[int], tuple[memoryview, int]]
+# the source region's view and base (empty when staged), and the request's id
+_Frame = tuple[bytes, Segment, list[int], list[int], tuple[memoryview, int], str]
 
 
 # ---------------------------------------------------------------------- prefill side
 
 
 class TcpSender(SenderTransport):
-    name = "tcp"
-    caches = frozenset({"host"})
-    auto_rank = 40
+    """Frames from a host cache go out of the cache itself; from a GPU cache (or with
+    ``staging="always"``) each layer is gathered chunk by chunk into a pinned staging ring
+    (:class:`~.staging.StagedSends`) and sent from there while the next chunk is gathered."""
 
-    @classmethod
-    def refuses(cls, cache: CacheSpec) -> str | None:
-        if cache.device is not None:
-            return "the tcp transport sends from host caches; stage GPU caches or use shm"
-        return None
+    name = "tcp"
+    caches = frozenset({"host", "gpu"})
+    auto_rank = 40
 
     def __init__(self, host: SenderHost, options: Any) -> None:
         super().__init__(host, options)
         self._socks: list[socket.socket] = []
         self._views: dict[tuple[int, int], tuple[memoryview, int]] = {}
+        self._staged: StagedSends | None = None
 
     def connect(self, welcome: Welcome, layouts: list[KVLayout], deadline: float) -> None:
         host, port = welcome.data_addr.rsplit(":", 1)
@@ -75,12 +78,36 @@ class TcpSender(SenderTransport):
                     host, int(port), welcome.session_id, self.host.session_key, deadline, self.host.timeout_s
                 )
             )
+        if self.host.cache.device is not None or self.options.staging == "always":
+            self._staged = make_staged(self.host, self.options)
 
     @property
     def connections(self) -> int:
         return len(self._socks)
 
+    @property
+    def staging(self) -> StagedSends | None:
+        return self._staged
+
+    @property
+    def path(self) -> str:
+        if self._staged is None:
+            return "tcp"
+        return f"tcp staged ({self._staged.strategy} gather)"
+
+    def after_writes(self, fn: Callable[[], None]) -> None:
+        if self._staged is None:
+            fn()
+        else:
+            self._staged.after(fn)
+
     def close(self) -> None:
+        for s in self._socks:  # a send blocked in the staged worker returns now
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        if self._staged is not None:
+            self._staged.close(self.host.timeout_s)
+            self._staged = None
         for s in self._socks:
             with contextlib.suppress(OSError):
                 s.close()
@@ -94,10 +121,14 @@ class TcpSender(SenderTransport):
             v = self._views[(layer, tensor)] = (_ffi.libc.host_view(base, stride * spec.num_blocks), base)
         return v
 
-    def write_layer(self, layer: int, work: list[WriteItem]) -> None:
+    def _frames(self, layer: int, work: list[WriteItem]) -> list[_Frame]:
+        """Every frame of the layer, in send order: header and items, and where its payload is."""
         pack, item = FRAME_HEADER.pack, FRAME_ITEM.pack
         frames: list[_Frame] = []
         h = self.host
+        staged = self._staged is not None
+        # a staged frame fits one slot
+        cap = min(_FRAME_BYTES, self._staged.slot_bytes) if self._staged is not None else _FRAME_BYTES
         for w in work:
             for grp in plan_layer(h.segments, h.layout, h.dst_layout, h.cache, None, w.src, w.dst, layer):
                 seg = grp.seg
@@ -107,9 +138,11 @@ class TcpSender(SenderTransport):
                         f"a block's {unit} bytes for tensor {seg.tensor} exceed the tcp frame "
                         f"limit of {MAX_FRAME_PAYLOAD} bytes"
                     )
-                gi, nb, src = tcp_items(grp.gi, grp.nb, grp.src, unit, _FRAME_BYTES)
+                gi, nb, src = tcp_items(grp.gi, grp.nb, grp.src, unit, cap)
                 gis, nbs, srcs = gi.tolist(), nb.tolist(), src.tolist()
-                for lo, hi in tcp_frames(nb, unit, _FRAME_BYTES, _ITEMS_PER_FRAME):
+                # a GPU cache has no host view: its payload is gathered into a slot first
+                region = (_NO_VIEW, 0) if staged else self._region(layer, seg.tensor)
+                for lo, hi in tcp_frames(nb, unit, cap, _ITEMS_PER_FRAME):
                     hdr = pack(
                         MAGIC,
                         1,
@@ -127,62 +160,156 @@ class TcpSender(SenderTransport):
                         seg.dst_stride,
                     )
                     hdr += b"".join(item(w.first + gis[i], nbs[i]) for i in range(lo, hi))
-                    frames.append((hdr, seg, srcs[lo:hi], nbs[lo:hi], self._region(layer, seg.tensor)))
-        socks = self._socks
-        per = -(-len(frames) // len(socks))  # contiguous shares keep each stream's frames in order
-        parts = [frames[i * per : (i + 1) * per] for i in range(len(socks))]
-        errors: list[BaseException] = []
-        totals, count_lock = [0, 0], threading.Lock()
+                    frames.append((hdr, seg, srcs[lo:hi], nbs[lo:hi], region, w.request_id))
+        return frames
 
-        def push(sock: socket.socket, fs: list[_Frame]) -> None:
-            # payload views are slices of one view of the source region (a slice costs a
-            # fraction of a new ctypes view), made here while the previous sendmsg's bytes
-            # are in flight
-            sent = [0, 0]  # bytes, frames
-            try:
-                batch: list[bytes | memoryview] = []
-                size = 0
-                for hdr, seg, srcs, nbs, (rv, rbase) in fs:
-                    batch.append(hdr)
-                    if seg.count == 1:
-                        n1 = seg.length
-                        for a, nb in zip(srcs, nbs):
-                            o = a - rbase
-                            batch.append(rv[o : o + n1 * nb])
-                            size += n1 * nb
-                    else:
-                        for a in srcs:
-                            o = a - rbase
-                            for c in range(seg.count):
-                                q = o + c * seg.src_stride
-                                batch.append(rv[q : q + seg.length])
-                            size += seg.length * seg.count
-                    if len(batch) >= 512 or size >= (8 << 20):
-                        sendmsg_all(sock, batch)
-                        sent[0] += size
-                        batch, size = [], 0
-                    sent[1] += 1
-                if batch:
-                    sendmsg_all(sock, batch)
-                    sent[0] += size
-            except BaseException as exc:
-                errors.append(exc)
-            finally:  # each thread its own counts, added up once all have ended
-                with count_lock:
-                    totals[0] += sent[0]
-                    totals[1] += sent[1]
-
-        if len(socks) == 1:
-            push(socks[0], parts[0])
-        else:
-            ts = [threading.Thread(target=push, args=(sk, p)) for sk, p in zip(socks, parts) if p]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-        h.add_bytes(totals[0], frames=totals[1])
+    def write_layer(self, layer: int, work: list[WriteItem]) -> None:
+        frames = self._frames(layer, work)
+        if self._staged is not None:
+            self._stage(layer, frames, self._staged)
+            return
+        parts = self._shares(frames)
+        totals, errors = _fan_out(self._socks, parts, _push_direct)
+        self.host.add_bytes(totals[0], frames=totals[1])
         if errors:
             raise TransferError(f"tcp send failed: {errors[0]}")
+
+    def _shares(self, frames: list[Any]) -> list[list[Any]]:
+        """Contiguous shares, one per stream: each stream's frames stay in order."""
+        n = len(self._socks)
+        per = -(-len(frames) // n)
+        return [frames[i * per : (i + 1) * per] for i in range(n)]
+
+    def _stage(self, layer: int, frames: list[_Frame], staged: StagedSends) -> None:
+        """The layer's frames cut into slot-sized chunks; each chunk's payload gathered in
+        send order into a slot, then sent from it by the staged worker."""
+        sizes = [sum(nbs) * seg.length * seg.count for _, seg, _, nbs, _, _ in frames]
+        for lo, hi in chunk_ranges(sizes, staged.slot_bytes):
+            srcs, lens, sent = [], [], []
+            off = 0
+            for (hdr, seg, fsrc, nbs, _, _), n in zip(frames[lo:hi], sizes[lo:hi]):
+                a = np.asarray(fsrc, dtype=np.int64)
+                if seg.count == 1:
+                    srcs.append(a)
+                    lens.append(np.asarray(nbs, dtype=np.int64) * seg.length)
+                else:  # one piece per token of each block, as decode reads them
+                    c = np.arange(seg.count, dtype=np.int64) * seg.src_stride
+                    srcs.append((a[:, None] + c).ravel())
+                    lens.append(np.full(a.size * seg.count, seg.length, dtype=np.int64))
+                sent.append((hdr, off, n))
+                off += n
+            rids = frozenset(f[5] for f in frames[lo:hi])
+            staged.stage(layer, np.concatenate(srcs), np.concatenate(lens), rids, self._sends_of(sent))
+
+    def _sends_of(self, sent: list[tuple[bytes, int, int]]) -> list[Callable[[memoryview], None] | None]:
+        """One send per stream, each its contiguous share of the chunk's frames: the
+        streams' lanes send their shares without waiting for each other."""
+
+        def lane(sock: socket.socket, share: list[tuple[bytes, int, int]]) -> Callable[[memoryview], None]:
+            def send(view: memoryview) -> None:
+                done = [0, 0]  # bytes, frames
+                try:
+                    _push_staged(sock, [(hdr, view[o : o + n], n) for hdr, o, n in share], done)
+                except OSError as exc:
+                    raise TransferError(f"tcp send failed: {exc}") from exc
+                finally:
+                    self.host.add_bytes(done[0], frames=done[1])
+
+            return send
+
+        return [lane(sk, sh) if sh else None for sk, sh in zip(self._socks, self._shares(sent))]
+
+
+_NO_VIEW = memoryview(b"")
+
+
+def make_staged(host: SenderHost, options: Any) -> StagedSends:
+    """The staged path for ``host``'s cache with the ring ``options`` ask for."""
+    slot = options.staging_slot_bytes or default_slot_bytes(host.layout, host.segments)
+    unit = max((s.length * s.count for s in host.segments), default=0)
+    if slot < unit:
+        raise TransferError(
+            f"staging_slot_bytes={slot} is smaller than one block's {unit} bytes of a layer's tensor: "
+            "a slot holds at least one"
+        )
+    return StagedSends(host, slot, options.staging_slots, lanes=options.streams, timeout_s=host.timeout_s)
+
+
+def _push_direct(sock: socket.socket, fs: list[_Frame], sent: list[int]) -> None:
+    # payload views are slices of one view of the source region (a slice costs a fraction
+    # of a new ctypes view), made here while the previous sendmsg's bytes are in flight
+    batch: list[bytes | memoryview] = []
+    size = 0
+    for hdr, seg, srcs, nbs, (rv, rbase), _ in fs:
+        batch.append(hdr)
+        if seg.count == 1:
+            n1 = seg.length
+            for a, nb in zip(srcs, nbs):
+                o = a - rbase
+                batch.append(rv[o : o + n1 * nb])
+                size += n1 * nb
+        else:
+            for a in srcs:
+                o = a - rbase
+                for c in range(seg.count):
+                    q = o + c * seg.src_stride
+                    batch.append(rv[q : q + seg.length])
+                size += seg.length * seg.count
+        if len(batch) >= 512 or size >= (8 << 20):
+            sendmsg_all(sock, batch)
+            sent[0] += size
+            batch, size = [], 0
+        sent[1] += 1
+    if batch:
+        sendmsg_all(sock, batch)
+        sent[0] += size
+
+
+def _push_staged(sock: socket.socket, fs: list[tuple[bytes, memoryview, int]], sent: list[int]) -> None:
+    # a staged frame's payload is one contiguous slice of its slot
+    batch: list[bytes | memoryview] = []
+    size = 0
+    for hdr, payload, n in fs:
+        batch += (hdr, payload)
+        size += n
+        sent[1] += 1
+        if size >= (8 << 20):
+            sendmsg_all(sock, batch)
+            sent[0] += size
+            batch, size = [], 0
+    if batch:
+        sendmsg_all(sock, batch)
+        sent[0] += size
+
+
+def _fan_out(
+    socks: list[socket.socket], parts: list[list[Any]], push: Callable[[socket.socket, list[Any], list[int]], None]
+) -> tuple[list[int], list[BaseException]]:
+    """Each share pushed on its own stream (one thread each when there are several); the
+    bytes and frames sent, and the errors."""
+    errors: list[BaseException] = []
+    totals, count_lock = [0, 0], threading.Lock()
+
+    def run(sock: socket.socket, fs: list[Any]) -> None:
+        sent = [0, 0]  # bytes, frames
+        try:
+            push(sock, fs, sent)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:  # each thread its own counts, added up once all have ended
+            with count_lock:
+                totals[0] += sent[0]
+                totals[1] += sent[1]
+
+    if len(socks) == 1:
+        run(socks[0], parts[0])
+    else:
+        ts = [threading.Thread(target=run, args=(sk, p)) for sk, p in zip(socks, parts) if p]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    return totals, errors
 
 
 # ---------------------------------------------------------------------- decode side
