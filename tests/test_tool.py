@@ -114,10 +114,9 @@ def test_trace_replay_and_plot(tmp_path, no_leaks):
         (["--secret", "short"], "at least 16"),
         (["--trace", "/nonexistent"], "no such file"),
         (
-            ["--prefill-gpu", "--transport", "tcp"],
-            "--prefill-gpu works with --transport auto, shm or cuda_ipc, not tcp",
+            ["--prefill-gpu", "--transport", "rdma"],
+            "--prefill-gpu works with --transport auto, shm, cuda_ipc or tcp (staged through pinned memory), not rdma",
         ),
-        (["--prefill-gpu", "--transport", "rdma"], "not rdma"),
         (["--transport", "cuda_ipc", "--no-gpu"], "cannot run with --no-gpu"),
     ],
 )
@@ -133,6 +132,7 @@ def test_bad_flags_get_one_line(args, msg, tmp_path):
     [
         ["--transport", "cuda_ipc"],
         ["--transport", "shm", "--prefill-gpu"],
+        ["--transport", "tcp", "--prefill-gpu"],
         ["--prefill-gpu"],
         ["prefill", "--connect", "tcp://127.0.0.1:9", "--transport", "cuda_ipc"],
     ],
@@ -158,6 +158,9 @@ def test_gpu_modes_say_no_gpu_on_a_cpu_host(args, tmp_path):
         ["--transport", "cuda_ipc"],
         ["--transport", "cuda_ipc", "--prefill-tp", "2", "--decode-tp", "4"],
         ["--transport", "shm", "--prefill-gpu", "--prefill-tp", "4", "--decode-tp", "2"],
+        # GPU caches to a decode as if on another host: staged through pinned memory
+        ["--transport", "tcp", "--prefill-gpu"],
+        ["--transport", "tcp", "--prefill-gpu", "--prefill-tp", "2", "--decode-tp", "4"],
         # two GPUs: prefill ranks on one, decode ranks spread over both
         [
             "--transport",
@@ -200,7 +203,10 @@ def test_local_mode_gpu_caches_every_byte(cuda_device, extra, tmp_path, no_leaks
     assert rep["verify_errors"] == 0 and rep["bytes_verified"] == rep["bytes_transferred"] > 0
     assert rep["peak_buffer_blocks"] > 0
     ipc = "cuda_ipc" in extra or extra == ["--prefill-gpu"]
-    assert rep["transports_chosen"] == (["cuda_ipc"] if ipc else ["shm"])
+    staged = "tcp" in extra
+    assert rep["transports_chosen"] == (["cuda_ipc"] if ipc else ["tcp"] if staged else ["shm"])
+    if staged:
+        assert len(rep["data_paths"]) == 1 and rep["data_paths"][0].startswith("tcp staged (")
     if ipc:
         assert 0 < rep["requests_into_gpu_blocks"] < 10
     else:

@@ -96,6 +96,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
     reasons: dict[str, str] = {}
     chosen: dict[int, str] = {}  # prefill rank -> the transport decode chose for it
     copies: set[str] = set()  # which copy the shm senders from host caches run
+    paths: set[str] = set()  # the data paths the senders run ("tcp staged (kernel gather)")
     prefill_reports: list[dict[str, Any]] = []
     lock = threading.Lock()
     t0 = time.monotonic()
@@ -129,6 +130,8 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                         prefill_reports.append(ev)
                     elif ev.get("type") == "hello":
                         chosen[int(ev.get("rank", -1))] = str(ev.get("transport"))
+                        if ev.get("path"):
+                            paths.add(str(ev["path"]))
                         if ev.get("copy"):
                             copies.add(str(ev["copy"]))
 
@@ -182,6 +185,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
         rep = build_report(dec, prefill_reports, outcomes, elapsed, lay, a.decode_tp, reasons)
         rep["transport"] = a.transport
         rep["transports_chosen"] = sorted(set(chosen.values()))
+        rep["data_paths"] = sorted(paths)
         rep["shm_copy"] = sorted(copies)
         rep["layout"] = KVLayout(**lay_kw).descriptor()
         rep["prefill_tp"], rep["decode_tp"] = a.prefill_tp, a.decode_tp
@@ -315,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prefill-gpu",
         action="store_true",
-        help="prefill caches in GPU memory (auto, shm or cuda_ipc; implied by --transport cuda_ipc)",
+        help="prefill caches in GPU memory (auto, shm, cuda_ipc or staged tcp; implied by --transport cuda_ipc)",
     )
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure to this JSON file")
@@ -340,10 +344,10 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("--plot needs a .png or .html file name")
     if a.trace and not os.path.exists(a.trace):
         raise UsageError(f"--trace {a.trace}: no such file")
-    if prefill_on_gpu(a) and a.transport not in ("auto", "shm", "cuda_ipc"):
+    if prefill_on_gpu(a) and a.transport not in ("auto", "shm", "cuda_ipc", "tcp"):
         raise UsageError(
-            f"--prefill-gpu works with --transport auto, shm or cuda_ipc, not {a.transport} "
-            "(tcp and rdma send from host caches)"
+            f"--prefill-gpu works with --transport auto, shm, cuda_ipc or tcp (staged through pinned memory), "
+            f"not {a.transport}"
         )
     if a.transport == "cuda_ipc" and a.no_gpu:
         raise UsageError("--transport cuda_ipc writes decode's GPU blocks: it cannot run with --no-gpu")

@@ -75,7 +75,7 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
     copy = None
     if tx.transport == "shm" and gpu is None:  # host cache into decode's buffer: which copy runs
         copy = "streaming loop" if _ffi.cpu.available() else f"numpy ({_ffi.cpu.unavailable_reason()})"
-    emit({"type": "hello", "rank": a.rank, "transport": tx.transport, "copy": copy})
+    emit({"type": "hello", "rank": a.rank, "transport": tx.transport, "path": tx.stats["path"], "copy": copy})
     regions = {
         (layer, t): host_spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))
     }

@@ -105,11 +105,13 @@ def print_report(rep: dict[str, Any], console: Any) -> None:
     }
     if rep.get("transports_chosen"):
         t.add_row("transport", ", ".join(rep["transports_chosen"]))
+    if rep.get("data_paths"):
+        t.add_row("data path", ", ".join(rep["data_paths"]))
     if rep.get("shm_copy"):
         t.add_row("shm copy", ", ".join(rep["shm_copy"]))
     for side in ("prefill", "decode"):
-        if rep.get(f"{side}parse_devices"):
-            t.add_row(f"{side} GPUs (by rank)", ", ".join(map(str, rep[f"{side}parse_devices"])))
+        if rep.get(f"{side}_devices"):
+            t.add_row(f"{side} GPUs (by rank)", ", ".join(map(str, rep[f"{side}_devices"])))
     for k, f in fmt.items():
         v = rep[k]
         t.add_row(k, "n/a" if isinstance(v, float) and math.isnan(v) else f.format(v))
