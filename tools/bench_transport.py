@@ -39,8 +39,9 @@ import pdkv
 from pdkv.transfer import default_copy_threads
 
 
-def layout_for(kib: int) -> pdkv.KVLayout:
-    return pdkv.KVLayout(num_layers=1, kv_heads=1, head_dim=512, tokens_per_block=kib, dtype="bf16", mla=True)
+def layout_for(kib: int, layers: int = 1) -> pdkv.KVLayout:
+    """Blocks of ``kib`` KiB per layer (one tensor)."""
+    return pdkv.KVLayout(num_layers=layers, kv_heads=1, head_dim=512, tokens_per_block=kib, dtype="bf16", mla=True)
 
 
 class _Done:
@@ -58,7 +59,7 @@ class NullSwap:
 
 
 def decode_main(a: argparse.Namespace) -> None:
-    lay = layout_for(a.kib)
+    lay = layout_for(a.kib, a.layers)
     nb = int(a.gib * (1 << 30)) // lay.block_bytes
     buf = pdkv.SharedBuffer.create(pdkv.CacheSpec.buffer_bytes(lay, nb), huge_pages=a.huge_pages)
     import threading
@@ -70,7 +71,7 @@ def decode_main(a: argparse.Namespace) -> None:
             ready.set()
 
     sched = pdkv.DecodeScheduler(
-        num_layers=1,
+        num_layers=lay.total_layers,
         gpu=pdkv.BlockPool(nb),
         buffer=pdkv.BlockPool(nb),
         swap=NullSwap(),
@@ -332,6 +333,7 @@ def main() -> int:
     ap.add_argument("--role", default="bench")
     ap.add_argument("--kib", type=int, default=128)
     ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--layers", type=int, default=1, help=argparse.SUPPRESS)  # decode role (bench_staged.py)
     ap.add_argument("--sizes-kib", default="32,128,1024")
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument(
