@@ -16,6 +16,7 @@ it raises :class:`~pdkv.errors.RdmaUnavailableError` saying so.
 from __future__ import annotations
 
 import bisect
+import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _ffi
-from .errors import PdkvTimeoutError, ProtocolError, RdmaError, TransferError
+from .errors import PdkvError, PdkvTimeoutError, ProtocolError, RdmaError, TransferError
 from .plan import check_within, coalesce
 
 __all__ = [
@@ -265,23 +266,25 @@ class RdmaWriter:
         max_send_wr: int = 1024,
         signal_every: int = 64,
         timeout_s: float = 10.0,
+        gpu_regions: Sequence[tuple[int, int]] = (),
     ) -> None:
         self._res: dict[str, Any] = _ffi.verbs.open_device(device)
         self._mrs: list[Any] = []
         self._qp: Any = None
+        self._local: list[tuple[int, int, int]] = []  # (start, end, lkey), sorted
+        self._starts: list[int] = []
+        self.gpudirect = ""  # how GPU memory was registered: "dma-buf", "peer memory"
         try:
             merged = merge_regions(regions)
             _ffi.verbs.check_memlock(sum(n for _, n in merged))
-            self._local: list[tuple[int, int, int]] = []  # (start, end, lkey), sorted
             for addr, n in merged:
-                mr, lkey, _ = _ffi.verbs.register(self._res, addr, n, remote_write=False)
-                self._mrs.append(mr)
-                self._local.append((addr, addr + n, lkey))
+                self.add_region(addr, n)
+            if gpu_regions:
+                self._register_gpu(gpu_regions)
             self._qp = _ffi.verbs.create_rc_qp(self._res, max_send_wr)
         except BaseException:
             self.close()
             raise
-        self._starts = [r[0] for r in self._local]
         self.max_chain = max(1, max_send_wr // 2)
         self.signal_every = min(signal_every, self.max_chain)
         self.timeout_s = timeout_s
@@ -290,6 +293,37 @@ class RdmaWriter:
         self.psn = secrets.randbelow(1 << 24)  # where this end's sends start, announced in the handshake
         # one work request moves at most the port's largest message (queried, not assumed)
         self.max_wr_bytes = max(1, min(MAX_WR_BYTES, int(self._res.get("max_msg_sz") or MAX_WR_BYTES)))
+
+    def add_region(self, addr: int, n: int) -> None:
+        """Register host memory ``[addr, addr+n)`` as a local source (a staging ring)."""
+        mr, lkey, _ = _ffi.verbs.register(self._res, addr, n, remote_write=False)
+        self._add(mr, addr, n, lkey)
+
+    def _add(self, mr: Any, addr: int, n: int, lkey: int) -> None:
+        self._mrs.append(mr)
+        self._local.append((addr, addr + n, lkey))
+        self._local.sort()
+        self._starts = [r[0] for r in self._local]
+
+    def _register_gpu(self, regions: Sequence[tuple[int, int]]) -> None:
+        """GPUDirect: each GPU allocation under ``regions`` registered once, as a whole
+        (a dma-buf of it where the driver exports one, else its address for a peer-memory
+        client); RdmaError if the NIC takes neither."""
+        allocs = sorted({_ffi.cuda.address_range(a) for a, _ in merge_regions(regions)})
+        for base, size in allocs:
+            fd = None
+            page = os.sysconf("SC_PAGE_SIZE")
+            try:  # the export takes whole host pages; an allocation spans whole pages of its own
+                fd = _ffi.cuda.dmabuf_fd(base, -(-size // page) * page)
+            except PdkvError:
+                fd = None  # not exportable here: peer memory may still take it
+            try:
+                mr, lkey, _, how = _ffi.verbs.register_gpu(self._res, base, size, fd)
+            finally:
+                if fd is not None:
+                    os.close(fd)  # the MR holds its own reference to the dma-buf
+            self._add(mr, base, size, lkey)
+            self.gpudirect = self.gpudirect or how
 
     def local_info(self) -> EndpointInfo:
         """This end's record for the peer, with its random starting PSN."""

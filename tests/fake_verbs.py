@@ -69,6 +69,10 @@ class Fabric:
         self.fail_next: int | None = None  # status to give the next write
         self.writes = 0
         self.bytes = 0
+        self.lkeys_used: set[int] = set()  # local keys of the writes that landed
+        # GPUDirect: how register_gpu registers ("dma-buf", "peer memory"), or None: refused
+        self.gpudirect: str | None = "dma-buf"
+        self.gpu_regs: list[tuple[int, int, bool]] = []  # (addr, length, with a dma-buf fd)
 
     # ---- the functions of pdkv._ffi.verbs
     def available(self) -> bool:
@@ -100,6 +104,17 @@ class Fabric:
             key = next(self._keys)
             self.mrs[key] = (addr, length, remote_write)
         return _MR(self, key), key, key
+
+    def register_gpu(
+        self, res: dict[str, Any], addr: int, length: int, dmabuf_fd: int | None
+    ) -> tuple[Any, int, int, str]:
+        if self.gpudirect is None:
+            raise RdmaError("GPUDirect registration failed: the simulated NIC takes no GPU memory")
+        if self.gpudirect == "dma-buf" and dmabuf_fd is None:
+            raise RdmaError("GPUDirect registration failed: no dma-buf of the allocation")
+        mr, lkey, rkey = self.register(res, addr, length, remote_write=False)
+        self.gpu_regs.append((addr, length, dmabuf_fd is not None))
+        return mr, lkey, rkey, self.gpudirect
 
     def create_rc_qp(self, res: dict[str, Any], max_send_wr: int) -> _QP:
         with self.lock:
@@ -150,6 +165,7 @@ class Fabric:
                 else:
                     status = SUCCESS
                     ctypes.memmove(ra, la, n)
+                    self.lkeys_used.add(lkey)
                     self.writes += 1
                     self.bytes += n
                 if status != SUCCESS:
@@ -181,6 +197,7 @@ def install(monkeypatch: Any) -> Fabric:
         "require_device",
         "open_device",
         "register",
+        "register_gpu",
         "create_rc_qp",
         "connect_qp",
         "post_writes",

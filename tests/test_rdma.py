@@ -23,7 +23,7 @@ from pdkv import (
     SwapEngine,
     _ffi,
 )
-from pdkv.errors import LayoutError, PdkvTimeoutError, PeerError, ProtocolError, RdmaError, RdmaUnavailableError
+from pdkv.errors import PdkvTimeoutError, PeerError, ProtocolError, RdmaError, RdmaUnavailableError
 from pdkv.rdma import (
     CompletionTracker,
     EndpointInfo,
@@ -223,11 +223,11 @@ def test_dead_peer_queue_pair_is_dropped_so_nothing_more_lands(monkeypatch, no_l
         dec.close()
 
 
-def test_rdma_refuses_gpu_caches_and_bad_transports():
+def test_rdma_from_a_gpu_cache_without_a_device_and_bad_transports(no_rdma_device):
     lay = KVLayout(**BASE)
     base = CacheSpec.for_buffer(lay, 8, 1 << 30)
     spec = CacheSpec(lay, 8, [[base.region(layer, t) for t in range(2)] for layer in range(4)], device=0)
-    with pytest.raises(LayoutError, match="host caches"):
+    with pytest.raises(RdmaUnavailableError, match="pyverbs|no RDMA device"):  # GPUDirect or staged
         PrefillSender(lay, spec, "tcp://127.0.0.1:9", transport="rdma")
     with pytest.raises(
         ValueError, match="must be auto or a registered transport.*registered: cuda_ipc, shm, rdma, tcp"
@@ -334,6 +334,41 @@ def test_verbs_calls_pass_pyverbs_own_types_and_enums_of_rdma_core_59():
     assert out.returncode == 0, out.stderr
     assert "refused peer GID 'fe80::1' is not eight groups of four hex digits" in out.stdout
     assert "OK fe80:0000:0000:0000:0002:00ff:fe00:0001" in out.stdout
+
+
+def test_gpudirect_registration_through_pyverbs_own_classes():
+    """register_gpu against the stand-in's mlx5 dma-buf MR (iova = the GPU address, so
+    work requests name GPU addresses; the fd as given) and, where that is missing or fails,
+    ibv_reg_mr on the GPU address (peer memory)."""
+    code = (
+        "import os, sys\n"
+        "from pdkv import _ffi\n"
+        "from pyverbs.providers.mlx5 import mlx5dv_dmabuf as dv\n"
+        "v = _ffi.verbs\n"
+        "res = v.open_device()\n"
+        "fd = os.open('/dev/null', os.O_RDONLY)\n"
+        "mr, lkey, rkey, how = v.register_gpu(res, 1 << 40, 2 << 20, fd)\n"
+        "assert how == 'dma-buf' and (lkey, rkey) == (0x33, 0x44), how\n"
+        "assert dv.CALLS == [(0, 2 << 20, 1 << 40, fd, v.enum('IBV_ACCESS_LOCAL_WRITE'))], dv.CALLS\n"
+        "mr, lkey, rkey, how = v.register_gpu(res, 1 << 40, 2 << 20, None)\n"
+        "assert how == 'peer memory' and lkey == 0x11\n"
+        "mr, lkey, rkey, how = v.register_gpu(res, 1 << 40, 2 << 20, -1)  # the dma-buf MR refused\n"
+        "assert how == 'peer memory'\n"
+        "sys.modules['pyverbs.providers.mlx5.mlx5dv_dmabuf'] = None  # a pyverbs without the mlx5 provider\n"
+        "assert v.register_gpu(res, 1 << 40, 2 << 20, fd)[3] == 'peer memory'\n"
+        "from pdkv.errors import RdmaError\n"
+        "try:\n"
+        "    v.register_gpu(res, 0xBAD000, 4096, None)\n"
+        "except RdmaError as e:\n"
+        "    print('refused', e)\n"
+        "print('OK')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([STANDIN, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+    assert "no dma-buf of the allocation; ibv_reg_mr on the GPU address failed too (is nvidia_peermem loaded?)" in (
+        out.stdout
+    )
 
 
 def test_each_end_starts_from_a_random_psn_it_announced(monkeypatch):

@@ -148,10 +148,8 @@ def test_sessions_name_an_unknown_or_unfit_transport(no_leaks):
     lay, arr, spec = prefill_cache(1, 0)
     with pytest.raises(ValueError, match="'nope' is not registered .*registered: cuda_ipc, shm, rdma, tcp"):
         PrefillSender(lay, spec, "tcp://127.0.0.1:1", transport="nope")
-    regions = [[spec.region(layer, t) for t in range(len(lay.tensors))] for layer in range(lay.total_layers)]
-    gpu_like = CacheSpec(lay, spec.num_blocks, regions, device=0)  # never touched: refused first
-    with pytest.raises(LayoutError, match="rdma transport writes from host caches"):
-        PrefillSender(lay, gpu_like, "tcp://127.0.0.1:1", transport="rdma")
+    with pytest.raises(LayoutError, match="cuda_ipc transport writes from a GPU cache"):
+        PrefillSender(lay, spec, "tcp://127.0.0.1:1", transport="cuda_ipc")
     with pytest.raises(TypeError, match="unexpected keyword argument.*strems"):
         PrefillSender(lay, spec, "tcp://127.0.0.1:1", strems=2)
     sched = DecodeScheduler(

@@ -652,3 +652,250 @@ def test_staged_gpu_decode_killed_mid_layer(cuda_device, monkeypatch, no_leaks):
         reap(d)
         if info is not None:
             assert info["shm"] in clean_segments(dry_run=False)
+
+
+# ---------------------------------------------------------------------- rdma: staged and GPUDirect
+
+
+def _rdma_tx(dec, lay, spec, **kw):
+    return PrefillSender(lay, spec, dec.rx.control_address, transport="rdma", instance="pf", timeout_s=5, **kw)
+
+
+def _send_batch(txs, src_blocks):
+    grants = {}
+    for rid, sb in src_blocks.items():
+        for tx in txs:
+            g = tx.reserve(rid, len(sb) * 8 - 3)
+            assert grants.setdefault(rid, g).blocks == g.blocks
+    for layer in range(4):
+        for tx in txs:
+            tx.send_layer(layer, list(src_blocks.items()))
+    for tx in txs:
+        tx.finish_many(list(src_blocks))
+    for tx in txs:
+        for rid in src_blocks:
+            out = tx.wait_outcome(rid, 10)
+            assert out.state == "received", out
+    return grants
+
+
+@pytest.mark.parametrize("P,D,nhd", [(1, 1, False), (2, 4, False), (4, 2, False), (2, 1, True)])
+def test_staged_rdma_every_byte_from_the_registered_ring(P, D, nhd, monkeypatch, no_leaks):
+    import fake_verbs
+
+    fabric = fake_verbs.install(monkeypatch)
+    dec = Decode(D=D, token_major=nhd, transports=("rdma",))
+    try:
+        caches = [prefill_cache(P, r, token_major=nhd) for r in range(P)]
+        txs = [_rdma_tx(dec, lay, spec, staging="always", staging_slot_bytes=2 * BLOCK) for lay, _, spec in caches]
+        assert all(tx.stats["path"] == "rdma staged (host gather)" for tx in txs)
+        src_blocks = {"a": [3, 4, 5, 9, 10], "b": [20, 21, 22, 23, 30, 31]}
+        grants = _send_batch(txs, src_blocks)
+        _check_tp(dec, caches, src_blocks, grants)
+        assert fabric.bytes == sum(tx.stats["bytes"] for tx in txs) > 0
+        # every write came out of a ring: the only local regions registered are the rings
+        rings = {(tx.transport_impl.staging.ring.address, tx.transport_impl.staging.ring.nbytes) for tx in txs}
+        local = {fabric.mrs[k][:2] for k in fabric.lkeys_used}
+        assert local == rings
+        for tx in txs:
+            assert tx.transport_impl.staging.ring.free_slots == 4
+            tx.close()
+        assert not _staged_threads()
+    finally:
+        dec.close()
+
+
+def test_staged_rdma_failed_completion_fails_the_batch_and_returns_every_slot(monkeypatch, no_leaks):
+    import fake_verbs
+
+    fabric = fake_verbs.install(monkeypatch)
+    dec = Decode(transports=("rdma",))
+    try:
+        lay, _, spec = prefill_cache(1, 0)
+        tx = _rdma_tx(dec, lay, spec, staging="always", staging_slot_bytes=BLOCK)
+        try:
+            tx.reserve("x", 32)
+            tx.send_layer(0, [("x", [1, 2, 3])])
+            wait_until(lambda: tx.transport_impl.staging.idle, 5, "layer 0")
+            fabric.fail_next = fake_verbs.REM_ACCESS_ERR
+            tx.send_layer(1, [("x", [1, 2, 3])])
+            tx.finish("x")
+            out = tx.wait_outcome("x", 10)
+            assert out.state in ("failed", "aborted") and "RDMA" in out.reason
+            st_ = tx.transport_impl.staging  # the chunks still queued fail fast on the broken queue pair
+            wait_until(lambda: st_.idle and st_.ring.free_slots == 4, 5, "every slot back")
+            wait_until(lambda: dec.sched.buffer.num_free == dec.nb, 5, "decode frees the blocks")
+        finally:
+            tx.close()
+    finally:
+        dec.close()
+
+
+def _fake_gpu_cache(monkeypatch, allocations=1, nb=64):
+    """A "GPU" cache in host memory (device 0) over ``allocations`` arrays, with the CUDA
+    calls GPUDirect makes answered for them: address ranges, dma-buf fds (of /dev/null)."""
+    from test_transfer import BASE
+
+    from pdkv import KVLayout, _ffi
+
+    lay = KVLayout(**BASE)
+    per = lay.block_bytes * nb // allocations
+    arrs = [np.random.default_rng(i).integers(0, 256, per, dtype=np.uint8) for i in range(allocations)]
+    host = np.concatenate(arrs)  # the same bytes in one array, for checking
+    spec_h = CacheSpec.for_buffer(lay, nb, host.ctypes.data)
+    # regions of each (layer, tensor) laid out as for_buffer does, spread over the arrays
+    regions, off = [], 0
+    for _layer in range(lay.total_layers):
+        row = []
+        for t in range(len(lay.tensors)):
+            tb = lay.tensor_block_bytes(t)
+            a, o = divmod(off, per)
+            row.append((arrs[a].ctypes.data + o, tb))
+            off += tb * nb
+        regions.append(row)
+    spec = CacheSpec(lay, nb, regions, device=0)
+    fds = []
+
+    def address_range(ptr):
+        for a in arrs:
+            if a.ctypes.data <= ptr < a.ctypes.data + a.nbytes:
+                return a.ctypes.data, a.nbytes
+        raise AssertionError(f"{ptr:#x} is in no allocation")
+
+    def dmabuf_fd(base, size):
+        fds.append((base, size))
+        return os.open("/dev/null", os.O_RDONLY)
+
+    monkeypatch.setattr(_ffi.cuda, "address_range", address_range)
+    monkeypatch.setattr(_ffi.cuda, "dmabuf_fd", dmabuf_fd)
+    return lay, spec, spec_h, host, arrs, fds
+
+
+@pytest.mark.parametrize("allocations", [1, 2])
+@pytest.mark.parametrize("how", ["dma-buf", "peer memory"])
+def test_staged_rdma_gpudirect_registers_each_allocation_once(allocations, how, monkeypatch, no_leaks):
+    import fake_verbs
+
+    from pdkv import _ffi
+    from pdkv.errors import CudaError
+
+    fabric = fake_verbs.install(monkeypatch)
+    fabric.gpudirect = how
+    lay, spec, spec_h, host, arrs, fds = _fake_gpu_cache(monkeypatch, allocations)
+    if how == "peer memory":  # this driver exports no dma-buf: the address goes to the peer-memory client
+
+        def no_dmabuf(base, size):
+            raise CudaError(801, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported", "cuMemGetHandleForAddressRange")
+
+        monkeypatch.setattr(_ffi.cuda, "dmabuf_fd", no_dmabuf)
+    dec = Decode(transports=("rdma",))
+    try:
+        with _rdma_tx(dec, lay, spec) as tx:
+            assert tx.stats["path"] == f"rdma GPUDirect ({how})" and tx.transport_impl.staging is None
+            # one registration per allocation, page-rounded for the export, not per layer or request
+            assert sorted(fabric.gpu_regs) == sorted((a.ctypes.data, a.nbytes, how == "dma-buf") for a in arrs)
+            if how == "dma-buf":
+                assert [b for b, _ in fds] == sorted(a.ctypes.data for a in arrs)
+                assert all(n % os.sysconf("SC_PAGE_SIZE") == 0 and n >= a.nbytes for (_, n), a in zip(fds, arrs))
+            src_blocks = {"a": [3, 4, 5, 60], "b": [20, 33, 34]}
+            grants = _send_batch([tx], src_blocks)
+            _check_tp(dec, [(lay, host, spec_h)], src_blocks, grants)
+            assert len(fabric.gpu_regs) == allocations  # still: the requests registered nothing
+    finally:
+        dec.close()
+
+
+def test_staged_rdma_gpudirect_refused_stages_or_fails_as_asked(monkeypatch, no_leaks):
+    """auto: a NIC that takes no GPU memory makes the sender stage (and say why); require:
+    the sender fails naming the reason; off: it stages without trying."""
+    import fake_verbs
+
+    from pdkv.errors import RdmaError
+    from pdkv.transfer import SenderOptions
+    from pdkv.transfer.rdma import RdmaSender
+
+    fabric = fake_verbs.install(monkeypatch)
+    fabric.gpudirect = None
+    lay, spec, _, _, _, _ = _fake_gpu_cache(monkeypatch)
+
+    class Host:  # what RdmaSender uses before the handshake
+        layout, cache, timeout_s = lay, spec, 5.0
+
+    for mode, staged in (("auto", True), ("off", True)):
+        s = RdmaSender(Host(), SenderOptions(gpudirect=mode))
+        try:
+            assert s._stage is staged and not fabric.gpu_regs
+            assert ("takes no GPU memory" in s.gpudirect_refused) == (mode == "auto")
+        finally:
+            s.close()
+    with pytest.raises(RdmaError, match="gpudirect='require': GPUDirect registration failed: the simulated NIC"):
+        RdmaSender(Host(), SenderOptions(gpudirect="require"))
+    with pytest.raises(ValueError, match="gpudirect='maybe'"):
+        SenderOptions(gpudirect="maybe")
+
+
+def test_staged_auto_offers_rdma_before_tcp_for_a_gpu_cache(monkeypatch):
+    import fake_verbs
+
+    from pdkv.transfer import auto_offer
+
+    fake_verbs.install(monkeypatch)
+    lay, spec, _, _, _, _ = _fake_gpu_cache(monkeypatch)
+    offer = auto_offer(spec)
+    assert offer.index("shm") < offer.index("rdma") < offer.index("tcp")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["off", "refused"])
+@pytest.mark.parametrize("P,D", [(1, 1), (2, 4)])
+def test_staged_rdma_from_gpu_caches_every_byte(cuda_device, mode, P, D, monkeypatch, no_leaks):
+    """Staged RDMA from H200 memory through the simulated NIC: the real gather into the
+    registered pinned ring, the simulated writes out of it. 'refused': the NIC takes no GPU
+    memory and gpudirect='auto' falls back to staging."""
+    import fake_verbs
+
+    from pdkv import _ffi
+
+    fabric = fake_verbs.install(monkeypatch)
+    fabric.gpudirect = None
+    dec = Decode(D=D, transports=("rdma",))
+    caches, ptrs = _gpu_caches(P)
+    try:
+        txs = [
+            _rdma_tx(dec, lay, gspec, gpudirect="off" if mode == "off" else "auto", staging_slot_bytes=2 * BLOCK)
+            for lay, _, _, gspec in caches
+        ]
+        assert all(tx.stats["path"] == "rdma staged (GPU gather)" for tx in txs)
+        src_blocks = {f"g{i}": [(7 * i + j * 3) % 64 for j in range(5)] for i in range(3)}
+        grants = _send_batch(txs, src_blocks)
+        _check_tp(dec, [(c[0], c[1], c[2]) for c in caches], src_blocks, grants)
+        for tx in txs:
+            assert tx.transport_impl.staging.ring.pinned
+            tx.close()
+    finally:
+        for p in ptrs:
+            _ffi.cuda.free(p)
+        dec.close()
+
+
+@pytest.mark.cuda
+def test_staged_dmabuf_export_of_a_gpu_allocation(cuda_device):
+    """What GPUDirect hands the NIC, on a real GPU: a dma-buf fd of a whole allocation."""
+    from pdkv import _ffi
+    from pdkv.errors import CudaError
+
+    if not _ffi.cuda.dmabuf_supported(0):
+        pytest.skip("this GPU or driver exports no dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)")
+    ptr = _ffi.cuda.malloc(3 << 20)
+    try:
+        base, size = _ffi.cuda.address_range(ptr + 12345)
+        assert base == ptr and size >= 3 << 20
+        fd = _ffi.cuda.dmabuf_fd(base, size)
+        try:
+            assert os.fstat(fd).st_size in (0, size)
+        finally:
+            os.close(fd)
+        with pytest.raises(CudaError, match="cuMemGetHandleForAddressRange"):
+            _ffi.cuda.dmabuf_fd(base + 1, 4096)  # not page-aligned
+    finally:
+        _ffi.cuda.free(ptr)

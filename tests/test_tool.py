@@ -113,10 +113,6 @@ def test_trace_replay_and_plot(tmp_path, no_leaks):
         (["--bogus"], "unrecognized arguments"),
         (["--secret", "short"], "at least 16"),
         (["--trace", "/nonexistent"], "no such file"),
-        (
-            ["--prefill-gpu", "--transport", "rdma"],
-            "--prefill-gpu works with --transport auto, shm, cuda_ipc or tcp (staged through pinned memory), not rdma",
-        ),
         (["--transport", "cuda_ipc", "--no-gpu"], "cannot run with --no-gpu"),
     ],
 )

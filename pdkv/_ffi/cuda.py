@@ -49,6 +49,8 @@ __all__ = [
     "event_destroy",
     "launch",
     "mem_get_info",
+    "dmabuf_supported",
+    "dmabuf_fd",
 ]
 
 _lock = threading.Lock()
@@ -279,6 +281,30 @@ def address_range(ptr: int) -> tuple[int, int]:
     drv = _drv()
     base, size = _check_drv(drv.cuMemGetAddressRange(drv.CUdeviceptr(ptr)), "cuMemGetAddressRange")
     return int(base), int(size)
+
+
+def dmabuf_supported(device: int) -> bool:
+    """Whether ``device`` can export its memory as a dma-buf (``CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED``:
+    the open kernel modules on Turing or later)."""
+    drv = _drv()
+    _check_drv(drv.cuInit(0), "cuInit")
+    attr = getattr(drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED", None)
+    if attr is None:  # bindings older than the attribute
+        return False
+    dev = _check_drv(drv.cuDeviceGet(device), "cuDeviceGet")
+    return bool(_check_drv(drv.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"))
+
+
+def dmabuf_fd(base: int, size: int) -> int:
+    """A dma-buf file descriptor for device memory ``[base, base+size)`` (page-aligned; a
+    whole allocation: :func:`address_range`), for an RDMA NIC to register
+    (``cuMemGetHandleForAddressRange``). The caller closes it once registered."""
+    drv = _drv()
+    kind = drv.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+    fd = _check_drv(
+        drv.cuMemGetHandleForAddressRange(drv.CUdeviceptr(base), size, kind, 0), "cuMemGetHandleForAddressRange"
+    )
+    return int(fd)
 
 
 def ipc_get_handle(base: int) -> bytes:

@@ -122,8 +122,8 @@ def memset(addr: int, value: int, length: int) -> None:
     ctypes.memset(addr, value, length)
 
 
-def buffer_address(buf: mmap.mmap) -> int:
-    """Address of the first byte of a writable mapping.
+def buffer_address(buf: mmap.mmap | memoryview) -> int:
+    """Address of the first byte of a writable mapping (or a writable view of memory).
 
     The temporary ctypes object is dropped before returning, so the mapping holds no
     export afterwards and can still be closed.

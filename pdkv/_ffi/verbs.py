@@ -207,6 +207,37 @@ def register(res: dict[str, Any], addr: int, length: int, remote_write: bool) ->
     return m, int(m.lkey), int(m.rkey)
 
 
+def register_gpu(res: dict[str, Any], addr: int, length: int, dmabuf_fd: int | None) -> tuple[Any, int, int, str]:
+    """GPU memory ``[addr, addr+length)`` registered with the NIC for GPUDirect RDMA, local
+    writes only; returns (mr, lkey, rkey, how). With a dma-buf fd, ``mlx5dv_reg_dmabuf_mr``
+    through pyverbs' mlx5 provider (iova = ``addr``, so work requests name GPU addresses);
+    else, or if that fails, ``ibv_reg_mr`` on the GPU address, which the kernel accepts only
+    with a peer-memory client (``nvidia_peermem``) loaded. RdmaError names both failures."""
+    import pyverbs.mr as mr
+
+    access = enum("IBV_ACCESS_LOCAL_WRITE")
+    why = "no dma-buf of the allocation"
+    if dmabuf_fd is not None:
+        try:
+            from pyverbs.providers.mlx5.mlx5dv_dmabuf import Mlx5DmaBufMR
+        except ImportError as exc:
+            why = f"pyverbs has no mlx5 dma-buf MR ({exc})"
+        else:
+            try:
+                m = Mlx5DmaBufMR(res["pd"], 0, length, iova=addr, fd=dmabuf_fd, access=access)
+                return m, int(m.lkey), int(m.rkey), "dma-buf"
+            except Exception as exc:
+                why = f"mlx5dv_reg_dmabuf_mr failed: {exc}"
+    try:
+        m = mr.MR(res["pd"], length, access, address=addr)
+    except Exception as exc:
+        raise RdmaError(
+            f"GPUDirect registration of {length} bytes of GPU memory failed: {why}; "
+            f"ibv_reg_mr on the GPU address failed too (is nvidia_peermem loaded?): {exc}"
+        ) from None
+    return m, int(m.lkey), int(m.rkey), "peer memory"
+
+
 def create_rc_qp(res: dict[str, Any], max_send_wr: int) -> Any:
     from pyverbs.qp import QP, QPCap, QPInitAttr
 

@@ -153,6 +153,10 @@ class SenderOptions:
         is staged too (the same path on a host without a GPU).
     staging_slots:
         Slots in the staging ring (1..1024, default 4): chunks gathered ahead of the send.
+    gpudirect:
+        rdma from a GPU cache: ``auto`` registers the cache's allocations with the NIC
+        (GPUDirect RDMA: a dma-buf of each, else peer memory) and stages the layers when
+        that fails; ``off`` always stages; ``require`` fails instead of staging.
     staging_slot_bytes:
         Bytes per slot; default :func:`~.staging.default_slot_bytes` (256 blocks of one
         layer of this rank, within 16-64 MiB, at least one block's largest piece).
@@ -170,6 +174,7 @@ class SenderOptions:
     staging: str = "auto"
     staging_slots: int = 4
     staging_slot_bytes: int | None = None
+    gpudirect: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, str):
@@ -185,6 +190,8 @@ class SenderOptions:
         _count("copy_threads", self.copy_threads, 1, 64)
         if self.staging not in ("auto", "always"):
             raise ValueError(f"staging={self.staging!r} must be 'auto' or 'always'")
+        if self.gpudirect not in ("auto", "off", "require"):
+            raise ValueError(f"gpudirect={self.gpudirect!r} must be 'auto', 'off' or 'require'")
         _count("staging_slots", self.staging_slots, 1, 1024)
         if self.staging_slot_bytes is not None:
             _count("staging_slot_bytes", self.staging_slot_bytes, 1, 1 << 32)

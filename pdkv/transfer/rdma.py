@@ -10,34 +10,37 @@ against a simulated verbs layer. The verbs work itself is in :mod:`pdkv.rdma`.
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from .. import _ffi
-from ..errors import PdkvError, ProtocolError, RdmaError
+from ..errors import PdkvError, ProtocolError, RdmaError, RdmaUnavailableError
 from ..layout import CacheSpec, KVLayout
-from ..plan import layer_pieces
+from ..plan import layer_pieces, split_runs
 from ..protocol import Hello, LayerDone, RdmaEndpointDesc, RdmaOffer, Welcome, to_plain
 from ..rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
+from .staging import StagedSends, chunk_ranges, default_slot_bytes
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["RdmaSender", "RdmaReceiver"]
 
 
 class RdmaSender(SenderTransport):
-    name = "rdma"
-    caches = frozenset({"host"})
-    auto_rank = 30
+    """Writes from a host cache's own registered memory; from a GPU cache, GPUDirect (the
+    cache's allocations registered with the NIC once: dma-buf, else peer memory) where the
+    host supports it and ``gpudirect`` allows, else staged: each layer gathered into a
+    pinned ring registered once (:class:`~.staging.StagedSends`) and written from there."""
 
-    @classmethod
-    def refuses(cls, cache: CacheSpec) -> str | None:
-        if cache.device is not None:
-            return (
-                "the rdma transport writes from host caches (GPUDirect RDMA is not supported); "
-                "stage GPU caches or use shm"
-            )
-        return None
+    name = "rdma"
+    caches = frozenset({"host", "gpu"})
+    auto_rank = 30
 
     @classmethod
     def available(cls) -> bool:
@@ -45,22 +48,50 @@ class RdmaSender(SenderTransport):
 
     def __init__(self, host: SenderHost, options: Any) -> None:
         super().__init__(host, options)
-        # the cache registered (one region per contiguous range of its layers and tensors)
-        # and a queue pair made before the hello, which carries its record;
-        # RdmaUnavailableError here says what is missing
+        # the source registered and a queue pair made before the hello, which carries its
+        # record; RdmaUnavailableError here says what is missing
         spec, lay = host.cache, host.layout
-        self._writer: RdmaWriter | None = RdmaWriter(
-            [
-                (b, st * spec.num_blocks)
-                for b, st in (
-                    spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))
-                )
-            ],
-            device=options.rdma_device,
-            timeout_s=host.timeout_s,
-        )
+        regions = [
+            (b, st * spec.num_blocks)
+            for b, st in (spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors)))
+        ]
+        self.gpudirect_refused = ""  # why a GPU cache is staged instead
+        self._staged: StagedSends | None = None
+        self._stage = options.staging == "always"
+        kw = dict(device=options.rdma_device, timeout_s=host.timeout_s)
+        if spec.device is None or self._stage:
+            self._writer: RdmaWriter | None = RdmaWriter([] if self._stage else regions, **kw)
+        elif options.gpudirect == "off":
+            self._stage = True
+            self.gpudirect_refused = "gpudirect='off'"
+            self._writer = RdmaWriter([], **kw)
+        else:
+            try:
+                self._writer = RdmaWriter([], gpu_regions=regions, **kw)
+            except RdmaUnavailableError:
+                raise
+            except PdkvError as exc:
+                if options.gpudirect == "require":
+                    raise RdmaError(f"gpudirect='require': {exc}") from None
+                self._stage = True
+                self.gpudirect_refused = str(exc)
+                _log.warning("GPUDirect RDMA unavailable, staging GPU cache layers: %s", exc)
+                self._writer = RdmaWriter([], **kw)
         self._regions: dict[int, RemoteRegion] = {}
         self._dst_specs: dict[int, CacheSpec] = {}
+        self._failed_now: set[str] = set()
+
+    @property
+    def path(self) -> str:
+        if self._staged is not None:
+            return f"rdma staged ({self._staged.strategy} gather)"
+        if self._writer is not None and self._writer.gpudirect:
+            return f"rdma GPUDirect ({self._writer.gpudirect})"
+        return "rdma"
+
+    @property
+    def staging(self) -> StagedSends | None:
+        return self._staged
 
     def hello_fields(self) -> dict[str, Any]:
         assert self._writer is not None
@@ -85,11 +116,32 @@ class RdmaSender(SenderTransport):
                 )
             self._regions[rank] = reg
             self._dst_specs[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, reg.addr)
+        if self._stage:
+            h = self.host
+            slot = self.options.staging_slot_bytes or default_slot_bytes(h.layout, h.segments)
+            # one queue pair: one lane writes, in order; the ring is registered once
+            self._staged = StagedSends(
+                h, slot, self.options.staging_slots, lanes=1, timeout_s=h.timeout_s, fail_request=self._fail
+            )
+            self._writer.add_region(self._staged.ring.address, self._staged.ring.nbytes)
         self._writer.connect(ep)
+
+    def _fail(self, rid: str, why: str) -> None:
+        self._failed_now.add(rid)
+        self.host.fail_request(rid, why)
+
+    def after_writes(self, fn: Callable[[], None]) -> None:
+        if self._staged is None:
+            fn()
+        else:
+            self._staged.after(fn)
 
     def write_layer(self, layer: int, work: list[WriteItem]) -> None:
         """One request at a time: its writes posted, their completions awaited, then its
         LayerDone (decode cannot see one-sided writes land; this message is how it learns)."""
+        if self._staged is not None:
+            self._write_staged(layer, work, self._staged)
+            return
         h, writer = self.host, self._writer
         assert writer is not None
         for w in work:
@@ -100,19 +152,81 @@ class RdmaSender(SenderTransport):
                 for seg, src, dst, ln in plans:
                     writer.write(w.request_id, src.tolist(), dst.tolist(), ln.tolist(), self._regions[seg.dst_rank])
             except PdkvError as exc:
+                self._write_failed(layer, w.request_id, exc)
                 if isinstance(exc, RdmaError):
-                    # a failed completion leaves the queue pair in the error state: every later
-                    # write would fail too, so the session is over (decode is told to drop
-                    # every request of it at once rather than wait for their leases)
-                    h.fail_request(w.request_id, f"layer {layer}: {exc}")
-                    h.break_session(f"RDMA queue pair failed: {exc}", abort=True)
                     return
-                h.fail_request(w.request_id, f"layer {layer}: {exc}")
                 continue
             h.add_bytes(total)
             h.post(LayerDone(w.request_id, w.grant.token, [layer], len(w.src)))
 
+    def _write_failed(self, layer: int, rid: str, exc: PdkvError) -> None:
+        self.host.fail_request(rid, f"layer {layer}: {exc}")
+        if isinstance(exc, RdmaError):
+            # a failed completion leaves the queue pair in the error state: every later
+            # write would fail too, so the session is over (decode is told to drop every
+            # request of it at once rather than wait for their leases)
+            self.host.break_session(f"RDMA queue pair failed: {exc}", abort=True)
+
+    def _write_staged(self, layer: int, work: list[WriteItem], staged: StagedSends) -> None:
+        """The layer's pieces, every request's, gathered slot by slot into the registered
+        ring and written from it; each request's LayerDone once its last chunk is written."""
+        h = self.host
+        src, dst, ln, rank, owner = [], [], [], [], []
+        for k, w in enumerate(work):
+            plans, _ = layer_pieces(h.segments, h.layout, h.dst_layout, h.cache, self._dst_specs, w.src, w.dst, layer)
+            for seg, s, d, n in plans:
+                src.append(s)
+                dst.append(d)
+                ln.append(n)
+                rank.append(np.full(n.size, seg.dst_rank, np.int64))
+                owner.append(np.full(n.size, k, np.int64))
+        if not ln:
+            return
+        s_all, d_all, n_all = np.concatenate(src), np.concatenate(dst), np.concatenate(ln)
+        r_all, o_all = np.concatenate(rank), np.concatenate(owner)
+        if int(n_all.max()) > staged.slot_bytes:  # a piece longer than a slot is cut
+            idx, off, n_all = split_runs(n_all, staged.slot_bytes)
+            s_all, d_all, r_all, o_all = s_all[idx] + off, d_all[idx] + off, r_all[idx], o_all[idx]
+        for lo, hi in chunk_ranges(n_all.tolist(), staged.slot_bytes):
+            rids = frozenset(work[k].request_id for k in np.unique(o_all[lo:hi]).tolist())
+            staged.stage(
+                layer,
+                s_all[lo:hi],
+                n_all[lo:hi],
+                rids,
+                [self._writes_of(d_all[lo:hi], n_all[lo:hi], r_all[lo:hi], int(n_all[lo:hi].sum()))],
+            )
+        for w in work:
+            staged.after(functools.partial(self._layer_done, layer, w))
+
+    def _writes_of(self, dst: Any, ln: Any, ranks: Any, total: int) -> Callable[[memoryview], None]:
+        """The chunk's RDMA writes from its slot, per decode rank's region."""
+        writer = self._writer
+        assert writer is not None
+
+        def send(view: memoryview) -> None:
+            base = _ffi.libc.buffer_address(view)
+            local = base + np.concatenate(([0], np.cumsum(ln)[:-1]))
+            try:
+                for r in np.unique(ranks).tolist():
+                    m = ranks == r
+                    writer.write("staged", local[m].tolist(), dst[m].tolist(), ln[m].tolist(), self._regions[r])
+            except RdmaError as exc:
+                self.host.break_session(f"RDMA queue pair failed: {exc}", abort=True)
+                raise
+            self.host.add_bytes(total)
+
+        return send
+
+    def _layer_done(self, layer: int, w: WriteItem) -> None:
+        if w.request_id in self._failed_now:
+            return  # its Complete reports the failure
+        self.host.post(LayerDone(w.request_id, w.grant.token, [layer], len(w.src)))
+
     def close(self) -> None:
+        if self._staged is not None:
+            self._staged.close(self.host.timeout_s)
+            self._staged = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -197,6 +197,7 @@ class StagedSends:
         *,
         lanes: int = 1,
         timeout_s: float = 10.0,
+        fail_request: Callable[[str, str], None] | None = None,
     ) -> None:
         from ..swap import SwapEngine
 
@@ -204,7 +205,7 @@ class StagedSends:
             raise ValueError(f"lanes={lanes!r} must be an integer in 1..64")
         cache = host.cache
         self.timeout_s = timeout_s
-        self._fail: Callable[[str, str], None] = host.fail_request
+        self._fail: Callable[[str, str], None] = fail_request or host.fail_request
         self.device: int | None = cache.device
         self._stream = 0
         self._events: list[tuple[int, int]] = []

@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prefill-gpu",
         action="store_true",
-        help="prefill caches in GPU memory (auto, shm, cuda_ipc or staged tcp; implied by --transport cuda_ipc)",
+        help="prefill caches in GPU memory (any transport: tcp and rdma stage them, or rdma registers them for "
+        "GPUDirect; implied by --transport cuda_ipc)",
     )
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure to this JSON file")
@@ -344,11 +345,6 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("--plot needs a .png or .html file name")
     if a.trace and not os.path.exists(a.trace):
         raise UsageError(f"--trace {a.trace}: no such file")
-    if prefill_on_gpu(a) and a.transport not in ("auto", "shm", "cuda_ipc", "tcp"):
-        raise UsageError(
-            f"--prefill-gpu works with --transport auto, shm, cuda_ipc or tcp (staged through pinned memory), "
-            f"not {a.transport}"
-        )
     if a.transport == "cuda_ipc" and a.no_gpu:
         raise UsageError("--transport cuda_ipc writes decode's GPU blocks: it cannot run with --no-gpu")
     gpu_here = (a.mode != "decode" and prefill_on_gpu(a)) or (a.mode != "prefill" and a.transport == "cuda_ipc")
