@@ -18,7 +18,7 @@ LAYERS = [
     {"pdkv.blocks", "pdkv.lifecycle"},
     {"pdkv.schedloop", "pdkv.schedview", "pdkv.scheduler"},
     {"pdkv.protocol", "pdkv.shmseg", "pdkv.rdma", "pdkv.interop"},
-    {"pdkv.shm", "pdkv.shmclean", "pdkv.swap", "pdkv.cuda_ipc", "pdkv.native"},
+    {"pdkv.shm", "pdkv.shmclean", "pdkv.swap", "pdkv.cuda_ipc", "pdkv.native", "pdkv.modelcache"},
     {
         "pdkv.transfer.base",
         "pdkv.transfer.options",
