@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ WC_STATUS = {
     21: "general error",
 }
 MAX_WR_BYTES = 1 << 30  # at most this per work request, and never more than the port's max_msg_sz
+FENCE_FLUSH_S = 2.0  # a fenced queue pair's flush completions are waited for this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +269,14 @@ class RdmaWriter:
         signal_every: int = 64,
         timeout_s: float = 10.0,
         gpu_regions: Sequence[tuple[int, int]] = (),
+        port: int = 1,
+        gid_index: int | None = None,
+        gpu: int | None = None,
     ) -> None:
-        self._res: dict[str, Any] = _ffi.verbs.open_device(device)
+        # the device named, else the one nearest ``gpu`` (a GPU cache's), else the first
+        self._res: dict[str, Any] = _ffi.verbs.open_device(device, port=port, gid_index=gid_index, gpu=gpu)
+        self._busy = threading.Lock()  # held while a write posts or polls; close() waits for it
+        self.timeout_s = timeout_s
         self._mrs: list[Any] = []
         self._qp: Any = None
         self._local: list[tuple[int, int, int]] = []  # (start, end, lkey), sorted
@@ -344,32 +352,64 @@ class RdmaWriter:
         self, request: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int], region: RemoteRegion
     ) -> None:
         """Post every write of ``request`` into ``region`` and wait (bounded) for their
-        completions; raise RdmaError if any completion failed."""
-        if not self.connected:
-            raise RdmaError("queue pair not connected")
-        wrs = plan_writes(request, local, remote, lengths, region.addr, region.length, self.max_wr_bytes)
-        for chain in batch_chains(wrs, self.max_chain, self.signal_every):
-            ids = self.tracker.register_chain(chain)
-            _ffi.verbs.post_writes(
-                self._qp,
-                [
-                    (i, w.local, w.length, self.lkey(w.local, w.length), w.remote, region.rkey, sig)
-                    for i, (w, sig) in zip(ids, chain)
-                ],
-            )
-            self.tracker.wait(lambda: _ffi.verbs.poll(self._res["cq"], 64), [request], self.timeout_s)
-        err = self.tracker.failed.pop(request, None)
-        self.tracker.done.discard(request)
-        if err is not None:
-            raise RdmaError(f"request {request!r}: {err}")
+        completions; raise RdmaError if any completion failed. Completions that do not come
+        in time fence the queue pair (:meth:`_fence`) before RdmaError is raised: no write
+        of it can land after the caller reports the request failed."""
+        with self._busy:
+            if not self.connected or self._qp is None:
+                raise RdmaError("queue pair not connected")
+            wrs = plan_writes(request, local, remote, lengths, region.addr, region.length, self.max_wr_bytes)
+            for chain in batch_chains(wrs, self.max_chain, self.signal_every):
+                ids = self.tracker.register_chain(chain)
+                _ffi.verbs.post_writes(
+                    self._qp,
+                    [
+                        (i, w.local, w.length, self.lkey(w.local, w.length), w.remote, region.rkey, sig)
+                        for i, (w, sig) in zip(ids, chain)
+                    ],
+                )
+                try:
+                    self.tracker.wait(self._poll, [request], self.timeout_s)
+                except PdkvTimeoutError as exc:
+                    self._fence(request)
+                    raise RdmaError(f"request {request!r}: {exc}; the queue pair is fenced (error state)") from None
+            err = self.tracker.failed.pop(request, None)
+            self.tracker.done.discard(request)
+            if err is not None:
+                raise RdmaError(f"request {request!r}: {err}")
 
-    def close(self) -> None:
-        """Release the queue pair, memory regions and device. Idempotent."""
-        if self._qp is not None:
-            _ffi.verbs.close(self._qp)
-            self._qp = None
-        _release(self._mrs, self._res)
-        self._res = {}
+    def _poll(self) -> Sequence[tuple[int, int]]:
+        return _ffi.verbs.poll(self._res["cq"], 64)
+
+    def _fence(self, request: str) -> None:
+        """The queue pair to the error state, then its flush completions collected (bounded):
+        once flushed, the device sends none of its work requests any more. Every later
+        write fails at once (the session is over: a failed queue pair is never reused)."""
+        self.connected = False
+        try:
+            _ffi.verbs.to_error(self._qp)
+            self.tracker.wait(self._poll, [request], FENCE_FLUSH_S)
+        except PdkvError:  # flushes that never come: the queue pair is destroyed on close
+            pass
+
+    def close(self, timeout: float | None = None) -> None:
+        """Release the queue pair, memory regions and device, in verbs order (QP, MRs, CQ,
+        PD, context), once no write is posting or polling (waited for, bounded: a write
+        still running then leaves them allocated rather than destroyed under it). Idempotent."""
+        limit = self.timeout_s + FENCE_FLUSH_S + 1 if timeout is None else timeout
+        if not self._busy.acquire(timeout=limit):
+            import logging
+
+            logging.getLogger(__name__).warning("an RDMA write is still running: its verbs resources are left")
+            return
+        try:
+            if self._qp is not None:
+                _ffi.verbs.close(self._qp)
+                self._qp = None
+            _release(self._mrs, self._res)
+            self._res = {}
+        finally:
+            self._busy.release()
 
     def __enter__(self) -> RdmaWriter:
         return self
@@ -387,10 +427,16 @@ class RdmaTarget:
     """
 
     def __init__(
-        self, buffers: Sequence[tuple[int, int, int]], *, device: str | None = None, max_send_wr: int = 16
+        self,
+        buffers: Sequence[tuple[int, int, int]],
+        *,
+        device: str | None = None,
+        max_send_wr: int = 16,
+        port: int = 1,
+        gid_index: int | None = None,
     ) -> None:
         """``buffers``: ``(rank, addr, length)`` of each buffer this receiver hosts."""
-        self._res = _ffi.verbs.open_device(device)
+        self._res = _ffi.verbs.open_device(device, port=port, gid_index=gid_index)
         self._mrs: list[Any] = []
         self._qps: dict[int, Any] = {}
         self._max_send_wr = max_send_wr

@@ -17,6 +17,7 @@ import collections
 import ctypes
 import itertools
 import threading
+import time
 from typing import Any
 
 from pdkv.errors import RdmaError
@@ -34,9 +35,11 @@ class _MR:
 
 
 class _CQ:
-    def __init__(self) -> None:
-        self.q: collections.deque[tuple[int, int]] = collections.deque()
+    def __init__(self, capacity: int = 4096) -> None:
+        self.q: collections.deque[tuple[int, int, _QP]] = collections.deque()
         self.lock = threading.Lock()
+        self.capacity = capacity  # completions it holds; one more is an overrun
+        self.overrun = False
 
     def close(self) -> None:
         pass
@@ -48,6 +51,8 @@ class _QP:
         self.peer = 0
         self.state = "reset"
         self.sq_psn = self.rq_psn = -1
+        self.pending: list[tuple[int, int, int, int, int, int, bool]] = []  # posted, not yet executed
+        self.unretired: collections.deque[int] = collections.deque()  # wr ids holding send-queue slots
 
     def close(self) -> None:
         with self.fabric.lock:
@@ -67,8 +72,12 @@ class Fabric:
         self._keys = itertools.count(0x100)
         self._qpns = itertools.count(0x20)
         self.fail_next: int | None = None  # status to give the next write
+        self.stall = False  # the link is dead: nothing posted executes or completes (until fenced)
+        self.cq_capacity = 4096
         self.writes = 0
         self.bytes = 0
+        self.events: list[tuple[str, float]] = []  # (what was destroyed, when), in order
+        self.opened: list[tuple[Any, ...]] = []  # open_device's arguments, each call
         self.lkeys_used: set[int] = set()  # local keys of the writes that landed
         # GPUDirect: how register_gpu registers ("dma-buf", "peer memory"), or None: refused
         self.gpudirect: str | None = "dma-buf"
@@ -84,13 +93,17 @@ class Fabric:
     def require_device(self, name: str | None = None) -> str:
         return name or "fake0"
 
-    def open_device(self, name: str | None = None, port: int = 1, gid_index: int = 0) -> dict[str, Any]:
+    def open_device(
+        self, name: str | None = None, port: int = 1, gid_index: int | None = None, gpu: int | None = None
+    ) -> dict[str, Any]:
+        self.opened.append((name, port, gid_index, gpu))
         return {
+            "device": name or "fake0",
             "ctx": None,
             "pd": None,
-            "cq": _CQ(),
+            "cq": _CQ(self.cq_capacity),
             "port": port,
-            "gid_index": gid_index,
+            "gid_index": 0 if gid_index is None else gid_index,
             "lid": 1,
             "gid": "fe80:0000:0000:0000:0000:0000:0000:0001",
             "mtu": 5,
@@ -142,47 +155,83 @@ class Fabric:
         return mr is not None and (mr[2] or not remote) and mr[0] <= addr and addr + n <= mr[0] + mr[1]
 
     def post_writes(self, qp: _QP, wrs: list[tuple[int, int, int, int, int, int, bool]]) -> None:
+        """Queue the chain (a NIC executes it later: completions come from poll()); the
+        send queue holds at most max_send_wr work requests not yet retired by a polled
+        completion, across posts, as ibv_post_send's ENOMEM says."""
         with self.lock:
             if qp.state in ("closed", "reset"):
                 raise RdmaError(f"ibv_post_send failed: queue pair {qp.state}")
-            if len(wrs) > qp.max_send_wr:
-                raise RdmaError("ibv_post_send failed: send queue full")
-            done = []
-            for wr_id, la, n, lkey, ra, rkey, sig in wrs:
-                self.largest_wr = max(self.largest_wr, n)
-                if qp.state == "error":
-                    status = WR_FLUSH_ERR
-                elif n > self.max_msg_sz:
-                    status = LOC_LEN_ERR  # longer than the port's largest message
-                elif qp.peer not in self.qps:
-                    status = RETRY_EXC_ERR  # the peer's queue pair is gone: no acks come back
-                elif not self._covers(lkey, la, n, remote=False):
-                    status = LOC_PROT_ERR
-                elif not self._covers(rkey, ra, n, remote=True):
-                    status = REM_ACCESS_ERR
-                elif self.fail_next is not None:
-                    status, self.fail_next = self.fail_next, None
-                else:
-                    status = SUCCESS
-                    ctypes.memmove(ra, la, n)
-                    self.lkeys_used.add(lkey)
-                    self.writes += 1
-                    self.bytes += n
-                if status != SUCCESS:
-                    qp.state = "error"
-                if sig or status != SUCCESS:
-                    done.append((wr_id, status))
+            if len(qp.unretired) + len(wrs) > qp.max_send_wr:
+                raise RdmaError(
+                    f"ibv_post_send failed: send queue full ({len(qp.unretired)} outstanding, "
+                    f"max_send_wr {qp.max_send_wr})"
+                )
+            qp.pending.extend(wrs)
+            qp.unretired.extend(w[0] for w in wrs)
+
+    def _execute(self, qp: _QP) -> None:
+        """Run a queue pair's posted work requests in order (lock held): success completes
+        only signaled ones; the first failure puts the queue pair in the error state and
+        every later one is flushed, signaled or not."""
+        done = []
+        for wr_id, la, n, lkey, ra, rkey, sig in qp.pending:
+            self.largest_wr = max(self.largest_wr, n)
+            if qp.state == "error":
+                status = WR_FLUSH_ERR
+            elif n > self.max_msg_sz:
+                status = LOC_LEN_ERR  # longer than the port's largest message
+            elif qp.peer not in self.qps:
+                status = RETRY_EXC_ERR  # the peer's queue pair is gone: no acks come back
+            elif not self._covers(lkey, la, n, remote=False):
+                status = LOC_PROT_ERR
+            elif not self._covers(rkey, ra, n, remote=True):
+                status = REM_ACCESS_ERR
+            elif self.fail_next is not None:
+                status, self.fail_next = self.fail_next, None
+            else:
+                status = SUCCESS
+                ctypes.memmove(ra, la, n)
+                self.lkeys_used.add(lkey)
+                self.writes += 1
+                self.bytes += n
+            if status != SUCCESS:
+                qp.state = "error"
+            if sig or status != SUCCESS:
+                done.append((wr_id, status, qp))
+        qp.pending.clear()
         with qp.cq.lock:
+            if len(qp.cq.q) + len(done) > qp.cq.capacity:  # completions lost: a fatal CQ error
+                qp.cq.overrun = True
+                qp.state = "error"
+                done = done[: max(0, qp.cq.capacity - len(qp.cq.q))]
             qp.cq.q.extend(done)
 
+    def to_error(self, qp: _QP) -> None:
+        with self.lock:
+            if qp.state not in ("closed", "reset"):
+                qp.state = "error"  # what is posted is flushed at the next poll, link or not
+
     def poll(self, cq: _CQ, n: int) -> list[tuple[int, int]]:
-        with cq.lock:
-            return [cq.q.popleft() for _ in range(min(n, len(cq.q)))]
+        with self.lock:
+            for qp in list(self.qps.values()):
+                if qp.cq is cq and qp.pending and (not self.stall or qp.state == "error"):
+                    self._execute(qp)
+            with cq.lock:
+                if cq.overrun:
+                    raise RdmaError("ibv_poll_cq failed: completion queue overrun")
+                got = [cq.q.popleft() for _ in range(min(n, len(cq.q)))]
+            for wr_id, _status, qp in got:  # a completion retires its work request and those before it
+                while qp.unretired:
+                    if qp.unretired.popleft() == wr_id:
+                        break
+        return [(w, st) for w, st, _ in got]
 
     def close(self, obj: Any) -> None:
+        self.events.append((type(obj).__name__, time.monotonic()))
         obj.close()
 
     def close_device(self, res: dict[str, Any]) -> None:
+        self.events.append(("device", time.monotonic()))
         res["cq"].close()
 
 
@@ -201,6 +250,7 @@ def install(monkeypatch: Any) -> Fabric:
         "create_rc_qp",
         "connect_qp",
         "post_writes",
+        "to_error",
         "poll",
         "close",
         "close_device",

@@ -321,6 +321,9 @@ def test_verbs_calls_pass_pyverbs_own_types_and_enums_of_rdma_core_59():
         "qp = v.create_rc_qp(res, 64)\n"
         "v.connect_qp(res, qp, {'qpn': 7, 'psn': 4242, 'lid': 0, 'gid': res['gid'], 'mtu': 5}, local_psn=777)\n"
         "assert (qp.rq_psn, qp.sq_psn) == (4242, 777)  # receives from the peer's PSN, sends from its own\n"
+        "assert qp.hop_limit == 64  # routed RoCE v2: pyverbs' default 1 dies at the first router\n"
+        "v.to_error(qp)\n"
+        "assert qp.state == 6  # IBV_QPS_ERR through QP.modify(QPAttr, IBV_QP_STATE)\n"
         "v.post_writes(qp, [(1, 4096, 64, lkey, 8192, rkey, True)])\n"
         "assert v.enum('IBV_QPT_RC') == 2 and v.enum('IBV_SEND_SIGNALED') == 2\n"
         "try:\n"
@@ -334,6 +337,87 @@ def test_verbs_calls_pass_pyverbs_own_types_and_enums_of_rdma_core_59():
     assert out.returncode == 0, out.stderr
     assert "refused peer GID 'fe80::1' is not eight groups of four hex digits" in out.stdout
     assert "OK fe80:0000:0000:0000:0002:00ff:fe00:0001" in out.stdout
+
+
+def _sysfs_port(root, dev, port, entries):
+    """A fake /sys/class/infiniband/<dev>/ports/<port>: entries of (index, gid, type or None)."""
+    base = root / dev / "ports" / str(port)
+    (base / "gids").mkdir(parents=True)
+    (base / "gid_attrs" / "types").mkdir(parents=True)
+    for i, gid, kind in entries:
+        (base / "gids" / str(i)).write_text(gid + "\n")
+        if kind is not None:
+            (base / "gid_attrs" / "types" / str(i)).write_text(kind + "\n")
+
+
+def test_gid_index_chosen_by_type_roce_v2_over_ipv4_first(tmp_path):
+    from pdkv._ffi.verbs import choose_gid_index, gid_table
+
+    zero = "0000:0000:0000:0000:0000:0000:0000:0000"
+    ll = "fe80:0000:0000:0000:0202:c9ff:fe00:0001"
+    v4 = "0000:0000:0000:0000:0000:ffff:0a00:0002"
+    _sysfs_port(
+        tmp_path,
+        "mlx5_0",
+        1,
+        [(0, ll, "IB/RoCE v1"), (1, ll, "RoCE v2"), (2, v4, "IB/RoCE v1"), (3, v4, "RoCE v2"), (4, zero, "RoCE v2")],
+    )
+    table = gid_table("mlx5_0", 1, root=str(tmp_path))
+    assert [i for i, _, _ in table] == [0, 1, 2, 3]  # the empty (zero) slot is not a GID
+    assert choose_gid_index(table) == 3
+    assert choose_gid_index([e for e in table if e[0] != 3]) == 1  # RoCE v2, link-local
+    assert choose_gid_index([(0, ll, ""), (1, v4, "")]) == 0  # InfiniBand: no types, index 0
+    assert choose_gid_index([]) == 0 and gid_table("absent", 1, root=str(tmp_path)) == []
+
+
+def test_the_nic_nearest_the_gpu_in_the_pci_tree(tmp_path):
+    from pdkv._ffi.verbs import nearest_device
+
+    devs = tmp_path / "devices"
+    gpu = devs / "pci0000:00" / "0000:00:01.0" / "0000:1a:00.0" / "0000:1b:00.0"  # behind a PCIe switch
+    far = devs / "pci0000:80" / "0000:80:01.0" / "0000:81:00.0"  # the other socket
+    near = devs / "pci0000:00" / "0000:00:01.0" / "0000:1a:00.0" / "0000:1c:00.0"  # the same switch
+    same_socket = devs / "pci0000:00" / "0000:00:02.0" / "0000:05:00.0"
+    for d in (gpu, far, near, same_socket):
+        d.mkdir(parents=True)
+    pci, ib = tmp_path / "bus", tmp_path / "ib"
+    pci.mkdir()
+    (pci / "0000:1b:00.0").symlink_to(gpu)
+    for name, target in (("mlx5_0", far), ("mlx5_1", same_socket), ("mlx5_2", near)):
+        (ib / name).mkdir(parents=True)
+        (ib / name / "device").symlink_to(target)
+    args = dict(root=str(ib), pci=str(pci))
+    assert nearest_device("0000:1B:00.0", ["mlx5_0", "mlx5_1", "mlx5_2"], **args) == "mlx5_2"
+    assert nearest_device("0000:1b:00.0", ["mlx5_0", "mlx5_1"], **args) == "mlx5_1"
+    assert nearest_device("0000:ff:00.0", ["mlx5_0", "mlx5_1"], **args) == "mlx5_0"  # nothing known: first
+
+
+def test_rdma_device_port_and_gid_index_reach_the_device(monkeypatch, no_leaks):
+    from pdkv.transfer import SenderOptions
+
+    fab = fake_verbs.install(monkeypatch)
+    dec = Decode(transports=("rdma",), rdma_port=2, rdma_gid_index=5)
+    try:
+        lay, _, spec = prefill_cache(1, 0)
+        with PrefillSender(
+            lay, spec, dec.rx.control_address, transport="rdma", rdma_device="fake0", rdma_port=2, rdma_gid_index=3
+        ) as tx:
+            assert send_one(tx, "p", [1, 2]).ok
+        assert (None, 2, 5, None) in fab.opened and ("fake0", 2, 3, None) in fab.opened
+        regions = [[spec.region(layer, t) for t in range(2)] for layer in range(4)]
+        gspec = CacheSpec(lay, spec.num_blocks, regions, device=0)
+        monkeypatch.setattr(
+            _ffi.cuda, "address_range", lambda p: (spec.region(0, 0)[0], spec.num_blocks * lay.block_bytes)
+        )
+        monkeypatch.setattr(_ffi.cuda, "dmabuf_fd", lambda b, n: os.open("/dev/null", os.O_RDONLY))
+        with PrefillSender(lay, gspec, dec.rx.control_address, transport="rdma") as tx:  # a GPU cache
+            assert tx.stats["path"] == "rdma GPUDirect (dma-buf)"
+        assert fab.opened[-1] == (None, 1, None, 0)  # the device nearest GPU 0 is looked for
+    finally:
+        dec.close()
+    for bad in (dict(rdma_port=0), dict(rdma_gid_index=-1)):
+        with pytest.raises(ValueError, match="rdma_"):
+            SenderOptions(**bad)
 
 
 def test_gpudirect_registration_through_pyverbs_own_classes():
@@ -431,6 +515,118 @@ def test_work_requests_never_pass_the_ports_largest_message(monkeypatch):
         assert w.max_wr_bytes == 64 << 10
         w.write("r", [ctypes.addressof(src)], [ctypes.addressof(dst)], [n], target.regions[0])
         assert bytes(dst) == bytes(src) and fab.largest_wr == 64 << 10 and fab.writes == -(-n // (64 << 10))
+    finally:
+        w.close()
+        target.close()
+
+
+def _pair(fab, n=1 << 16, **kw):
+    import ctypes
+
+    src = (ctypes.c_ubyte * n).from_buffer(bytearray(np.random.default_rng(7).integers(0, 256, n, np.uint8)))
+    dst = (ctypes.c_ubyte * n)()
+    target = RdmaTarget([(0, ctypes.addressof(dst), n)])
+    w = RdmaWriter([(ctypes.addressof(src), n)], **kw)
+    w.connect(target.accept(w.local_info()))
+    return src, dst, target, w
+
+
+def test_a_timed_out_write_fences_its_queue_pair_so_nothing_lands_later(monkeypatch):
+    """Completions that never come (a dead link): the write raises once its queue pair is
+    in the error state and its work requests are flushed, so when the link comes back
+    none of them lands in blocks decode may have given to another request meanwhile."""
+    import ctypes
+
+    fab = fake_verbs.install(monkeypatch)
+    src, dst, target, w = _pair(fab, timeout_s=0.3)
+    try:
+        fab.stall = True
+        t0 = time.monotonic()
+        with pytest.raises(RdmaError, match="fenced"):
+            w.write("r", [ctypes.addressof(src)], [ctypes.addressof(dst)], [len(src)], target.regions[0])
+        assert time.monotonic() - t0 < 3
+        qp = fab.qps[w.local_info().qpn]
+        assert qp.state == "error" and not qp.pending and not qp.unretired  # flushed, slots retired
+        fab.stall = False  # the link is back
+        fab.poll(w._res["cq"], 64)
+        assert fab.bytes == 0 and bytes(dst) == bytes(len(dst))  # not one byte landed
+        with pytest.raises(RdmaError, match="not connected"):  # a fenced queue pair is never reused
+            w.write("r2", [ctypes.addressof(src)], [ctypes.addressof(dst)], [64], target.regions[0])
+    finally:
+        w.close()
+        target.close()
+
+
+def test_close_waits_for_a_running_write_then_destroys_in_verbs_order(monkeypatch):
+    import ctypes
+    import threading
+
+    fab = fake_verbs.install(monkeypatch)
+    src, dst, target, w = _pair(fab, timeout_s=0.5)
+    fab.stall = True
+    ended, errs = [], []
+
+    def write():
+        try:
+            w.write("r", [ctypes.addressof(src)], [ctypes.addressof(dst)], [len(src)], target.regions[0])
+        except RdmaError as exc:
+            errs.append(exc)
+        ended.append(time.monotonic())
+
+    t = threading.Thread(target=write)
+    t.start()
+    time.sleep(0.05)
+    w.close()  # while the write polls
+    t.join(5)
+    assert errs and "fenced" in str(errs[0])  # the write ended on its own terms, not on a destroyed QP
+    kinds = [k for k, _ in fab.events]
+    assert kinds[:3] == ["_QP", "_MR", "device"]  # QP, then MRs, then CQ/PD/context
+    assert fab.events[0][1] >= ended[0]  # nothing destroyed before the write ended
+    target.close()
+
+
+def test_send_queue_slots_stay_held_until_their_completions_are_polled(monkeypatch):
+    import ctypes
+
+    fab = fake_verbs.install(monkeypatch)
+    src, dst, target, w = _pair(fab, max_send_wr=4, signal_every=1)
+    try:
+        qp = fab.qps[w.local_info().qpn]
+        a, b, rk = ctypes.addressof(src), ctypes.addressof(dst), target.regions[0].rkey
+        lk = w.lkey(a, 64)
+        fab.post_writes(qp, [(1, a, 64, lk, b, rk, True), (2, a, 64, lk, b, rk, False), (3, a, 64, lk, b, rk, True)])
+        assert fab.bytes == 0 and not w._res["cq"].q  # asynchronous: nothing executes at post time
+        with pytest.raises(RdmaError, match="send queue full .3 outstanding, max_send_wr 4"):
+            fab.post_writes(qp, [(4, a, 64, lk, b, rk, False), (5, a, 64, lk, b, rk, True)])  # across posts
+        assert fab.poll(w._res["cq"], 8) == [(1, 0), (3, 0)]  # only signaled ones complete on success
+        assert not qp.unretired and fab.bytes == 192
+        # pdkv's writer keeps within the queue: 40 work requests through a queue of 4
+        w.write(
+            "r", [a + 1024 * i for i in range(40)], [b + 1024 * i for i in range(40)], [512] * 40, target.regions[0]
+        )
+        assert bytes(dst[: 40 * 1024 : 1024]) == bytes(src[: 40 * 1024 : 1024])
+    finally:
+        w.close()
+        target.close()
+
+
+def test_a_completion_queue_overrun_fails_the_write_instead_of_hanging(monkeypatch):
+    import ctypes
+
+    fab = fake_verbs.install(monkeypatch)
+    fab.cq_capacity = 2
+    src, dst, target, w = _pair(fab, max_send_wr=64, signal_every=1, timeout_s=2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RdmaError, match="overrun"):
+            w.write(
+                "r",
+                [ctypes.addressof(src) + 64 * i for i in range(8)],
+                [ctypes.addressof(dst) + 128 * i for i in range(8)],
+                [64] * 8,
+                target.regions[0],
+            )
+        assert time.monotonic() - t0 < 1
     finally:
         w.close()
         target.close()

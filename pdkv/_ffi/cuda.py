@@ -50,6 +50,7 @@ __all__ = [
     "launch",
     "mem_get_info",
     "dmabuf_supported",
+    "pci_bus_id",
     "dmabuf_fd",
 ]
 
@@ -281,6 +282,13 @@ def address_range(ptr: int) -> tuple[int, int]:
     drv = _drv()
     base, size = _check_drv(drv.cuMemGetAddressRange(drv.CUdeviceptr(ptr)), "cuMemGetAddressRange")
     return int(base), int(size)
+
+
+def pci_bus_id(device: int) -> str:
+    """The device's PCI address, ``dddd:bb:dd.f`` (as sysfs names it, lower case)."""
+    raw = _call(_rt().cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return text.split("\x00", 1)[0].strip().lower()
 
 
 def dmabuf_supported(device: int) -> bool:

@@ -8,7 +8,9 @@ lets every other failure through as :class:`~pdkv.errors.RdmaError`.
 from __future__ import annotations
 
 import errno
+import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import RdmaError, RdmaUnavailableError
@@ -46,6 +48,8 @@ _ENUM_TYPE = {
     "IBV_WR_": "ibv_wr_opcode",
     "IBV_SEND_": "ibv_send_flags",
     "IBV_WC_": "ibv_wc_status",
+    "IBV_QPS_": "ibv_qp_state",
+    "IBV_QP_": "ibv_qp_attr_mask",
 }
 
 
@@ -173,9 +177,93 @@ def _wrap(what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         del pv
 
 
-def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> dict[str, Any]:
-    """Open a device, a protection domain and a completion queue; query port and GID."""
+SYSFS_IB = "/sys/class/infiniband"
+SYSFS_PCI = "/sys/bus/pci/devices"
+HOP_LIMIT = 64  # routed RoCE v2 crosses IP hops; 1 (pyverbs' default) dies at the first router
+
+
+def gid_table(dev: str, port: int, root: str = SYSFS_IB) -> list[tuple[int, str, str]]:
+    """The port's non-zero GIDs as ``(index, gid, type)`` from sysfs (type ``RoCE v2``,
+    ``IB/RoCE v1``, or ``""`` where the kernel gives none); ``[]`` if unreadable."""
+    base = os.path.join(root, dev, "ports", str(port))
+    out = []
+    try:
+        names = os.listdir(os.path.join(base, "gids"))
+    except OSError:
+        return []
+    for n in sorted(names, key=lambda x: int(x) if x.isdigit() else -1):
+        if not n.isdigit():
+            continue
+        try:
+            with open(os.path.join(base, "gids", n)) as f:
+                gid = f.read().strip()
+        except OSError:  # an empty slot of the table reads as EINVAL
+            continue
+        if not GID_RE.match(gid) or not gid.replace(":", "").strip("0"):
+            continue
+        try:
+            with open(os.path.join(base, "gid_attrs", "types", n)) as f:
+                kind = f.read().strip()
+        except OSError:
+            kind = ""
+        out.append((int(n), gid.lower(), kind))
+    return out
+
+
+def choose_gid_index(table: Sequence[tuple[int, str, str]]) -> int:
+    """The GID a queue pair should use: RoCE v2 over an IPv4 address (routable, what most
+    RoCE fabrics are configured for), else any RoCE v2 GID, else the first GID (InfiniBand:
+    index 0, the port's GUID-based GID)."""
+    v2 = [(i, g) for i, g, kind in table if kind.lower().replace(" ", "") == "rocev2"]
+    ipv4 = [i for i, g in v2 if g.startswith("0000:0000:0000:0000:0000:ffff:")]
+    if ipv4:
+        return ipv4[0]
+    if v2:
+        return v2[0][0]
+    return table[0][0] if table else 0
+
+
+def _pci_path(path: str) -> list[str]:
+    return [p for p in os.path.realpath(path).split(os.sep) if p]
+
+
+def nearest_device(gpu_bus_id: str, devices: Sequence[str], root: str = SYSFS_IB, pci: str = SYSFS_PCI) -> str:
+    """Of ``devices``, the NIC closest to the GPU at PCI ``gpu_bus_id`` in the PCI tree (the
+    longest shared path from the root complex: the same switch beats the same socket);
+    the first listed on a tie or where sysfs says nothing."""
+    gpu = _pci_path(os.path.join(pci, gpu_bus_id.lower()))
+
+    def shared(dev: str) -> int:
+        nic = _pci_path(os.path.join(root, dev, "device"))
+        n = 0
+        for a, b in zip(gpu, nic):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    best = max(devices, key=lambda d: (shared(d), -list(devices).index(d)))
+    return best
+
+
+def open_device(
+    name: str | None = None, port: int = 1, gid_index: int | None = None, gpu: int | None = None
+) -> dict[str, Any]:
+    """Open a device (``name``; else the one nearest CUDA device ``gpu``; else the first), a
+    protection domain and a completion queue; query the port and its GID (``gid_index``;
+    else chosen by type, :func:`choose_gid_index`)."""
+    if name is None and gpu is not None:
+        devs = rdma_devices()
+        if len(devs) > 1:
+            from . import cuda
+
+            try:
+                name = nearest_device(cuda.pci_bus_id(gpu), devs)
+            except Exception:  # no topology to go by: the first device
+                name = None
     dev = require_device(name)
+    if gid_index is None:
+        gid_index = choose_gid_index(gid_table(dev, port))
     import pyverbs.cq as cq
     import pyverbs.device as d
     import pyverbs.pd as pd
@@ -189,6 +277,7 @@ def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> d
         "ctx": ctx,
         "pd": pdom,
         "cq": cqo,
+        "device": dev,
         "port": port,
         "gid_index": gid_index,
         "lid": int(pattr.lid),
@@ -261,7 +350,7 @@ def connect_qp(res: dict[str, Any], qp: Any, remote: dict[str, Any], local_psn: 
     a.qp_access_flags = enum("IBV_ACCESS_LOCAL_WRITE") | enum("IBV_ACCESS_REMOTE_WRITE")
     a.port_num = res["port"]
     _wrap("modify_qp(INIT)", qp.to_init, a)
-    gr = _wrap("GlobalRoute", GlobalRoute, dgid=GID(gid), sgid_index=res["gid_index"])
+    gr = _wrap("GlobalRoute", GlobalRoute, dgid=GID(gid), sgid_index=res["gid_index"], hop_limit=HOP_LIMIT)
     a.ah_attr = AHAttr(port_num=res["port"], is_global=1, gr=gr, dlid=remote["lid"])
     a.dest_qp_num = remote["qpn"]
     a.rq_psn = remote["psn"]
@@ -272,6 +361,15 @@ def connect_qp(res: dict[str, Any], qp: Any, remote: dict[str, Any], local_psn: 
     a.sq_psn = local_psn
     a.timeout, a.retry_cnt, a.rnr_retry, a.max_rd_atomic = 14, 7, 7, 1
     _wrap("modify_qp(RTS)", qp.to_rts, a)
+
+
+def to_error(qp: Any) -> None:
+    """Move a queue pair to the error state: the device flushes every outstanding work
+    request (each completes with WR_FLUSH_ERR) and sends nothing more from it."""
+    from pyverbs.qp import QPAttr
+
+    a = QPAttr(qp_state=enum("IBV_QPS_ERR"))
+    _wrap("modify_qp(ERR)", qp.modify, a, enum("IBV_QP_STATE"))
 
 
 def post_writes(qp: Any, wrs: list[tuple[int, int, int, int, int, int, bool]]) -> None:

@@ -29,6 +29,12 @@ def _count(name: str, n: object, lo: int = 1, hi: int | None = None) -> None:
         )
 
 
+def _rdma_port(port: object, gid_index: object) -> None:
+    _count("rdma_port", port, 1, 255)
+    if gid_index is not None:
+        _count("rdma_gid_index", gid_index, 0, 65535)
+
+
 def _secret(v: object) -> None:
     if v is not None and not isinstance(v, bytes):
         raise ValueError("secret must be bytes (>= 16 of them) or None")
@@ -70,8 +76,9 @@ class ReceiverOptions:
     data_advertise:
         ``host:port`` prefill should connect to for data, when it differs from the
         listener (NAT, port forwarding).
-    rdma_device:
-        With ``rdma`` served: the RDMA device (default: the first).
+    rdma_device, rdma_port, rdma_gid_index:
+        With ``rdma`` served: the RDMA device (default: the first), its port (1) and GID
+        index (default: chosen by type: RoCE v2 over IPv4 first, then RoCE v2, then 0).
     gpu_caches:
         With ``cuda_ipc`` served: each rank's GPU cache (a CacheSpec with ``device``
         set, at least as many blocks as the scheduler's GPU pool), exported to same-host
@@ -87,6 +94,8 @@ class ReceiverOptions:
     auto_tick: bool = False
     data_advertise: str | None = None
     rdma_device: str | None = None
+    rdma_port: int = 1
+    rdma_gid_index: int | None = None
     gpu_caches: Sequence[CacheSpec] | None = None
     min_data_rate: float = 8 << 20
     auth_timeout_s: float = 5.0
@@ -105,6 +114,7 @@ class ReceiverOptions:
         for name in ("max_pending_connections", "max_connections", "max_handshakes"):
             _count(name, getattr(self, name))
         _secret(self.secret)
+        _rdma_port(self.rdma_port, self.rdma_gid_index)
         if self.gpu_caches is not None:
             object.__setattr__(self, "gpu_caches", tuple(self.gpu_caches))
 
@@ -142,8 +152,9 @@ class SenderOptions:
         Seconds between heartbeats.
     on_outcome:
         Called (from the sender's I/O thread) with each RequestOutcome.
-    rdma_device:
-        RDMA device name (default: the first).
+    rdma_device, rdma_port, rdma_gid_index:
+        RDMA device name (default: the one nearest a GPU cache's GPU in the PCI tree, else
+        the first), its port (1) and GID index (default: chosen by type, as decode's).
     copy_threads:
         Threads that copy host caches into decode's shared buffers (shm), each a C-level
         gather without the GIL; default :func:`default_copy_threads` (1..64).
@@ -170,6 +181,8 @@ class SenderOptions:
     heartbeat_s: float = 1.0
     on_outcome: Callable[[Any], None] | None = None
     rdma_device: str | None = None
+    rdma_port: int = 1
+    rdma_gid_index: int | None = None
     copy_threads: int | None = None
     staging: str = "auto"
     staging_slots: int = 4
@@ -188,6 +201,7 @@ class SenderOptions:
         if self.copy_threads is None:
             object.__setattr__(self, "copy_threads", default_copy_threads())
         _count("copy_threads", self.copy_threads, 1, 64)
+        _rdma_port(self.rdma_port, self.rdma_gid_index)
         if self.staging not in ("auto", "always"):
             raise ValueError(f"staging={self.staging!r} must be 'auto' or 'always'")
         if self.gpudirect not in ("auto", "off", "require"):

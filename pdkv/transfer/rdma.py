@@ -58,7 +58,13 @@ class RdmaSender(SenderTransport):
         self.gpudirect_refused = ""  # why a GPU cache is staged instead
         self._staged: StagedSends | None = None
         self._stage = options.staging == "always"
-        kw = dict(device=options.rdma_device, timeout_s=host.timeout_s)
+        kw: dict[str, Any] = dict(
+            device=options.rdma_device,
+            port=options.rdma_port,
+            gid_index=options.rdma_gid_index,
+            gpu=spec.device,
+            timeout_s=host.timeout_s,
+        )
         if spec.device is None or self._stage:
             self._writer: RdmaWriter | None = RdmaWriter([] if self._stage else regions, **kw)
         elif options.gpudirect == "off":
@@ -242,6 +248,8 @@ class RdmaReceiver(ReceiverTransport):
         self._target = RdmaTarget(
             [(lay.tp_rank, b.address, b.size) for lay, b in zip(host.layouts, host.buffers)],
             device=host.options.rdma_device,
+            port=host.options.rdma_port,
+            gid_index=host.options.rdma_gid_index,
         )
         self._qpn: dict[bytes, int] = {}  # peer ident -> its queue pair
 

@@ -31,3 +31,18 @@ class ibv_wc_status(enum.IntEnum):
     IBV_WC_SUCCESS = 0
     IBV_WC_WR_FLUSH_ERR = 5
     IBV_WC_RETRY_EXC_ERR = 12
+
+
+class ibv_qp_state(enum.IntEnum):
+    IBV_QPS_RESET = 0
+    IBV_QPS_INIT = 1
+    IBV_QPS_RTR = 2
+    IBV_QPS_RTS = 3
+    IBV_QPS_SQD = 4
+    IBV_QPS_SQE = 5
+    IBV_QPS_ERR = 6
+
+
+class ibv_qp_attr_mask(enum.IntFlag):
+    IBV_QP_STATE = 1 << 0
+    IBV_QP_CUR_STATE = 1 << 1

@@ -29,6 +29,7 @@ class QPAttr:
         qp_access_flags=0,
     ):
         self.ah_attr = None
+        self.qp_state = qp_state
 
 
 class QP:
@@ -46,9 +47,15 @@ class QP:
         if not isinstance(attr.ah_attr, AHAttr):
             raise TypeError("ah_attr must be an AHAttr")
         self.rq_psn = attr.rq_psn
+        self.hop_limit = attr.ah_attr.gr.hop_limit if attr.ah_attr.gr is not None else None
 
     def to_rts(self, attr):
         self.sq_psn = attr.sq_psn  # the stand-in records it for the test
+
+    def modify(self, qp_attr, qp_attr_mask):
+        if not isinstance(qp_attr, QPAttr) or not isinstance(qp_attr_mask, int):
+            raise TypeError("QP.modify(QPAttr qp_attr, int qp_attr_mask)")
+        self.state = qp_attr.qp_state
 
     def post_send(self, send_wr, bad_wr=None):
         if not isinstance(send_wr, SendWR):
