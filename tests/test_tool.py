@@ -114,6 +114,7 @@ def test_trace_replay_and_plot(tmp_path, no_leaks):
         (["--secret", "short"], "at least 16"),
         (["--trace", "/nonexistent"], "no such file"),
         (["--transport", "cuda_ipc", "--no-gpu"], "cannot run with --no-gpu"),
+        (["--rdma-gid-index", "-1"], "--rdma-gid-index -1 must be in 0..65535"),
     ],
 )
 def test_bad_flags_get_one_line(args, msg, tmp_path):

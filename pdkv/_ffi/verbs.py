@@ -60,7 +60,9 @@ def import_pyverbs() -> Any:
         import pyverbs.device  # noqa: F401
     except ImportError as exc:
         raise RdmaUnavailableError(
-            f"RDMA needs pyverbs (pip install 'pdkv[rdma]' or the distro's python3-pyverbs): {exc}"
+            "RDMA needs pyverbs: install the distribution's python3-pyverbs (it matches the host's "
+            "rdma-core and NIC providers), or pip install 'pdkv[rdma]', which builds pyverbs from "
+            f"rdma-core's sources and needs cmake and the libnl-3 / libnl-route-3 headers: {exc}"
         ) from exc
     return pyverbs
 

@@ -51,6 +51,8 @@ def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
         str(a.timeout),
         "--streams",
         str(a.streams),
+        *(["--rdma-device", a.rdma_device] if a.rdma_device else []),
+        *(["--rdma-gid-index", str(a.rdma_gid_index)] if a.rdma_gid_index is not None else []),
         "--layer-ms",
         str(a.layer_ms),
         "--prefill-blocks",
@@ -268,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: shm on one host, else rdma where both hosts have a device, else tcp",
     )
     g.add_argument("--streams", type=int, default=1, help="TCP data connections per prefill rank")
+    g.add_argument(
+        "--rdma-device", default=None, help="rdma: the device (default: the one nearest a GPU cache, else the first)"
+    )
+    g.add_argument(
+        "--rdma-gid-index", type=int, default=None, help="rdma: the GID index (default: RoCE v2 over IPv4 first)"
+    )
     g.add_argument("--secret", default="", help="shared secret (>= 16 characters) to authenticate the pair")
     g = p.add_argument_group("layout")
     g.add_argument("--model", default="llama3-8b", help=f"layout preset: {', '.join(PRESETS)}")
@@ -345,6 +353,8 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("--plot needs a .png or .html file name")
     if a.trace and not os.path.exists(a.trace):
         raise UsageError(f"--trace {a.trace}: no such file")
+    if a.rdma_gid_index is not None and not 0 <= a.rdma_gid_index <= 65535:
+        raise UsageError(f"--rdma-gid-index {a.rdma_gid_index} must be in 0..65535")
     if a.transport == "cuda_ipc" and a.no_gpu:
         raise UsageError("--transport cuda_ipc writes decode's GPU blocks: it cannot run with --no-gpu")
     gpu_here = (a.mode != "decode" and prefill_on_gpu(a)) or (a.mode != "prefill" and a.transport == "cuda_ipc")

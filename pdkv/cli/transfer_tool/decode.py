@@ -137,6 +137,8 @@ class DecodeSide:
                 transports=served_transports(a.transport, ipc),
                 gpu_caches=gspecs if ipc else None,
                 peer_timeout_s=a.timeout,
+                rdma_device=a.rdma_device,
+                rdma_gid_index=a.rdma_gid_index,
             )
         except BaseException:
             self.close()

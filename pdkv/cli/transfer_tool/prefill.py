@@ -67,6 +67,8 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
             streams=a.streams,
             timeout_s=a.timeout,
             on_outcome=on_outcome,
+            rdma_device=a.rdma_device,
+            rdma_gid_index=a.rdma_gid_index,
         )
     except BaseException:
         if gpu is not None:
