@@ -59,6 +59,7 @@ WC_STATUS = {
     21: "general error",
 }
 MAX_WR_BYTES = 1 << 30  # at most this per work request, and never more than the port's max_msg_sz
+DMABUF_ALIGN = 64 << 10  # a dma-buf export covers whole 64 KiB units (rdma-core's CUDA dma-buf test)
 FENCE_FLUSH_S = 2.0  # a fenced queue pair's flush completions are waited for this long
 
 
@@ -288,7 +289,7 @@ class RdmaWriter:
             for addr, n in merged:
                 self.add_region(addr, n)
             if gpu_regions:
-                self._register_gpu(gpu_regions)
+                self._register_gpu(gpu_regions, gpu)
             self._qp = _ffi.verbs.create_rc_qp(self._res, max_send_wr)
         except BaseException:
             self.close()
@@ -313,18 +314,24 @@ class RdmaWriter:
         self._local.sort()
         self._starts = [r[0] for r in self._local]
 
-    def _register_gpu(self, regions: Sequence[tuple[int, int]]) -> None:
-        """GPUDirect: each GPU allocation under ``regions`` registered once, as a whole
-        (a dma-buf of it where the driver exports one, else its address for a peer-memory
-        client); RdmaError if the NIC takes neither."""
+    def _register_gpu(self, regions: Sequence[tuple[int, int]], gpu: int | None) -> None:
+        """GPUDirect: each GPU allocation under ``regions`` registered once, as a whole (a
+        dma-buf of it where the device exports one: ``CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED``,
+        the range rounded to 64 KiB, ``SYNC_MEMOPS`` set; else its address, for a
+        peer-memory client); RdmaError if the NIC takes neither."""
         allocs = sorted({_ffi.cuda.address_range(a) for a, _ in merge_regions(regions)})
+        try:
+            exportable = gpu is not None and _ffi.cuda.dmabuf_supported(gpu)
+        except PdkvError:
+            exportable = False
         for base, size in allocs:
             fd = None
-            page = os.sysconf("SC_PAGE_SIZE")
-            try:  # the export takes whole host pages; an allocation spans whole pages of its own
-                fd = _ffi.cuda.dmabuf_fd(base, -(-size // page) * page)
-            except PdkvError:
-                fd = None  # not exportable here: peer memory may still take it
+            if exportable:
+                try:
+                    _ffi.cuda.set_sync_memops(base)
+                    fd = _ffi.cuda.dmabuf_fd(base, -(-size // DMABUF_ALIGN) * DMABUF_ALIGN)
+                except PdkvError:
+                    fd = None  # not exportable here: peer memory may still take it
             try:
                 mr, lkey, _, how = _ffi.verbs.register_gpu(self._res, base, size, fd)
             finally:

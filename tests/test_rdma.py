@@ -410,6 +410,8 @@ def test_rdma_device_port_and_gid_index_reach_the_device(monkeypatch, no_leaks):
             _ffi.cuda, "address_range", lambda p: (spec.region(0, 0)[0], spec.num_blocks * lay.block_bytes)
         )
         monkeypatch.setattr(_ffi.cuda, "dmabuf_fd", lambda b, n: os.open("/dev/null", os.O_RDONLY))
+        monkeypatch.setattr(_ffi.cuda, "dmabuf_supported", lambda d: True)
+        monkeypatch.setattr(_ffi.cuda, "set_sync_memops", lambda p: None)
         with PrefillSender(lay, gspec, dec.rx.control_address, transport="rdma") as tx:  # a GPU cache
             assert tx.stats["path"] == "rdma GPUDirect (dma-buf)"
         assert fab.opened[-1] == (None, 1, None, 0)  # the device nearest GPU 0 is looked for

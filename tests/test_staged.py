@@ -768,6 +768,8 @@ def _fake_gpu_cache(monkeypatch, allocations=1, nb=64):
 
     monkeypatch.setattr(_ffi.cuda, "address_range", address_range)
     monkeypatch.setattr(_ffi.cuda, "dmabuf_fd", dmabuf_fd)
+    monkeypatch.setattr(_ffi.cuda, "dmabuf_supported", lambda d: True)
+    monkeypatch.setattr(_ffi.cuda, "set_sync_memops", lambda p: fds.append(("sync", p)))
     return lay, spec, spec_h, host, arrs, fds
 
 
@@ -794,9 +796,9 @@ def test_staged_rdma_gpudirect_registers_each_allocation_once(allocations, how, 
             assert tx.stats["path"] == f"rdma GPUDirect ({how})" and tx.transport_impl.staging is None
             # one registration per allocation, page-rounded for the export, not per layer or request
             assert sorted(fabric.gpu_regs) == sorted((a.ctypes.data, a.nbytes, how == "dma-buf") for a in arrs)
-            if how == "dma-buf":
-                assert [b for b, _ in fds] == sorted(a.ctypes.data for a in arrs)
-                assert all(n % os.sysconf("SC_PAGE_SIZE") == 0 and n >= a.nbytes for (_, n), a in zip(fds, arrs))
+            if how == "dma-buf":  # SYNC_MEMOPS set, then the export of the whole allocation in 64 KiB units
+                bases = sorted(a.ctypes.data for a in arrs)
+                assert fds == [x for b in bases for x in (("sync", b), (b, -(-arrs[0].nbytes // 65536) * 65536))]
             src_blocks = {"a": [3, 4, 5, 60], "b": [20, 33, 34]}
             grants = _send_batch([tx], src_blocks)
             _check_tp(dec, [(lay, host, spec_h)], src_blocks, grants)
@@ -890,7 +892,8 @@ def test_staged_dmabuf_export_of_a_gpu_allocation(cuda_device):
     try:
         base, size = _ffi.cuda.address_range(ptr + 12345)
         assert base == ptr and size >= 3 << 20
-        fd = _ffi.cuda.dmabuf_fd(base, size)
+        _ffi.cuda.set_sync_memops(base)
+        fd = _ffi.cuda.dmabuf_fd(base, -(-size // 65536) * 65536)
         try:
             assert os.fstat(fd).st_size in (0, size)
         finally:

@@ -51,6 +51,7 @@ __all__ = [
     "mem_get_info",
     "dmabuf_supported",
     "pci_bus_id",
+    "set_sync_memops",
     "dmabuf_fd",
 ]
 
@@ -301,6 +302,21 @@ def dmabuf_supported(device: int) -> bool:
         return False
     dev = _check_drv(drv.cuDeviceGet(device), "cuDeviceGet")
     return bool(_check_drv(drv.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"))
+
+
+def set_sync_memops(ptr: int) -> None:
+    """``CU_POINTER_ATTRIBUTE_SYNC_MEMOPS`` on the allocation holding ``ptr``: memory
+    operations on it complete before CUDA returns, as a NIC reading it directly needs."""
+    import ctypes as _ct
+
+    drv = _drv()
+    one = _ct.c_uint(1)
+    _check_drv(
+        drv.cuPointerSetAttribute(
+            _ct.addressof(one), drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_SYNC_MEMOPS, drv.CUdeviceptr(ptr)
+        ),
+        "cuPointerSetAttribute",
+    )
 
 
 def dmabuf_fd(base: int, size: int) -> int:
