@@ -1110,3 +1110,94 @@ def test_the_layout_gives_layers_tokens_per_block_and_block_bytes():
     )
     with pytest.raises(ValueError, match="num_layers=None must be a positive integer"):
         DecodeScheduler(gpu=BlockPool(8))
+
+
+def test_listeners_added_and_removed_see_every_event_after_the_constructor_listener():
+    s, clock, swap, ev = make()
+    seen_a, seen_b, order = [], [], []
+    a = lambda e: (seen_a.append(e.kind), order.append("a"))  # noqa: E731
+    b = lambda e: (seen_b.append(e.kind), order.append("b"))  # noqa: E731
+    s.listener = lambda e: order.append("main")
+    s.add_listener(a)
+    s.add_listener(b)
+    r = s.reserve("x", num_tokens=16)
+    assert order == ["main", "a", "b"] and seen_a == seen_b == ["reserved"]
+    s.remove_listener(a)
+    s.land_layers("x", r.grant.token, range(4))
+    s.complete("x", r.grant.token)
+    assert seen_a == ["reserved"] and seen_b == ["reserved", "ready"]
+    with pytest.raises(ValueError, match="not a listener"):
+        s.remove_listener(a)
+    s.remove_listener(b)
+    s.listener = None  # no constructor listener: the added ones alone are called
+    got = []
+    s.add_listener(got.append)
+    s.take_ready()
+    s.finish("x")
+    s.reserve("y", num_tokens=16)
+    assert [e.kind for e in got] == ["reserved"]
+
+
+def test_swaps_count_their_bytes_and_a_ready_request_aborted_before_hand_off_is_not_handed_off():
+    s, clock, swap, ev = make(gpu=8, buf=16, direct_to_gpu=False)
+    for rid, n in (("b1", 3), ("b2", 2)):
+        r = s.reserve(rid, num_blocks=n)
+        assert r.outcome == "buffer"
+        s.land_layers(rid, r.grant.token, range(4))
+        s.complete(rid, r.grant.token)
+    s.tick()
+    for rid in ("b1", "b2"):
+        swap.finish(rid)
+    s.tick()
+    assert s.metrics()["swap_bytes"] == (3 + 2) * 100  # both swaps, not the last
+    assert s.request("b1").state is State.READY and s.request("b2").state is State.READY
+    s.abort("b1", "the client went away")
+    assert [x.request_id for x in s.take_ready()] == ["b2"]  # b1 left the hand-off queue
+    s.check_invariants()
+
+
+def test_swaps_admitted_before_an_allocator_refuses_are_still_submitted():
+    class Refusing(BlockPool):
+        """Says it has room, then refuses the second allocation (another user took it)."""
+
+        calls = 0
+
+        def try_allocate(self, n):
+            Refusing.calls += 1
+            return None if Refusing.calls == 2 else super().try_allocate(n)
+
+    clock, swap = Clock(), FakeSwap()
+    s = DecodeScheduler(
+        num_layers=4,
+        gpu=Refusing(16, "gpu"),
+        buffer=BlockPool(32, "buffer"),
+        swap=swap,
+        options=SchedulerOptions(direct_to_gpu=False, lease_s=10.0),
+        clock=clock,
+    )
+    for rid in ("a", "b"):
+        r = s.reserve(rid, num_blocks=2)
+        s.land_layers(rid, r.grant.token, range(4))
+        s.complete(rid, r.grant.token)
+    s.tick()
+    assert [x[0] for x in swap.submitted] == ["a"] and s.request("b").state is State.RECEIVED
+    s.tick()  # room "appears" again: b goes next
+    assert [x[0] for x in swap.submitted] == ["a", "b"]
+
+
+def test_a_swap_finished_twice_by_racing_ticks_is_finished_once():
+    """Two tick() calls may both see a swap done (polled outside the lock): the second
+    finishing of it changes nothing."""
+    from pdkv import schedloop
+
+    s, clock, swap, ev = make(gpu=8, direct_to_gpu=False)
+    r = s.reserve("a", num_blocks=2)
+    s.land_layers("a", r.grant.token, range(4))
+    s.complete("a", r.grant.token)
+    s.tick()
+    req = s._swapping["a"]
+    swap.finish("a")
+    s.tick()
+    before = s.metrics()
+    schedloop.swap_finished(s, req, None, clock.t)  # the racing tick's late call
+    assert s.metrics() == before and [x.request_id for x in s.take_ready()] == ["a"]
