@@ -26,6 +26,7 @@ __all__ = [
     "CudaUnavailableError",
     "RdmaError",
     "RdmaUnavailableError",
+    "NixlUnavailableError",
     "SwapError",
     "TransferError",
 ]
@@ -117,3 +118,7 @@ class SwapError(PdkvError):
 
 class TransferError(PdkvError):
     """A KV transfer between prefill and decode failed."""
+
+
+class NixlUnavailableError(TransferError):
+    """NIXL was asked for, but the nixl package (``pip install 'pdkv[nixl]'``) is missing."""

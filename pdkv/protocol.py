@@ -144,6 +144,32 @@ class RdmaOffer(_Rec, kw_only=True, frozen=True):
     regions: Annotated[list[RdmaRegionDesc], msgspec.Meta(max_length=4096)]
 
 
+MAX_NIXL_METADATA = 1 << 16  # bytes of a NIXL agent's metadata in a handshake (a UCX agent's: ~300)
+
+
+class NixlHello(_Rec, kw_only=True, frozen=True):
+    """``Hello.nixl``: prefill's NIXL agent, by name and metadata."""
+
+    agent: _Name
+    metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_NIXL_METADATA)]
+
+
+class NixlRegionDesc(_Rec, kw_only=True, frozen=True):
+    """A decode rank's buffer as registered with decode's NIXL agent."""
+
+    rank: _U32
+    addr: _U64
+    length: _U64
+
+
+class NixlOffer(_Rec, kw_only=True, frozen=True):
+    """``Welcome.nixl``: decode's agent and each rank's registered buffer."""
+
+    agent: _Name
+    metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_NIXL_METADATA)]
+    regions: Annotated[list[NixlRegionDesc], msgspec.Meta(max_length=4096)]
+
+
 class CudaDesc(_Rec, kw_only=True, frozen=True):
     """``Hello.cuda``: the GPU prefill's cache lives on."""
 
@@ -186,6 +212,7 @@ class Hello(_Base, tag="hello", frozen=True):
     nonce: bytes
     rdma: RdmaEndpointDesc | None = None  # prefill's queue-pair record when it offers rdma
     cuda: CudaDesc | None = None  # set when prefill's cache is GPU memory
+    nixl: NixlHello | None = None  # prefill's NIXL agent when it offers nixl
 
 
 class Challenge(_Base, tag="challenge", frozen=True):
@@ -219,6 +246,7 @@ class Welcome(_Base, tag="welcome", frozen=True):
     session_id: _Nonce
     rdma: RdmaOffer | None = None
     cuda: IpcSection | None = None  # cuda_ipc: each rank's GPU cache as IPC handles and offsets
+    nixl: NixlOffer | None = None  # nixl: decode's agent and its registered buffers
 
 
 class ReserveReq(_Base, tag="reserve", frozen=True):

@@ -154,6 +154,7 @@ def decode(a: argparse.Namespace) -> None:
         control=f"tcp://{a.host}:0",
         data_host=a.host,
         auth_timeout_s=a.auth_timeout,
+        **({"transports": tuple(a.transports.split(","))} if a.transports else {}),
     )
     if a.nofile:  # a process short of descriptors: this many more than it has open now
         import os
@@ -212,6 +213,7 @@ if __name__ == "__main__":
     ap.add_argument("--status", action="store_true")
     ap.add_argument("--slow-swap", type=float, default=0.0)
     ap.add_argument("--staging", default="auto")
+    ap.add_argument("--transports", default="")
     ap.add_argument("--slot-bytes", type=int, default=0)
     ap.add_argument("--send-delay", type=float, default=0.0)
     ap.add_argument("--nofile", type=int, default=0, help="decode: RLIMIT_NOFILE this many above the fds open")

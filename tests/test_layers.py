@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pdkv"
 # lower layers first; a module may import only modules of its own layer or below
 LAYERS = [
     {"pdkv.errors"},
-    {"pdkv._ffi", "pdkv._ffi.libc", "pdkv._ffi.cpu", "pdkv._ffi.cuda", "pdkv._ffi.verbs"},
+    {"pdkv._ffi", "pdkv._ffi.libc", "pdkv._ffi.cpu", "pdkv._ffi.cuda", "pdkv._ffi.verbs", "pdkv._ffi.nixl"},
     {"pdkv.procs", "pdkv.kernels", "pdkv.layout"},
     {"pdkv.plan"},
     {"pdkv.blocks", "pdkv.lifecycle"},
@@ -27,11 +27,17 @@ LAYERS = [
         "pdkv.transfer.sockets",
         "pdkv.transfer.staging",
     },
-    {"pdkv.transfer.shm", "pdkv.transfer.tcp", "pdkv.transfer.rdma", "pdkv.transfer.cuda_ipc"},
+    {"pdkv.transfer.shm", "pdkv.transfer.tcp", "pdkv.transfer.rdma", "pdkv.transfer.cuda_ipc", "pdkv.transfer.nixl"},
     {"pdkv.transfer.handshake", "pdkv.transfer.decode", "pdkv.transfer.prefill"},
     {"pdkv.transfer", "pdkv"},
 ]
-TRANSPORTS = {"pdkv.transfer.shm", "pdkv.transfer.tcp", "pdkv.transfer.rdma", "pdkv.transfer.cuda_ipc"}
+TRANSPORTS = {
+    "pdkv.transfer.shm",
+    "pdkv.transfer.tcp",
+    "pdkv.transfer.rdma",
+    "pdkv.transfer.cuda_ipc",
+    "pdkv.transfer.nixl",
+}
 
 
 def _module(path: Path) -> str:

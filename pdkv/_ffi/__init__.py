@@ -1,11 +1,11 @@
 """The only package of pdkv that touches C: ``ctypes`` (libc), ``cuda.bindings``,
-``pyverbs`` and ``llvmlite`` (a run-time-compiled CPU copy loop). One module per library;
+``pyverbs``, ``llvmlite`` (a run-time-compiled CPU copy loop) and NVIDIA NIXL. One module per library;
 errors are translated here, once.
 
 ``cuda``, ``verbs`` and ``cpu`` import their bindings lazily, so ``import pdkv`` works on a
 host with neither CUDA, pyverbs nor llvmlite.
 """
 
-from . import cpu, cuda, libc, verbs
+from . import cpu, cuda, libc, nixl, verbs
 
-__all__ = ["cpu", "cuda", "libc", "verbs"]
+__all__ = ["cpu", "cuda", "libc", "nixl", "verbs"]

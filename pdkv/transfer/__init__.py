@@ -10,6 +10,7 @@ from those both sides have registered (:mod:`.base`: the interface and the regis
 ``shm``      (:mod:`.shm`) decode's shared buffers written directly by a same-host prefill.
 ``rdma``     (:mod:`.rdma`) one-sided RDMA writes (pyverbs); not run on RDMA hardware.
 ``tcp``      (:mod:`.tcp`) framed payloads received straight into the granted blocks.
+``nixl``     (:mod:`.nixl`) NVIDIA NIXL writes (UCX) into decode's registered buffers.
 
 ``auto`` offers, for a host cache, shm, rdma (where this host has a device) and tcp; for a
 GPU cache, cuda_ipc and shm; decode picks the first it serves and can use for the peer.
@@ -21,6 +22,7 @@ from . import base
 from .base import ReceiverTransport, SenderTransport, SendGrant, WriteItem, auto_offer, names, register, unregister
 from .cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from .decode import DecodeReceiver
+from .nixl import NixlReceiver, NixlSender
 from .options import ReceiverOptions, SenderOptions, default_copy_threads
 from .prefill import PrefillSender, RequestOutcome
 from .rdma import RdmaReceiver, RdmaSender
@@ -52,6 +54,7 @@ for _s, _r in (
     (ShmSender, ShmReceiver),
     (RdmaSender, RdmaReceiver),
     (TcpSender, TcpReceiver),
+    (NixlSender, NixlReceiver),
 ):
     if _s.name not in base._REGISTRY:  # a reload keeps what is registered
         register(_s, _r)

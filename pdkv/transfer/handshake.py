@@ -148,7 +148,7 @@ def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake) -> None:
         refusal = ErrorMsg("refused", f"{transport}: {exc}")
         rx._ch.send(lambda: [ident, *codec.encode(refusal)])
         return
-    fields = {"shm_names": [], "data_addr": "", "rdma": None, "cuda": None, **fields}
+    fields = {"shm_names": [], "data_addr": "", "rdma": None, "cuda": None, "nixl": None, **fields}
     welcome = Welcome(
         PROTOCOL_VERSION,
         rx.instance,
@@ -162,6 +162,7 @@ def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake) -> None:
         peer.session_id,
         fields["rdma"],
         fields["cuda"],
+        fields["nixl"],
     )
     frames = codec.encode(welcome)  # under the session key
     with rx.lock:
@@ -171,7 +172,7 @@ def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake) -> None:
 
 
 def open_session(tx: PrefillSender, offer: list[str], timeout_s: float) -> None:
-    fields: dict[str, Any] = {"rdma": None, "cuda": None}
+    fields: dict[str, Any] = {"rdma": None, "cuda": None, "nixl": None}
     for name in offer:
         # each offered transport made before the hello (rdma registers the cache and
         # makes its queue pair, whose record the hello carries): RdmaUnavailableError
@@ -194,6 +195,7 @@ def open_session(tx: PrefillSender, offer: list[str], timeout_s: float) -> None:
                 nonce,
                 fields["rdma"],
                 fields["cuda"],
+                fields["nixl"],
             )
         )
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,9 @@ class ReceiverOptions:
     rdma_device, rdma_port, rdma_gid_index:
         With ``rdma`` served: the RDMA device (default: the first), its port (1) and GID
         index (default: chosen by type: RoCE v2 over IPv4 first, then RoCE v2, then 0).
+    nixl_ucx:
+        With ``nixl`` served: UCX settings (``{"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}``)
+        set in this process's environment where not set already, before NIXL starts UCX.
     gpu_caches:
         With ``cuda_ipc`` served: each rank's GPU cache (a CacheSpec with ``device``
         set, at least as many blocks as the scheduler's GPU pool), exported to same-host
@@ -96,6 +99,7 @@ class ReceiverOptions:
     rdma_device: str | None = None
     rdma_port: int = 1
     rdma_gid_index: int | None = None
+    nixl_ucx: Mapping[str, str] | None = None
     gpu_caches: Sequence[CacheSpec] | None = None
     min_data_rate: float = 8 << 20
     auth_timeout_s: float = 5.0
@@ -155,6 +159,8 @@ class SenderOptions:
     rdma_device, rdma_port, rdma_gid_index:
         RDMA device name (default: the one nearest a GPU cache's GPU in the PCI tree, else
         the first), its port (1) and GID index (default: chosen by type, as decode's).
+    nixl_ucx:
+        With ``transport="nixl"``: UCX settings, as decode's.
     copy_threads:
         Threads that copy host caches into decode's shared buffers (shm), each a C-level
         gather without the GIL; default :func:`default_copy_threads` (1..64).
@@ -183,6 +189,7 @@ class SenderOptions:
     rdma_device: str | None = None
     rdma_port: int = 1
     rdma_gid_index: int | None = None
+    nixl_ucx: Mapping[str, str] | None = None
     copy_threads: int | None = None
     staging: str = "auto"
     staging_slots: int = 4

@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--transport",
         default="auto",
-        choices=["auto", "shm", "tcp", "rdma", "cuda_ipc"],
+        choices=["auto", "shm", "tcp", "rdma", "cuda_ipc", "nixl"],
         help="auto: shm on one host, else rdma where both hosts have a device, else tcp",
     )
     g.add_argument("--streams", type=int, default=1, help="TCP data connections per prefill rank")

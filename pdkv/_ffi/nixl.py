@@ -1,0 +1,154 @@
+"""One funnel over NVIDIA NIXL's Python API (``nixl._api``; ``pip install 'pdkv[nixl]'``).
+
+:class:`Agent` is one NIXL agent with a UCX backend: memory registered once, remote agents
+added from their metadata, WRITE transfers of descriptor lists posted and polled. Every
+NIXL failure comes out as :class:`~pdkv.errors.TransferError` naming the call; a missing
+package as :class:`~pdkv.errors.NixlUnavailableError` naming the extra.
+
+UCX reads its settings (``UCX_TLS``, ``UCX_NET_DEVICES``, ...) from the environment when
+the first agent's backend starts: :func:`ucx_settings` sets the ones given that are not
+set already, for the whole process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import NixlUnavailableError, TransferError
+
+__all__ = ["available", "import_nixl", "ucx_settings", "Agent"]
+
+_lock = threading.Lock()
+
+
+def import_nixl() -> Any:
+    """``nixl._api``, or NixlUnavailableError naming the extra. NIXL's Python logger
+    writes INFO lines to stdout; it is moved to stderr at WARNING (unless NIXL_LOG_LEVEL
+    says otherwise), so a process's stdout stays its own (the tool speaks JSON there)."""
+    try:
+        from nixl import _api
+    except ImportError as exc:
+        raise NixlUnavailableError(f"the nixl transport needs NVIDIA NIXL: pip install 'pdkv[nixl]' ({exc})") from None
+    _quiet()
+    return _api
+
+
+def _quiet() -> None:
+    log = logging.getLogger("nixl")
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        log.setLevel(logging.WARNING)
+    for h in log.handlers:
+        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+            h.setStream(sys.stderr)
+
+
+def available() -> bool:
+    try:
+        import_nixl()
+    except NixlUnavailableError:
+        return False
+    return True
+
+
+def ucx_settings(settings: Mapping[str, str] | None) -> None:
+    """Set ``UCX_*`` environment variables not set already (UCX reads them at start)."""
+    for k, v in (settings or {}).items():
+        if not k.startswith("UCX_"):
+            raise ValueError(f"UCX setting {k!r} must be a UCX_* variable")
+        os.environ.setdefault(k, str(v))
+
+
+def _call(what: str, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except (NixlUnavailableError, TransferError):
+        raise
+    except Exception as exc:  # nixl raises its own binding exceptions (nixlBackendError, ...)
+        raise TransferError(f"NIXL {what} failed: {type(exc).__name__}: {exc}") from None
+
+
+class Agent:
+    """One NIXL agent (UCX backend, a progress thread). Ownership: registrations and
+    remote agents are this object's, released by :meth:`close`."""
+
+    def __init__(self, name: str, ucx: Mapping[str, str] | None = None) -> None:
+        api = import_nixl()
+        ucx_settings(ucx)
+        with _lock:  # backend start-up is not documented as thread-safe
+            cfg = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
+            try:
+                self._a = _call("agent creation", api.nixl_agent, name, cfg)
+            except TransferError as exc:
+                tls = os.environ.get("UCX_TLS")
+                hint = (
+                    f" (UCX_TLS={tls!r}: on a host with NVIDIA GPUs NIXL's UCX backend needs cuda_copy in it; "
+                    "its reason is on stderr)"
+                    if tls
+                    else " (its reason is on stderr)"
+                )
+                raise TransferError(f"{exc}{hint}") from None
+        self.name = name
+        self._regs: list[Any] = []
+        self._remotes: set[str] = set()
+
+    def register(self, regions: Sequence[tuple[int, int, int]], mem: str) -> None:
+        """Register ``(addr, length, device)`` regions (``mem``: ``DRAM`` or ``VRAM``) once."""
+        descs = _call("get_reg_descs", self._a.get_reg_descs, [(a, n, d, "") for a, n, d in regions], mem)
+        self._regs.append(_call("register_memory", self._a.register_memory, descs))
+
+    def metadata(self) -> bytes:
+        return bytes(_call("get_agent_metadata", self._a.get_agent_metadata))
+
+    def add_remote(self, metadata: bytes) -> str:
+        """The agent ``metadata`` describes, added; its name."""
+        name = _call("add_remote_agent", self._a.add_remote_agent, metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        """Forget a remote agent (its connection and metadata): no transfer to or from it
+        can be started afterwards."""
+        if name in self._remotes:
+            self._remotes.discard(name)
+            _call("remove_remote_agent", self._a.remove_remote_agent, name)
+
+    def write(
+        self, local: Sequence[tuple[int, int, int]], remote: Sequence[tuple[int, int, int]], peer: str, mem: str
+    ) -> Any:
+        """Start one WRITE of ``local[i]`` into ``remote[i]`` (``(addr, length, device)``;
+        local memory ``mem``, remote DRAM); returns the handle to poll."""
+        ld = _call("get_xfer_descs", self._a.get_xfer_descs, list(local), mem)
+        rd = _call("get_xfer_descs", self._a.get_xfer_descs, list(remote), "DRAM")
+        h = _call("initialize_xfer", self._a.initialize_xfer, "WRITE", ld, rd, peer)
+        st = _call("transfer", self._a.transfer, h)
+        if st == "ERR":
+            self.release(h)
+            raise TransferError("NIXL transfer failed to start (ERR)")
+        return h
+
+    def state(self, handle: Any) -> str:
+        """``DONE``, ``PROC`` or ``ERR``."""
+        return str(_call("check_xfer_state", self._a.check_xfer_state, handle))
+
+    def release(self, handle: Any) -> None:
+        _call("release_xfer_handle", self._a.release_xfer_handle, handle)
+
+    def close(self) -> None:
+        """Remove remote agents, deregister memory. Idempotent; errors ignored (teardown)."""
+        for name in list(self._remotes):
+            try:
+                self.remove_remote(name)
+            except TransferError:
+                pass
+        for r in self._regs:
+            try:
+                self._a.deregister_memory(r)
+            except Exception:
+                pass
+        self._regs.clear()
