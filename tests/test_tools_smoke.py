@@ -34,7 +34,16 @@ def test_bench_transport_smoke(no_leaks):
     assert {"shm_vs_ceiling", "tcp_vs_socket", "tcp_GiBps", "control_p50_ms"} <= set(last)
 
 
-@pytest.mark.parametrize("script", ["bench_swap.py", "bench_buffer.py", "bench_cuda_ipc.py"])
+@pytest.mark.multiproc
+def test_bench_nixl_smoke(no_leaks):
+    pytest.importorskip("nixl")
+    p = run("bench_nixl.py", "--gib", "0.02", "--sizes-kib", "128", "--ucx", "tcp", "--reps", "1")
+    assert p.returncode == 0, p.stderr
+    last = json.loads(p.stdout.strip().splitlines()[-1])
+    assert last["min_ratio"] > 0 and last["rows"][0]["bare"] > 0
+
+
+@pytest.mark.parametrize("script", ["bench_swap.py", "bench_buffer.py", "bench_cuda_ipc.py", "bench_staged.py"])
 def test_gpu_benches_say_what_is_missing(script):
     from pdkv import _ffi
 

@@ -78,12 +78,18 @@ def decode_main(a: argparse.Namespace) -> None:
         options=pdkv.SchedulerOptions(direct_to_gpu=False, lease_s=120),
         listener=on_event,
     )
-    rx = pdkv.DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, io_timeout_s=30)
+    transports = tuple(a.transports.split(","))
+    rx = pdkv.DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, io_timeout_s=30, transports=transports)
     sink = socket.create_server(("127.0.0.1", 0))
-    print(
-        json.dumps({"control": rx.control_address, "shm": buf.name, "blocks": nb, "sink": sink.getsockname()[1]}),
-        flush=True,
-    )
+    info = {"control": rx.control_address, "shm": buf.name, "blocks": nb, "sink": sink.getsockname()[1]}
+    bare = None
+    if "nixl" in transports:  # bench_nixl.py's baseline: a bare NIXL agent over the same buffer
+        from pdkv import _ffi
+
+        bare = _ffi.nixl.Agent(f"bench-bare-{os.getpid()}")
+        bare.register([(buf.address, buf.size, 0)], "DRAM")
+        info.update(bare_agent=bare.name, bare_metadata=bare.metadata().hex(), address=buf.address)
+    print(json.dumps(info), flush=True)
 
     def engine() -> None:  # the decode engine: takes ready requests and finishes them
         while True:
@@ -120,6 +126,8 @@ def decode_main(a: argparse.Namespace) -> None:
         conn.sendall(b"ok")
         conn.close()
     view = None
+    if bare is not None:
+        bare.close()
     rx.close()
     sink.close()
     buf.close()
@@ -334,6 +342,7 @@ def main() -> int:
     ap.add_argument("--kib", type=int, default=128)
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--layers", type=int, default=1, help=argparse.SUPPRESS)  # decode role (bench_staged.py)
+    ap.add_argument("--transports", default="shm,tcp", help=argparse.SUPPRESS)  # decode role (bench_nixl.py)
     ap.add_argument("--sizes-kib", default="32,128,1024")
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument(
