@@ -405,11 +405,11 @@ def test_staged_send_failing_mid_layer_reports_the_request_failed(monkeypatch, n
         dec.close()
 
 
-@pytest.mark.multiproc
-def test_staged_prefill_killed_mid_layer_decode_reclaims_and_serves_on(no_leaks):
+def _kill_prefill_mid_layer(instance, *extra):
+    """A staged prefill process on a slow link (0.1 s a frame) killed while layer 0's
+    chunks are being sent: decode takes every block back and serves on."""
     dec = Decode(peer_timeout_s=2.0)
     try:
-        # a slow link (0.1 s a frame): the kill lands while layer 0's chunks are being sent
         p = _spawn(
             "prefill",
             "--control",
@@ -418,17 +418,16 @@ def test_staged_prefill_killed_mid_layer_decode_reclaims_and_serves_on(no_leaks)
             "tcp",
             "--blocks",
             "8",
-            "--staging",
-            "always",
             "--slot-bytes",
             str(BLOCK),
             "--send-delay",
             "0.1",
             "--instance",
-            "sk",
+            instance,
+            *extra,
         )
         try:
-            _lines(p, 3)  # ready, layers 0 and 1 handed over
+            _lines(p, 3, timeout=60)  # ready, layers 0 and 1 handed over
             wait_until(lambda: dec.rx.stats.get("frames", 0) >= 1, 10, "the first staged frame")
             assert dec.sched.metrics()["layers_landed"] == 0  # mid-layer: layer 0 not complete
             os.kill(p.pid, signal.SIGKILL)
@@ -437,7 +436,7 @@ def test_staged_prefill_killed_mid_layer_decode_reclaims_and_serves_on(no_leaks)
             p.stdout.close()
             p.stderr.close()
         wait_until(lambda: dec.sched.buffer.num_free == dec.nb and not dec.sched.live_requests(), 10, "reclaim")
-        assert dec.sched.request("sk-0").state in (State.FAILED, State.EXPIRED)
+        assert dec.sched.request(f"{instance}-0").state in (State.FAILED, State.EXPIRED)
         dec.sched.check_invariants()
         lay, _, spec = prefill_cache(1, 0)
         with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5, staging="always") as tx:
@@ -446,40 +445,39 @@ def test_staged_prefill_killed_mid_layer_decode_reclaims_and_serves_on(no_leaks)
         dec.close()
 
 
-@pytest.mark.multiproc
-def test_staged_decode_killed_mid_layer_prefill_fails_in_bounded_time(monkeypatch, no_leaks):
-    from pdkv.shmclean import clean_segments
-
+def _slow_staged_link(monkeypatch):
+    """Staged frames sent 0.05 s apart; the event is set once the first one goes out."""
     push = tcp._push_staged
     started = threading.Event()
 
-    def slow(sock, fs, sent):  # a slow link: the kill lands while frames are still going out
+    def slow(sock, fs, sent):
         for f in fs:
             started.set()
             time.sleep(0.05)
             push(sock, [f], sent)
 
     monkeypatch.setattr(tcp, "_push_staged", slow)
+    return started
+
+
+def _kill_decode_mid_layer(monkeypatch, lay, spec, **kw):
+    """A decode process killed while a staged layer is going out: the request fails in
+    bounded time, every slot returns, close is bounded, no lane thread is left."""
+    from pdkv.shmclean import clean_segments
+
+    started = _slow_staged_link(monkeypatch)
     d = _spawn("decode", "--timeout", "2")
     info = None
     try:
         info = _lines(d, 1)[0]
-        lay, _, spec = prefill_cache(1, 0)
         tx = PrefillSender(
-            lay,
-            spec,
-            info["control"],
-            transport="tcp",
-            timeout_s=1.5,
-            heartbeat_s=0.2,
-            staging="always",
-            staging_slot_bytes=BLOCK,
+            lay, spec, info["control"], transport="tcp", timeout_s=1.5, heartbeat_s=0.2, staging_slot_bytes=BLOCK, **kw
         )
         try:
             tx.reserve("r", 64)
             for layer in range(4):
                 tx.send_layer(layer, [("r", list(range(8)))])
-            assert started.wait(5)
+            assert started.wait(10)
             os.kill(d.pid, signal.SIGKILL)
             d.wait(10)
             t0 = time.monotonic()
@@ -498,6 +496,17 @@ def test_staged_decode_killed_mid_layer_prefill_fails_in_bounded_time(monkeypatc
         reap(d)
         if info is not None:
             assert info["shm"] in clean_segments(dry_run=False)
+
+
+@pytest.mark.multiproc
+def test_staged_prefill_killed_mid_layer_decode_reclaims_and_serves_on(no_leaks):
+    _kill_prefill_mid_layer("sk", "--staging", "always")
+
+
+@pytest.mark.multiproc
+def test_staged_decode_killed_mid_layer_prefill_fails_in_bounded_time(monkeypatch, no_leaks):
+    lay, _, spec = prefill_cache(1, 0)
+    _kill_decode_mid_layer(monkeypatch, lay, spec, staging="always")
 
 
 # ---------------------------------------------------------------------- from GPU caches
@@ -573,85 +582,21 @@ def test_staged_tcp_is_offered_for_gpu_caches_after_the_same_host_transports(cud
 @pytest.mark.cuda
 @pytest.mark.multiproc
 def test_staged_gpu_prefill_killed_mid_layer(cuda_device, no_leaks):
-    dec = Decode(peer_timeout_s=2.0)
-    try:
-        p = _spawn(
-            "prefill",
-            "--control",
-            dec.rx.control_address,
-            "--transport",
-            "tcp",
-            "--gpu",
-            "--blocks",
-            "8",
-            "--slot-bytes",
-            str(BLOCK),
-            "--send-delay",
-            "0.1",
-            "--instance",
-            "gk",
-        )
-        try:
-            _lines(p, 3, timeout=60)
-            wait_until(lambda: dec.rx.stats.get("frames", 0) >= 1, 10, "the first staged frame")
-            assert dec.sched.metrics()["layers_landed"] == 0
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(10)
-        finally:
-            p.stdout.close()
-            p.stderr.close()
-        wait_until(lambda: dec.sched.buffer.num_free == dec.nb and not dec.sched.live_requests(), 10, "reclaim")
-        assert dec.sched.request("gk-0").state in (State.FAILED, State.EXPIRED)
-    finally:
-        dec.close()
+    _kill_prefill_mid_layer("gk", "--gpu")
 
 
 @pytest.mark.cuda
 @pytest.mark.multiproc
 def test_staged_gpu_decode_killed_mid_layer(cuda_device, monkeypatch, no_leaks):
     from pdkv import _ffi
-    from pdkv.shmclean import clean_segments
 
-    push = tcp._push_staged
-    started = threading.Event()
-
-    def slow(sock, fs, sent):
-        for f in fs:
-            started.set()
-            time.sleep(0.05)
-            push(sock, [f], sent)
-
-    monkeypatch.setattr(tcp, "_push_staged", slow)
-    d = _spawn("decode", "--timeout", "2")
     caches, ptrs = _gpu_caches(1)
-    info = None
     try:
-        info = _lines(d, 1)[0]
         lay, _, _, gspec = caches[0]
-        tx = PrefillSender(
-            lay, gspec, info["control"], transport="tcp", timeout_s=1.5, heartbeat_s=0.2, staging_slot_bytes=BLOCK
-        )
-        try:
-            tx.reserve("r", 64)
-            for layer in range(4):
-                tx.send_layer(layer, [("r", list(range(8)))])
-            assert started.wait(10)
-            os.kill(d.pid, signal.SIGKILL)
-            d.wait(10)
-            out = tx.wait_outcome("r", 10)
-            assert out.state == "failed"
-            staged = tx.transport_impl.staging
-            wait_until(lambda: staged.idle, 10, "the staged sends to end")
-            assert staged.ring.free_slots == staged.ring.slots
-        finally:
-            tx.close()
-        assert not _staged_threads()
+        _kill_decode_mid_layer(monkeypatch, lay, gspec)
     finally:
         for p in ptrs:
             _ffi.cuda.free(p)
-        reap(d)
-        if info is not None:
-            assert info["shm"] in clean_segments(dry_run=False)
 
 
 # ---------------------------------------------------------------------- rdma: staged and GPUDirect

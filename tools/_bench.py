@@ -34,3 +34,13 @@ def send_and_wait(tx: Any, items: list, timeout: float = 120) -> float:
     dt = time.perf_counter() - t0
     assert all(o.ok for o in outs), outs
     return dt
+
+
+def stop_decode(child: Any) -> None:
+    """End a benchmark's decode process and remove the segment its kill leaves behind."""
+    child.kill()
+    child.wait(10)
+    child.stdout.close()
+    from pdkv.shmclean import clean_segments
+
+    clean_segments(dry_run=False)

@@ -24,7 +24,7 @@ import sys
 import time
 
 import numpy as np
-from _bench import send_and_wait
+from _bench import send_and_wait, stop_decode
 from bench_transport import layout_for
 
 import pdkv
@@ -119,12 +119,7 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
             tx.close()
         if bare is not None:
             bare.close()
-        child.kill()
-        child.wait(10)
-        child.stdout.close()
-        from pdkv.shmclean import clean_segments
-
-        clean_segments(dry_run=False)
+        stop_decode(child)
 
 
 def main() -> int:

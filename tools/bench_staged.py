@@ -26,6 +26,7 @@ import sys
 import time
 
 import numpy as np
+from _bench import stop_decode
 from bench_transport import layout_for  # same folder: the decode process and its layout
 
 import pdkv
@@ -132,12 +133,7 @@ def run(kib: int, streams: int, a: argparse.Namespace) -> dict:
             tx.close()
         if ptr:
             _ffi.cuda.free(ptr)
-        child.kill()
-        child.wait(10)
-        child.stdout.close()
-        from pdkv.shmclean import clean_segments
-
-        clean_segments(dry_run=False)
+        stop_decode(child)
 
 
 def main() -> int:

@@ -33,7 +33,7 @@ import sys
 import time
 
 import numpy as np
-from _bench import send_and_wait
+from _bench import send_and_wait, stop_decode
 
 import pdkv
 from pdkv.transfer import default_copy_threads
@@ -328,12 +328,7 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         )
         out[kib] = dict(res, shm_ceiling=shm_ceiling, socket=sock_bw, copyto=med(copyto_bw), huge_mib=huge_mib)
     finally:
-        child.kill()
-        child.wait(10)
-        child.stdout.close()
-        from pdkv.shmclean import clean_segments
-
-        clean_segments(dry_run=False)
+        stop_decode(child)
 
 
 def main() -> int:
