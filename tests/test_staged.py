@@ -338,19 +338,7 @@ def test_staged_tcp_every_byte(P, D, nhd, streams, no_leaks):
         ]
         assert all(tx.stats["path"] == "tcp staged (host gather)" for tx in txs)
         src_blocks = {"a": [3, 4, 5, 9, 10], "b": [20, 21, 22, 23, 30, 31]}
-        grants = {}
-        for rid, sb in src_blocks.items():
-            for tx in txs:
-                g = tx.reserve(rid, len(sb) * 8 - 3)
-                assert grants.setdefault(rid, g).blocks == g.blocks
-        for layer in range(4):
-            for tx in txs:
-                tx.send_layer(layer, list(src_blocks.items()))
-        for tx in txs:
-            tx.finish_many(list(src_blocks))
-        for tx in txs:
-            for rid in src_blocks:
-                assert tx.wait_outcome(rid, 10).state == "received"
+        grants = _send_batch(txs, src_blocks)
         _check_tp(dec, caches, src_blocks, grants)
         for tx in txs:
             st_ = tx.transport_impl.staging
@@ -552,18 +540,7 @@ def test_staged_tcp_from_gpu_caches_every_byte(cuda_device, P, D, gpus, no_leaks
         assert all(tx.stats["path"].startswith("tcp staged (") for tx in txs)
         # several requests a layer batch
         src_blocks = {f"g{i}": [(7 * i + j * 3) % 64 for j in range(5)] for i in range(4)}
-        grants = {}
-        for rid, sb in src_blocks.items():
-            for tx in txs:
-                grants[rid] = tx.reserve(rid, len(sb) * 8)
-        for layer in range(4):
-            for tx in txs:
-                tx.send_layer(layer, list(src_blocks.items()))
-        for tx in txs:
-            tx.finish_many(list(src_blocks))
-        for tx in txs:
-            for rid in src_blocks:
-                assert tx.wait_outcome(rid, 20).ok
+        grants = _send_batch(txs, src_blocks)
         _check_tp(dec, [(c[0], c[1], c[2]) for c in caches], src_blocks, grants)
         for tx in txs:
             assert tx.transport_impl.staging.ring.pinned
