@@ -432,6 +432,12 @@ class CacheSpec:
         """``(base, block_stride)`` of one layer's tensor."""
         return self._bases[layer][tensor], self._strides[layer][tensor]
 
+    def region_ranges(self) -> list[tuple[int, int]]:
+        """``(base, bytes)`` of every (layer, tensor) region, in layer then tensor order:
+        what a transport registers once to send from the whole cache."""
+        n = self.num_blocks
+        return [(b, st * n) for bases, strides in zip(self._bases, self._strides) for b, st in zip(bases, strides)]
+
     @property
     def alignment(self) -> int:
         """The largest power of two, at most 4096, that divides every region's base and

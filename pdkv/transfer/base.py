@@ -42,6 +42,7 @@ __all__ = [
     "get",
     "names",
     "auto_offer",
+    "report_layer",
 ]
 
 
@@ -124,6 +125,16 @@ class SenderHost(Protocol):
 
     # nothing more can be written: every request fails (abort: decode is told to drop each now)
     def break_session(self, why: str, abort: bool = False) -> None: ...
+
+
+def report_layer(host: SenderHost, layer: int, work: Sequence[WriteItem]) -> None:
+    """Tell decode ``layer`` of these requests is written (``LayerBatch`` messages): a
+    transport whose writes decode cannot see land (shm, cuda_ipc, nixl) reports them so."""
+    from ..protocol import MAX_BATCH_ITEMS, LayerBatch
+
+    items = [(w.request_id, w.grant.token, len(w.src)) for w in work]
+    for i in range(0, len(items), MAX_BATCH_ITEMS):
+        host.post(LayerBatch(layer, items[i : i + MAX_BATCH_ITEMS]))
 
 
 # ---------------------------------------------------------------------- decode values

@@ -25,9 +25,9 @@ from .. import _ffi
 from ..errors import PdkvTimeoutError, ProtocolError, TransferError
 from ..layout import CacheSpec, KVLayout
 from ..plan import layer_pieces
-from ..protocol import MAX_BATCH_ITEMS, Hello, LayerBatch, NixlHello, NixlOffer, NixlRegionDesc, Welcome
+from ..protocol import Hello, NixlHello, NixlOffer, NixlRegionDesc, Welcome
 from ..rdma import merge_regions
-from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
+from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem, report_layer
 
 __all__ = ["NixlSender", "NixlReceiver"]
 
@@ -47,17 +47,12 @@ class NixlSender(SenderTransport):
 
     def __init__(self, host: SenderHost, options: Any) -> None:
         super().__init__(host, options)
-        spec, lay = host.cache, host.layout
+        spec = host.cache
         self._agent: _ffi.nixl.Agent | None = _ffi.nixl.Agent(_agent_name("prefill"), options.nixl_ucx)
         try:
             self._mem = "DRAM" if spec.device is None else "VRAM"
             self._dev = 0 if spec.device is None else spec.device
-            regions = [
-                (b, st * spec.num_blocks)
-                for b, st in (
-                    spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))
-                )
-            ]
+            regions = spec.region_ranges()
             self._agent.register([(a, n, self._dev) for a, n in merge_regions(regions)], self._mem)
             self._metadata = self._agent.metadata()
         except BaseException:
@@ -130,9 +125,7 @@ class NixlSender(SenderTransport):
             except TransferError:
                 pass
         h.add_bytes(total)
-        items = [(w.request_id, w.grant.token, len(w.src)) for w in work]
-        for i in range(0, len(items), MAX_BATCH_ITEMS):
-            h.post(LayerBatch(layer, items[i : i + MAX_BATCH_ITEMS]))
+        report_layer(h, layer, work)
 
     def close(self) -> None:
         if self._agent is not None:

@@ -50,11 +50,8 @@ class RdmaSender(SenderTransport):
         super().__init__(host, options)
         # the source registered and a queue pair made before the hello, which carries its
         # record; RdmaUnavailableError here says what is missing
-        spec, lay = host.cache, host.layout
-        regions = [
-            (b, st * spec.num_blocks)
-            for b, st in (spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors)))
-        ]
+        spec = host.cache
+        regions = spec.region_ranges()
         self.gpudirect_refused = ""  # why a GPU cache is staged instead
         self._staged: StagedSends | None = None
         self._stage = options.staging == "always"

@@ -16,9 +16,9 @@ from .. import _ffi
 from ..errors import PdkvError, ProtocolError
 from ..layout import CacheSpec, KVLayout
 from ..plan import CopyPlan, layer_pieces
-from ..protocol import MAX_BATCH_ITEMS, Hello, LayerBatch, Welcome
+from ..protocol import Hello, Welcome
 from ..shm import SharedBuffer
-from .base import Peer, ReceiverTransport, SenderHost, SenderTransport, WriteItem
+from .base import Peer, ReceiverTransport, SenderHost, SenderTransport, WriteItem, report_layer
 from .hostcopy import HostCopier
 
 __all__ = ["ShmSender", "ShmReceiver"]
@@ -69,10 +69,7 @@ class ShmSender(SenderTransport):
         self._report(layer, work)
 
     def _report(self, layer: int, work: list[WriteItem]) -> None:
-        """Tell decode the layer's blocks are written (it cannot see memory writes land)."""
-        items = [(w.request_id, w.grant.token, len(w.src)) for w in work]
-        for i in range(0, len(items), MAX_BATCH_ITEMS):
-            self.host.post(LayerBatch(layer, items[i : i + MAX_BATCH_ITEMS]))
+        report_layer(self.host, layer, work)
 
     def copy_layer(
         self, layer: int, work: list[WriteItem], dsts: dict[int, CacheSpec], direction: str | None = None
