@@ -10,7 +10,6 @@ against a simulated verbs layer. The verbs work itself is in :mod:`pdkv.rdma`.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -21,11 +20,11 @@ import numpy as np
 from .. import _ffi
 from ..errors import PdkvError, ProtocolError, RdmaError, RdmaUnavailableError
 from ..layout import CacheSpec, KVLayout
-from ..plan import layer_pieces, split_runs
+from ..plan import layer_pieces
 from ..protocol import Hello, LayerDone, RdmaEndpointDesc, RdmaOffer, Welcome, to_plain
 from ..rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
-from .staging import StagedSends, chunk_ranges, default_slot_bytes
+from .staging import StagedSends, make_staged, stage_layer
 
 _log = logging.getLogger(__name__)
 
@@ -82,7 +81,6 @@ class RdmaSender(SenderTransport):
                 self._writer = RdmaWriter([], **kw)
         self._regions: dict[int, RemoteRegion] = {}
         self._dst_specs: dict[int, CacheSpec] = {}
-        self._failed_now: set[str] = set()
 
     @property
     def path(self) -> str:
@@ -120,18 +118,10 @@ class RdmaSender(SenderTransport):
             self._regions[rank] = reg
             self._dst_specs[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, reg.addr)
         if self._stage:
-            h = self.host
-            slot = self.options.staging_slot_bytes or default_slot_bytes(h.layout, h.segments)
             # one queue pair: one lane writes, in order; the ring is registered once
-            self._staged = StagedSends(
-                h, slot, self.options.staging_slots, lanes=1, timeout_s=h.timeout_s, fail_request=self._fail
-            )
+            self._staged = make_staged(self.host, self.options, lanes=1)
             self._writer.add_region(self._staged.ring.address, self._staged.ring.nbytes)
         self._writer.connect(ep)
-
-    def _fail(self, rid: str, why: str) -> None:
-        self._failed_now.add(rid)
-        self.host.fail_request(rid, why)
 
     def after_writes(self, fn: Callable[[], None]) -> None:
         if self._staged is None:
@@ -143,7 +133,7 @@ class RdmaSender(SenderTransport):
         """One request at a time: its writes posted, their completions awaited, then its
         LayerDone (decode cannot see one-sided writes land; this message is how it learns)."""
         if self._staged is not None:
-            self._write_staged(layer, work, self._staged)
+            stage_layer(self._staged, self.host, self._dst_specs, layer, work, self._writes_of, self._layer_done)
             return
         h, writer = self.host, self._writer
         assert writer is not None
@@ -170,38 +160,6 @@ class RdmaSender(SenderTransport):
             # request of it at once rather than wait for their leases)
             self.host.break_session(f"RDMA queue pair failed: {exc}", abort=True)
 
-    def _write_staged(self, layer: int, work: list[WriteItem], staged: StagedSends) -> None:
-        """The layer's pieces, every request's, gathered slot by slot into the registered
-        ring and written from it; each request's LayerDone once its last chunk is written."""
-        h = self.host
-        src, dst, ln, rank, owner = [], [], [], [], []
-        for k, w in enumerate(work):
-            plans, _ = layer_pieces(h.segments, h.layout, h.dst_layout, h.cache, self._dst_specs, w.src, w.dst, layer)
-            for seg, s, d, n in plans:
-                src.append(s)
-                dst.append(d)
-                ln.append(n)
-                rank.append(np.full(n.size, seg.dst_rank, np.int64))
-                owner.append(np.full(n.size, k, np.int64))
-        if not ln:
-            return
-        s_all, d_all, n_all = np.concatenate(src), np.concatenate(dst), np.concatenate(ln)
-        r_all, o_all = np.concatenate(rank), np.concatenate(owner)
-        if int(n_all.max()) > staged.slot_bytes:  # a piece longer than a slot is cut
-            idx, off, n_all = split_runs(n_all, staged.slot_bytes)
-            s_all, d_all, r_all, o_all = s_all[idx] + off, d_all[idx] + off, r_all[idx], o_all[idx]
-        for lo, hi in chunk_ranges(n_all.tolist(), staged.slot_bytes):
-            rids = frozenset(work[k].request_id for k in np.unique(o_all[lo:hi]).tolist())
-            staged.stage(
-                layer,
-                s_all[lo:hi],
-                n_all[lo:hi],
-                rids,
-                [self._writes_of(d_all[lo:hi], n_all[lo:hi], r_all[lo:hi], int(n_all[lo:hi].sum()))],
-            )
-        for w in work:
-            staged.after(functools.partial(self._layer_done, layer, w))
-
     def _writes_of(self, dst: Any, ln: Any, ranks: Any, total: int) -> Callable[[memoryview], None]:
         """The chunk's RDMA writes from its slot, per decode rank's region."""
         writer = self._writer
@@ -222,8 +180,6 @@ class RdmaSender(SenderTransport):
         return send
 
     def _layer_done(self, layer: int, w: WriteItem) -> None:
-        if w.request_id in self._failed_now:
-            return  # its Complete reports the failure
         self.host.post(LayerDone(w.request_id, w.grant.token, [layer], len(w.src)))
 
     def close(self) -> None:

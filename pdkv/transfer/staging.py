@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import mmap
 import threading
@@ -37,11 +38,19 @@ import numpy as np
 from .. import _ffi
 from ..errors import ClosedError, PdkvTimeoutError, TransferError
 from ..layout import KVLayout, Segment
-from ..plan import CopyPlan, check_within
+from ..plan import CopyPlan, check_within, layer_pieces, split_runs
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["StagingRing", "StagedSends", "ChunkRecord", "default_slot_bytes", "DEFAULT_SLOTS"]
+__all__ = [
+    "StagingRing",
+    "StagedSends",
+    "ChunkRecord",
+    "default_slot_bytes",
+    "make_staged",
+    "stage_layer",
+    "DEFAULT_SLOTS",
+]
 
 DEFAULT_SLOTS = 4
 _SLOT_MIN, _SLOT_MAX = 16 << 20, 64 << 20
@@ -206,6 +215,7 @@ class StagedSends:
         cache = host.cache
         self.timeout_s = timeout_s
         self._fail: Callable[[str, str], None] = fail_request or host.fail_request
+        self.failed: set[str] = set()  # requests a failed chunk has failed (their layers go unreported)
         self.device: int | None = cache.device
         self._stream = 0
         self._events: list[tuple[int, int]] = []
@@ -406,6 +416,7 @@ class StagedSends:
         if c.error is not None:
             why = f"layer {c.layer}: staged send failed: {c.error}"
             for rid in c.rids:
+                self.failed.add(rid)
                 self._fail(rid, why)
         self._retire(c)
         due = []
@@ -456,3 +467,64 @@ def chunk_ranges(sizes: list[int], cap: int) -> list[tuple[int, int]]:
     if lo < len(sizes):
         out.append((lo, len(sizes)))
     return out
+
+
+def make_staged(host: Any, options: Any, lanes: int | None = None) -> StagedSends:
+    """The staged path for ``host``'s cache with the ring ``options`` ask for (``lanes``:
+    ``options.streams`` unless given)."""
+    slot = options.staging_slot_bytes or default_slot_bytes(host.layout, host.segments)
+    unit = max((s.length * s.count for s in host.segments), default=0)
+    if slot < unit:
+        raise TransferError(
+            f"staging_slot_bytes={slot} is smaller than one block's {unit} bytes of a layer's tensor: "
+            "a slot holds at least one"
+        )
+    n = options.streams if lanes is None else lanes
+    return StagedSends(host, slot, options.staging_slots, lanes=n, timeout_s=host.timeout_s)
+
+
+SendFor = Callable[[Any, Any, Any, int], Send]
+
+
+def stage_layer(
+    staged: StagedSends,
+    host: Any,
+    dst_specs: Any,
+    layer: int,
+    work: Sequence[Any],
+    send_for: SendFor,
+    done: Callable[[int, Any], None],
+) -> None:
+    """One layer's pieces, every request's, planned into the decode ranks' buffers
+    (``dst_specs``) and staged slot by slot on one lane: ``send_for(dst, lengths, ranks,
+    total)`` makes the send of a chunk (its pieces' destination addresses, lengths and
+    decode ranks, in slot order); ``done(layer, item)`` runs for each request whose chunks
+    all went out (a request a failed chunk failed is skipped: its Complete reports it)."""
+    src, dst, ln, rank, owner = [], [], [], [], []
+    for k, w in enumerate(work):
+        plans, _ = layer_pieces(host.segments, host.layout, host.dst_layout, host.cache, dst_specs, w.src, w.dst, layer)
+        for seg, s, d, n in plans:
+            src.append(s)
+            dst.append(d)
+            ln.append(n)
+            rank.append(np.full(n.size, seg.dst_rank, np.int64))
+            owner.append(np.full(n.size, k, np.int64))
+    if not ln:
+        return
+    s_all, d_all, n_all = np.concatenate(src), np.concatenate(dst), np.concatenate(ln)
+    r_all, o_all = np.concatenate(rank), np.concatenate(owner)
+    if int(n_all.max()) > staged.slot_bytes:  # a piece longer than a slot is cut
+        idx, off, n_all = split_runs(n_all, staged.slot_bytes)
+        s_all, d_all, r_all, o_all = s_all[idx] + off, d_all[idx] + off, r_all[idx], o_all[idx]
+    for lo, hi in chunk_ranges(n_all.tolist(), staged.slot_bytes):
+        rids = frozenset(work[k].request_id for k in np.unique(o_all[lo:hi]).tolist())
+        n = n_all[lo:hi]
+        staged.stage(layer, s_all[lo:hi], n, rids, [send_for(d_all[lo:hi], n, r_all[lo:hi], int(n.sum()))])
+
+    for w in work:
+        staged.after(functools.partial(_report_unless_failed, staged, done, layer, w))
+
+
+def _report_unless_failed(staged: StagedSends, done: Callable[[int, Any], None], layer: int, w: Any) -> None:
+    if w.request_id not in staged.failed:
+        done(layer, w)

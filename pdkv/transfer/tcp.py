@@ -34,7 +34,7 @@ from ..protocol import Hello, Welcome
 from ..scheduler import WriteTicket
 from .base import Inflight, Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
 from .sockets import FRAME_HEADER, K_DATA, MAGIC, DataListener, connect_authenticated, sendmsg_all
-from .staging import StagedSends, chunk_ranges, default_slot_bytes
+from .staging import StagedSends, chunk_ranges, make_staged
 
 _log = logging.getLogger(__name__)
 
@@ -221,18 +221,6 @@ class TcpSender(SenderTransport):
 
 
 _NO_VIEW = memoryview(b"")
-
-
-def make_staged(host: SenderHost, options: Any) -> StagedSends:
-    """The staged path for ``host``'s cache with the ring ``options`` ask for."""
-    slot = options.staging_slot_bytes or default_slot_bytes(host.layout, host.segments)
-    unit = max((s.length * s.count for s in host.segments), default=0)
-    if slot < unit:
-        raise TransferError(
-            f"staging_slot_bytes={slot} is smaller than one block's {unit} bytes of a layer's tensor: "
-            "a slot holds at least one"
-        )
-    return StagedSends(host, slot, options.staging_slots, lanes=options.streams, timeout_s=host.timeout_s)
 
 
 def _push_direct(sock: socket.socket, fs: list[_Frame], sent: list[int]) -> None:
