@@ -62,6 +62,86 @@ def test_nixl_every_byte(P, D, nhd, no_leaks):
         dec.close()
 
 
+@pytest.mark.parametrize("P,D", [(1, 1), (2, 4), (4, 2)])
+def test_nixl_staged_every_byte(P, D, no_leaks):
+    """The staged path (the host stand-in of a GPU cache's): each layer gathered into a
+    ring registered with NIXL after the handshake, one WRITE per slot; slots small enough
+    that a layer takes several."""
+    dec = Decode(D=D, transports=("nixl",))
+    try:
+        caches = [prefill_cache(P, r) for r in range(P)]
+        slot = 3 * caches[0][0].block_bytes // 4
+        txs = [_tx(dec, lay, spec, staging="always", staging_slot_bytes=slot) for lay, _, spec in caches]
+        assert all(tx.stats["path"] == "nixl staged (host gather)" for tx in txs)
+        src_blocks = {"a": [3, 4, 5, 9, 10], "b": [20, 21, 22, 23, 30, 31], "c": [60]}
+        grants = _send_batch(txs, src_blocks)
+        _check_tp(dec, caches, src_blocks, grants)
+        for tx in txs:
+            assert len(tx.transport_impl.staging.log) > 4 * 2  # several slots a layer
+            tx.close()
+    finally:
+        dec.close()
+
+
+def test_nixl_staged_write_error_fails_its_requests_and_returns_every_slot(no_leaks):
+    dec = Decode(transports=("nixl",))
+    try:
+        lay, _, spec = prefill_cache(1, 0)
+        with _tx(dec, lay, spec, staging="always") as tx:
+            impl = tx.transport_impl
+            impl._agent.remove_remote(impl._peer)
+            out = send_one(tx, "x", [1, 2])
+            assert out.state == "failed" and "NIXL" in out.reason, out
+            assert impl.staging.drain(5) and impl.staging.ring.free_slots == impl.staging.ring.slots
+            wait_until(lambda: dec.sched.buffer.num_free == dec.nb, 5, "decode frees the blocks")
+        with _tx(dec, lay, spec, staging="always") as tx:
+            assert send_one(tx, "after", [3]).ok
+    finally:
+        dec.close()
+
+
+def test_nixl_gpu_source_rule(monkeypatch):
+    """A GPU cache is staged unless the host has an RDMA device (or gpudirect says)."""
+    from pdkv import _ffi
+    from pdkv.transfer import SenderOptions
+    from pdkv.transfer.nixl import gpu_source_staged
+
+    monkeypatch.setattr(_ffi.verbs, "rdma_devices", lambda: [])
+    o = SenderOptions
+    assert gpu_source_staged(0, o()) and not gpu_source_staged(None, o())
+    assert not gpu_source_staged(0, o(gpudirect="require")) and gpu_source_staged(None, o(staging="always"))
+    monkeypatch.setattr(_ffi.verbs, "rdma_devices", lambda: ["mlx5_0"])
+    assert not gpu_source_staged(0, o()) and gpu_source_staged(0, o(gpudirect="off"))
+    assert gpu_source_staged(0, o(staging="always"))
+
+
+def test_nixl_auto_offers_it_only_on_an_rdma_host_and_skips_missing_software(monkeypatch, caplog, no_leaks):
+    """auto: nixl after rdma and before tcp where the host has an RDMA device, absent
+    otherwise; an offered transport whose software is missing (pyverbs here) is left out
+    of the offer with a warning, and the session goes on with the next one."""
+    from pdkv import _ffi
+    from pdkv.transfer import auto_offer
+
+    lay, _, spec = prefill_cache(1, 0)
+    monkeypatch.setattr(_ffi.verbs, "rdma_devices", lambda: [])
+    assert "nixl" not in auto_offer(spec)
+    monkeypatch.setattr(_ffi.verbs, "rdma_devices", lambda: ["mlx5_0"])
+    offer = auto_offer(spec)
+    assert offer.index("shm") < offer.index("rdma") < offer.index("nixl") < offer.index("tcp")
+    if _ffi.verbs.available():
+        pytest.skip("pyverbs is installed: the missing-software case needs a host without it")
+    dec = Decode(transports=("tcp", "nixl"))
+    try:
+        with caplog.at_level("WARNING", logger="pdkv.transfer.handshake"):
+            tx = PrefillSender(lay, spec, dec.rx.control_address, transport="auto", instance="pf", timeout_s=5)
+        with tx:
+            assert tx.transport == "nixl"
+            assert send_one(tx, "a", [1, 2]).ok
+        assert any("rdma left out of the offer" in r.getMessage() for r in caplog.records)
+    finally:
+        dec.close()
+
+
 def test_nixl_write_error_is_a_failed_request_and_the_session_serves_on(no_leaks):
     """A write NIXL refuses (the remote agent unknown to the sender) fails the layer's
     requests; decode frees their blocks."""
@@ -195,6 +275,46 @@ def test_nixl_decode_killed_mid_transfer_prefill_fails_in_bounded_time(no_leaks)
 
 
 @pytest.mark.multiproc
+def test_nixl_two_process_tool_mode_verifies_every_byte(tmp_path, no_leaks):
+    """pdkv-transfer-test decode --transport nixl and prefill --transport nixl, two
+    processes: decode verifies every byte it received."""
+    import json
+
+    tool = [sys.executable, "-m", "pdkv.cli.transfer_tool"]
+    common = ["--model", "tiny", "--transport", "nixl", "--timeout", "10"]
+    out = tmp_path / "decode.json"
+    d = subprocess.Popen(
+        [*tool, "decode", "--listen", "tcp://127.0.0.1:0", "--buffer-blocks", "64", "--duration", "60", *common]
+        + ["--json", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = d.stdout.readline()
+        assert "serving nixl" in line, line + d.stderr.read() if d.poll() is not None else line
+        addr = line.split("listening on ")[1].split(" ")[0]
+        p = subprocess.run(
+            [*tool, "prefill", "--connect", addr, "--requests", "4", *common],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert '"path": "nixl (DRAM source)"' in p.stdout
+        d.send_signal(signal.SIGTERM)
+        d.wait(30)
+        rep = json.loads(out.read_text())
+        assert rep["requests_ready"] == 4 and rep["verify_errors"] == 0 and rep["bytes_verified"] > 0, rep
+    finally:
+        if d.poll() is None:
+            d.kill()
+            d.wait(10)
+        d.stdout.close()
+        d.stderr.close()
+
+
+@pytest.mark.multiproc
 def test_nixl_process_exits_cleanly_after_a_transfer():
     """NIXL's UCX backend has crashed interpreters at exit (libnl's destructor); a process
     that used the nixl transport exits with status 0."""
@@ -214,10 +334,12 @@ def test_nixl_process_exits_cleanly_after_a_transfer():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("source", ["vram", "staged"])
 @pytest.mark.parametrize("P,D", [(1, 1), (2, 4)])
-def test_nixl_from_gpu_caches_every_byte(cuda_device, P, D, no_leaks):
-    """NIXL's own VRAM source: the GPU cache registered with the agent, written into
-    decode's DRAM buffer by UCX."""
+def test_nixl_from_gpu_caches_every_byte(cuda_device, P, D, source, no_leaks):
+    """NIXL's own VRAM source (the GPU cache registered with the agent, written into
+    decode's DRAM buffer by UCX), and the staged path (the swap engine's gather into a
+    pinned ring registered as DRAM): what ``auto`` picks on a host without an RDMA device."""
     from test_staged import _gpu_caches
 
     from pdkv import _ffi
@@ -225,8 +347,10 @@ def test_nixl_from_gpu_caches_every_byte(cuda_device, P, D, no_leaks):
     dec = Decode(D=D, transports=("nixl",))
     caches, ptrs = _gpu_caches(P)
     try:
-        txs = [_tx(dec, lay, gspec) for lay, _, _, gspec in caches]
-        assert all(tx.stats["path"] == "nixl (VRAM source)" for tx in txs)
+        kw = {"gpudirect": "require"} if source == "vram" else {}
+        txs = [_tx(dec, lay, gspec, **kw) for lay, _, _, gspec in caches]
+        want = "nixl (VRAM source)" if source == "vram" else "nixl staged (GPU gather)"
+        assert all(tx.stats["path"] == want for tx in txs), [tx.stats["path"] for tx in txs]
         src_blocks = {f"g{i}": [(7 * i + j * 3) % 64 for j in range(5)] for i in range(3)}
         grants = _send_batch(txs, src_blocks)
         _check_tp(dec, [(c[0], c[1], c[2]) for c in caches], src_blocks, grants)

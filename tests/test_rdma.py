@@ -230,7 +230,7 @@ def test_rdma_from_a_gpu_cache_without_a_device_and_bad_transports(no_rdma_devic
     with pytest.raises(RdmaUnavailableError, match="pyverbs|no RDMA device"):  # GPUDirect or staged
         PrefillSender(lay, spec, "tcp://127.0.0.1:9", transport="rdma")
     with pytest.raises(
-        ValueError, match="must be auto or a registered transport.*registered: cuda_ipc, shm, rdma, tcp, nixl"
+        ValueError, match="must be auto or a registered transport.*registered: cuda_ipc, shm, rdma, nixl, tcp"
     ):
         PrefillSender(lay, spec, "tcp://127.0.0.1:9", transport="ib")
 

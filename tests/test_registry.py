@@ -139,14 +139,14 @@ def test_the_registry_refuses_by_name():
         transfer.base.get("odd")
     with pytest.raises(ValueError, match="no transport 'odd'"):
         transfer.unregister("odd")
-    assert transfer.names() == ["cuda_ipc", "shm", "rdma", "tcp", "nixl"]  # nixl only when named (no auto_rank)
+    assert transfer.names() == ["cuda_ipc", "shm", "rdma", "nixl", "tcp"]  # by auto_rank
 
 
 def test_sessions_name_an_unknown_or_unfit_transport(no_leaks):
     from pdkv import BlockPool, DecodeReceiver, DecodeScheduler, SchedulerOptions
 
     lay, arr, spec = prefill_cache(1, 0)
-    with pytest.raises(ValueError, match="'nope' is not registered .*registered: cuda_ipc, shm, rdma, tcp, nixl"):
+    with pytest.raises(ValueError, match="'nope' is not registered .*registered: cuda_ipc, shm, rdma, nixl, tcp"):
         PrefillSender(lay, spec, "tcp://127.0.0.1:1", transport="nope")
     with pytest.raises(LayoutError, match="cuda_ipc transport writes from a GPU cache"):
         PrefillSender(lay, spec, "tcp://127.0.0.1:1", transport="cuda_ipc")

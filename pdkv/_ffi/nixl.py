@@ -72,6 +72,11 @@ def _call(what: str, fn: Any, *args: Any) -> Any:
         raise TransferError(f"NIXL {what} failed: {type(exc).__name__}: {exc}") from None
 
 
+def _dlist(descs: Any) -> Any:
+    """What NIXL's get_xfer_descs takes: an Nx3 array as is, tuples as a list."""
+    return descs if hasattr(descs, "ndim") else list(descs)
+
+
 class Agent:
     """One NIXL agent (UCX backend, a progress thread). Ownership: registrations and
     remote agents are this object's, released by :meth:`close`."""
@@ -118,13 +123,12 @@ class Agent:
             self._remotes.discard(name)
             _call("remove_remote_agent", self._a.remove_remote_agent, name)
 
-    def write(
-        self, local: Sequence[tuple[int, int, int]], remote: Sequence[tuple[int, int, int]], peer: str, mem: str
-    ) -> Any:
-        """Start one WRITE of ``local[i]`` into ``remote[i]`` (``(addr, length, device)``;
-        local memory ``mem``, remote DRAM); returns the handle to poll."""
-        ld = _call("get_xfer_descs", self._a.get_xfer_descs, list(local), mem)
-        rd = _call("get_xfer_descs", self._a.get_xfer_descs, list(remote), "DRAM")
+    def write(self, local: Any, remote: Any, peer: str, mem: str) -> Any:
+        """Start one WRITE of ``local[i]`` into ``remote[i]`` (``(addr, length, device)``
+        tuples, or an Nx3 uint64 array of them; local memory ``mem``, remote DRAM);
+        returns the handle to poll."""
+        ld = _call("get_xfer_descs", self._a.get_xfer_descs, _dlist(local), mem)
+        rd = _call("get_xfer_descs", self._a.get_xfer_descs, _dlist(remote), "DRAM")
         h = _call("initialize_xfer", self._a.initialize_xfer, "WRITE", ld, rd, peer)
         st = _call("transfer", self._a.transfer, h)
         if st == "ERR":

@@ -10,6 +10,7 @@ what the chosen transport needs; prefill connects that transport.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -17,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..errors import LayoutError, PdkvError, PdkvTimeoutError, PeerError, ProtocolError
+from ..errors import (
+    LayoutError,
+    NixlUnavailableError,
+    PdkvError,
+    PdkvTimeoutError,
+    PeerError,
+    ProtocolError,
+    RdmaUnavailableError,
+)
 from ..layout import KVLayout, Segment, tp_segments
 from ..procs import boot_id
 from ..protocol import (
@@ -39,6 +48,8 @@ from .base import Peer
 if TYPE_CHECKING:
     from .decode import DecodeReceiver
     from .prefill import PrefillSender
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["Handshake", "answer_hello", "accept_session", "open_session"]
 
@@ -173,12 +184,23 @@ def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake) -> None:
 
 def open_session(tx: PrefillSender, offer: list[str], timeout_s: float) -> None:
     fields: dict[str, Any] = {"rdma": None, "cuda": None, "nixl": None}
+    auto = tx.options.transport == "auto"
+    made: list[str] = []
     for name in offer:
         # each offered transport made before the hello (rdma registers the cache and
         # makes its queue pair, whose record the hello carries): RdmaUnavailableError
-        # here says what is missing
-        tr = tx._candidates[name] = registry.get(name).sender(tx, tx.options)
+        # here says what is missing. Under auto a transport whose software is missing
+        # (pyverbs, NIXL) is left out of the offer, unless it was the last one.
+        try:
+            tr = tx._candidates[name] = registry.get(name).sender(tx, tx.options)
+        except (RdmaUnavailableError, NixlUnavailableError) as exc:
+            if not auto or (name == offer[-1] and not made):
+                raise
+            _log.warning("transport=auto: %s left out of the offer: %s", name, exc)
+            continue
+        made.append(name)
         fields.update(tr.hello_fields())
+    offer = made
     nonce = new_nonce()
     deadline = time.monotonic() + timeout_s
     tx._sock.send_multipart(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from ..plan import layer_pieces
 from ..protocol import Hello, NixlHello, NixlOffer, NixlRegionDesc, Welcome
 from ..rdma import merge_regions
 from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem, report_layer
+from .staging import StagedSends, make_staged, stage_layer
 
 __all__ = ["NixlSender", "NixlReceiver"]
 
@@ -37,33 +39,54 @@ def _agent_name(side: str) -> str:
 
 
 class NixlSender(SenderTransport):
+    """Writes from a host cache's own registered memory (DRAM); from a GPU cache either
+    NIXL's own VRAM source (the cache's allocations registered with NIXL once) or staged
+    (each layer gathered by the swap engine into a pinned ring registered once as DRAM, one
+    NIXL WRITE per slot): ``gpudirect='require'`` takes the VRAM source, ``'off'`` (or
+    ``staging='always'``) the staged path, ``'auto'`` the VRAM source only on a host with an
+    RDMA device (where UCX writes GPU memory to the NIC directly) and staged otherwise: UCX
+    without one copies GPU memory through its own bounce buffers, measured 10x slower than
+    the staged path on the H200 host (docs/PERF.md, tools/bench_nixl.py --gpu)."""
+
     name = "nixl"
     caches = frozenset({"host", "gpu"})
-    auto_rank = None  # only when named (docs/TRANSPORTS.md: auto does not pick it yet)
+    auto_rank = 35  # after pdkv's rdma, before tcp; only on a host with an RDMA device
 
     @classmethod
     def available(cls) -> bool:
-        return _ffi.nixl.available()
+        """``auto`` offers nixl only where NIXL is installed and the host has an RDMA
+        device: without one UCX moves the bytes over tcp, measured 0.55-0.65x pdkv's own
+        tcp on the same host (docs/PERF.md, tools/bench_nixl.py)."""
+        return bool(_ffi.verbs.rdma_devices()) and _ffi.nixl.available()
 
     def __init__(self, host: SenderHost, options: Any) -> None:
         super().__init__(host, options)
         spec = host.cache
+        self._stage = gpu_source_staged(spec.device, options)
         self._agent: _ffi.nixl.Agent | None = _ffi.nixl.Agent(_agent_name("prefill"), options.nixl_ucx)
         try:
-            self._mem = "DRAM" if spec.device is None else "VRAM"
-            self._dev = 0 if spec.device is None else spec.device
-            regions = spec.region_ranges()
-            self._agent.register([(a, n, self._dev) for a, n in merge_regions(regions)], self._mem)
+            self._mem = "DRAM" if spec.device is None or self._stage else "VRAM"
+            self._dev = 0 if spec.device is None or self._stage else spec.device
+            if not self._stage:  # the staged path registers its ring once it has one
+                regions = spec.region_ranges()
+                self._agent.register([(a, n, self._dev) for a, n in merge_regions(regions)], self._mem)
             self._metadata = self._agent.metadata()
         except BaseException:
             self._agent.close()
             raise
         self._peer = ""
         self._dst_specs: dict[int, CacheSpec] = {}
+        self._staged: StagedSends | None = None
 
     @property
     def path(self) -> str:
+        if self._staged is not None:
+            return f"nixl staged ({self._staged.strategy} gather)"
         return f"nixl ({self._mem} source)"
+
+    @property
+    def staging(self) -> StagedSends | None:
+        return self._staged
 
     def hello_fields(self) -> dict[str, Any]:
         assert self._agent is not None
@@ -88,49 +111,107 @@ class NixlSender(SenderTransport):
         if name != offer.agent:
             raise ProtocolError(f"decode's NIXL metadata names agent {name!r}, its welcome {offer.agent!r}")
         self._peer = name
+        if self._stage:
+            # one lane: the slots are written in order; the ring registered once (DRAM)
+            self._staged = make_staged(self.host, self.options, lanes=1)
+            self._agent.register([(self._staged.ring.address, self._staged.ring.nbytes, 0)], "DRAM")
+
+    def after_writes(self, fn: Callable[[], None]) -> None:
+        if self._staged is None:
+            fn()
+        else:
+            self._staged.after(fn)
 
     def write_layer(self, layer: int, work: list[WriteItem]) -> None:
-        """The layer's pieces, every request's, as one NIXL WRITE; its completion awaited
-        (bounded), then the layer reported. A failed or timed-out write fails every
-        request of the layer (raised: the session's data thread marks them)."""
+        """The layer's pieces, every request's, as one NIXL WRITE (staged: one per slot);
+        its completion awaited (bounded), then the layer reported. A failed or timed-out
+        write fails every request of the layer (raised: the session's data thread marks
+        them; staged: the chunk's requests fail)."""
         h = self.host
-        agent = self._agent
-        assert agent is not None
+        if self._staged is not None:
+            stage_layer(self._staged, h, self._dst_specs, layer, work, self._writes_of, self._report)
+            return
         sb = np.concatenate([w.src for w in work])
         db = np.concatenate([w.dst for w in work])
         plans, total = layer_pieces(h.segments, h.layout, h.dst_layout, h.cache, self._dst_specs, sb, db, layer)
-        src = np.concatenate([p[1] for p in plans]).tolist()
-        dst = np.concatenate([p[2] for p in plans]).tolist()
-        ln = np.concatenate([p[3] for p in plans]).tolist()
-        dev = self._dev
-        handle = agent.write(
-            [(a, n, dev) for a, n in zip(src, ln)], [(a, n, 0) for a, n in zip(dst, ln)], self._peer, self._mem
-        )
+        src = np.concatenate([p[1] for p in plans])
+        dst = np.concatenate([p[2] for p in plans])
+        ln = np.concatenate([p[3] for p in plans])
+        self._write(f"layer {layer}", src, dst, ln, self._dev, self._mem)
+        h.add_bytes(total)
+        report_layer(h, layer, work)
+
+    def _write(self, what: str, src: Any, dst: Any, ln: Any, dev: int, mem: str) -> None:
+        """One NIXL WRITE of ``src[i]`` into decode's ``dst[i]`` (``ln[i]`` bytes), polled
+        to DONE within the timeout: ERR raises TransferError; a timeout breaks the session
+        (the write may still land: decode fences this peer) and raises PdkvTimeoutError."""
+        h, agent = self.host, self._agent
+        assert agent is not None
+        handle = agent.write(_descs(src, ln, dev), _descs(dst, ln, 0), self._peer, mem)
         deadline = time.monotonic() + h.timeout_s
         try:
             while True:
                 st = agent.state(handle)
                 if st == "DONE":
-                    break
+                    return
                 if st == "ERR":
-                    raise TransferError(f"layer {layer}: NIXL write failed (ERR)")
+                    raise TransferError(f"{what}: NIXL write failed (ERR)")
                 if time.monotonic() > deadline:
-                    # a write that may still land: the session ends, decode fences this peer
-                    h.break_session(f"NIXL write of layer {layer} not done within {h.timeout_s}s", abort=True)
-                    raise PdkvTimeoutError(f"layer {layer}: NIXL write not done within {h.timeout_s}s")
+                    h.break_session(f"NIXL write of {what} not done within {h.timeout_s}s", abort=True)
+                    raise PdkvTimeoutError(f"{what}: NIXL write not done within {h.timeout_s}s")
                 time.sleep(20e-6)
         finally:
             try:
                 agent.release(handle)
             except TransferError:
                 pass
-        h.add_bytes(total)
-        report_layer(h, layer, work)
+
+    def _writes_of(self, dst: Any, ln: Any, ranks: Any, total: int) -> Callable[[memoryview], None]:
+        """The chunk's NIXL WRITE from its slot (every decode rank's pieces at once: all
+        of decode's buffers are in its one agent)."""
+
+        def send(view: memoryview) -> None:
+            base = _ffi.libc.buffer_address(view)
+            local = base + np.concatenate(([0], np.cumsum(ln)[:-1]))
+            self._write("a staged chunk", local, dst, ln, 0, "DRAM")
+            self.host.add_bytes(total)
+
+        return send
+
+    def _report(self, layer: int, w: WriteItem) -> None:
+        report_layer(self.host, layer, [w])
 
     def close(self) -> None:
+        if self._staged is not None:
+            self._staged.close(self.host.timeout_s)
+            self._staged = None
         if self._agent is not None:
             self._agent.close()
             self._agent = None
+
+
+def gpu_source_staged(device: int | None, options: Any) -> bool:
+    """Whether a cache on ``device`` is sent through the staging ring rather than
+    registered with NIXL as VRAM (see :class:`NixlSender`); a host cache only with
+    ``staging='always'`` (the host stand-in tests use)."""
+    if options.staging == "always":
+        return True
+    if device is None:
+        return False
+    if options.gpudirect == "off":
+        return True
+    if options.gpudirect == "require":
+        return False
+    return not _ffi.verbs.rdma_devices()
+
+
+def _descs(addr: Any, ln: Any, dev: int) -> np.ndarray:
+    """An Nx3 ``(address, length, device)`` array, as NIXL takes descriptor lists."""
+    out = np.empty((len(ln), 3), dtype=np.uint64)
+    out[:, 0] = addr
+    out[:, 1] = ln
+    out[:, 2] = dev
+    return out
 
 
 class NixlReceiver(ReceiverTransport):

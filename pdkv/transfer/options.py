@@ -173,7 +173,9 @@ class SenderOptions:
     gpudirect:
         rdma from a GPU cache: ``auto`` registers the cache's allocations with the NIC
         (GPUDirect RDMA: a dma-buf of each, else peer memory) and stages the layers when
-        that fails; ``off`` always stages; ``require`` fails instead of staging.
+        that fails; ``off`` always stages; ``require`` fails instead of staging. nixl from
+        a GPU cache: ``auto`` registers the cache with NIXL as VRAM on a host with an RDMA
+        device and stages without one; ``off`` stages; ``require`` registers VRAM.
     staging_slot_bytes:
         Bytes per slot; default :func:`~.staging.default_slot_bytes` (256 blocks of one
         layer of this rank, within 16-64 MiB, at least one block's largest piece).

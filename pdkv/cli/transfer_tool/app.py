@@ -230,7 +230,9 @@ def run_decode(a: argparse.Namespace, console: Any) -> int:
     lay_kw = layout_kw(a)
     dec = DecodeSide(a, lay_kw)
     dec.start(a.listen)
-    console.print(f"decode listening on {dec.rx.control_address} (data {dec.rx.data_address}); Ctrl-C to stop")
+    served = ", ".join(dec.rx.options.transports)
+    data = f"; tcp data {dec.rx.data_address}" if "tcp" in dec.rx.options.transports else ""
+    console.print(f"decode listening on {dec.rx.control_address} (serving {served}{data}); Ctrl-C to stop")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     t0 = time.monotonic()

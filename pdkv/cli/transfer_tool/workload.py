@@ -164,10 +164,12 @@ def parse_devices(value: str, flag: str) -> list[int]:
 
 
 def served_transports(transport: str, gpu_blocks: bool = False) -> list[str]:
-    """What the decode side serves: the one asked for, or under auto shm, rdma (where this
-    host has a device), tcp, and cuda_ipc when decode's blocks are GPU memory. Prefill's
-    offer order decides among them."""
+    """What the decode side serves: the one asked for, or under auto shm, rdma and nixl
+    (where this host has an RDMA device; nixl where NIXL is installed), tcp, and cuda_ipc
+    when decode's blocks are GPU memory. Prefill's offer order decides among them."""
     if transport != "auto":
         return [transport]
-    served = ["shm", "rdma", "tcp"] if _ffi.verbs.rdma_devices() else ["shm", "tcp"]
+    served = ["shm", "tcp"]
+    if _ffi.verbs.rdma_devices():
+        served[1:1] = ["rdma", "nixl"] if _ffi.nixl.available() else ["rdma"]
     return (["cuda_ipc"] if gpu_blocks else []) + served
