@@ -43,6 +43,16 @@ def test_bench_nixl_smoke(no_leaks):
     assert last["min_ratio"] > 0 and last["rows"][0]["bare"] > 0
 
 
+def test_bench_nixl_gpu_says_what_is_missing():
+    pytest.importorskip("nixl")
+    from pdkv import _ffi
+
+    if _ffi.cuda.device_count() > 0:
+        pytest.skip("a GPU is present: run the benchmark itself")
+    p = run("bench_nixl.py", "--gpu", timeout=120)
+    assert p.returncode == 2 and "needs a CUDA device" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("script", ["bench_swap.py", "bench_buffer.py", "bench_cuda_ipc.py", "bench_staged.py"])
 def test_gpu_benches_say_what_is_missing(script):
     from pdkv import _ffi

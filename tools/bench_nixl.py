@@ -8,9 +8,15 @@ per layer, the layer reported, outcomes back), through a bare NIXL agent posting
 descriptors into the same buffer (agents, registration and metadata exchange done outside
 the timing for both), and through pdkv's tcp and shm, interleaved, the ratio to bare NIXL
 taken per repetition. UCX runs with ``UCX_TLS`` as ``--ucx`` says (``tcp``; ``cma``: a
-same-host single copy, as ``cma,tcp``).
+same-host single copy, as ``cma,tcp``; ``default``: UCX's own choice, ``UCX_TLS`` unset).
 
-    python tools/bench_nixl.py [--gib 1] [--sizes-kib 128,1024] [--ucx tcp,cma] [--reps 3]
+``--gpu``: the source is a cache in GPU memory (device 0), and the rows are NIXL's own
+VRAM source (bare, and pdkv with ``gpudirect="require"``), pdkv's staged path (the swap
+engine's gather into a pinned ring registered as DRAM, one NIXL WRITE per slot: what
+``auto`` picks on a host without an RDMA device) and pdkv's staged tcp; every byte
+verified against the host copy of the cache.
+
+    python tools/bench_nixl.py [--gib 1] [--sizes-kib 128,1024] [--ucx tcp,cma] [--reps 3] [--gpu]
 """
 
 from __future__ import annotations
@@ -34,9 +40,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 NREQ = 16
 
 
-def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
-    env = dict(os.environ, UCX_TLS="tcp" if ucx == "tcp" else "cma,tcp", UCX_NET_DEVICES="lo")
+def _ucx_env(ucx: str, gpu: bool) -> dict[str, str]:
+    """The environment for ``--ucx`` (set in this process too: UCX reads it at start)."""
+    env = dict(os.environ)
+    if ucx == "default":
+        env.pop("UCX_TLS", None)
+        env.pop("UCX_NET_DEVICES", None)
+        os.environ.pop("UCX_TLS", None)
+        os.environ.pop("UCX_NET_DEVICES", None)
+        return env
+    tls = "tcp" if ucx == "tcp" else "cma,tcp"
+    # on a GPU host NIXL's UCX backend refuses a UCX without a CUDA transport
+    env.update(UCX_TLS=tls + (",cuda_copy" if gpu or _ffi.cuda.device_count() else ""), UCX_NET_DEVICES="lo")
     os.environ.update({k: env[k] for k in ("UCX_TLS", "UCX_NET_DEVICES")})
+    return env
+
+
+def _descs(addr: np.ndarray, n: int, dev: int) -> np.ndarray:
+    out = np.zeros((addr.size, 3), np.uint64)
+    out[:, 0], out[:, 1], out[:, 2] = addr.astype(np.uint64), n, dev
+    return out
+
+
+def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
+    env = _ucx_env(ucx, a.gpu)
     lay = layout_for(kib)
     child = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "bench_transport.py"), "--role", "decode"]
@@ -47,6 +74,7 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
     )
     txs: dict[str, pdkv.PrefillSender] = {}
     bare = None
+    gptr = 0
     try:
         info = json.loads(child.stdout.readline())
         nb, bb = info["blocks"], lay.block_bytes
@@ -54,18 +82,27 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
         src = pdkv.aligned_empty(total)
         src[:] = np.random.default_rng(kib).integers(0, 256, total, dtype=np.uint8)
         spec = pdkv.CacheSpec.for_buffer(lay, nb, src.ctypes.data)
+        if a.gpu:  # the same bytes in GPU memory: the source every row sends from
+            gptr = _ffi.cuda.malloc(total)
+            _ffi.cuda.memcpy(gptr, src.ctypes.data, total)
+            spec = pdkv.CacheSpec.for_buffer(lay, nb, gptr, device=0)
         view_buf = pdkv.SharedBuffer.open(info["shm"], pin="never")
         dst = np.frombuffer(view_buf.buf, dtype=np.uint8)[:total].reshape(nb, bb)
         srcv = src.reshape(nb, bb)
         perm = np.random.default_rng(1).permutation(nb)
         per = nb // NREQ
+        rows = ROWS_GPU if a.gpu else ROWS_HOST
         txs = {
-            t: pdkv.PrefillSender(lay, spec, info["control"], transport=t, timeout_s=60, instance=f"bench-{t}")
-            for t in ("nixl", "tcp", "shm")
+            label: pdkv.PrefillSender(
+                lay, spec, info["control"], transport=t, timeout_s=60, instance=f"bench-{label}", **kw
+            )
+            for label, (t, kw) in rows.items()
         }
+        paths = {label: tx.stats["path"] for label, tx in txs.items()}
         # the bare baseline: its own agent, the same source registered, decode's bare agent added
         bare = _ffi.nixl.Agent(f"bench-bare-src-{os.getpid()}")
-        bare.register([(src.ctypes.data, total, 0)], "DRAM")
+        mem, dev, base_src = ("VRAM", 0, gptr) if a.gpu else ("DRAM", 0, src.ctypes.data)
+        bare.register([(base_src, total, dev)], mem)
         peer = bare.add_remote(bytes.fromhex(info["bare_metadata"]))
         base = info["address"]
         counter = [0]
@@ -88,10 +125,11 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
             dst[:] = 0xEE
             n = NREQ * per
             order = np.arange(n)  # destination blocks 0..n-1, sources in the same random order
-            local = [(src.ctypes.data + int(perm[j]) * bb, bb, 0) for j in order]
-            remote = [(base + int(j) * bb, bb, 0) for j in order]
+            # Nx3 (address, length, device) arrays, NIXL's cheapest descriptor input
+            local = _descs(base_src + perm[order].astype(np.uint64) * bb, bb, dev)
+            remote = _descs(base + order.astype(np.uint64) * bb, bb, 0)
             t0 = time.perf_counter()
-            h = bare.write(local, remote, peer, "DRAM")
+            h = bare.write(local, remote, peer, mem)
             while (st := bare.state(h)) not in ("DONE", "ERR"):
                 time.sleep(20e-6)
             dt = time.perf_counter() - t0
@@ -100,26 +138,38 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
             verify("bare NIXL", order)
             return n * bb / dt
 
-        bare_write(), transfer("nixl"), transfer("tcp"), transfer("shm")  # warm-up
-        reps = [(bare_write(), transfer("nixl"), transfer("tcp"), transfer("shm")) for _ in range(a.reps)]
+        def one_rep() -> dict[str, float]:
+            return {"bare": bare_write(), **{label: transfer(label) for label in rows}}
+
+        one_rep()  # warm-up
+        reps = [one_rep() for _ in range(a.reps)]
         med = statistics.median
         dst = srcv = None
         view_buf.close()
-        return {
-            "kib": kib,
-            "ucx": ucx,
-            "bare": med(r[0] for r in reps),
-            "nixl": med(r[1] for r in reps),
-            "ratio": med(r[1] / r[0] for r in reps),
-            "tcp": med(r[2] for r in reps),
-            "shm": med(r[3] for r in reps),
-        }
+        out: dict = {"kib": kib, "ucx": ucx, "paths": paths, **{k: med(r[k] for r in reps) for k in reps[0]}}
+        # per repetition: pdkv over NIXL against bare NIXL doing the same writes from the same source
+        same = "nixl vram" if a.gpu else "nixl"
+        out["ratio"] = med(r[same] / r["bare"] for r in reps)
+        if a.gpu:
+            out["staged_vs_vram"] = med(r["nixl"] / r["nixl vram"] for r in reps)
+        return out
     finally:
         for tx in txs.values():
             tx.close()
         if bare is not None:
             bare.close()
+        if gptr:
+            _ffi.cuda.free(gptr)
         stop_decode(child)
+
+
+# label -> (transport, PrefillSender keywords); "nixl" is what transport="nixl" does by default
+ROWS_HOST: dict[str, tuple[str, dict]] = {"nixl": ("nixl", {}), "tcp": ("tcp", {}), "shm": ("shm", {})}
+ROWS_GPU: dict[str, tuple[str, dict]] = {
+    "nixl": ("nixl", {}),  # staged on a host without an RDMA device
+    "nixl vram": ("nixl", {"gpudirect": "require"}),
+    "tcp": ("tcp", {}),
+}
 
 
 def main() -> int:
@@ -128,27 +178,45 @@ def main() -> int:
     ap.add_argument("--sizes-kib", default="128,1024")
     ap.add_argument("--ucx", default="tcp,cma")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gpu", action="store_true", help="send from a cache in GPU memory (device 0)")
     a = ap.parse_args()
     if not _ffi.nixl.available():
         print("bench_nixl.py needs NIXL: pip install 'pdkv[nixl]'", file=sys.stderr)
         return 2
-    print(f"{a.gib:g} GiB per run, {NREQ} requests, random destination order, every byte verified; GiB/s")
-    print(
-        f"{'KiB':>6} {'UCX':>5} {'bare NIXL':>10} {'pdkv nixl':>10} {'ratio':>6} {'pdkv tcp':>9} {'pdkv shm':>9}",
-        flush=True,
-    )
+    if a.gpu and _ffi.cuda.device_count() == 0:
+        print("bench_nixl.py --gpu needs a CUDA device", file=sys.stderr)
+        return 2
+    src = "GPU memory (device 0)" if a.gpu else "host memory"
+    print(f"{a.gib:g} GiB per run from {src}, {NREQ} requests, random destination order, every byte verified; GiB/s")
+    if a.gpu:
+        head = f"{'bare VRAM':>10} {'pdkv VRAM':>10} {'ratio':>6} {'pdkv staged':>12} {'staged/VRAM':>12}"
+        head += f" {'pdkv tcp':>9}"
+    else:
+        head = f"{'bare NIXL':>10} {'pdkv nixl':>10} {'ratio':>6} {'pdkv tcp':>9} {'pdkv shm':>9}"
+    print(f"{'KiB':>6} {'UCX':>7} {head}", flush=True)
     rows = []
+    g = 1 << 30
     for ucx in a.ucx.split(","):
         for kib in map(int, a.sizes_kib.split(",")):
             r = run(kib, ucx, a)
             rows.append(r)
-            g = 1 << 30
-            print(
-                f"{kib:>6} {ucx:>5} {r['bare'] / g:>10.2f} {r['nixl'] / g:>10.2f} {r['ratio']:>6.2f}"
-                f" {r['tcp'] / g:>9.2f} {r['shm'] / g:>9.2f}",
-                flush=True,
-            )
-    print("(medians of repetitions; ratio: per-repetition pdkv nixl / bare NIXL, the same writes into the same buffer)")
+            if a.gpu:
+                cells = (
+                    f"{r['bare'] / g:>10.2f} {r['nixl vram'] / g:>10.2f} {r['ratio']:>6.2f} {r['nixl'] / g:>12.2f}"
+                    f" {r['staged_vs_vram']:>12.2f} {r['tcp'] / g:>9.2f}"
+                )
+            else:
+                cells = (
+                    f"{r['bare'] / g:>10.2f} {r['nixl'] / g:>10.2f} {r['ratio']:>6.2f}"
+                    f" {r['tcp'] / g:>9.2f} {r['shm'] / g:>9.2f}"
+                )
+            print(f"{kib:>6} {ucx:>7} {cells}", flush=True)
+    if a.gpu:
+        print(f"(medians of repetitions; pdkv staged: {rows[0]['paths']['nixl']}, what auto picks here;")
+        print(" ratio: pdkv with NIXL's VRAM source / bare NIXL doing the same writes; staged/VRAM: pdkv's staged")
+        print(" path / pdkv with NIXL's VRAM source; both per repetition)")
+    else:
+        print("(medians of repetitions; ratio: per repetition, pdkv nixl / bare NIXL, same writes, same buffer)")
     print(json.dumps({"min_ratio": round(min(r["ratio"] for r in rows), 3), "rows": rows}))
     return 0
 
