@@ -141,11 +141,15 @@ def scan_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
     return out
 
 
-def clean(*, dry_run: bool = True, shm_dir: str = SHM_DIR) -> CleanReport:
-    """Remove the stale buffers (stripes first, the origin record last); report the rest."""
+def clean(*, dry_run: bool = True, shm_dir: str = SHM_DIR, tag: str | None = None) -> CleanReport:
+    """Remove the stale buffers (stripes first, the origin record last); report the rest.
+    ``tag``: only buffers whose name carries it (``pdkv-<pid>-<tag>...``, from
+    ``$PDKV_SHM_TAG`` at creation), so that one deployment or test run cleans its own."""
     removed: list[str] = []
     skipped: list[tuple[str, str]] = []
     for seg in scan_segments(shm_dir):
+        if tag is not None and not has_tag(seg.name, tag):
+            continue
         if not seg.stale:
             if seg.verdict == "unproven":
                 skipped.append((seg.name, seg.why))
@@ -173,6 +177,13 @@ def clean(*, dry_run: bool = True, shm_dir: str = SHM_DIR) -> CleanReport:
     return CleanReport(tuple(removed), tuple(skipped))
 
 
-def clean_segments(*, dry_run: bool = True, shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove stale buffers; return the files removed (those that would go, on a dry run)."""
-    return list(clean(dry_run=dry_run, shm_dir=shm_dir).removed)
+def clean_segments(*, dry_run: bool = True, shm_dir: str = SHM_DIR, tag: str | None = None) -> list[str]:
+    """Remove stale buffers (``tag``: as :func:`clean`); return the files removed (those
+    that would go, on a dry run)."""
+    return list(clean(dry_run=dry_run, shm_dir=shm_dir, tag=tag).removed)
+
+
+def has_tag(name: str, tag: str) -> bool:
+    """Whether buffer ``name`` (``pdkv-<pid>-<tag><random>``) was made under ``tag``."""
+    parts = name.split("-", 2)
+    return len(parts) == 3 and parts[0] == NAME_PREFIX and parts[1].isdigit() and parts[2].startswith(tag)

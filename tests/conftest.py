@@ -16,7 +16,8 @@ settings.load_profile("mutation" if os.environ.get("MUTANT_UNDER_TEST") else "ci
 
 # segments made by this test run (and the processes it starts) carry this tag, so the
 # leak checks ignore whatever else runs on the host
-TAG = f"t{os.getpid()}"
+# (fixed width: one worker's tag is never the start of another's)
+TAG = f"t{os.getpid():07d}"
 os.environ["PDKV_SHM_TAG"] = TAG
 
 

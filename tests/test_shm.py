@@ -21,6 +21,8 @@ from pdkv.cli.shm import main as shm_main
 from pdkv.shm import stripe_sizes
 from pdkv.shmclean import clean_segments, scan_segments
 
+TAG = os.environ["PDKV_SHM_TAG"]  # this run's segments (conftest.py): clean only those
+
 
 def test_create_is_0600_populated_and_named(no_leaks):
     with SharedBuffer.create(1 << 20) as b:
@@ -203,17 +205,49 @@ def test_killed_creator_segment_is_cleaned(no_leaks):
         assert name.startswith(f"pdkv-{p.pid}-")
         seg = {s.name: s for s in scan_segments()}[name]
         assert seg.owner_pid == p.pid and seg.owner_alive and not seg.stale
-        assert name not in clean_segments(dry_run=False)  # owner alive: kept
+        assert name not in clean_segments(dry_run=False, tag=TAG)  # owner alive: kept
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         p.stdout.close()
     seg = {s.name: s for s in scan_segments()}[name]
     assert seg.stale
-    assert name in clean_segments(dry_run=True)
+    assert name in clean_segments(dry_run=True, tag=TAG)
     assert os.path.exists(f"/dev/shm/{name}")  # dry run removes nothing
-    assert name in clean_segments(dry_run=False)
+    assert name in clean_segments(dry_run=False, tag=TAG)
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+@pytest.mark.multiproc
+def test_clean_with_a_tag_removes_only_that_tags_dead_segments(no_leaks):
+    """Two killed creators, one under this run's tag and one under another: a clean with
+    the tag removes only the first; the other stays until a clean without a tag."""
+    code = (
+        "import time; from pdkv import SharedBuffer; b = SharedBuffer.create(65536); "
+        "print(b.name, flush=True); time.sleep(60)"
+    )
+    other = f"x{TAG[1:]}"  # same width, another tag
+    names = []
+    for tag in (TAG, other):
+        p = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PDKV_SHM_TAG=tag)
+        )
+        try:
+            names.append(p.stdout.readline().strip())
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+            p.stdout.close()
+    mine, theirs = names
+    assert mine.startswith(f"pdkv-{mine.split('-')[1]}-{TAG}") and f"-{other}" in theirs
+    try:
+        removed = clean_segments(dry_run=False, tag=TAG)
+        assert mine in removed and not [f for f in removed if f.startswith(theirs)]
+        assert os.path.exists(f"/dev/shm/{theirs}")
+        assert shm_main(["clean", "--yes", "--tag", other]) == 0
+        assert not os.path.exists(f"/dev/shm/{theirs}")
+    finally:
+        clean_segments(dry_run=False, tag=other)
 
 
 @pytest.mark.multiproc
@@ -234,10 +268,10 @@ def test_clean_keeps_segments_mapped_by_live_processes(no_leaks):
     try:
         seg = {s.name: s for s in scan_segments()}[name]
         assert os.getpid() in seg.mapped_by and not seg.stale and seg.verdict == "live"
-        assert name not in clean_segments(dry_run=False)
+        assert name not in clean_segments(dry_run=False, tag=TAG)
     finally:
         b.close()
-    assert name in clean_segments(dry_run=False)
+    assert name in clean_segments(dry_run=False, tag=TAG)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(name)]
 
 
@@ -473,7 +507,7 @@ def test_killed_creator_stripes_are_all_cleaned(no_leaks):
         p.stdout.close()
     parts = [name, name + "@1", name + "@2"]
     assert all(os.path.exists(f"/dev/shm/{x}") for x in parts)
-    assert sorted(set(parts) & set(clean_segments(dry_run=False))) == sorted(parts)
+    assert sorted(set(parts) & set(clean_segments(dry_run=False, tag=TAG))) == sorted(parts)
     assert not any(os.path.exists(f"/dev/shm/{x}") for x in parts)
 
 
@@ -621,7 +655,7 @@ def test_clean_sees_a_creator_in_a_child_pid_namespace(no_leaks):
         assert seg.verdict == "live", seg  # it maps the buffer; and its record alone proves it alive:
         verdict, why = procs.creator_verdict(_origin(name))
         assert verdict == "alive" and "pid namespace" in why, why
-        assert name not in clean_segments(dry_run=False)
+        assert name not in clean_segments(dry_run=False, tag=TAG)
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait(10)
@@ -630,7 +664,7 @@ def test_clean_sees_a_creator_in_a_child_pid_namespace(no_leaks):
     while {s.name: s for s in scan_segments()}[name].verdict != "stale":
         assert time.monotonic() < wait
         time.sleep(0.05)
-    removed = clean_segments(dry_run=False)
+    removed = clean_segments(dry_run=False, tag=TAG)
     assert name in removed and f"{name}@origin" in removed
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(name)]
 
@@ -657,7 +691,7 @@ def test_clean_goes_on_after_a_file_it_may_not_remove(monkeypatch, no_leaks):
     assert b in rep.removed and a not in rep.removed
     assert any(n == a and "could not remove" in why for n, why in rep.skipped)
     monkeypatch.setattr(_ffi.libc, "shm_unlink", real)
-    assert a in clean_segments(dry_run=False)
+    assert a in clean_segments(dry_run=False, tag=TAG)
 
 
 def test_a_buffer_larger_than_memory_is_refused(monkeypatch, shm_name, no_leaks):

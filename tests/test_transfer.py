@@ -30,6 +30,8 @@ from pdkv import (
 from pdkv.errors import PdkvTimeoutError, PeerError, TransferError
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM, DecodeReceiver, PrefillSender
 
+TAG = os.environ["PDKV_SHM_TAG"]  # this run's segments (conftest.py): clean only those
+
 HERE = os.path.dirname(__file__)
 BASE = dict(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf16")
 
@@ -111,7 +113,7 @@ def clean_killed_segment(name, timeout=5.0):
 
     deadline = time.monotonic() + timeout
     while True:
-        removed = clean_segments(dry_run=False)
+        removed = clean_segments(dry_run=False, tag=TAG)
         if name in removed:
             return
         seg = next((x for x in scan_segments() if x.name == name), None)

@@ -3,6 +3,7 @@ which puts this folder first on sys.path)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -43,4 +44,4 @@ def stop_decode(child: Any) -> None:
     child.stdout.close()
     from pdkv.shmclean import clean_segments
 
-    clean_segments(dry_run=False)
+    clean_segments(dry_run=False, tag=os.environ.get("PDKV_SHM_TAG") or None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -197,7 +198,7 @@ def main() -> int:
             child.wait(10)
             from pdkv.shmclean import clean_segments
 
-            clean_segments(dry_run=False)
+            clean_segments(dry_run=False, tag=os.environ.get("PDKV_SHM_TAG") or None)
 
     for kib in [int(x) for x in a.sizes_kib.split(",")]:
         one_size(kib)

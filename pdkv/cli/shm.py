@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="list pdkv buffers and what is known of their creators")
     c = sub.add_parser("clean", help="remove buffers provably left by a dead creator (dry run unless --yes)")
     c.add_argument("--yes", action="store_true", help="really remove them")
+    c.add_argument("--tag", help="only buffers made under this $PDKV_SHM_TAG (default: every pdkv buffer)")
     args = ap.parse_args(argv)
     if args.cmd == "list":
         segs = scan_segments()
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"\tmapped_by={','.join(map(str, s.mapped_by)) or '-'}"
             )
         return 0
-    rep = clean(dry_run=not args.yes)
+    rep = clean(dry_run=not args.yes, tag=args.tag)
     verb = "removed" if args.yes else "would remove"
     for n in rep.removed:
         print(f"{verb} {n}")
