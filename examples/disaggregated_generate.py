@@ -54,11 +54,19 @@ def tiny_llama(device: str = "cpu") -> Any:
     return LlamaForCausalLM(cfg).eval().to(device=device, dtype=torch.bfloat16)
 
 
-def prompt(device: str = "cpu") -> Any:
+SHARED = 8  # tokens the prompt variants share: the first two blocks
+
+
+def prompt(device: str = "cpu", variant: int = 0) -> Any:
+    """The prompt; ``variant`` n > 0 keeps its first ``SHARED`` tokens and changes the rest
+    (a prompt sharing a prefix with the first, as a decode-side prefix cache meets them)."""
     import torch
 
     g = torch.Generator().manual_seed(SEED + 1)
-    return torch.randint(0, 256, (1, PROMPT_LEN), generator=g).to(device)
+    ids = torch.randint(0, 256, (1, PROMPT_LEN), generator=g)
+    if variant:
+        ids[0, SHARED:] = (ids[0, SHARED:] + 7 * variant) % 256
+    return ids.to(device)
 
 
 def layout(tp: int, rank: int, token_major: bool) -> pdkv.KVLayout:
@@ -110,7 +118,7 @@ def run_prefill(a: argparse.Namespace) -> int:
     (blocks of its own choosing), handed to pdkv layer by layer; the first token printed."""
     import torch
 
-    model, ids = tiny_llama(a.device), prompt(a.device)
+    model, ids = tiny_llama(a.device), prompt(a.device, a.variant)
     with torch.no_grad():
         out = model(ids, use_cache=True)
     first = int(out.logits[0, -1].argmax())
@@ -217,11 +225,13 @@ def greedy(model: Any, kv: list[tuple[Any, Any]], first: int, new_tokens: int) -
     return out
 
 
-def spawn_prefill(control: str, transport: str, tp: int, device: str, request: str) -> subprocess.Popen[str]:
+def spawn_prefill(
+    control: str, transport: str, tp: int, device: str, request: str, variant: int = 0
+) -> subprocess.Popen[str]:
     here = os.path.abspath(__file__)
     return subprocess.Popen(
         [sys.executable, here, "--role", "prefill", "--control", control, "--transport", transport]
-        + ["--prefill-tp", str(tp), "--device", device, "--request", request],
+        + ["--prefill-tp", str(tp), "--device", device, "--request", request, "--variant", str(variant)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -238,6 +248,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--control", default="")
     ap.add_argument("--request", default="prompt-0")
+    ap.add_argument("--variant", type=int, default=0, help="prefill: the prompt variant (see prompt())")
     a = ap.parse_args()
     if a.role == "prefill":
         return run_prefill(a)

@@ -140,6 +140,7 @@ class Grant:
     token: int
     lease_expires: float
     lease_s: float
+    prefix_blocks: int = 0  # the prompt's first blocks decode holds already (not granted, never written)
 
 
 class _Writers:
@@ -198,6 +199,7 @@ class ReadyRequest:
     request_id: str
     gpu_blocks: tuple[int, ...]
     num_tokens: int | None
+    prefix_blocks: int = 0  # the first ``prefix_blocks`` of ``gpu_blocks`` were decode's held prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +279,8 @@ class _Req:
     reason: str = ""
     in_ready: bool = False
     gpu_ok: bool = True  # may take GPU blocks directly (with options.direct_to_gpu)
+    prefix: tuple[int, ...] = ()  # decode's own blocks for the prompt's start (DecodeScheduler.hold_prefix)
+    release: Any = None  # called once with (rid, prefix) when the prefix is no longer needed
     writers: _Writers = field(default_factory=_Writers)
 
 
@@ -291,6 +295,24 @@ class _Quarantine:
 
     def releasable(self, now: float) -> bool:
         return self.writers.n == 0 and (self.fenced or self.release_at <= now)
+
+
+@dataclass(slots=True, eq=False)
+class _Hold:
+    """A prefix held for a request prefill has not reserved yet (DecodeScheduler.hold_prefix)."""
+
+    blocks: tuple[int, ...]
+    release: Any
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
+    """A prefix release due, delivered with the events once the lock is dropped."""
+
+    fn: Any
+    request_id: str
+    blocks: tuple[int, ...]
 
 
 @dataclass
@@ -324,6 +346,8 @@ class _Metrics:
                 "quarantined_blocks_released",
                 "buffer_blocks_peak",
                 "writes_admitted",
+                "prefix_blocks_reused",
+                "prefix_holds_expired",
             ),
             0,
         )

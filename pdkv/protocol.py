@@ -269,6 +269,7 @@ class GrantMsg(_Base, tag="grant", frozen=True):
     token: int = 0
     lease_s: float = 0.0
     reason: str = ""
+    prefix_blocks: _U32 = 0  # the prompt's first blocks decode holds already: prefill skips them
 
 
 class GrantBatch(_Base, tag="grants", frozen=True):

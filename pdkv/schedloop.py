@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
-from .lifecycle import _WRITABLE, Event, EventKind, State, SwapHandle, _Req
+from .lifecycle import _WRITABLE, Event, EventKind, State, SwapHandle, _Release, _Req
 
 if TYPE_CHECKING:
     from .scheduler import DecodeScheduler
@@ -94,7 +94,7 @@ def admit_swaps(s: DecodeScheduler, now: float) -> list[_Req]:
     return out
 
 
-def submit(s: DecodeScheduler, reqs: list[_Req]) -> list[Event]:
+def submit(s: DecodeScheduler, reqs: list[_Req]) -> list[Event | _Release]:
     assert s.swap is not None
     results: list[tuple[_Req, SwapHandle | None, Exception | None]] = []
     for req in reqs:  # no lock held: the backend may launch kernels, take time
@@ -143,3 +143,11 @@ def swap_finished(s: DecodeScheduler, req: _Req, err: BaseException | None, now:
     s._ready.append(req)
     m["requests_ready"] += 1
     s._event(EventKind.READY, req.rid, t=now)
+
+
+def expire_holds(s: DecodeScheduler, now: float) -> None:
+    """Prefix holds no reservation claimed within ``lease_s`` are released."""
+    for rid in [r for r, h in s._holds.items() if h.deadline <= now]:
+        h = s._holds.pop(rid)
+        s._m["prefix_holds_expired"] += 1
+        s._release_prefix(rid, h.blocks, h.release)

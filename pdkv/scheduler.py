@@ -31,7 +31,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from . import schedloop, schedview
 from .blocks import BlockAllocator, BlockPool
@@ -51,8 +51,10 @@ from .lifecycle import (
     SwapBackend,
     SwapHandle,
     WriteTicket,
+    _Hold,
     _Metrics,
     _Quarantine,
+    _Release,
     _Req,
 )
 
@@ -70,6 +72,9 @@ __all__ = [
     "SwapHandle",
     "DecodeScheduler",
 ]
+
+
+Release = Callable[[str, tuple[int, ...]], None]  # a held prefix's release (DecodeScheduler.hold_prefix)
 
 
 class DecodeScheduler:
@@ -156,12 +161,14 @@ class DecodeScheduler:
         self._ready: deque[_Req] = deque()
         self._busy_since = 0.0
         self._quarantine: list[_Quarantine] = []
-        self._events: list[Event] = []
+        self._events: list[Event | _Release] = []
+        self._holds: dict[str, _Hold] = {}  # hold_prefix's, not yet claimed by a reservation
         self._m = _Metrics().counters
 
     # ------------------------------------------------------------------ helpers
-    def _emit(self) -> list[Event]:
-        # called with the lock held: takes the events; the caller delivers them unlocked
+    def _emit(self) -> list[Event | _Release]:
+        # called with the lock held: takes the events (and prefix releases due); the caller
+        # delivers them unlocked
         ev, self._events = self._events, []
         return ev
 
@@ -169,13 +176,21 @@ class DecodeScheduler:
         if self.listener is not None or self._listeners:
             self._events.append(Event(kind, rid, grant, reason, t))
 
-    def _deliver(self, events: list[Event]) -> None:
+    def _deliver(self, events: list[Event | _Release]) -> None:
         if not events:
             return
         fns = ((self.listener,) if self.listener is not None else ()) + self._listeners
         for e in events:
+            if isinstance(e, _Release):
+                e.fn(e.request_id, e.blocks)
+                continue
             for fn in fns:
                 fn(e)
+
+    def _release_prefix(self, rid: str, blocks: tuple[int, ...], fn: Release | None) -> None:
+        """A held prefix is no longer needed: ``fn(rid, blocks)`` once the lock is dropped."""
+        if blocks and fn is not None:
+            self._events.append(_Release(fn, rid, blocks))
 
     def add_listener(self, fn: Callable[[Event], None]) -> None:
         """Also call ``fn`` with every event (after ``listener``), e.g. a transport's; as
@@ -261,7 +276,7 @@ class DecodeScheduler:
         req.expires = now + o.lease_s
         self._push_expiry(req)
         self._m["reservations_" + req.location] += 1
-        return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, o.lease_s)  # type: ignore[arg-type]
+        return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, o.lease_s, len(req.prefix))  # type: ignore[arg-type]
 
     def _release_blocks(self, req: _Req, *, quarantine: bool, now: float) -> None:
         w = req.writers
@@ -297,6 +312,8 @@ class DecodeScheduler:
             self._ready.remove(req)
         req.state = state
         req.reason = reason
+        prefix, req.prefix = req.prefix, ()
+        self._release_prefix(req.rid, prefix, req.release)
         del self._reqs[req.rid]
         self._tomb[req.rid] = (state, req.token, reason)
         if len(self._tomb) > self.options.max_tombstones:
@@ -348,17 +365,28 @@ class DecodeScheduler:
         direct = self.options.direct_to_gpu and gpu_ok
         gpu_cap = self.gpu.num_total - self.options.gpu_reserve_blocks
         buf_cap = self.buffer.num_total if self.buffer is not None else 0
-        if num_blocks > gpu_cap or (not direct and num_blocks > buf_cap):
-            raise RequestError(
-                f"request {request_id!r} needs {num_blocks} blocks: more than the GPU pool can ever give "
-                f"({gpu_cap} above the reserve)" + ("" if direct else f" or the buffer holds ({buf_cap})")
-            )
         now = self.clock()
         with self._lock:
             if request_id in self._reqs:
                 raise RequestError(f"request {request_id!r} is already live ({self._reqs[request_id].state.value})")
+            hold = self._holds.get(request_id)
+            p = len(hold.blocks) if hold is not None else 0
+            if p >= num_blocks:
+                raise RequestError(
+                    f"request {request_id!r}: its held prefix of {p} blocks covers all {num_blocks} blocks "
+                    "of the prompt; nothing would be received"
+                )
+            n = num_blocks - p  # only the suffix is granted and received
+            if n > gpu_cap or (not direct and n > buf_cap):
+                raise RequestError(
+                    f"request {request_id!r} needs {n} blocks: more than the GPU pool can ever give "
+                    f"({gpu_cap} above the reserve)" + ("" if direct else f" or the buffer holds ({buf_cap})")
+                )
             self._tomb.pop(request_id, None)
-            req = _Req(request_id, num_blocks, num_tokens, peer, gpu_ok=gpu_ok)
+            req = _Req(request_id, n, num_tokens, peer, gpu_ok=gpu_ok)
+            if hold is not None:
+                del self._holds[request_id]
+                req.prefix, req.release = hold.blocks, hold.release
             # queued requests go first: a new one may not overtake them
             grant = None if self._queue else self._grant(req, now)
             if grant is not None:
@@ -375,10 +403,76 @@ class DecodeScheduler:
                 self._m["reservations_rejected"] += 1
                 why = "queue full" if self.options.on_full == "queue" else "no free GPU or buffer blocks"
                 res = Reservation(request_id, "rejected", reason=why)
+                self._release_prefix(request_id, req.prefix, req.release)
+            if p and res.outcome != "rejected":
+                self._m["prefix_blocks_reused"] += p
             ev = self._emit() if self._events else None
         if ev:
             self._deliver(ev)
         return res
+
+    def hold_prefix(
+        self,
+        request_id: str,
+        blocks: Sequence[int],
+        release: Release | None = None,
+    ) -> None:
+        """Decode's prefix cache already holds the first ``len(blocks)`` blocks of
+        ``request_id``'s prompt (GPU block ids of the engine's, in order): when prefill
+        reserves the request, only the rest is granted and received (the grant's
+        ``prefix_blocks`` says how many prefill skips), and the ready request's
+        ``gpu_blocks`` are ``blocks`` followed by the received ones.
+
+        The blocks stay the engine's: pdkv never writes, frees or hands them out. It calls
+        ``release(request_id, blocks)`` exactly once, with no lock held, when it no longer
+        needs them: at :meth:`finish`, when the request fails, expires, is aborted or
+        rejected, at :meth:`drop_prefix`, or when no reservation claimed the hold within
+        ``lease_s``. Call it before prefill reserves the request.
+
+        Raises RequestError for a live or already held request, or block ids that are not
+        distinct GPU block ids (with a :class:`BlockPool` as the GPU pool: ids it does not
+        hold, i.e. that the engine has not allocated).
+        """
+        if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
+            raise RequestError(f"request_id={request_id!r} must be a non-empty string of at most 256 characters")
+        try:
+            ids = tuple(int(b) for b in blocks)
+        except (TypeError, ValueError):
+            raise RequestError(f"request {request_id!r}: prefix blocks must be integers") from None
+        total = self.gpu.num_total
+        if not ids or len(set(ids)) != len(ids) or any(not 0 <= b < total for b in ids):
+            raise RequestError(
+                f"request {request_id!r}: a prefix must be distinct GPU block ids in [0, {total}), got {list(ids)[:8]}"
+            )
+        if release is not None and not callable(release):
+            raise RequestError(f"request {request_id!r}: release={release!r} must be callable")
+        if isinstance(self.gpu, BlockPool):
+            free = [b for b in ids if not self.gpu.is_held(b)]
+            if free:
+                raise RequestError(
+                    f"request {request_id!r}: prefix blocks {free[:8]} are free in the GPU pool "
+                    "(a prefix is blocks the engine holds)"
+                )
+        with self._lock:
+            if request_id in self._reqs or request_id in self._holds:
+                raise RequestError(f"request {request_id!r} is already live or holds a prefix")
+            self._holds[request_id] = _Hold(ids, release, self.clock() + self.options.lease_s)
+
+    def drop_prefix(self, request_id: str) -> None:
+        """Give back a prefix held for a request prefill has not reserved: its release runs
+        now. RequestError if there is no unclaimed hold for it (a reservation that claimed
+        the hold releases it when it ends: abort the request instead)."""
+        with self._lock:
+            hold = self._holds.pop(request_id, None)
+            if hold is None:
+                live = request_id in self._reqs
+                raise RequestError(
+                    f"request {request_id!r} holds no unclaimed prefix"
+                    + (" (its reservation claimed it: abort the request)" if live else "")
+                )
+            self._release_prefix(request_id, hold.blocks, hold.release)
+            ev = self._emit()
+        self._deliver(ev)
 
     # ------------------------------------------------------------------ receiving
     def check_write(self, request_id: str, token: int) -> Grant:
@@ -389,7 +483,15 @@ class DecodeScheduler:
         """
         with self._locked():
             req, blocks = self._writable_blocks(request_id, token)
-            return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, self.options.lease_s)  # type: ignore[arg-type]
+            return Grant(
+                req.rid,
+                req.location,  # type: ignore[arg-type]
+                tuple(blocks),
+                req.token,
+                req.expires,
+                self.options.lease_s,
+                len(req.prefix),
+            )
 
     def begin_write(self, request_id: str, token: int) -> WriteTicket:
         """Admit a write into ``request_id``'s blocks: validate as :meth:`check_write`, then
@@ -558,7 +660,7 @@ class DecodeScheduler:
             out = []
             for r in self._ready:
                 r.in_ready = False
-                out.append(ReadyRequest(r.rid, tuple(r.gpu_blocks or ()), r.tokens))
+                out.append(ReadyRequest(r.rid, r.prefix + tuple(r.gpu_blocks or ()), r.tokens, len(r.prefix)))
             self._ready.clear()
             return out
 
@@ -577,12 +679,17 @@ class DecodeScheduler:
             if req.in_ready:
                 self._ready.remove(req)
             req.state = State.FINISHED
+            prefix, req.prefix = req.prefix, ()
+            self._release_prefix(request_id, prefix, req.release)
             del self._reqs[request_id]
             tomb = self._tomb
             tomb[request_id] = (State.FINISHED, req.token, "")
             if len(tomb) > self.options.max_tombstones:
                 tomb.popitem(last=False)
             self._m["requests_finished"] += 1  # FINISHED makes no event
+            ev = self._emit() if self._events else None
+        if ev:
+            self._deliver(ev)
 
     # ------------------------------------------------------------------ the loop
     def tick(self) -> list[Event]:
@@ -590,6 +697,8 @@ class DecodeScheduler:
         swaps. Call it from the engine loop. Returns the events it produced."""
         now = self.clock()
         with self._lock:
+            if self._holds:
+                schedloop.expire_holds(self, now)
             schedloop.expire_due(self, now)
             schedloop.release_quarantine(self, now)
             schedloop.grant_queued(self, now)
@@ -605,7 +714,7 @@ class DecodeScheduler:
             more = schedloop.submit(self, to_submit)
             self._deliver(more)
             ev = ev + more
-        return ev
+        return [e for e in ev if isinstance(e, Event)]
 
     # ------------------------------------------------------------------ observability
     def request(self, request_id: str) -> RequestInfo:
@@ -641,7 +750,8 @@ class DecodeScheduler:
         """:meth:`metrics` in the Prometheus text exposition format."""
         return schedview.prometheus(self, prefix)
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, engine_blocks: Iterable[int] = ()) -> None:
         """Assert the accounting invariants (tests): every pool's held blocks are exactly
-        those of live requests plus quarantine; no block has two owners."""
-        schedview.check_invariants(self)
+        those of live requests plus quarantine (plus, on the GPU pool, held prefixes and
+        ``engine_blocks``, GPU blocks the engine holds itself); no block has two owners."""
+        schedview.check_invariants(self, engine_blocks)

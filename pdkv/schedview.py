@@ -4,6 +4,7 @@ invariants tests assert (:func:`check_invariants`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from .blocks import BlockPool
@@ -46,9 +47,12 @@ def prometheus(s: DecodeScheduler, prefix: str = "pdkv_") -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_invariants(s: DecodeScheduler) -> None:
+def check_invariants(s: DecodeScheduler, engine_blocks: Iterable[int] = ()) -> None:
     """Assert the accounting invariants (tests): every pool's held blocks are exactly
-    those of live requests plus quarantine; no block has two owners."""
+    those of live requests plus quarantine, plus on the GPU pool the held prefixes
+    (:meth:`~pdkv.DecodeScheduler.hold_prefix`, which may share blocks) and
+    ``engine_blocks`` (GPU blocks the engine holds itself); no block has two owners, and no
+    prefix block is granted or quarantined."""
     with s._lock:
         owned: dict[int, dict[int, str]] = {id(s.gpu): {}, id(s.buffer): {}}
         for r in s._reqs.values():
@@ -64,9 +68,16 @@ def check_invariants(s: DecodeScheduler) -> None:
             for b in q.blocks:
                 assert b not in owned[id(q.pool)], f"quarantined block {b} also held by {owned[id(q.pool)][b]}"
                 owned[id(q.pool)][b] = "<quarantine>"
+        prefix = {b for h in s._holds.values() for b in h.blocks} | {b for r in s._reqs.values() for b in r.prefix}
+        for b in prefix:
+            assert b not in owned[id(s.gpu)], f"prefix block {b} also held by {owned[id(s.gpu)][b]}"
+        extra = prefix | set(engine_blocks)
         for pool in (s.gpu, s.buffer):
             if isinstance(pool, BlockPool):
                 held = owned[id(pool)]
-                assert pool.num_held == len(held), f"{pool.name}: pool holds {pool.num_held}, owners {len(held)}"
+                outside = extra - held.keys() if pool is s.gpu else set()
+                assert all(pool.is_held(b) for b in outside), f"{pool.name}: a prefix or engine block is free"
+                want = len(held) + len(outside)
+                assert pool.num_held == want, f"{pool.name}: pool holds {pool.num_held}, owners {want}"
                 assert all(pool.is_held(b) for b in held)
                 assert pool.num_free + pool.num_held == pool.num_total

@@ -98,6 +98,65 @@ def test_accuracy_control_a_damaged_block_changes_the_result(reference, no_leaks
     assert "layer 0 K differs" not in bad and "layer 1 V differs" not in bad
 
 
+def run_shared_prefix(transport, P, D, device, rid):
+    """Decode-side prefix reuse with a real model: request A's prompt goes through pdkv;
+    decode keeps A's first two blocks as its prefix cache (the engine holds them, frees the
+    rest); request B's prompt shares those tokens and differs after them. Decode holds
+    A's blocks for B, prefill sends B's whole prompt as usual, only B's last blocks travel,
+    and decode's tokens and K/V equal a colocated run of B's prompt."""
+    model = dg.tiny_llama(device)
+    ref_tokens, ref_kv = dg.colocated(model, dg.prompt(device, 1), NEW)
+    dec = dg.Decode(D, (transport,), device)
+    k = dg.SHARED // dg.BLOCK_TOKENS
+    released = []
+    try:
+        p = dg.spawn_prefill(dec.rx.control_address, transport, P, device, f"{rid}-a")
+        assert p.communicate(timeout=120)[0] and p.returncode == 0
+        a = dec.wait_ready(f"{rid}-a")
+        dec.sched.finish(f"{rid}-a", free_gpu_blocks=False)  # the engine keeps A's blocks
+        prefix = list(a.gpu_blocks[:k])
+        dec.sched.gpu.free(list(a.gpu_blocks[k:]))  # and caches only the shared prefix
+        before = [c.blocks_view(layer, t)[prefix].clone() for c in dec.caches for layer in range(2) for t in range(2)]
+        swapped = dec.sched.metrics()["swap_bytes"]
+        dec.sched.hold_prefix(f"{rid}-b", prefix, release=lambda r, b: released.append((r, b)))
+        p = dg.spawn_prefill(dec.rx.control_address, transport, P, device, f"{rid}-b", variant=1)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        info = json.loads(out.strip().splitlines()[-1])
+        assert info["states"] == ["received"] * P
+        r = dec.wait_ready(f"{rid}-b")
+        assert list(r.gpu_blocks[:k]) == prefix and r.prefix_blocks == k
+        after = [c.blocks_view(layer, t)[prefix] for c in dec.caches for layer in range(2) for t in range(2)]
+        assert all(torch.equal(x, y) for x, y in zip(before, after))  # never written
+        m = dec.sched.metrics()
+        assert m["prefix_blocks_reused"] == k  # and only the rest came through the buffer:
+        assert m["swap_bytes"] - swapped == (len(r.gpu_blocks) - k) * dec.sched.block_bytes
+        kv = dec.rebuild(r.gpu_blocks)
+        tokens = dg.greedy(model, kv, info["first_token"], NEW)
+        assert not released
+        dec.sched.finish(f"{rid}-b")
+        assert released == [(f"{rid}-b", tuple(prefix))]
+        dec.sched.gpu.free(prefix)  # the engine drops its prefix cache
+        wait_until(lambda: dec.sched.gpu.num_free == dg.NB, 5, "decode's blocks back")
+        return mismatches(tokens, kv, ref_tokens, ref_kv)
+    finally:
+        dec.close()
+
+
+@pytest.mark.multiproc
+def test_accuracy_with_a_prefix_decode_already_holds(no_leaks):
+    """tcp, prefill TP 1 -> decode TP 2 (the heads split on the way)."""
+    bad = run_shared_prefix("tcp", 1, 2, "cpu", "acc-prefix")
+    assert bad == [], bad
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+def test_accuracy_with_a_prefix_decode_already_holds_gpu(cuda_device, no_leaks):
+    bad = run_shared_prefix("shm", 2, 1, "cuda", "acc-gpu-prefix")
+    assert bad == [], bad
+
+
 @pytest.mark.cuda
 @pytest.mark.multiproc
 @pytest.mark.parametrize("transport,P,D", [("shm", 2, 1), ("cuda_ipc", 1, 2), ("tcp", 2, 1)])

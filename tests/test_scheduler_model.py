@@ -12,6 +12,7 @@ caught and discarded.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class MReq:
     reserved_at: float = 0.0
     swap_started: float = 0.0
     writers: list[int] = field(default_factory=lambda: [0])  # shared with quarantine entries
+    prefix: tuple[int, ...] = ()  # decode's held prefix (hold_prefix), released once
 
 
 @dataclass
@@ -102,6 +104,9 @@ class ModelScheduler:
         self.swapping: list[str] = []
         self.ready: list[str] = []
         self.quar: list[MQuar] = []
+        self.holds: dict[str, tuple[tuple[int, ...], float]] = {}  # unclaimed prefix holds: blocks, deadline
+        self.releases: list[tuple[str, tuple[int, ...]]] = []  # prefix releases, in order
+        self.unfreed: list[int] = []  # released prefix blocks the engine frees after the call
         self.events: list[tuple] = []  # (kind, rid, reason, t, grant fields or None)
         self.now = 0.0
         self.m = dict.fromkeys(
@@ -132,6 +137,8 @@ class ModelScheduler:
                 "swap_busy_seconds",
                 "prefill_wait_avoided_seconds_sum",
                 "prefill_wait_avoided_seconds_max",
+                "prefix_blocks_reused",
+                "prefix_holds_expired",
             ),
             0,
         )
@@ -153,6 +160,19 @@ class ModelScheduler:
                     self.quar.append(MQuar(now + self.o.fence_grace_s, req.peer, pool, blocks, req.writers))
                 else:
                     self.free[pool] |= set(blocks)
+
+    def release_prefix(self, rid, blocks):
+        """The scheduler gives a held prefix back; the engine (the machine) frees it, in
+        its release callback, which runs once the scheduler call has returned its lock:
+        decisions later in the same call do not see those blocks free (see settle)."""
+        if blocks:
+            self.releases.append((rid, tuple(blocks)))
+            self.unfreed.extend(blocks)
+
+    def settle(self):
+        """Released prefixes freed by the engine: before the next call that allocates."""
+        self.free["gpu"] |= set(self.unfreed)
+        self.unfreed = []
 
     def free_quar(self, q):
         self.quar.remove(q)
@@ -197,6 +217,8 @@ class ModelScheduler:
         if req.state is State.READY and req.in_ready:
             self.ready.remove(req.rid)
         req.state = state
+        self.release_prefix(req.rid, req.prefix)
+        req.prefix = ()
         del self.reqs[req.rid]
         self.entomb(req.rid, state, reason)
         key = {
@@ -235,9 +257,14 @@ class ModelScheduler:
         return None
 
     def tick(self, now, swap: Swap, expiry_order: Sequence[str] = ()):
+        self.settle()
         # leases that end at one instant end in no promised order: the real one's order is
         # taken (it decides which tombstones the oldest-first eviction drops)
         rank = {rid: i for i, rid in enumerate(expiry_order)}
+        for rid in [r for r, (_, dl) in self.holds.items() if dl <= now]:
+            blocks, _ = self.holds.pop(rid)
+            self.m["prefix_holds_expired"] += 1
+            self.release_prefix(rid, blocks)
         for req in sorted(
             [r for r in self.reqs.values() if r.state in WRITABLE and r.expires <= now],
             key=lambda r: (r.expires, rank.get(r.rid, len(rank))),
@@ -371,6 +398,13 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         self.k = 0
         self.tickets: list[tuple[object, MReq]] = []
         self.kept: list[list[int]] = []  # GPU blocks the engine kept past finish(free_gpu_blocks=False)
+        self.real_released: list[tuple[str, tuple[int, ...]]] = []
+
+    def _released(self, rid, blocks):
+        """The engine's release of a held prefix: recorded, and the blocks freed (a second
+        release of the same hold would be a double free, which the pool refuses)."""
+        self.real_released.append((rid, tuple(blocks)))
+        self.s.gpu.free(list(blocks))
 
     # -- helpers
     def _events(self, ordered=True, returned=None):
@@ -405,26 +439,45 @@ class SchedulerModelMachine(RuleBasedStateMachine):
     # -- rules
     @rule(n=st.integers(1, 15), gpu_ok=st.booleans(), peer=st.sampled_from(["A", "B"]), data=st.data())
     def reserve(self, n, gpu_ok, peer, data=None):
-        reuse = sorted(r for r in self.m.tomb)
+        reuse = sorted(r for r in self.m.tomb if r not in self.m.holds)
         if data is not None and reuse and data.draw(st.integers(0, 3)) == 0:
             rid = data.draw(st.sampled_from(reuse))  # an id whose request ended: allowed again
         else:
             self.k += 1
             rid = f"r{self.k}"
+        self._reserve(rid, n, gpu_ok, peer)
+
+    def _reserve(self, rid, n, gpu_ok, peer):
         o, m = self.m.o, self.m
-        direct = o.direct_to_gpu and gpu_ok
-        cap = self.GPU - o.gpu_reserve_blocks
-        if n > cap or (not direct and n > m.total["buffer"]):
+        m.settle()
+        hold = m.holds.get(rid)
+        p = len(hold[0]) if hold is not None else 0
+        if p >= n:
             _raises(
                 RequestError(
-                    f"request {rid!r} needs {n} blocks: more than the GPU pool can ever give "
+                    f"request {rid!r}: its held prefix of {p} blocks covers all {n} blocks of the prompt; "
+                    "nothing would be received"
+                ),
+                lambda: self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok),
+            )
+            return
+        direct = o.direct_to_gpu and gpu_ok
+        cap = self.GPU - o.gpu_reserve_blocks
+        ns = n - p  # only the suffix is granted
+        if ns > cap or (not direct and ns > m.total["buffer"]):
+            _raises(
+                RequestError(
+                    f"request {rid!r} needs {ns} blocks: more than the GPU pool can ever give "
                     f"({cap} above the reserve)" + ("" if direct else f" or the buffer holds ({m.total['buffer']})")
                 ),
                 lambda: self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok),
             )
             return
         self.last_rid = rid
-        req = MReq(rid, n, peer, gpu_ok)
+        req = MReq(rid, ns, peer, gpu_ok)
+        if hold is not None:
+            del m.holds[rid]
+            req.prefix = hold[0]
         now = self.clock.t
         m.tomb.pop(rid, None)
         if not m.queue and m.grant(req, now):
@@ -440,16 +493,104 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         else:
             m.m["reservations_rejected"] += 1
             want, why = "rejected", "queue full" if o.on_full == "queue" else "no free GPU or buffer blocks"
+            m.release_prefix(rid, req.prefix)
+        if p and want != "rejected":
+            m.m["prefix_blocks_reused"] += p
+            event(f"a held prefix claimed ({want})")
         r = self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok)
         assert (r.request_id, r.outcome, r.reason) == (rid, want, why), (r, want, why)
         if r.grant is not None:
             g = r.grant
             assert (g.request_id, g.location, g.blocks, g.lease_expires, g.lease_s) == m.grant_fields(req)
+            assert g.prefix_blocks == p
             assert 0 <= g.token < 1 << 63
             req.token = g.token
         else:
             assert r.grant is None
         self._events()
+
+    @rule(k=st.integers(1, 4), data=st.data())
+    def hold_prefix(self, k, data):
+        """The engine's prefix cache has the first k blocks of a request's prompt: it holds
+        k GPU blocks of its own and names them before prefill reserves."""
+        m = self.m
+        m.settle()
+        if len(m.free["gpu"]) < k:
+            return
+        live = sorted(r for r in m.reqs if r not in m.holds)
+        if live and data.draw(st.integers(0, 5)) == 0:
+            rid = data.draw(st.sampled_from(live))  # live already: refused, nothing held
+        else:
+            self.k += 1
+            rid = f"h{self.k}"
+        ids = m.alloc("gpu", k)
+        assert self.s.gpu.allocate(k) == ids  # the engine takes them from the same pool
+        if rid in m.reqs:
+            _raises(
+                RequestError(f"request {rid!r} is already live or holds a prefix"),
+                lambda: self.s.hold_prefix(rid, ids, self._released),
+            )
+            self.s.gpu.free(ids)
+            m.free["gpu"] |= set(ids)
+            return
+        self.s.hold_prefix(rid, ids, self._released)
+        m.holds[rid] = (tuple(ids), self.clock.t + m.o.lease_s)
+
+    @rule(k=st.integers(1, 3), extra=st.integers(1, 5), gpu_ok=st.booleans(), data=st.data())
+    def serve_with_a_prefix(self, k, extra, gpu_ok, data):
+        """The prefix path in one step: hold, reserve the suffix, every layer, complete,
+        tick (the engine then takes it with its prefix in front)."""
+        before = set(self.m.holds)
+        self.hold_prefix(k, data)
+        new = sorted(set(self.m.holds) - before)
+        if not new:
+            return
+        rid = new[0]
+        self._reserve(rid, k + extra, gpu_ok, "A")
+        if rid in self.m.reqs and self.m.reqs[rid].state in WRITABLE:
+            self.complete_rid(rid, early=1)
+        self.tick()
+
+    @rule(data=st.data(), extra=st.integers(1, 8), gpu_ok=st.booleans())
+    def reserve_with_a_held_prefix(self, data, extra, gpu_ok):
+        held = sorted(self.m.holds)
+        if held:
+            rid = data.draw(st.sampled_from(held))
+            p = len(self.m.holds[rid][0])
+            n = p + extra if data.draw(st.integers(0, 5)) else data.draw(st.integers(1, p))  # sometimes all prefix
+            self._reserve(rid, n, gpu_ok, "A")
+
+    @rule(data=st.data())
+    def drop_prefix(self, data):
+        m = self.m
+        held = sorted(m.holds)
+        if held and data.draw(st.integers(0, 3)):
+            rid = data.draw(st.sampled_from(held))
+            blocks, _ = m.holds.pop(rid)
+            m.release_prefix(rid, blocks)
+            self.s.drop_prefix(rid)
+            return
+        rid = self._any_rid(data)
+        if rid in m.holds:
+            return
+        claimed = " (its reservation claimed it: abort the request)" if rid in m.reqs else ""
+        _raises(RequestError(f"request {rid!r} holds no unclaimed prefix{claimed}"), lambda: self.s.drop_prefix(rid))
+
+    @rule(data=st.data())
+    def hold_bad_prefixes(self, data):
+        """Refused, nothing held: free blocks, duplicates, ids outside the pool."""
+        m = self.m
+        self.k += 1
+        rid = f"bad{self.k}"
+        m.settle()
+        free = sorted(m.free["gpu"])
+        cases = [([self.GPU], "a prefix must be distinct GPU block ids"), ([], "a prefix must be distinct")]
+        if free:
+            cases.append(([free[0]], f"request {rid!r}: prefix blocks [{free[0]}] are free in the GPU pool"))
+        blocks, msg = data.draw(st.sampled_from(cases))
+        with pytest.raises(RequestError, match=re.escape(msg)):
+            self.s.hold_prefix(rid, blocks)
+        assert rid not in self.s._holds
 
     @rule(n=st.integers(1, 6), gpu_ok=st.booleans(), peer=st.sampled_from(["A", "B"]), data=st.data())
     def serve_one(self, n, gpu_ok, peer, data):
@@ -613,7 +754,9 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         assert [r.request_id for r in got] == self.m.ready
         for r in got:
             req = self.m.reqs[r.request_id]
-            assert list(r.gpu_blocks) == req.gpu
+            assert list(r.gpu_blocks) == list(req.prefix) + req.gpu and r.prefix_blocks == len(req.prefix)
+            if req.prefix:
+                event("a request with a held prefix reached the engine")
             req.in_ready = False
         self.m.ready = []
         for r in got:
@@ -625,6 +768,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
             else:
                 self.kept.append(blocks)
             req.state = State.FINISHED
+            self.m.release_prefix(req.rid, req.prefix)
             del self.m.reqs[req.rid]
             self.m.entomb(req.rid, State.FINISHED, "")
             self.m.m["requests_finished"] += 1
@@ -654,6 +798,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         if req.in_ready:
             self.m.ready.remove(rid)
         self.m.free["gpu"] |= set(req.gpu)
+        self.m.release_prefix(rid, req.prefix)
         del self.m.reqs[rid]
         self.m.entomb(rid, State.FINISHED, "")
         self.m.m["requests_finished"] += 1
@@ -768,6 +913,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
     @invariant()
     def states_blocks_queue_quarantine_and_metrics_match_the_model(self):
         s, m = self.s, self.m
+        m.settle()
         assert sorted(s.live_requests()) == sorted(m.reqs)
         for rid in [*m.reqs, *m.tomb]:
             i = s.request(rid)
@@ -789,8 +935,10 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         assert list(s._queue) == m.queue
         got, want = s.metrics(), m.metrics()
         assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
-        if not self.kept:  # blocks an engine kept past finish() have no owner the scheduler knows
-            s.check_invariants()
+        assert self.real_released == m.releases
+        assert {r: h.blocks for r, h in s._holds.items()} == {r: h[0] for r, h in m.holds.items()}
+        # blocks an engine kept past finish() are the engine's, as are held prefixes
+        s.check_invariants(engine_blocks=[b for k in self.kept for b in k])
 
     def teardown(self):
         for t, _ in self.tickets:

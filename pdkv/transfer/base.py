@@ -58,6 +58,7 @@ class SendGrant:
     blocks: tuple[int, ...]
     token: int
     lease_s: float
+    prefix_blocks: int = 0  # the prompt's first blocks decode holds already: not sent
 
 
 @dataclass(frozen=True, slots=True)

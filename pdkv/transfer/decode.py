@@ -453,7 +453,15 @@ class DecodeReceiver:
         # bytes each layer must receive on this receiver's ranks, from every prefill rank
         per_block = peer.block_bytes_by_src
         per_layer = sum(per_block.values()) * len(blocks)
-        g = GrantMsg(grant.request_id, grant.location, grant.location, blocks, grant.token, grant.lease_s)
+        g = GrantMsg(
+            grant.request_id,
+            grant.location,
+            grant.location,
+            blocks,
+            grant.token,
+            grant.lease_s,
+            prefix_blocks=grant.prefix_blocks,
+        )
         with self.lock:
             old = self._inflight.get(grant.request_id)
             inf = Inflight(

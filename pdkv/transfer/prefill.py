@@ -459,7 +459,7 @@ class PrefillSender:
         with self._lock:
             w = self._reserve_waiters.get(msg.request_id)
         if msg.outcome in ("buffer", "gpu"):
-            g = SendGrant(msg.request_id, msg.location, tuple(msg.blocks), msg.token, msg.lease_s)
+            g = SendGrant(msg.request_id, msg.location, tuple(msg.blocks), msg.token, msg.lease_s, msg.prefix_blocks)
             with self._lock:
                 self._grants[msg.request_id] = g
                 self._reserve_waiters.pop(msg.request_id, None)
@@ -564,10 +564,17 @@ class PrefillSender:
                 g = self._grants.get(rid)
             if g is None:
                 continue  # resolved meanwhile (expired, aborted): nothing to write
+            p = g.prefix_blocks
+            if p:  # the engine's ids cover the prompt; decode holds its first p blocks already
+                skip = max(0, p - first)
+                src_blocks, first = src_blocks[skip:], max(0, first - p)
+                if not len(src_blocks):
+                    continue  # a chunk wholly inside decode's prefix
             dst = self._grant_ids(g)[first : first + len(src_blocks)]
             if len(dst) != len(src_blocks):
+                more = f" after the {p} of decode's prefix" if p else ""
                 self.fail_request(
-                    rid, f"{len(src_blocks)} source blocks but the grant has {len(g.blocks) - first} left"
+                    rid, f"{len(src_blocks)} source blocks{more} but the grant has {len(g.blocks) - first} left"
                 )
                 continue
             work.append(WriteItem(rid, g, src_blocks, dst, first))
