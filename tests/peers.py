@@ -195,6 +195,51 @@ def decode(a: argparse.Namespace) -> None:
         buf.unlink()
 
 
+def worker(a: argparse.Namespace) -> None:
+    """An engine worker owning decode rank ``a.rank``'s cache (of ``a.tp``), 64 blocks:
+    in device memory with ``--gpu``, else in a shared buffer. Prints its export, then
+    answers ``{"digest": [[layer, tensor, block], ...]}`` lines with the sha256 of each
+    block tensor as this process reads it; ``exit`` ends it."""
+    import hashlib
+
+    from pdkv import workers
+
+    lay = KVLayout(**LAYOUT, tp_size=a.tp, tp_rank=a.rank, token_major=a.nhd)
+    nb = 64
+    buf = None
+    if a.gpu:
+        from pdkv import _ffi
+
+        _ffi.cuda.set_device(a.device)
+        ptr = _ffi.cuda.malloc(lay.block_bytes * nb)
+        zero = np.zeros(lay.block_bytes * nb, np.uint8)
+        _ffi.cuda.memcpy(ptr, zero.ctypes.data, zero.nbytes)
+        spec = CacheSpec.for_buffer(lay, nb, ptr, device=a.device)
+    else:
+        buf, spec = workers.host_cache(lay, nb)
+    print(json.dumps({"export": workers.export_cache(lay, spec, buf).hex()}), flush=True)
+    host = np.empty(lay.block_bytes, np.uint8)
+    for line in sys.stdin:
+        if line.strip() == "exit":
+            break
+        out = []
+        for layer, t, b in json.loads(line)["digest"]:
+            n = lay.tensor_block_bytes(t)
+            addr = spec.address(layer, t, b)
+            if a.gpu:
+                _ffi.cuda.memcpy(host.ctypes.data, addr, n)
+                data = host[:n].tobytes()
+            else:
+                data = bytes(buf.buf[addr - buf.address : addr - buf.address + n])
+            out.append(hashlib.sha256(data).hexdigest())
+        print(json.dumps({"digest": out}), flush=True)
+    if buf is not None:
+        buf.close()
+        buf.unlink()
+    else:
+        _ffi.cuda.free(ptr)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("role")
@@ -219,11 +264,12 @@ if __name__ == "__main__":
     ap.add_argument("--nofile", type=int, default=0, help="decode: RLIMIT_NOFILE this many above the fds open")
     ap.add_argument("--auth-timeout", type=float, default=5.0)
     ap.add_argument("--device", type=int, default=0, help="prefill --gpu: the CUDA device of the cache")
+    ap.add_argument("--nhd", action="store_true", help="worker: a token-major layout")
     ap.add_argument(
         "--gpu",
         action="store_true",
         help="prefill: the cache in device memory; decode: serve cuda_ipc into a GPU cache",
     )
     a = ap.parse_args()
-    {"prefill": prefill, "decode": decode}[a.role](a)
+    {"prefill": prefill, "decode": decode, "worker": worker}[a.role](a)
     sys.exit(0)

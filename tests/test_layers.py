@@ -19,6 +19,7 @@ LAYERS = [
     {"pdkv.schedloop", "pdkv.schedview", "pdkv.scheduler"},
     {"pdkv.protocol", "pdkv.shmseg", "pdkv.rdma", "pdkv.interop"},
     {"pdkv.shm", "pdkv.shmclean", "pdkv.swap", "pdkv.cuda_ipc", "pdkv.native", "pdkv.modelcache"},
+    {"pdkv.workers"},
     {
         "pdkv.transfer.base",
         "pdkv.transfer.options",
