@@ -55,7 +55,7 @@ class NixlSender(SenderTransport):
     @classmethod
     def available(cls) -> bool:
         """``auto`` offers nixl only where NIXL is installed and the host has an RDMA
-        device: without one UCX moves the bytes over tcp, measured 0.55-0.65x pdkv's own
+        device: without one UCX moves the bytes over tcp, measured 0.5-0.75x pdkv's own
         tcp on the same host (docs/PERF.md, tools/bench_nixl.py)."""
         return bool(_ffi.verbs.rdma_devices()) and _ffi.nixl.available()
 
