@@ -468,7 +468,7 @@ class DecodeScheduler:
                 live = request_id in self._reqs
                 raise RequestError(
                     f"request {request_id!r} holds no unclaimed prefix"
-                    + (" (its reservation claimed it: abort the request)" if live else "")
+                    + (" (it is live: a prefix its reservation claimed is released when it ends)" if live else "")
                 )
             self._release_prefix(request_id, hold.blocks, hold.release)
             ev = self._emit()

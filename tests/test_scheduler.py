@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -1201,3 +1202,80 @@ def test_a_swap_finished_twice_by_racing_ticks_is_finished_once():
     before = s.metrics()
     schedloop.swap_finished(s, req, None, clock.t)  # the racing tick's late call
     assert s.metrics() == before and [x.request_id for x in s.take_ready()] == ["a"]
+
+
+# ---------------------------------------------------------------------- held prefixes
+
+
+def test_hold_prefix_refuses_bad_input_and_holds_nothing():
+    s, clock, swap, ev = make()
+    mine = s.gpu.allocate(3)  # the engine's prefix cache holds these
+    cases = [
+        ("", mine, "request_id='' must be a non-empty string"),
+        (7, mine, "request_id=7 must be a non-empty string"),
+        ("x" * 257, mine, "must be a non-empty string of at most 256 characters"),
+        ("a", ["z"], "request 'a': prefix blocks must be integers"),
+        ("a", None, "request 'a': prefix blocks must be integers"),
+        ("a", [], "request 'a': a prefix must be distinct GPU block ids in [0, 16)"),
+        ("a", [mine[0], mine[0]], "a prefix must be distinct GPU block ids"),
+        ("a", [16], "a prefix must be distinct GPU block ids in [0, 16), got [16]"),
+        ("a", [-1], "a prefix must be distinct GPU block ids"),
+        ("a", [mine[0], 9], "request 'a': prefix blocks [9] are free in the GPU pool"),
+    ]
+    for rid, blocks, msg in cases:
+        with pytest.raises(RequestError, match=re.escape(msg)):
+            s.hold_prefix(rid, blocks)
+    with pytest.raises(RequestError, match=re.escape("request 'a': release=3 must be callable")):
+        s.hold_prefix("a", mine, release=3)
+    assert not s._holds
+    s.hold_prefix("a", mine)
+    with pytest.raises(RequestError, match=re.escape("request 'a' is already live or holds a prefix")):
+        s.hold_prefix("a", mine[:1])
+    r = s.reserve("live", num_tokens=16)
+    with pytest.raises(RequestError, match=re.escape("request 'live' is already live or holds a prefix")):
+        s.hold_prefix("live", mine[:1])
+    assert s.request("live").state is State.RESERVED and r.grant.prefix_blocks == 0
+
+
+def test_a_held_prefix_is_skipped_in_every_grant_view_and_released_without_a_callback():
+    """The grant, check_write's grant and the ready request agree on the prefix; a hold
+    without a release callback ends silently."""
+    s, clock, swap, ev = make(direct_to_gpu=True)
+    mine = s.gpu.allocate(2)
+    s.hold_prefix("p", mine)  # no release: the engine tracks its blocks itself
+    r = s.reserve("p", num_tokens=16 * 5)
+    g = r.grant
+    assert r.outcome == "gpu" and len(g.blocks) == 3 and g.prefix_blocks == 2 and not set(g.blocks) & set(mine)
+    assert s.check_write("p", g.token).prefix_blocks == 2
+    assert s.request("p").num_blocks == 3
+    s.land_layers("p", g.token, range(4))
+    s.complete("p", g.token)
+    (ready,) = s.take_ready()
+    assert ready.gpu_blocks == (*mine, *g.blocks) and ready.prefix_blocks == 2 and ready.num_tokens == 80
+    s.finish("p")
+    assert s.gpu.num_free == 16 - 2 and all(s.gpu.is_held(b) for b in mine)  # the prefix stays the engine's
+    s.gpu.free(mine)
+    s.check_invariants()
+
+
+def test_drop_prefix_and_an_unclaimed_hold_expire_each_release_once():
+    s, clock, swap, ev = make()
+    got = []
+    a, b = s.gpu.allocate(1), s.gpu.allocate(2)
+    s.hold_prefix("a", a, release=lambda rid, blocks: got.append((rid, blocks)))
+    s.hold_prefix("b", b, release=lambda rid, blocks: got.append((rid, blocks)))
+    s.drop_prefix("a")
+    assert got == [("a", tuple(a))]
+    with pytest.raises(RequestError, match=re.escape("request 'a' holds no unclaimed prefix")):
+        s.drop_prefix("a")
+    clock.t += 9.9
+    s.tick()
+    assert got == [("a", tuple(a))]  # b's hold lives for lease_s
+    clock.t += 0.1
+    assert s.tick() == []  # a release is not an event
+    assert got == [("a", tuple(a)), ("b", tuple(b))] and s.metrics()["prefix_holds_expired"] == 1
+    s.reserve("c", num_tokens=16)
+    with pytest.raises(
+        RequestError, match=re.escape("(it is live: a prefix its reservation claimed is released when it ends)")
+    ):
+        s.drop_prefix("c")

@@ -573,7 +573,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         rid = self._any_rid(data)
         if rid in m.holds:
             return
-        claimed = " (its reservation claimed it: abort the request)" if rid in m.reqs else ""
+        claimed = " (it is live: a prefix its reservation claimed is released when it ends)" if rid in m.reqs else ""
         _raises(RequestError(f"request {rid!r} holds no unclaimed prefix{claimed}"), lambda: self.s.drop_prefix(rid))
 
     @rule(data=st.data())
