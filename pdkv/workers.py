@@ -97,21 +97,18 @@ def export_cache(layout: KVLayout, spec: CacheSpec, buffer: SharedBuffer | None 
     without one), or GPU memory that has no IPC handle (see :mod:`pdkv.cuda_ipc`)."""
     if spec.layout != layout:
         raise LayoutError(f"rank {layout.tp_rank}'s cache has another layout than the rank")
-    desc = layout_desc(layout)
+    common = dict(version=EXPORT_VERSION, rank=layout.tp_rank, layout=layout_desc(layout), num_blocks=spec.num_blocks)
     if spec.device is not None:
         with _ffi.cuda.on_device(spec.device):
             r = _export_rank(layout, spec)
-        out = CacheExport(
-            version=EXPORT_VERSION,
+        cuda = CacheExport(
             kind="cuda",
-            rank=layout.tp_rank,
-            layout=desc,
-            num_blocks=spec.num_blocks,
             regions=[tuple(x) for x in r["regions"]],
             allocs=[_Alloc(a["handle"], a["size"]) for a in r["allocs"]],
             device_uuid=r["device_uuid"],
+            **common,  # type: ignore[arg-type]
         )
-        return _encoder.encode(out)
+        return _encoder.encode(cuda)
     if buffer is None:
         raise LayoutError(
             f"rank {layout.tp_rank}'s host cache must live in a SharedBuffer to be exported (pdkv.workers.host_cache)"
@@ -128,17 +125,8 @@ def export_cache(layout: KVLayout, spec: CacheSpec, buffer: SharedBuffer | None 
                     f"the shared buffer {buffer.name!r}"
                 )
             regions.append((0, off, stride))
-    out = CacheExport(
-        version=EXPORT_VERSION,
-        kind="shm",
-        rank=layout.tp_rank,
-        layout=desc,
-        num_blocks=spec.num_blocks,
-        regions=regions,
-        shm_name=buffer.name,
-        shm_size=buffer.size,
-    )
-    return _encoder.encode(out)
+    shm = CacheExport(kind="shm", regions=regions, shm_name=buffer.name, shm_size=buffer.size, **common)  # type: ignore[arg-type]
+    return _encoder.encode(shm)
 
 
 def parse_export(data: bytes, layout: KVLayout | None = None) -> CacheExport:
