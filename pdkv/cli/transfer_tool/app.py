@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -258,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
         "mode",
         nargs="?",
         default="local",
-        choices=["local", "decode", "prefill"],
-        help="local (default): both sides on this host; decode/prefill: one side of a two-host test",
+        choices=["local", "decode", "prefill", "plan"],
+        help="local (default): both sides on this host; decode/prefill: one side of a two-host test; "
+        "plan: the capacity planner (replays --trace through the scheduler on a simulated clock)",
     )
     g = p.add_argument_group("endpoints")
     g.add_argument("--listen", default="", help="decode: ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555")
@@ -332,6 +334,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill caches in GPU memory (any transport: tcp and rdma stage them, or rdma registers them for "
         "GPUDirect; implied by --transport cuda_ipc)",
     )
+    g.add_argument(
+        "--token-ms",
+        type=float,
+        default=None,
+        help="decode time per output token: decode holds a ready request's GPU blocks for output_length x this "
+        "(default: 0 in a transfer test, finished at once; 30 in plan)",
+    )
+    g = p.add_argument_group("plan (capacity planner)")
+    g.add_argument("--gpu-gib", type=float, default=16.0, help="decode GPU memory for the KV cache, per rank")
+    g.add_argument(
+        "--buffer-sweep",
+        help="buffer sizes per decode rank to compare, GiB, comma-separated (default: 0 and 1/8..4 x the GPU pool)",
+    )
+    g.add_argument("--prefill-instances", type=int, default=1, help="prefill servers sharing the trace")
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=20000.0,
+        help="prefill throughput of one instance (compute time = input_length / this; --layer-ms overrides)",
+    )
+    g.add_argument(
+        "--bandwidth-gbps", type=float, default=0.0, help="prefill -> decode link, GB/s (default: measured here)"
+    )
+    g.add_argument("--swap-gbps", type=float, default=0.0, help="buffer -> GPU swap, GB/s (default: measured here)")
+    g.add_argument(
+        "--direct-to-gpu",
+        action="store_true",
+        help="the transport writes GPU blocks while decode has room (rdma GPUDirect, cuda_ipc, nixl VRAM); "
+        "default: every transfer through the buffer and a swap (shm, tcp)",
+    )
+    g.add_argument(
+        "--target-wait-ms", type=float, default=0.0, help="recommend the smallest buffer with p99 wait <= this"
+    )
+    g.add_argument("--target-ttft-ms", type=float, default=None, help="... and p99 time to first token <= this")
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure to this JSON file")
     g.add_argument("--plot", help="throughput and buffer occupancy over time (.png or .html)")
@@ -347,6 +383,8 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("--buffer-gib, --timeout and --time-scale must be positive")
     if a.secret and len(a.secret) < 16:
         raise UsageError("--secret must be at least 16 characters")
+    if a.mode == "plan":
+        _check_plan_args(a)
     if a.mode == "prefill" and not a.connect:
         raise UsageError("prefill mode needs --connect ADDR (decode's endpoint)")
     if a.mode == "decode" and not a.listen:
@@ -380,6 +418,25 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
 
 
+def _check_plan_args(a: argparse.Namespace) -> None:
+    if not a.trace:
+        raise UsageError("plan needs --trace FILE (a Mooncake-format JSONL trace, e.g. tests/data/*.jsonl)")
+    for name in ("gpu_gib", "prefill_tokens_per_s"):
+        v = getattr(a, name)
+        if not math.isfinite(v) or v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number")
+    for name in ("bandwidth_gbps", "swap_gbps", "target_wait_ms", "layer_ms"):
+        v = getattr(a, name)
+        if not math.isfinite(v) or v < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
+    if a.target_ttft_ms is not None and not (math.isfinite(a.target_ttft_ms) and a.target_ttft_ms > 0):
+        raise UsageError("--target-ttft-ms must be a positive number")
+    if a.prefill_instances <= 0:
+        raise UsageError("--prefill-instances must be positive")
+    if a.token_ms is None:
+        a.token_ms = 30.0
+
+
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
@@ -395,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_prefill(a, emit)
         if a.mode == "decode":
             return run_decode(a, console)
+        if a.mode == "plan":
+            from .capacity import run_plan
+
+            return run_plan(a, console, layout_kw(a))
         return run_local(a, console)
     except UsageError as exc:
         print(f"pdkv-transfer-test: error: {exc}", file=sys.stderr)

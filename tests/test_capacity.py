@@ -1,0 +1,241 @@
+"""The capacity planner (``pdkv-transfer-test plan``): the simulation against timelines
+worked out by hand, its invariants on random traces, the trace reader, the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdkv.cli.transfer_tool import main as tool_main
+from pdkv.cli.transfer_tool.capacity import (
+    PlanConfig,
+    TraceRequest,
+    prefix_savings,
+    read_trace,
+    recommend,
+    simulate,
+    sweep_sizes,
+)
+from pdkv.cli.transfer_tool.workload import UsageError
+from pdkv.layout import KVLayout
+
+TRACE = os.path.join(os.path.dirname(__file__), "data", "mooncake_synthetic_200.jsonl")
+
+# 2 layers of 1 KiB blocks (K and V, 1 head of 8, 16 tokens, bf16): a request of 160
+# tokens is 10 blocks, 10,240 bytes; at 10,240 B/s its transfer and its swap take 1 s
+LAY = KVLayout(num_layers=2, kv_heads=1, head_dim=8, tokens_per_block=16, dtype="bfloat16")
+
+
+def cfg(gpu_blocks: int = 10, **kw: object) -> PlanConfig:
+    base: dict[str, object] = dict(
+        layout=LAY,
+        decode_tp=1,
+        gpu_blocks=gpu_blocks,
+        layer_ms=500.0,  # compute 1 s
+        bandwidth=10240.0,
+        swap_bandwidth=10240.0,
+        token_s=0.1,  # 10 output tokens: decode holds the blocks 1 s
+        direct_to_gpu=False,
+    )
+    base.update(kw)
+    return PlanConfig(**base)  # type: ignore[arg-type]
+
+
+TWO = [TraceRequest("a", 0.0, 160, 10), TraceRequest("b", 0.0, 160, 10)]
+
+
+def test_no_buffer_prefill_waits_for_the_gpu_blocks():
+    # a: granted 0, computed 1.0, last layer lands max(1.0 + 0.5, 0.5 + 1.0) = 1.5, ready,
+    # finished 2.5. b: its server is free at 1.0, queued until a's blocks come back at 2.5
+    r = simulate(TWO, cfg(), 0)
+    f = r.figures()
+    assert sorted(r.wait_s) == pytest.approx([0.0, 1.5])
+    assert sorted(r.ttft_s) == pytest.approx([1.0, 3.5])
+    assert sorted(r.decode_start_s) == pytest.approx([1.6, 4.1])
+    assert (f["queued"], f["rejected"], f["completed"], f["swaps"]) == (1, 0, 2, 0)
+    assert f["prefill_wait_ms_max"] == pytest.approx(1500)
+    assert f["peak_gpu_blocks"] == 10 and f["peak_buffer_blocks"] == 0
+    assert f["simulated_s"] == pytest.approx(5.0)
+
+
+def test_a_buffer_for_one_request_frees_at_the_swap():
+    # a in the buffer, received 1.5, swapped 1.5-2.5 (ready), finished 3.5; b queued from
+    # 1.0 until the swap frees the buffer at 2.5, received 4.0, swapped once a finished
+    # (GPU free at 3.5, b received at 4.0): 4.0-5.0
+    r = simulate(TWO, cfg(), 10)
+    f = r.figures()
+    assert sorted(r.wait_s) == pytest.approx([0.0, 1.5])
+    assert sorted(r.decode_start_s) == pytest.approx([2.6, 5.1])
+    assert (f["queued"], f["swaps"], f["peak_buffer_blocks"]) == (1, 2, 10)
+    assert f["peak_buffer_occupancy"] == 1.0
+
+
+def test_a_buffer_for_both_removes_the_wait():
+    # b granted at 1.0 (no wait); both share the link: b lands max(2.0 + 0.5, 1.5 + 1.0) = 2.5,
+    # its swap waits for a to finish at 3.5: 3.5-4.5
+    r = simulate(TWO, cfg(), 20)
+    f = r.figures()
+    assert r.wait_s == pytest.approx([0.0, 0.0])
+    assert sorted(r.ttft_s) == pytest.approx([1.0, 2.0])
+    assert sorted(r.decode_start_s) == pytest.approx([2.6, 4.6])
+    assert (f["queued"], f["peak_buffer_blocks"], f["peak_gpu_blocks"]) == (0, 20, 10)
+
+
+def test_direct_to_gpu_uses_the_buffer_only_when_the_gpu_is_full():
+    # a straight into GPU blocks (ready 1.5, finished 2.5); b into the buffer at 1.0,
+    # lands 2.5, swapped after a finished: 2.5-3.5
+    r = simulate(TWO, cfg(direct_to_gpu=True), 10)
+    f = r.figures()
+    assert r.wait_s == pytest.approx([0.0, 0.0])
+    assert sorted(r.decode_start_s) == pytest.approx([1.6, 3.6])
+    assert (f["swaps"], f["peak_buffer_blocks"]) == (1, 10)
+
+
+def test_two_prefill_instances_and_token_throughput():
+    c = cfg(gpu_blocks=20, layer_ms=0.0, prefill_tokens_per_s=160.0, prefill_instances=2)
+    r = simulate(TWO, c, 0)
+    # both compute at once (1 s each); the link carries a then b: a lands 1.5, b at
+    # max(1.0 + 0.5, 1.5 + 1.0) = 2.5
+    assert r.wait_s == pytest.approx([0.0, 0.0]) and r.ttft_s == pytest.approx([1.0, 1.0])
+    assert sorted(r.decode_start_s) == pytest.approx([1.6, 2.6])
+
+
+requests = st.lists(st.tuples(st.floats(0, 20), st.integers(1, 400), st.integers(0, 30)), min_size=1, max_size=40).map(
+    lambda xs: [TraceRequest(f"r{i}", t, n, o) for i, (t, n, o) in enumerate(sorted(xs))]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    trace=requests,
+    gpu=st.integers(25, 80),
+    buffer=st.sampled_from([0, 25, 40, 200]),
+    direct=st.booleans(),
+    instances=st.integers(1, 3),
+)
+def test_every_request_is_served_and_the_accounting_holds(trace, gpu, buffer, direct, instances):
+    c = cfg(gpu_blocks=gpu, direct_to_gpu=direct, prefill_instances=instances, layer_ms=50.0, token_s=0.01)
+    r = simulate(trace, c, buffer)  # ends with the scheduler's check_invariants
+    f = r.figures()
+    assert f["completed"] == len(trace) and f["rejected"] == 0 and f["queue_timeouts"] == 0
+    assert len(r.wait_s) == len(r.ttft_s) == len(r.decode_start_s) == len(trace)
+    assert min(r.wait_s) >= 0
+    for req_ttft, dstart in zip(sorted(r.ttft_s), sorted(r.decode_start_s)):
+        assert dstart >= req_ttft  # decode starts after prefill computed it
+    assert f["peak_buffer_blocks"] <= buffer and f["peak_gpu_blocks"] <= gpu
+    if buffer == 0 or direct:
+        assert f["swaps"] <= len(trace)
+    else:
+        assert f["swaps"] == len(trace)  # every request went through the buffer
+    if not math.isnan(f["prefill_wait_ms_max"]):
+        assert f["prefill_wait_ms_max"] >= f["prefill_wait_ms_p99"] >= f["prefill_wait_ms_p50"]
+
+
+def test_prefix_savings_counts_leading_blocks_seen_before():
+    trace = [
+        TraceRequest("a", 0, 1024, 1, (1, 2)),
+        TraceRequest("b", 0, 1500, 1, (1, 2, 3)),  # 2 ids of 512 seen: 1024 tokens, 64 blocks of 16
+        TraceRequest("c", 0, 700, 1, (9, 2)),  # a first id not seen: nothing reused
+        TraceRequest("d", 0, 512, 1, (1,)),  # all of it seen, but one block is always received
+    ]
+    p = prefix_savings(trace, 16)
+    assert p["blocks_total"] == 64 + 94 + 44 + 32
+    assert p["blocks_not_transferred"] == 64 + 31
+    assert p["requests_with_hash_ids"] == 4
+
+
+def test_read_trace_checks_every_line(tmp_path):
+    t = read_trace(TRACE, limit=10, time_scale=0.5)
+    assert len(t) == 10 and t[0].rid == "t0" and t[2].arrival == pytest.approx(0.040 * 0.5)
+    assert len(t[0].hash_ids) == 79
+    for body, why in (
+        ('{"timestamp": 0, "input_length": 10}\nnot json\n', "line 2: not a trace record"),
+        ('{"timestamp": 0}\n', "line 1: not a trace record"),
+        ('{"timestamp": -1, "input_length": 10}\n', "line 1: needs timestamp >= 0"),
+        ('{"timestamp": 0, "input_length": 0}\n', "input_length > 0"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1.5}\n', "output_length >= 0"),
+        ('{"timestamp": 0, "input_length": 5, "hash_ids": ["x"]}\n', "hash_ids"),
+        ("\n\n", "no requests"),
+    ):
+        p = tmp_path / "t.jsonl"
+        p.write_text(body)
+        with pytest.raises(UsageError, match=why):
+            read_trace(str(p))
+    with pytest.raises(UsageError, match="No such file"):
+        read_trace(str(tmp_path / "missing.jsonl"))
+
+
+def test_sweep_sizes_and_recommendation():
+    assert sweep_sizes(None, LAY, 100, 30) == [0, 30, 60, 120, 240, 400]
+    assert sweep_sizes("0,0.5", LAY, 100) == [0, LAY.blocks_for_bytes(1 << 29)]
+    for bad in ("x", "-1", "nan", ""):
+        if bad:
+            with pytest.raises(UsageError, match="--buffer-sweep"):
+                sweep_sizes(bad, LAY, 100)
+    row = dict(requests=2, completed=2, rejected=0, queue_timeouts=0, prefill_wait_ms_p99=0.0, ttft_ms_p99=5.0)
+    rows = [dict(row, prefill_wait_ms_p99=9.0, buffer_blocks=0), dict(row, buffer_blocks=5), dict(row, buffer_blocks=9)]
+    assert recommend(rows, 0.0, None)["buffer_blocks"] == 5
+    assert recommend(rows, 10.0, None)["buffer_blocks"] == 0
+    assert recommend(rows, 0.0, 1.0) is None
+    assert recommend([dict(row, buffer_blocks=1, rejected=1)], 0.0, None) is None
+
+
+def test_plan_on_the_shipped_trace(tmp_path, capsys):
+    png, html, out = tmp_path / "p.png", tmp_path / "p.html", tmp_path / "p.json"
+    argv = ["plan", "--trace", TRACE, "--bandwidth-gbps", "25", "--swap-gbps", "50", "--gpu-gib", "24"]
+    argv += ["--prefill-instances", "3", "--json", str(out)]
+    assert tool_main([*argv, "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    last = json.loads(text.strip().splitlines()[-1])  # the JSON line comes last
+    assert last == json.loads(out.read_text())
+    rows = last["sweep"]
+    assert rows[0]["buffer_blocks"] == 0 and len(rows) >= 3
+    assert all(r["completed"] == 200 for r in rows)
+    # without a buffer prefill waits; the recommended buffer removes the wait at p99
+    assert rows[0]["prefill_wait_ms_p99"] > 0
+    best = [r for r in rows if r["buffer_blocks"] == last["recommended_buffer_blocks"]][0]
+    assert best["prefill_wait_ms_p99"] == 0 and best["ttft_ms_p99"] < rows[0]["ttft_ms_p99"]
+    assert "recommendation:" in text and "prefix reuse" in text and "what the decode buffer buys" in text
+    assert last["prefix_reuse"]["blocks_not_transferred"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert tool_main([*argv, "--plot", str(html)]) == 0
+    assert "<svg" in html.read_text()
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        ([], "plan needs --trace FILE"),
+        (["--trace", TRACE, "--gpu-gib", "0"], "--gpu-gib must be a positive number"),
+        (["--trace", TRACE, "--bandwidth-gbps", "-1"], "--bandwidth-gbps must be >= 0"),
+        (["--trace", TRACE, "--prefill-instances", "0"], "--prefill-instances must be positive"),
+        (["--trace", TRACE, "--target-ttft-ms", "nan"], "--target-ttft-ms"),
+        (["--trace", TRACE, "--gpu-gib", "1", "--bandwidth-gbps", "1", "--swap-gbps", "1"], "raise --gpu-gib"),
+    ],
+)
+def test_plan_bad_arguments(extra, why, capsys):
+    assert tool_main(["plan", *extra]) == 2
+    err = capsys.readouterr().err
+    assert why in err and "Traceback" not in err
+
+
+def test_plan_measures_the_bandwidth_when_not_given(tmp_path):
+    out = tmp_path / "p.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli.transfer_tool", "plan", "--trace", TRACE, "--model", "tiny", "--trace-limit"]
+        + ["50", "--gpu-gib", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    c = json.loads(out.read_text())["config"]
+    assert c["bandwidth_measured"] and c["bandwidth_GBps"] > 0 and c["swap_GBps"] > 0
+    assert "(measured here)" in p.stdout
