@@ -287,7 +287,7 @@ def test_nixl_two_process_tool_mode_verifies_every_byte(tmp_path, no_leaks):
             timeout=60,
         )
         assert p.returncode == 0, p.stdout + p.stderr
-        assert '"path": "nixl (DRAM source)"' in p.stdout
+        assert "transport nixl (nixl (DRAM source))" in p.stdout and "4 of 4 requests received" in p.stdout
         d.send_signal(signal.SIGTERM)
         d.wait(30)
         rep = json.loads(out.read_text())

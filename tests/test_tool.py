@@ -61,10 +61,18 @@ def test_local_mode_verifies_every_byte(extra, tmp_path, no_leaks):
     assert rep["shm_copy"] == (
         [] if extra[1] != "shm" else ["streaming loop"] if cpu.available() else [f"numpy ({cpu.unavailable_reason()})"]
     )
+    # the plot's data: bytes landed over time, on every transport (shm included)
+    tl = rep["timeline"]
+    assert max(tl["bytes"]) == rep["bytes_transferred"] and tl["bytes"] == sorted(tl["bytes"])
+    assert rep["transfer_s"] <= rep["wall_s"] and rep["throughput_GBps"] > 0
+    assert rep["version"] and rep["argv"][:2] == SMALL[:2] and rep["host"]["cpus"] >= 1
     for k in (
-        "throughput_GBps_mean",
-        "time_to_received_ms_p50",
-        "time_to_ready_ms_p99",
+        "throughput_GBps",
+        "request_GBps_p1",
+        "grant_to_received_ms_p50",
+        "grant_to_ready_ms_p99",
+        "prefill_wait_ms_p99",
+        "ttft_ms_p50",
         "layer_latency_ms_p50",
         "swap_GBps",
         "prefill_wait_avoided_s_total",
@@ -102,6 +110,97 @@ def test_trace_replay_and_plot(tmp_path, no_leaks):
     assert "<svg" in plot.read_text()
 
 
+@pytest.mark.multiproc
+def test_trace_replay_with_default_sizes(tmp_path, no_leaks):
+    # the buffer sized by the tool for the trace's own requests: every one fits, all succeed
+    p, rep = run(["--model", "tiny", "--trace", TRACE, "--trace-limit", "10", "--time-scale", "0.01", "-q"], tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert rep["requests"] == 10 and rep["requests_ready"] == 10 and rep["verify_errors"] == 0
+    assert "Traceback" not in p.stderr
+
+
+def test_a_trace_larger_than_the_buffer_fails_before_starting(tmp_path, no_leaks):
+    p, rep = run(["--model", "tiny", "--trace", TRACE, "--trace-limit", "10", "--buffer-blocks", "128"], tmp_path)
+    assert p.returncode == 2 and rep is None
+    assert "needs 2663 blocks" in p.stderr and "--buffer-blocks" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.multiproc
+def test_decode_hold_times_keep_gpu_blocks(tmp_path, no_leaks):
+    # 4 requests of 4 blocks, GPU pool of 8, each held 10 tokens x 30 ms: at most two at once
+    args = ["--model", "tiny", "--requests", "4", "--prompt-len", "64", "--gpu-blocks", "8", "--buffer-blocks", "16"]
+    p, rep = run([*args, "--token-ms", "30", "-q"], tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert rep["requests_ready"] == 4 and max(rep["timeline"]["gpu_blocks"]) == 8
+
+
+def test_version(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pdkv.cli.transfer_tool", "--version"], capture_output=True, text=True)
+    from pdkv import __version__
+
+    assert p.returncode == 0 and p.stdout.strip() == f"pdkv-transfer-test {__version__}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["local", "decode"])
+def test_ctrl_c_is_interrupted_rc_130(mode, tmp_path, no_leaks):
+    import signal
+    import time
+
+    args = ["--model", "tiny", "--timeout", "10"]
+    if mode == "local":
+        args += ["--requests", "400", "--rate", "20"]  # 20 s of arrivals
+    else:
+        args = ["decode", "--listen", "tcp://127.0.0.1:0", "--buffer-blocks", "16", *args]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pdkv.cli.transfer_tool", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        if mode == "decode":
+            assert "listening on" in p.stdout.readline()
+        else:
+            time.sleep(4)  # started, requests flowing
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 130, out[-2000:] + err[-2000:]
+    assert "interrupted" in out and "FAIL" not in out and "Traceback" not in err
+
+
+@pytest.mark.multiproc
+def test_prefill_mode_by_hand_prints_a_summary(tmp_path, no_leaks):
+    tool = [sys.executable, "-m", "pdkv.cli.transfer_tool"]
+    d = subprocess.Popen(
+        [*tool, "decode", "--listen", "tcp://127.0.0.1:0", "--model", "tiny", "--buffer-blocks", "32"]
+        + ["--expect-requests", "3", "--duration", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        addr = d.stdout.readline().split("listening on ")[1].split(" ")[0]
+        p = subprocess.run(
+            [*tool, "prefill", "--connect", addr, "--model", "tiny", "--requests", "3", "-q"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        out, _ = d.communicate(timeout=60)
+    finally:
+        if d.poll() is None:
+            d.kill()
+            d.communicate()
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS 3 of 3 requests received by decode" in p.stdout and "{" not in p.stdout
+    assert d.returncode == 0 and "PASS 3 requests ready" in out
+
+
 @pytest.mark.parametrize(
     "args, msg",
     [
@@ -110,7 +209,13 @@ def test_trace_replay_and_plot(tmp_path, no_leaks):
         (["--prompt-len", "banana:1"], "--prompt-len"),
         (["--decode-tp", "3"], "kv_heads=8 and tp_size=3"),
         (["prefill"], "needs --connect"),
-        (["--bogus"], "unrecognized arguments"),
+        (["--bogus"], "unknown flag --bogus"),
+        (["--requsts", "5"], "unknown flag --requsts (did you mean --requests?)"),
+        (["--rate", "-1"], "--rate -1.0 must be >= 0"),
+        (["--token-ms", "-1"], "--token-ms -1.0 must be >= 0"),
+        (["--json", "/nonexistent/r.json"], "--json /nonexistent/r.json: no folder /nonexistent"),
+        (["--plot", "x.svg"], "needs a .png or .html file name"),
+        (["--buffer-gib", "100000"], "does not fit in /dev/shm"),
         (["--secret", "short"], "at least 16"),
         (["--trace", "/nonexistent"], "no such file"),
         (["--transport", "cuda_ipc", "--no-gpu"], "cannot run with --no-gpu"),
@@ -118,7 +223,9 @@ def test_trace_replay_and_plot(tmp_path, no_leaks):
     ],
 )
 def test_bad_flags_get_one_line(args, msg, tmp_path):
-    p, rep = run(args, tmp_path, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli.transfer_tool", *args], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], p.stderr
@@ -280,7 +387,30 @@ def test_the_buffer_is_sized_to_the_workload_unless_told(tmp_path, no_leaks):
 
 
 def test_a_buffer_larger_than_memory_is_a_usage_error(tmp_path, no_leaks):
-    p, rep = run(["--model", "llama3-8b", "--buffer-gib", "100000", "--requests", "1"], tmp_path)
+    # fits /dev/shm's free space but not the memory left: the buffer's own check says so
+    import os
+
+    from pdkv.shmseg import available_memory
+
+    st = os.statvfs("/dev/shm")
+    shm_free, mem = st.f_bavail * st.f_frsize, available_memory()[0]
+    if shm_free <= mem + (2 << 30):
+        pytest.skip("/dev/shm holds no more than the memory left here")
+    gib = (mem + (1 << 30)) / (1 << 30)
+    p, rep = run(["--model", "llama3-8b", "--buffer-gib", f"{gib:.1f}", "--requests", "1"], tmp_path)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "does not fit in memory" in p.stderr and "--buffer-gib" in p.stderr and "Traceback" not in p.stderr
     assert rep is None
+
+
+def test_port_in_use_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        p, _ = run(["decode", "--listen", addr, "--model", "tiny", "--buffer-blocks", "8"], tmp_path, timeout=60)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and addr in lines[0] and "Address already in use" in lines[0], p.stderr

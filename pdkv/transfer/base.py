@@ -178,6 +178,7 @@ class Inflight:
     done: bool = False
     run_len: list[int] = field(default_factory=list)  # consecutive destination ids from index i
     location: str = "buffer"  # where the blocks are: "buffer", or "gpu" (a writes_gpu transport)
+    transport: str = ""  # the granting session's transport (per-transport byte and layer counts)
     # byte-counting transports (tcp): the (layer, source rank, segment) pieces of which
     # blocks were admitted, so no piece is written twice and a layer fills only with distinct ones
     cov: dict[tuple[int, int, int], bytearray] = field(default_factory=dict)

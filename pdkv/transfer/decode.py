@@ -142,6 +142,8 @@ class DecodeReceiver:
             "frames_cut": 0,
         }
         self._stats_lock = threading.Lock()
+        # transport -> [bytes credited, layers landed], every transport (stats["bytes"] is tcp's wire)
+        self.received: dict[str, list[int]] = {}
         self._warn = RateLimitedLog()
         self.lock = threading.RLock()
         self.stopping = threading.Event()
@@ -240,6 +242,12 @@ class DecodeReceiver:
     def inflight_of_token(self, token: int) -> Inflight | None:
         with self.lock:
             return self._by_token.get(token)
+
+    def received_by_transport(self) -> dict[str, tuple[int, int]]:
+        """Bytes credited and layers landed so far, by transport (every transport: shm and
+        the one-sided ones count the blocks their peers report, tcp the bytes it read)."""
+        with self.lock:
+            return {t: (v[0], v[1]) for t, v in self.received.items()}
 
     def count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
@@ -474,6 +482,7 @@ class DecodeReceiver:
                 peers=set(old.peers) if old else {peer.ident},
                 run_len=run_lengths(blocks),
                 location=grant.location,
+                transport=peer.transport,
             )
             inf.peers.add(peer.ident)
             self._inflight[grant.request_id] = inf
@@ -494,6 +503,9 @@ class DecodeReceiver:
                 raise GrantViolation(f"request {inf.request_id!r}: more bytes than granted for layer {layer}")
             inf.remaining[layer] = left
             land = left == 0
+            got = self.received.setdefault(inf.transport, [0, 0])
+            got[0] += nbytes
+            got[1] += land
         if land:
             self.scheduler.land_layer(inf.request_id, inf.token, layer)
             with self.lock:

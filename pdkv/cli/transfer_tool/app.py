@@ -6,12 +6,17 @@ import argparse
 import json
 import math
 import os
+import platform
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import Any
+
+import numpy as np
+import zmq
 
 from ... import _ffi
 from ...errors import PdkvError
@@ -21,6 +26,8 @@ from .prefill import prefill_on_gpu, run_prefill
 from .report import build_report, print_report, write_plot
 from .workload import PRESETS, MiB, Parser, UsageError, layout_kw, make_workload, parse_devices
 
+MODES = ["local", "decode", "prefill", "plan"]
+
 
 def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
     argv = [
@@ -28,6 +35,7 @@ def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
         "-m",
         "pdkv.cli.transfer_tool",
         "prefill",
+        "--events",
         "--connect",
         addr,
         "--rank",
@@ -86,23 +94,33 @@ def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
 
 
 def run_local(a: argparse.Namespace, console: Any) -> int:
-    from rich.live import Live
-    from rich.table import Table
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     lay_kw = layout_kw(a)
     KVLayout(**lay_kw, tp_size=a.prefill_tp).check_compatible(KVLayout(**lay_kw, tp_size=a.decode_tp))
-    make_workload(a)  # validate before starting anything
+    work = make_workload(a)  # validated before anything starts
     dec = DecodeSide(a, lay_kw)
     dec.start(a.listen or "tcp://127.0.0.1:0")
     procs: list[subprocess.Popen[str]] = []
     outcomes: dict[str, str] = {}
     reasons: dict[str, str] = {}
+    waits: dict[str, float] = {}  # prefill's wait for decode blocks, by request
+    ttfts: dict[str, float] = {}  # arrival -> last layer computed (the first token), by request
     chosen: dict[int, str] = {}  # prefill rank -> the transport decode chose for it
     copies: set[str] = set()  # which copy the shm senders from host caches run
     paths: set[str] = set()  # the data paths the senders run ("tcp staged (kernel gather)")
     prefill_reports: list[dict[str, Any]] = []
     lock = threading.Lock()
     t0 = time.monotonic()
+    interrupted = False
+    rep: dict[str, Any] = {}
     try:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         for r in range(a.prefill_tp):
@@ -113,6 +131,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                     stderr=subprocess.PIPE,
                     text=True,
                     env=env,
+                    start_new_session=True,  # Ctrl-C reaches the tool, which stops them
                 )
             )
 
@@ -124,14 +143,19 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                 except ValueError:
                     continue
                 with lock:
-                    if ev.get("type") == "outcome":
+                    kind = ev.get("type")
+                    if kind == "outcome":
                         prev = outcomes.get(ev["rid"])
                         outcomes[ev["rid"]] = ev["state"] if prev in (None, "received") else prev
                         if ev["state"] != "received" and ev.get("reason"):
                             reasons.setdefault(ev["rid"], str(ev["reason"]))
-                    elif ev.get("type") == "summary":
+                    elif kind == "grant":  # every rank waits; the request waited for the slowest
+                        waits[ev["rid"]] = max(waits.get(ev["rid"], 0.0), float(ev["wait"]))
+                    elif kind == "computed":
+                        ttfts[ev["rid"]] = max(ttfts.get(ev["rid"], 0.0), float(ev["ttft"]))
+                    elif kind == "summary":
                         prefill_reports.append(ev)
-                    elif ev.get("type") == "hello":
+                    elif kind == "hello":
                         chosen[int(ev.get("rank", -1))] = str(ev.get("transport"))
                         if ev.get("path"):
                             paths.add(str(ev["path"]))
@@ -141,51 +165,89 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
         readers = [threading.Thread(target=reader, args=(p,), daemon=True) for p in procs]
         for t in readers:
             t.start()
+        progress = Progress(
+            TextColumn("requests"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+            transient=False,  # the bar stays: what the run did
+            disable=a.quiet,
+        )
 
-        def table() -> Table:
+        def info() -> str:
             m = dec.sched.metrics()
-            tb = Table(show_header=False, box=None)
-            done = sum(1 for t in dec.tracks.values() if t.state == "ready")
-            tb.add_row("elapsed", f"{time.monotonic() - t0:.1f} s")
-            tb.add_row("requests ready / failed", f"{done} / {sum(1 for s in outcomes.values() if s != 'received')}")
-            tb.add_row("received", f"{dec.rx.stats['bytes'] / MiB:,.0f} MiB (tcp) ")
-            tb.add_row("buffer blocks in use", f"{int(m['buffer_blocks_total'] - m['buffer_blocks_free'])} / {dec.nb}")
-            tb.add_row("GPU blocks in use", f"{int(m['gpu_blocks_total'] - m['gpu_blocks_free'])} / {dec.gpu_blocks}")
-            return tb
+            failed = sum(1 for s in outcomes.values() if s != "received")
+            return (
+                f"{dec.received_bytes() / MiB:,.0f} MiB landed, buffer "
+                f"{int(m['buffer_blocks_total'] - m['buffer_blocks_free'])}/{dec.nb}, GPU "
+                f"{int(m['gpu_blocks_total'] - m['gpu_blocks_free'])}/{dec.gpu_blocks}"
+                + (f", {failed} failed" if failed else "")
+            )
 
-        limit = (a.duration or 0) + a.timeout * 20
-        with Live(table(), console=console, refresh_per_second=4, transient=True) as live:
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() - t0 > limit:
-                    for p in procs:
-                        p.kill()
-                    dec.failures.append(f"run exceeded its bound of {limit:.0f}s; prefill killed")
-                    break
-                live.update(table())
-                time.sleep(0.25)
-            for t in readers:
-                t.join(5)
-        # let the last swaps and verifications finish (bounded)
-        deadline = time.monotonic() + a.timeout * 2
-        while time.monotonic() < deadline:
-            pending = [
-                r for r, s in outcomes.items() if s == "received" and dec.tracks.get(r, Track()).state != "ready"
-            ]
-            if not pending:
-                break
-            time.sleep(0.02)
-        elapsed = time.monotonic() - t0
+        limit = (a.duration or 0) + a.timeout * 20 + (max(r.arrival for r in work) if work else 0)
+        try:
+            with progress:
+                task = progress.add_task("run", total=len(work), info=info())
+                while any(p.poll() is None for p in procs):
+                    if time.monotonic() - t0 > limit:
+                        for p in procs:
+                            p.kill()
+                        dec.failures.append(f"run exceeded its bound of {limit:.0f}s; prefill killed")
+                        break
+                    done = sum(1 for t in dec.tracks.values() if t.state)
+                    progress.update(task, completed=done, info=info())
+                    time.sleep(0.25)
+                for t in readers:
+                    t.join(5)
+                # let the last swaps and verifications finish (bounded)
+                deadline = time.monotonic() + a.timeout * 2
+                while time.monotonic() < deadline:
+                    pending = [
+                        r
+                        for r, s in outcomes.items()
+                        if s == "received" and dec.tracks.get(r, Track()).state != "ready"
+                    ]
+                    if not pending:
+                        break
+                    time.sleep(0.02)
+                progress.update(task, completed=sum(1 for t in dec.tracks.values() if t.state), info=info())
+        except KeyboardInterrupt:
+            interrupted = True
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+        wall = time.monotonic() - t0
         # exit 1 is "some requests failed" (no output on stderr); anything on stderr, or
         # another code, is the rank itself failing (a traceback also exits 1)
         errs = []
         for p in procs:
+            try:
+                p.wait(5 if interrupted else 10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
             text = p.stderr.read().strip() if p.stderr else ""
-            if text or p.returncode not in (0, 1):
+            if not interrupted and (text or p.returncode not in (0, 1)):
                 errs.append(text.splitlines()[-1] if text else f"prefill process died (exit code {p.returncode})")
         for e in errs:
             dec.failures.append(f"prefill: {e}")
         lay = dec.lays[0]
-        rep = build_report(dec, prefill_reports, outcomes, elapsed, lay, a.decode_tp, reasons)
+        with lock:
+            rep = build_report(
+                dec,
+                prefill_reports,
+                outcomes,
+                wall,
+                lay,
+                a.decode_tp,
+                reasons,
+                list(waits.values()),
+                list(ttfts.values()),
+                requests=len(work),
+            )
         rep["transport"] = a.transport
         rep["transports_chosen"] = sorted(set(chosen.values()))
         rep["data_paths"] = sorted(paths)
@@ -208,16 +270,26 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                 if s:
                     s.close()
         dec.close()
-    return _finish(a, rep, console, dec)
+    return _finish(a, rep, console, dec, interrupted)
 
 
-def _finish(a: argparse.Namespace, rep: dict[str, Any], console: Any, dec: DecodeSide) -> int:
+def _finish(a: argparse.Namespace, rep: dict[str, Any], console: Any, dec: DecodeSide, interrupted: bool) -> int:
+    rep["run"] = describe_run(a, dec)
+    tl = dec.timeline  # the plot's data: seconds, buffer and GPU blocks in use, bytes landed
+    rep["timeline"] = {k: [x[i] for x in tl] for i, k in enumerate(("t_s", "buffer_blocks", "gpu_blocks", "bytes"))}
+    rep.update(run_facts(a))
     print_report(rep, console)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=2, default=float)
     if a.plot:
         write_plot(a.plot, dec)
+    if interrupted:
+        console.print(
+            f"[yellow]interrupted[/yellow]: {rep['requests_ready']} requests ready, "
+            f"{rep['bytes_verified']:,} bytes verified, {rep['verify_errors']} verify errors"
+        )
+        return 130
     ok = rep["verify_errors"] == 0 and rep["requests_failed"] == 0 and rep["requests_ready"] > 0
     console.print(
         "[green]PASS[/green]" if ok else "[red]FAIL[/red]",
@@ -227,17 +299,51 @@ def _finish(a: argparse.Namespace, rep: dict[str, Any], console: Any, dec: Decod
     return 0 if ok else 1
 
 
+def describe_run(a: argparse.Namespace, dec: DecodeSide) -> str:
+    """One line: what ran, above the table."""
+    lay = dec.lays[0]
+    host = socket.gethostname()
+    return (
+        f"{a.model}: {lay.total_layers} layers, {'MLA' if lay.mla else f'{lay.kv_heads} KV heads'} x {lay.head_dim}, "
+        f"{lay.dtype}, {lay.tokens_per_block} tokens a block ({lay.block_bytes * a.decode_tp / MiB:.2f} MiB over "
+        f"decode's ranks); prefill TP {a.prefill_tp} -> decode TP {a.decode_tp}; buffer {dec.nb} blocks "
+        f"({dec.nb * lay.block_bytes / (1 << 30):.2f} GiB a rank), {dec.gpu_blocks} {'GPU' if dec.cuda else 'host'} "
+        f"blocks; transport {a.transport}; host {host}"
+    )
+
+
+def run_facts(a: argparse.Namespace) -> dict[str, Any]:
+    """What a JSON report carries besides the figures: the command, version, time, host."""
+    from ... import __version__
+
+    facts: dict[str, Any] = {
+        "argv": sys.argv[1:] if a.argv is None else a.argv,
+        "version": __version__,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": {
+            "hostname": socket.gethostname(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cuda_devices": _ffi.cuda.device_count(),
+            "rdma_devices": list(_ffi.verbs.rdma_devices()),
+        },
+    }
+    return facts
+
+
 def run_decode(a: argparse.Namespace, console: Any) -> int:
     lay_kw = layout_kw(a)
     dec = DecodeSide(a, lay_kw)
     dec.start(a.listen)
     served = ", ".join(dec.rx.options.transports)
     data = f"; tcp data {dec.rx.data_address}" if "tcp" in dec.rx.options.transports else ""
-    console.print(f"decode listening on {dec.rx.control_address} (serving {served}{data}); Ctrl-C to stop")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     t0 = time.monotonic()
-    try:
+    interrupted = False
+    try:  # from the line that says it listens: a Ctrl-C any time after it is "interrupted"
+        console.print(f"decode listening on {dec.rx.control_address} (serving {served}{data}); Ctrl-C to stop")
         while not stop.is_set():
             if a.duration and time.monotonic() - t0 > a.duration:
                 break
@@ -245,22 +351,31 @@ def run_decode(a: argparse.Namespace, console: Any) -> int:
                 break
             time.sleep(0.1)
     except KeyboardInterrupt:
-        pass
+        interrupted = True
     try:
         rep = build_report(dec, [], {}, time.monotonic() - t0, dec.lays[0], a.decode_tp)
     finally:
         dec.close()
-    return _finish(a, rep, console, dec)
+    return _finish(a, rep, console, dec, interrupted)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="pdkv-transfer-test", description=__doc__.splitlines()[0])
+    from ... import __version__
+
+    p = Parser(
+        prog="pdkv-transfer-test",
+        description="Validate and size a prefill/decode pair: a verified KV transfer through decode's CPU buffer "
+        "(local, or decode and prefill on two hosts), or the capacity planner (plan).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # a misspelt flag is an error, never another flag
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument(
         "mode",
         nargs="?",
         default="local",
-        choices=["local", "decode", "prefill", "plan"],
-        help="local (default): both sides on this host; decode/prefill: one side of a two-host test; "
+        choices=MODES,
+        help="local: both sides on this host; decode/prefill: one side of a two-host test; "
         "plan: the capacity planner (replays --trace through the scheduler on a simulated clock)",
     )
     g = p.add_argument_group("endpoints")
@@ -283,24 +398,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--secret", default="", help="shared secret (>= 16 characters) to authenticate the pair")
     g = p.add_argument_group("layout")
     g.add_argument("--model", default="llama3-8b", help=f"layout preset: {', '.join(PRESETS)}")
-    g.add_argument("--layers", type=int)
-    g.add_argument("--kv-heads", type=int)
-    g.add_argument("--head-dim", type=int)
-    g.add_argument("--tokens-per-block", type=int)
-    g.add_argument("--dtype")
-    g.add_argument("--prefill-tp", type=int, default=1)
-    g.add_argument("--decode-tp", type=int, default=1)
+    g.add_argument("--layers", type=int, help="cache layers (default: the preset's)")
+    g.add_argument("--kv-heads", type=int, help="KV heads of the whole model (default: the preset's)")
+    g.add_argument("--head-dim", type=int, help="head dimension (default: the preset's)")
+    g.add_argument("--tokens-per-block", type=int, help="tokens a block holds (default: the preset's)")
+    g.add_argument("--dtype", help="bfloat16, float16, float8_e4m3fn, ... (default: the preset's)")
+    g.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor-parallel ranks (one process each)")
+    g.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel ranks")
     g = p.add_argument_group("workload")
-    g.add_argument("--requests", type=int, default=24)
+    g.add_argument("--requests", type=int, default=24, help="requests to send (without --trace)")
     g.add_argument("--prompt-len", default="512", help="N, uniform:MIN:MAX or lognormal:MEDIAN:SIGMA (tokens)")
     g.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
     g.add_argument("--concurrency", type=int, default=8, help="requests in flight per prefill rank")
-    g.add_argument("--trace", help="replay a Mooncake-format JSONL trace (timestamp ms, input_length)")
+    g.add_argument(
+        "--trace", help="replay a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids)"
+    )
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
-    g.add_argument("--trace-limit", type=int, default=0, help="replay at most this many trace requests")
+    g.add_argument("--trace-limit", type=int, default=0, help="replay at most this many trace requests (0: all)")
     g.add_argument("--layer-ms", type=float, default=0.0, help="simulated prefill compute time per layer")
-    g.add_argument("--duration", type=float, default=0.0, help="stop issuing requests after this many seconds")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--duration", type=float, default=0.0, help="stop issuing requests after this many seconds (0: no)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and arrivals")
     g = p.add_argument_group("decode")
     g.add_argument(
         "--buffer-gib",
@@ -309,20 +426,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU buffer per decode rank (default: sized to the workload, its --concurrency largest requests)",
     )
     g.add_argument("--buffer-blocks", type=int, default=0, help="CPU buffer in blocks (overrides --buffer-gib)")
-    g.add_argument("--gpu-blocks", type=int, default=0, help="decode GPU block budget (small forces the buffer path)")
-    g.add_argument("--lease-s", type=float, default=30.0)
+    g.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=0,
+        help="decode GPU block budget (0: as many as the buffer; small forces the buffer path)",
+    )
+    g.add_argument("--lease-s", type=float, default=30.0, help="grant lease: seconds without progress before expiry")
     g.add_argument("--no-gpu", action="store_true", help="use host memory for decode blocks even with a GPU")
     g.add_argument(
         "--decode-devices",
         default="0",
         help="CUDA devices of the decode ranks' GPU caches, comma-separated: rank r on the (r mod n)th",
     )
-    g.add_argument("--no-verify", action="store_true")
+    g.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte check of every landed block")
     g.add_argument("--expect-requests", type=int, default=0, help="decode: stop after this many requests ended")
+    g.add_argument(
+        "--token-ms",
+        type=float,
+        default=None,
+        help="decode time per output token: decode holds a ready request's GPU blocks for output_length x this "
+        "(default: 0 in a transfer test, finished at once; 30 in plan)",
+    )
     g = p.add_argument_group("prefill")
-    g.add_argument("--rank", type=int, default=0)
-    g.add_argument("--instance", default="pdkv-test-prefill")
-    g.add_argument("--prefill-blocks", type=int, default=64, help="prefill cache blocks per rank")
+    g.add_argument("--rank", type=int, default=0, help="prefill mode: this process's TP rank")
+    g.add_argument("--instance", default="pdkv-test-prefill", help="prefill mode: the instance name decode sees")
+    g.add_argument(
+        "--prefill-blocks", type=int, default=64, help="prefill cache blocks per rank (at least the largest request)"
+    )
     g.add_argument(
         "--prefill-devices",
         default="0",
@@ -334,13 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill caches in GPU memory (any transport: tcp and rdma stage them, or rdma registers them for "
         "GPUDirect; implied by --transport cuda_ipc)",
     )
-    g.add_argument(
-        "--token-ms",
-        type=float,
-        default=None,
-        help="decode time per output token: decode holds a ready request's GPU blocks for output_length x this "
-        "(default: 0 in a transfer test, finished at once; 30 in plan)",
-    )
+    g.add_argument("--events", action="store_true", help=argparse.SUPPRESS)  # prefill: JSON lines for local mode
     g = p.add_argument_group("plan (capacity planner)")
     g.add_argument("--gpu-gib", type=float, default=16.0, help="decode GPU memory for the KV cache, per rank")
     g.add_argument(
@@ -370,8 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-ttft-ms", type=float, default=None, help="... and p99 time to first token <= this")
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure to this JSON file")
-    g.add_argument("--plot", help="throughput and buffer occupancy over time (.png or .html)")
-    g.add_argument("--timeout", type=float, default=10.0, help="bound on handshakes, grants and silence")
+    g.add_argument("--plot", help="local/decode: throughput and occupancy over time; plan: the sweep (.png or .html)")
+    g.add_argument("--timeout", type=float, default=10.0, help="bound on handshakes, grants and silence (s)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g.add_argument("-v", "--verbose", action="count", default=0, help="log pdkv's messages (-v info, -vv debug)")
     return p
 
 
@@ -379,6 +506,17 @@ def _check_args(a: argparse.Namespace) -> None:
     for name in ("requests", "concurrency", "prefill_tp", "decode_tp", "streams", "prefill_blocks"):
         if getattr(a, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    for name in ("rate", "layer_ms", "duration", "buffer_blocks", "gpu_blocks", "trace_limit", "expect_requests"):
+        v = getattr(a, name)
+        if not math.isfinite(v) or v < 0:
+            raise UsageError(f"--{name.replace('_', '-')} {v} must be >= 0")
+    if a.token_ms is not None and not (math.isfinite(a.token_ms) and a.token_ms >= 0):
+        raise UsageError(f"--token-ms {a.token_ms} must be >= 0")
+    if not (math.isfinite(a.lease_s) and a.lease_s > 0):
+        raise UsageError(f"--lease-s {a.lease_s} must be positive")
+    if a.rank < 0 or (a.mode == "prefill" and a.rank >= a.prefill_tp):
+        raise UsageError(f"--rank {a.rank} must be in 0..{a.prefill_tp - 1} (--prefill-tp {a.prefill_tp})")
+    _check_outputs(a)
     if (a.buffer_gib is not None and a.buffer_gib <= 0) or a.timeout <= 0 or a.time_scale <= 0:
         raise UsageError("--buffer-gib, --timeout and --time-scale must be positive")
     if a.secret and len(a.secret) < 16:
@@ -389,8 +527,6 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("prefill mode needs --connect ADDR (decode's endpoint)")
     if a.mode == "decode" and not a.listen:
         raise UsageError("decode mode needs --listen ADDR, e.g. tcp://0.0.0.0:5555")
-    if a.plot and not a.plot.endswith((".png", ".html")):
-        raise UsageError("--plot needs a .png or .html file name")
     if a.trace and not os.path.exists(a.trace):
         raise UsageError(f"--trace {a.trace}: no such file")
     if a.rdma_gid_index is not None and not 0 <= a.rdma_gid_index <= 65535:
@@ -418,6 +554,30 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
 
 
+def _check_outputs(a: argparse.Namespace) -> None:
+    """Output paths checked before any work: a folder that exists and takes files, and
+    matplotlib for a plot."""
+    for flag, path in (("--json", a.json), ("--plot", a.plot)):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"{flag} {path}: no folder {folder}")
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"{flag} {path}: cannot write into {folder}")
+        if os.path.isdir(path):
+            raise UsageError(f"{flag} {path} is a folder")
+    if a.plot:
+        if not a.plot.endswith((".png", ".html")):
+            raise UsageError(f"--plot {a.plot}: needs a .png or .html file name")
+        if a.mode == "prefill":
+            raise UsageError("--plot is decode's (local, decode or plan mode)")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'pdkv[plot]'") from None
+
+
 def _check_plan_args(a: argparse.Namespace) -> None:
     if not a.trace:
         raise UsageError("plan needs --trace FILE (a Mooncake-format JSONL trace, e.g. tests/data/*.jsonl)")
@@ -442,14 +602,21 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(stderr=False)
     try:
-        a = build_parser().parse_args(argv)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        parser = build_parser()
+        _check_flags(parser, argv)
+        a = parser.parse_args(argv)
+        a.argv = argv
         _check_args(a)
+        _configure_logging(a.verbose)
         if a.mode == "prefill":
+            if a.events:  # a rank of local mode: one JSON line per event, for the tool's decode side
 
-            def emit(d: dict[str, Any]) -> None:
-                print(json.dumps(d), flush=True)
+                def emit(d: dict[str, Any]) -> None:
+                    print(json.dumps(d), flush=True)
 
-            return run_prefill(a, emit)
+                return run_prefill(a, emit)
+            return run_prefill_console(a, console)
         if a.mode == "decode":
             return run_decode(a, console)
         if a.mode == "plan":
@@ -463,5 +630,97 @@ def main(argv: list[str] | None = None) -> int:
     except PdkvError as exc:
         print(f"pdkv-transfer-test: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 3
+    except zmq.ZMQError as exc:  # an endpoint that cannot be bound or connected
+        where = getattr(a, "listen", "") or getattr(a, "connect", "") or "the control endpoint"
+        print(f"pdkv-transfer-test: error: {where}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
+        print("pdkv-transfer-test: interrupted", file=sys.stderr)
         return 130
+
+
+def _configure_logging(verbose: int) -> None:
+    """``-v``: pdkv's info messages on stderr; ``-vv``: debug. Without it pdkv logs nothing."""
+    if verbose:
+        import logging
+
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        log = logging.getLogger("pdkv")
+        log.addHandler(h)
+        log.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+
+
+def _check_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A flag the tool does not have, named with the nearest one it has (argparse would
+    take its value for the mode and say "invalid choice")."""
+    import difflib
+
+    known = [o for act in parser._actions for o in act.option_strings]
+    for tok in argv:
+        if tok == "--":
+            break
+        if tok.startswith("-") and len(tok) > 1 and not tok[1:2].isdigit():
+            flag = tok.split("=", 1)[0]
+            if flag not in known:
+                near = difflib.get_close_matches(flag, known, n=1)
+                raise UsageError(f"unknown flag {flag}" + (f" (did you mean {near[0]}?)" if near else ""))
+        elif tok.startswith("-"):
+            continue
+
+
+def run_prefill_console(a: argparse.Namespace, console: Any) -> int:
+    """Prefill mode run by hand: a progress bar and a summary, not event lines."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    n = len(make_workload(a))
+    outcomes: dict[str, str] = {}
+    waits: list[float] = []
+    summary: dict[str, Any] = {}
+    lines: list[str] = []
+    progress = Progress(
+        TextColumn(f"prefill rank {a.rank}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+        disable=a.quiet,
+    )
+    with progress:
+        task = progress.add_task("sent", total=n)
+
+        def emit(d: dict[str, Any]) -> None:
+            kind = d.get("type")
+            if kind == "hello":
+                lines.append(f"connected to {a.connect}: transport {d['transport']} ({d.get('path') or 'direct'})")
+                progress.console.print(lines[-1])
+            elif kind == "grant":
+                waits.append(float(d["wait"]))
+            elif kind == "outcome":
+                outcomes[d["rid"]] = d["state"]
+                if d["state"] != "received":
+                    progress.console.print(f"[red]{d['rid']}: {d['state']} ({d.get('reason', '')})[/red]")
+                progress.update(task, completed=len(outcomes))
+            elif kind == "summary":
+                summary.update(d)
+
+        rc = run_prefill(a, emit)
+    ok = sum(1 for v in outcomes.values() if v == "received")
+    gb = summary.get("bytes", 0) / 1e9
+    el = summary.get("elapsed", 0.0)
+    wait = f"{np.percentile(waits, 50) * 1e3:.1f} / {np.percentile(waits, 99) * 1e3:.1f} ms" if waits else "n/a"
+    console.print(
+        ("[green]PASS[/green]" if rc == 0 else "[red]FAIL[/red]")
+        + f" {ok} of {n} requests received by decode, {len(outcomes) - ok} failed; {gb:.2f} GB sent in {el:.2f} s; "
+        f"wait for decode blocks p50 / p99 {wait}"
+    )
+    return rc

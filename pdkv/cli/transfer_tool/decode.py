@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import errno
+import heapq
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -19,6 +21,7 @@ from ...interop import aligned_empty
 from ...layout import CacheSpec, KVLayout
 from ...scheduler import DecodeScheduler, Event, SchedulerOptions
 from ...shm import SharedBuffer
+from ...shmseg import available_memory
 from ...swap import SwapEngine, SwapGroup
 from ...transfer import DecodeReceiver
 from .workload import (
@@ -62,11 +65,42 @@ class DecodeSide:
             nb = a.buffer_blocks
         elif a.buffer_gib is not None:
             nb = lay.blocks_for_bytes(int(a.buffer_gib * (1 << 30)))
-        else:  # sized to the workload: room for the largest requests that can be in flight at once
-            nb = workload_buffer_blocks(make_workload(a), a.concurrency, lay.tokens_per_block)
+        else:  # sized to the workload: room for the largest requests that can be in flight at once,
+            # within a quarter of the memory this host has left (the host stand-in for GPU blocks
+            # and the prefill caches take their share too), never below the largest request
+            work = make_workload(a)
+            nb = workload_buffer_blocks(work, a.concurrency, lay.tokens_per_block)
+            fits = available_memory()[0] // 4 // D // lay.block_bytes
+            nb = max(min(nb, fits), max(lay.blocks_for_tokens(r.tokens) for r in work))
         if nb <= 0:
             raise UsageError(f"--buffer-gib {a.buffer_gib} holds no block of {lay.block_bytes} bytes")
         gpu_blocks = a.gpu_blocks or nb
+        work = make_workload(a)
+        need = max(lay.blocks_for_tokens(r.tokens) for r in work)
+        big = max(work, key=lambda r: r.tokens)
+        direct = a.transport == "cuda_ipc" or (a.transport == "auto" and not a.no_gpu and _ffi.cuda.device_count() > 0)
+        # local mode knows the workload; a decode of two hosts gets the prefill's, and the
+        # scheduler refuses a request larger than its pools with that reason
+        if a.mode == "local" and (need > gpu_blocks or (need > nb and not direct)):
+            where = (
+                f"the GPU pool ({gpu_blocks} blocks, --gpu-blocks)"
+                if need > gpu_blocks
+                else (f"the buffer ({nb} blocks)")
+            )
+            raise UsageError(
+                f"request {big.rid} ({big.tokens} tokens) needs {need} blocks of {lay.tokens_per_block} tokens, more "
+                f"than {where}: give --buffer-blocks / --gpu-blocks of at least {need} "
+                f"({need * lay.block_bytes / (1 << 30):.2f} GiB a rank), or a smaller --trace-limit or --prompt-len"
+            )
+        total = CacheSpec.buffer_bytes(lay, nb) * D
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+        if total > free:
+            raise UsageError(
+                f"the decode buffer ({D} x {nb} blocks, {total / (1 << 30):.2f} GiB) does not fit in /dev/shm "
+                f"({free / (1 << 30):.2f} GiB free): size it with --buffer-gib or --buffer-blocks (the largest "
+                f"request needs {need} blocks, {need * lay.block_bytes / (1 << 30):.2f} GiB a rank)"
+            )
         self.nb, self.gpu_blocks = nb, gpu_blocks
         self.cuda = _ffi.cuda.device_count() > 0 and not a.no_gpu
         self.devices = parse_devices(a.decode_devices, "--decode-devices")  # decode rank r on devices[r % n]
@@ -143,6 +177,9 @@ class DecodeSide:
         except BaseException:
             self.close()
             raise
+        # decode "generates" output_length tokens: a ready request's blocks are held this long
+        token_s = (a.token_ms or 0.0) / 1000
+        self.hold_s = {r.rid: r.output * token_s for r in make_workload(a)} if token_s else {}
         self.t0 = time.monotonic()
         self._stop = threading.Event()
         self._engine = threading.Thread(target=self._engine_loop, name="decode-engine", daemon=True)
@@ -195,8 +232,13 @@ class DecodeSide:
             self.verify_errors += bad
             self.failures.append(f"{rid}: {bad} blocks differ")
 
+    def received_bytes(self) -> int:
+        """Bytes landed in decode so far, over every transport."""
+        return sum(b for b, _ in self.rx.received_by_transport().values())
+
     def _engine_loop(self) -> None:
         last = 0.0
+        holding: list[tuple[float, str]] = []  # (finish at, request): decode "generating"
         while not self._stop.is_set():
             ready = self.sched.take_ready()
             for r in ready:
@@ -205,8 +247,14 @@ class DecodeSide:
                 if not self.a.no_verify:
                     self.verify(r.request_id, r.gpu_blocks)
                 tr.state = "ready"
-                self.sched.finish(r.request_id)
+                hold = self.hold_s.get(r.request_id, 0.0)
+                if hold:
+                    heapq.heappush(holding, (time.monotonic() + hold, r.request_id))
+                else:
+                    self.sched.finish(r.request_id)
             now = time.monotonic()
+            while holding and holding[0][0] <= now:
+                self.sched.finish(heapq.heappop(holding)[1])
             if now - last >= 0.05:
                 last = now
                 m = self.sched.metrics()
@@ -215,7 +263,7 @@ class DecodeSide:
                         now - self.t0,
                         int(m["buffer_blocks_total"] - m["buffer_blocks_free"]),
                         int(m["gpu_blocks_total"] - m["gpu_blocks_free"]),
-                        int(self.rx.stats["bytes"]),
+                        self.received_bytes(),
                     )
                 )
             if not ready:

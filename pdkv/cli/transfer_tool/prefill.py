@@ -78,6 +78,7 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
     if tx.transport == "shm" and gpu is None:  # host cache into decode's buffer: which copy runs
         copy = "streaming loop" if _ffi.cpu.available() else f"numpy ({_ffi.cpu.unavailable_reason()})"
     emit({"type": "hello", "rank": a.rank, "transport": tx.transport, "path": tx.stats["path"], "copy": copy})
+    t0 = time.monotonic()  # arrivals count from here: connected, cache filled, ready to serve
     regions = {
         (layer, t): host_spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))
     }
@@ -137,6 +138,8 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
                     time.sleep(a.layer_ms / 1000)
                 ev = gpu.to_gpu(layer, idx) if gpu is not None else None
                 tx.send_layer(layer, [(r.rid, blocks)], event=ev)
+            # the last layer computed: prefill's first token, counted from the request's arrival
+            emit({"type": "computed", "rid": r.rid, "ttft": time.monotonic() - t0 - r.arrival})
             tx.finish(r.rid)
         # wait for the outstanding outcomes (bounded)
         deadline = time.monotonic() + a.timeout * 6
