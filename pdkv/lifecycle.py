@@ -212,6 +212,7 @@ class RequestInfo:
     buffer_blocks: tuple[int, ...]
     gpu_blocks: tuple[int, ...]
     reason: str
+    peer: str = ""  # the prefill instance that reserved it (empty once ended)
 
 
 class EventKind(str, enum.Enum):

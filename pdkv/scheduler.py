@@ -735,6 +735,7 @@ class DecodeScheduler:
                 tuple(req.buffer_blocks or ()),
                 tuple(req.gpu_blocks or ()),
                 req.reason,
+                req.peer,
             )
 
     def live_requests(self) -> list[str]:

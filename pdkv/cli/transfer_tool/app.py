@@ -113,6 +113,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
     reasons: dict[str, str] = {}
     waits: dict[str, float] = {}  # prefill's wait for decode blocks, by request
     ttfts: dict[str, float] = {}  # arrival -> last layer computed (the first token), by request
+    computes: dict[str, float] = {}  # grant -> last layer computed: prefill's compute (and KV writes)
     chosen: dict[int, str] = {}  # prefill rank -> the transport decode chose for it
     copies: set[str] = set()  # which copy the shm senders from host caches run
     paths: set[str] = set()  # the data paths the senders run ("tcp staged (kernel gather)")
@@ -153,6 +154,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                         waits[ev["rid"]] = max(waits.get(ev["rid"], 0.0), float(ev["wait"]))
                     elif kind == "computed":
                         ttfts[ev["rid"]] = max(ttfts.get(ev["rid"], 0.0), float(ev["ttft"]))
+                        computes[ev["rid"]] = max(computes.get(ev["rid"], 0.0), float(ev["compute"]))
                     elif kind == "summary":
                         prefill_reports.append(ev)
                     elif kind == "hello":
@@ -248,6 +250,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                 list(ttfts.values()),
                 requests=len(work),
             )
+        rep["prefill_compute_ms_p50"] = float(np.percentile(list(computes.values()), 50)) * 1e3 if computes else 0.0
         rep["transport"] = a.transport
         rep["transports_chosen"] = sorted(set(chosen.values()))
         rep["data_paths"] = sorted(paths)
@@ -497,6 +500,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", help="write every figure to this JSON file")
     g.add_argument("--plot", help="local/decode: throughput and occupancy over time; plan: the sweep (.png or .html)")
     g.add_argument("--timeout", type=float, default=10.0, help="bound on handshakes, grants and silence (s)")
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="decode: serve Prometheus metrics on this port (0: any free one; needs pdkv[metrics])",
+    )
+    g.add_argument("--metrics-addr", default="127.0.0.1", help="decode: the metrics endpoint's address")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     g.add_argument("-v", "--verbose", action="count", default=0, help="log pdkv's messages (-v info, -vv debug)")
     return p
@@ -510,6 +520,8 @@ def _check_args(a: argparse.Namespace) -> None:
         v = getattr(a, name)
         if not math.isfinite(v) or v < 0:
             raise UsageError(f"--{name.replace('_', '-')} {v} must be >= 0")
+    if a.metrics_port is not None and not 0 <= a.metrics_port <= 65535:
+        raise UsageError(f"--metrics-port {a.metrics_port} must be in 0..65535")
     if a.token_ms is not None and not (math.isfinite(a.token_ms) and a.token_ms >= 0):
         raise UsageError(f"--token-ms {a.token_ms} must be >= 0")
     if not (math.isfinite(a.lease_s) and a.lease_s > 0):

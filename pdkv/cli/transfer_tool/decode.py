@@ -180,6 +180,20 @@ class DecodeSide:
         # decode "generates" output_length tokens: a ready request's blocks are held this long
         token_s = (a.token_ms or 0.0) / 1000
         self.hold_s = {r.rid: r.output * token_s for r in make_workload(a)} if token_s else {}
+        self.metrics: Any = None
+        if a.metrics_port is not None:
+            try:
+                from ...metrics import DecodeMetrics
+            except ImportError as exc:
+                self.close()
+                raise UsageError(str(exc)) from None
+            metrics = self.metrics = DecodeMetrics(self.sched, self.rx)
+            try:
+                port = metrics.serve(a.metrics_port, a.metrics_addr)
+            except OSError as exc:
+                self.close()
+                raise UsageError(f"--metrics-port {a.metrics_port}: {exc.strerror}") from None
+            print(f"metrics on http://{a.metrics_addr}:{port}/metrics", flush=True)
         self.t0 = time.monotonic()
         self._stop = threading.Event()
         self._engine = threading.Thread(target=self._engine_loop, name="decode-engine", daemon=True)
@@ -270,6 +284,9 @@ class DecodeSide:
                 time.sleep(0.001)
 
     def close(self) -> None:
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+            self.metrics = None
         if getattr(self, "_engine", None) is not None:
             self._stop.set()
             self._engine.join(5)

@@ -139,7 +139,8 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
                 ev = gpu.to_gpu(layer, idx) if gpu is not None else None
                 tx.send_layer(layer, [(r.rid, blocks)], event=ev)
             # the last layer computed: prefill's first token, counted from the request's arrival
-            emit({"type": "computed", "rid": r.rid, "ttft": time.monotonic() - t0 - r.arrival})
+            now = time.monotonic()
+            emit({"type": "computed", "rid": r.rid, "ttft": now - t0 - r.arrival, "compute": now - ts})
             tx.finish(r.rid)
         # wait for the outstanding outcomes (bounded)
         deadline = time.monotonic() + a.timeout * 6
