@@ -30,7 +30,7 @@ LAYERS = [
     },
     {"pdkv.transfer.shm", "pdkv.transfer.tcp", "pdkv.transfer.rdma", "pdkv.transfer.cuda_ipc", "pdkv.transfer.nixl"},
     {"pdkv.transfer.handshake", "pdkv.transfer.decode", "pdkv.transfer.prefill"},
-    {"pdkv.transfer", "pdkv"},
+    {"pdkv.transfer", "pdkv", "pdkv.metrics"},  # metrics observes a scheduler and a receiver
 ]
 TRANSPORTS = {
     "pdkv.transfer.shm",
