@@ -71,24 +71,25 @@ def main() -> int:
             + ["--no-verify", "--transport", "shm", "--no-gpu", "--timeout", "60"],
             os.path.join(d, "real.json"),
         )
-        # what the real run measured: its link (the faster of one request's rate and the
-        # aggregate: shm copies of several requests overlap), its swap rate, and prefill's
-        # time per request (the tool's prefill writes every block's pattern as it "computes")
-        bw, swap = max(real["request_GBps_p50"], real["throughput_GBps"]), real["swap_GBps"]
-        layer_ms = real["prefill_compute_ms_p50"] / real["layout"]["num_layers"]
+        # the planner measures the link and swap rates itself (a burst run on this host);
+        # prefill's time per request is the real run's (its prefill writes every block's
+        # pattern as it "computes", on top of --layer-ms)
+        rate = real["prefill_tokens_per_s"]
         block = real["layout"]["block_bytes"]
         gib = a.buffer_blocks * block / (1 << 30)
-        plan_common = [c if c != str(a.layer_ms) else f"{layer_ms:.4f}" for c in common]
+        i = common.index("--layer-ms")
+        plan_common = [*common[:i], *common[i + 2 :], "--prefill-tokens-per-s", f"{rate:.1f}"]
         plan = tool(
-            ["plan", *plan_common, "--buffer-sweep", repr(gib), "--bandwidth-gbps", str(bw), "--swap-gbps", str(swap)],
+            ["plan", *plan_common, "--buffer-sweep", repr(gib)],
             os.path.join(d, "plan.json"),
         )
+        bw, swap = plan["config"]["bandwidth_GBps"], plan["config"]["swap_GBps"]
     row = [r for r in plan["sweep"] if r["buffer_blocks"] == a.buffer_blocks][0]
     print(
         f"{a.trace_limit} requests of {os.path.basename(a.trace)} x {a.time_scale} in time, {a.model}, "
         f"{a.layer_ms} ms a layer, {a.token_ms} ms a token, {a.gpu_blocks} GPU blocks, {a.buffer_blocks} buffer "
-        f"blocks; link {bw:.2f} GB/s, swap {swap:.2f} GB/s and prefill {layer_ms:.2f} ms a layer as measured "
-        "by the real run"
+        f"blocks; link {bw:.2f} GB/s, swap {swap:.2f} GB/s and prefill {rate:,.0f} tokens/s (the link and swap "
+        "measured by the planner, prefill's time by the real run)"
     )
     print(f"{'figure':22} {'real run':>10} {'planner':>10} {'diff':>9}  within")
     out = {}

@@ -251,6 +251,10 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                 requests=len(work),
             )
         rep["prefill_compute_ms_p50"] = float(np.percentile(list(computes.values()), 50)) * 1e3 if computes else 0.0
+        # prefill's own rate: prompt tokens over the time from grant to last layer computed
+        toks = {r.rid: r.tokens for r in work}
+        busy = sum(computes.values())
+        rep["prefill_tokens_per_s"] = sum(toks.get(rid, 0) for rid in computes) / busy if busy > 0 else 0.0
         rep["transport"] = a.transport
         rep["transports_chosen"] = sorted(set(chosen.values()))
         rep["data_paths"] = sorted(paths)

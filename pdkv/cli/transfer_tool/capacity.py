@@ -38,7 +38,7 @@ import numpy as np
 from ...blocks import BlockPool
 from ...layout import KVLayout
 from ...scheduler import DecodeScheduler, Event, SchedulerOptions
-from .workload import UsageError
+from .workload import UsageError, layout_kw
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids: one id per 512 prompt tokens
 
@@ -494,9 +494,10 @@ def load_warnings(trace: Sequence[TraceRequest], cfg: PlanConfig) -> list[str]:
 
 
 def measure_rates(a: Any, console: Any) -> tuple[float, float]:
-    """Transfer and swap bandwidth of this host for the layout: a short loopback run of the
-    transfer test (16 requests of 4096 tokens, not verified), its per-request p50 rate and
-    its swap rate, in bytes/s."""
+    """Transfer and swap bandwidth of this host for the layout, in bytes/s: a short loopback
+    run of the transfer test (16 requests of about 2 GiB in all, sent at once, not verified), its
+    throughput over the transfer span (the link's capacity: the requests' copies overlap)
+    and its swap rate."""
     import os
     import subprocess
     import sys
@@ -504,8 +505,11 @@ def measure_rates(a: Any, console: Any) -> tuple[float, float]:
 
     with tempfile.TemporaryDirectory(prefix="pdkv-plan-") as d:
         out = os.path.join(d, "rates.json")
+        lay = KVLayout(**layout_kw(a), tp_size=a.decode_tp)
+        per_token = lay.block_bytes * a.decode_tp / lay.tokens_per_block
+        tokens = int(min(16384, max(256, (2 << 30) / 16 / per_token)))  # about 2 GiB in all
         argv = [sys.executable, "-m", "pdkv.cli.transfer_tool", "--model", a.model, "--requests", "16"]
-        argv += ["--prompt-len", "4096", "--no-verify", "--concurrency", "4", "--json", out]
+        argv += ["--prompt-len", str(tokens), "--no-verify", "--concurrency", "16", "--json", out, "-q"]
         argv += ["--decode-tp", str(a.decode_tp), "--gpu-blocks", "0"]
         for opt, attr in (("--layers", "layers"), ("--kv-heads", "kv_heads"), ("--head-dim", "head_dim")):
             if getattr(a, attr) is not None:
@@ -513,7 +517,7 @@ def measure_rates(a: Any, console: Any) -> tuple[float, float]:
         for opt, attr in (("--tokens-per-block", "tokens_per_block"), ("--dtype", "dtype")):
             if getattr(a, attr) is not None:
                 argv += [opt, str(getattr(a, attr))]
-        console.print("measuring this host's transfer and swap bandwidth (a 16-request loopback run) ...")
+        console.print(f"measuring this host's transfer and swap bandwidth (16 requests of {tokens} tokens) ...")
         p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         if p.returncode != 0 or not os.path.exists(out):
             last = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or ["no output"]
@@ -522,7 +526,7 @@ def measure_rates(a: Any, console: Any) -> tuple[float, float]:
             )
         with open(out) as f:
             rep = json.load(f)
-    return float(rep["request_GBps_p50"]) * 1e9, float(rep["swap_GBps"]) * 1e9
+    return float(rep["throughput_GBps"]) * 1e9, float(rep["swap_GBps"]) * 1e9
 
 
 def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
