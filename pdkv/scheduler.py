@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import logging
 import secrets
 import threading
 import time
@@ -57,6 +58,8 @@ from .lifecycle import (
     _Release,
     _Req,
 )
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "State",
@@ -323,6 +326,7 @@ class DecodeScheduler:
             self._m[key] += 1
         if state is not State.FINISHED:
             self._event(EventKind(state.value), req.rid, reason=reason, t=now)
+            _log.info("request %r %s (was %s): %s", req.rid, state.value, prev.value, reason)
 
     def _expire(self, req: _Req, now: float) -> None:
         self._terminate(req, State.EXPIRED, f"lease of {self.options.lease_s}s expired", now)

@@ -8,6 +8,7 @@ the swap engine's kernels read it directly; on a CPU-only host it works unpinned
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import stat
@@ -69,6 +70,9 @@ def _release(mm: mmap.mmap | None, names: list[str] | None, pinned_addr: int | N
             pass
     if names:
         _disown(names[0])
+
+
+_log = logging.getLogger(__name__)
 
 
 class SharedBuffer:
@@ -237,6 +241,7 @@ class SharedBuffer:
             self._finish(name, sizes, fds, mm, addr, pinned, owner=True, pin_mode=mode)
             undo.pop_all()
         _own(name, self.owned_names)
+        _log.info("created shared buffer %s: %d bytes in %d stripes, pinned=%s", name, size, len(sizes), pinned)
         return self
 
     @classmethod

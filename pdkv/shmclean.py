@@ -14,6 +14,7 @@ removed. The default is a dry run; ``--yes`` removes.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -24,6 +25,9 @@ from .shmseg import NAME_PREFIX, ORIGIN_SUFFIX, STRIPE_SEP, read_origin
 __all__ = ["SegmentInfo", "CleanReport", "scan_segments", "clean_segments", "clean", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"
+
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +159,8 @@ def clean(*, dry_run: bool = True, shm_dir: str = SHM_DIR, tag: str | None = Non
                 skipped.append((seg.name, seg.why))
             continue
         order = sorted(seg.files, key=lambda f: f.endswith(ORIGIN_SUFFIX))
+        if not dry_run:
+            _log.info("removing stale buffer %s: %s", seg.name, seg.why)
         failed = False
         for f in order:
             if dry_run:

@@ -38,6 +38,7 @@ then).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
@@ -53,6 +54,9 @@ __all__ = ["export_cache", "map_cache", "host_cache", "MappedCache", "CacheExpor
 
 EXPORT_VERSION = 1
 MAX_EXPORT_BYTES = 4 << 20  # a descriptor is at most this long (64 Ki allocations of 64 bytes fit)
+
+
+_log = logging.getLogger(__name__)
 
 
 class _Alloc(msgspec.Struct, frozen=True):
@@ -241,7 +245,9 @@ def map_cache(data: bytes, layout: KVLayout | None = None) -> MappedCache:
     :func:`parse_export`). ``layout``: this process's layout for the rank (default: the
     exported one)."""
     ex = parse_export(data, layout)
-    return MappedCache(ex, layout if layout is not None else _layout_of(ex))
+    mc = MappedCache(ex, layout if layout is not None else _layout_of(ex))
+    _log.info("mapped rank %d's %s cache: %d blocks", ex.rank, ex.kind, ex.num_blocks)
+    return mc
 
 
 def _device_of(uuid: str) -> int:

@@ -414,3 +414,13 @@ def test_port_in_use_is_one_line(tmp_path):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and addr in lines[0] and "Address already in use" in lines[0], p.stderr
+
+
+@pytest.mark.multiproc
+def test_logs_only_with_verbose(tmp_path, no_leaks):
+    args = ["--model", "tiny", "--requests", "2", "-q"]
+    p, _ = run(args, tmp_path)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    p, _ = run([*args, "-v"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "pdkv.shm INFO created shared buffer pdkv-" in p.stderr and "DEBUG" not in p.stderr

@@ -576,6 +576,7 @@ class DecodeReceiver:
                 self._sessions.pop(p.session_id, None)
         for p in dead:
             self.count("peers_dead")
+            _log.warning("peer %s (rank %d, %s) is dead: fenced, its requests fail", p.instance, p.tp_rank, p.transport)
             self._transports[p.transport].fence(p)  # no write of this peer lands after this
             with self.lock:
                 mine = [inf for inf in self._inflight.values() if p.ident in inf.peers]
