@@ -424,3 +424,32 @@ def test_logs_only_with_verbose(tmp_path, no_leaks):
     p, _ = run([*args, "-v"], tmp_path)
     assert p.returncode == 0, p.stderr
     assert "pdkv.shm INFO created shared buffer pdkv-" in p.stderr and "DEBUG" not in p.stderr
+
+
+@pytest.mark.multiproc
+def test_sweep_mode_one_row_per_size_and_transport(tmp_path, no_leaks):
+    p, rep = run(
+        [
+            "sweep",
+            "--model",
+            "tiny",
+            "--requests",
+            "4",
+            "--sweep-tokens-per-block",
+            "8,32",
+            "--sweep-transports",
+            "shm",
+        ],
+        tmp_path,
+        timeout=240,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = rep["rows"]
+    assert [(r["tokens_per_block"], r["transport"], r["result"]) for r in rows] == [
+        (8, "shm", "PASS"),
+        (32, "shm", "PASS"),
+    ]
+    assert rows[1]["block_kib"] == 4 * rows[0]["block_kib"] and all(r["bytes_verified"] > 0 for r in rows)
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == rep
+    p, _ = run(["sweep", "--sweep-tokens-per-block", "x"], tmp_path)
+    assert p.returncode == 2 and "--sweep-tokens-per-block 'x'" in p.stderr

@@ -26,7 +26,7 @@ from .prefill import prefill_on_gpu, run_prefill
 from .report import build_report, print_report, write_plot
 from .workload import PRESETS, MiB, Parser, UsageError, layout_kw, make_workload, parse_devices
 
-MODES = ["local", "decode", "prefill", "plan"]
+MODES = ["local", "decode", "prefill", "plan", "sweep"]
 
 
 def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
@@ -383,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="local",
         choices=MODES,
         help="local: both sides on this host; decode/prefill: one side of a two-host test; "
-        "plan: the capacity planner (replays --trace through the scheduler on a simulated clock)",
+        "plan: the capacity planner (replays --trace through the scheduler on a simulated clock); "
+        "sweep: one local run per --sweep-tokens-per-block and --sweep-transports, a row each",
     )
     g = p.add_argument_group("endpoints")
     g.add_argument("--listen", default="", help="decode: ZeroMQ endpoint to bind, e.g. tcp://0.0.0.0:5555")
@@ -500,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-wait-ms", type=float, default=0.0, help="recommend the smallest buffer with p99 wait <= this"
     )
     g.add_argument("--target-ttft-ms", type=float, default=None, help="... and p99 time to first token <= this")
+    g = p.add_argument_group("sweep")
+    g.add_argument("--sweep-tokens-per-block", default="16,32,64,128", help="sweep: block sizes in tokens")
+    g.add_argument("--sweep-transports", default="shm,tcp", help="sweep: transports, comma-separated")
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure to this JSON file")
     g.add_argument("--plot", help="local/decode: throughput and occupancy over time; plan: the sweep (.png or .html)")
@@ -635,6 +639,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_prefill_console(a, console)
         if a.mode == "decode":
             return run_decode(a, console)
+        if a.mode == "sweep":
+            from .sweep import run_sweep
+
+            return run_sweep(a, console)
         if a.mode == "plan":
             from .capacity import run_plan
 
