@@ -1,4 +1,4 @@
-"""Prometheus metrics of a decode instance, with ``prometheus_client``
+"""Prometheus metrics of a decode instance and of prefill senders, with ``prometheus_client``
 (``pip install 'pdkv[metrics]'``).
 
 :class:`DecodeMetrics` exports a :class:`~pdkv.scheduler.DecodeScheduler` (and optionally its
@@ -20,7 +20,7 @@ from typing import Any
 
 from .scheduler import DecodeScheduler, Event
 
-__all__ = ["DecodeMetrics"]
+__all__ = ["DecodeMetrics", "PrefillMetrics"]
 
 _COUNTERS = {  # scheduler counter -> (metric, help, labels)
     "reservations_gpu": ("reservations", "Reservations by outcome", {"outcome": "gpu"}),
@@ -207,3 +207,102 @@ class _Collector:
         yield n
         for key, (name, doc) in _RECEIVER.items():
             yield CounterMetricFamily(f"pdkv_decode_{name}", doc, value=float(rx.stats.get(key, 0)))
+
+
+class PrefillMetrics:
+    """The metrics of one or more :class:`~pdkv.transfer.PrefillSender` (a prefill
+    instance's ranks), read at scrape time: bytes, frames and layers sent by transport,
+    grant and outcome messages, requests by outcome, and a histogram of each layer's time
+    from ``send_layer`` to its writes done (``pdkv_prefill_layer_seconds``), labelled by rank."""
+
+    def __init__(self, senders: Any, registry: Any = None) -> None:
+        try:
+            from prometheus_client import CollectorRegistry
+        except ImportError:
+            raise ImportError("pdkv.metrics needs prometheus_client: pip install 'pdkv[metrics]'") from None
+        from prometheus_client import Histogram
+
+        self.senders = list(senders) if isinstance(senders, (list, tuple)) else [senders]
+        self.registry = registry if registry is not None else CollectorRegistry()
+        # the collector first: each scrape feeds the histogram the layers logged since the last
+        self.registry.register(_PrefillCollector(self))
+        self.layer_seconds = Histogram(
+            "pdkv_prefill_layer_seconds",
+            "send_layer to the layer's writes done",
+            ["rank"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._last: dict[int, Any] = {}  # sender id -> the newest layer_log entry observed
+        self._server: Any = None
+
+    def _feed(self, tx: Any) -> None:
+        log = list(tx.layer_log)  # a snapshot: the sender's threads append meanwhile
+        last = self._last.get(id(tx))
+        new = []
+        for entry in reversed(log):  # newest first, back to the one seen last scrape
+            if entry is last:
+                break
+            new.append(entry)
+        if log:
+            self._last[id(tx)] = log[-1]
+        h = self.layer_seconds.labels(rank=str(tx.layout.tp_rank))
+        for entry in reversed(new):
+            h.observe(entry[1])
+
+    def text(self) -> str:
+        from prometheus_client import generate_latest
+
+        return str(generate_latest(self.registry).decode())
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` on ``addr:port`` (0: any free port); the port."""
+        from prometheus_client import start_http_server
+
+        if self._server is not None:
+            raise RuntimeError("already serving")
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _PrefillCollector:
+    def __init__(self, m: PrefillMetrics) -> None:
+        self.m = m
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        labels = ["rank", "transport"]
+        fams = {
+            k: CounterMetricFamily(f"pdkv_prefill_{name}", doc, labels=labels)
+            for k, name, doc in (
+                ("bytes", "sent_bytes", "Bytes written into decode"),
+                ("frames", "sent_frames", "tcp data frames sent"),
+                ("layers", "sent_layers", "Layers sent (one per send_layer call)"),
+                ("grant_messages", "grant_messages", "Grant messages received"),
+                ("outcome_messages", "outcome_messages", "Outcome messages received"),
+            )
+        }
+        out = CounterMetricFamily("pdkv_prefill_requests", "Requests by outcome", labels=["rank", "outcome"])
+        for tx in self.m.senders:
+            rank = str(tx.layout.tp_rank)
+            with tx._stats_lock:
+                stats = dict(tx.stats)
+                outcomes = dict(tx.outcomes)
+            tr = tx.transport or "none"
+            for k, fam in fams.items():
+                fam.add_metric([rank, tr], float(stats.get(k, 0)))
+            for state, n in sorted(outcomes.items()):
+                out.add_metric([rank, state], float(n))
+            self.m._feed(tx)
+        yield from fams.values()
+        yield out

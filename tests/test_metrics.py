@@ -87,3 +87,33 @@ def test_the_tool_serves_metrics_during_a_run(tmp_path, no_leaks):
         if p.poll() is None:
             p.kill()
             p.communicate()
+
+
+def test_prefill_metrics_count_each_layer_once(no_leaks):
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_transfer import Decode, prefill_cache, send_one
+
+    from pdkv.metrics import PrefillMetrics
+
+    dec = Decode(transports=("shm",))
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", timeout_s=5) as tx:
+            m = PrefillMetrics([tx])
+            port = m.serve(0)
+            try:
+                assert send_one(tx, "a", [0, 1]).ok
+                s = scrape(port)
+                assert s[("pdkv_prefill_requests_total", (("outcome", "received"), ("rank", "0")))] == 1
+                assert s[("pdkv_prefill_sent_layers_total", (("rank", "0"), ("transport", "shm")))] == 4
+                assert s[("pdkv_prefill_layer_seconds_count", (("rank", "0"),))] == 4
+                assert send_one(tx, "b", [2]).ok
+                s = scrape(port)  # the second scrape adds only the new layers
+                assert s[("pdkv_prefill_layer_seconds_count", (("rank", "0"),))] == 8
+                assert (
+                    s[("pdkv_prefill_sent_bytes_total", (("rank", "0"), ("transport", "shm")))] == 3 * lay.block_bytes
+                )
+            finally:
+                m.close()
+    finally:
+        dec.close()

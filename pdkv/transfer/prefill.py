@@ -140,6 +140,7 @@ class PrefillSender:
             "path": "",
         }
         self._stats_lock = threading.Lock()
+        self.outcomes: dict[str, int] = {}  # requests by outcome state ("received", "failed", ...)
         # (layer, seconds from send_layer() to its writes done, bytes): per-layer latency
         self.layer_log: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=1 << 16)
         self._codec = Codec(opts.secret)
@@ -424,6 +425,8 @@ class PrefillSender:
             rw.set(TransferError(f"request {rid!r} {state}: {reason}"))
         if w is not None and not w.event.is_set():
             out = RequestOutcome(rid, state, reason)
+            with self._stats_lock:
+                self.outcomes[state] = self.outcomes.get(state, 0) + 1
             w.set(out)
             if self.on_outcome is not None:
                 self.on_outcome(out)

@@ -512,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         default=None,
-        help="decode: serve Prometheus metrics on this port (0: any free one; needs pdkv[metrics])",
+        help="decode or prefill mode: serve Prometheus metrics on this port (0: any free one; needs pdkv[metrics])",
     )
     g.add_argument("--metrics-addr", default="127.0.0.1", help="decode: the metrics endpoint's address")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -727,6 +727,8 @@ def run_prefill_console(a: argparse.Namespace, console: Any) -> int:
             if kind == "hello":
                 lines.append(f"connected to {a.connect}: transport {d['transport']} ({d.get('path') or 'direct'})")
                 progress.console.print(lines[-1])
+            elif kind == "metrics":
+                progress.console.print(f"metrics on {d['url']}")
             elif kind == "grant":
                 waits.append(float(d["wait"]))
             elif kind == "outcome":

@@ -78,6 +78,13 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
     if tx.transport == "shm" and gpu is None:  # host cache into decode's buffer: which copy runs
         copy = "streaming loop" if _ffi.cpu.available() else f"numpy ({_ffi.cpu.unavailable_reason()})"
     emit({"type": "hello", "rank": a.rank, "transport": tx.transport, "path": tx.stats["path"], "copy": copy})
+    pm = None
+    if getattr(a, "metrics_port", None) is not None:
+        from ...metrics import PrefillMetrics
+
+        pm = PrefillMetrics([tx])
+        port = pm.serve(a.metrics_port, a.metrics_addr)
+        emit({"type": "metrics", "url": f"http://{a.metrics_addr}:{port}/metrics"})
     t0 = time.monotonic()  # arrivals count from here: connected, cache filled, ready to serve
     regions = {
         (layer, t): host_spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))
@@ -152,6 +159,8 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
     finally:
         layers = list(tx.layer_log)
         stats = dict(tx.stats)
+        if pm is not None:
+            pm.close()
         tx.close()
         if gpu is not None:
             gpu.close()
