@@ -676,7 +676,10 @@ def test_silent_connections_hold_no_thread_and_are_closed(no_leaks):
         for s in socks:  # every one closed: refused over the cap at once, the rest at their deadline
             s.settimeout(5)
             assert s.recv(1) == b""
-        assert dec.rx.stats["connections_refused"] >= 200 - 32
+        # each one closed for a reason: refused over the cap, or its authentication deadline
+        # passed (on a loaded host the first expire before the last connect, so the split varies)
+        st = dec.rx.stats
+        assert st["connections_refused"] + st["auth_failed"] >= 200 and st["connections_refused"] > 0, st
         # authenticated connections come and go: their threads are forgotten
         lay, arr, spec = prefill_cache(1, 0)
         with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5) as tx:
