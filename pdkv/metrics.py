@@ -61,7 +61,36 @@ _RECEIVER = {  # DecodeReceiver.stats key -> (metric, help)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class DecodeMetrics:
+class _Exposed:
+    """A registry served over HTTP: the exposition text, ``serve`` and ``close``."""
+
+    registry: Any
+    _server: Any = None
+
+    def text(self) -> str:
+        """The exposition text, as a scrape gets it."""
+        from prometheus_client import generate_latest
+
+        return str(generate_latest(self.registry).decode())
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` on ``addr:port`` (0: any free port) from a daemon thread; the port."""
+        from prometheus_client import start_http_server
+
+        if self._server is not None:
+            raise RuntimeError("already serving")
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        """Stop serving."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class DecodeMetrics(_Exposed):
     """The metrics of one decode instance in a registry of their own (or ``registry``).
 
     >>> m = DecodeMetrics(scheduler, receiver)       # doctest: +SKIP
@@ -99,7 +128,6 @@ class DecodeMetrics:
         self._peer: dict[str, str] = {}
         self.registry.register(_Collector(self))
         scheduler.add_listener(self._on_event)
-        self._server: Any = None
 
     def _on_event(self, ev: Event) -> None:
         rid, kind = ev.request_id, ev.kind
@@ -128,28 +156,10 @@ class DecodeMetrics:
                 self._received.pop(rid, None)
                 self.ended.labels(outcome=str(kind), peer=self._peer.pop(rid, "")).inc()
 
-    def text(self) -> str:
-        """The exposition text, as a scrape gets it."""
-        from prometheus_client import generate_latest
-
-        return str(generate_latest(self.registry).decode())
-
-    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``addr:port`` (0: any free port) from a daemon thread; the port."""
-        from prometheus_client import start_http_server
-
-        if self._server is not None:
-            raise RuntimeError("already serving")
-        self._server, thread = start_http_server(port, addr=addr, registry=self.registry)
-        return int(self._server.server_port)
-
     def close(self) -> None:
         """Stop serving and stop listening to the scheduler."""
         self.scheduler.remove_listener(self._on_event)
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        super().close()
 
 
 class _Collector:
@@ -209,7 +219,7 @@ class _Collector:
             yield CounterMetricFamily(f"pdkv_decode_{name}", doc, value=float(rx.stats.get(key, 0)))
 
 
-class PrefillMetrics:
+class PrefillMetrics(_Exposed):
     """The metrics of one or more :class:`~pdkv.transfer.PrefillSender` (a prefill
     instance's ranks), read at scrape time: bytes, frames and layers sent by transport,
     grant and outcome messages, requests by outcome, and a histogram of each layer's time
@@ -234,7 +244,6 @@ class PrefillMetrics:
             registry=self.registry,
         )
         self._last: dict[int, Any] = {}  # sender id -> the newest layer_log entry observed
-        self._server: Any = None
 
     def _feed(self, tx: Any) -> None:
         log = list(tx.layer_log)  # a snapshot: the sender's threads append meanwhile
@@ -249,26 +258,6 @@ class PrefillMetrics:
         h = self.layer_seconds.labels(rank=str(tx.layout.tp_rank))
         for entry in reversed(new):
             h.observe(entry[1])
-
-    def text(self) -> str:
-        from prometheus_client import generate_latest
-
-        return str(generate_latest(self.registry).decode())
-
-    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``addr:port`` (0: any free port); the port."""
-        from prometheus_client import start_http_server
-
-        if self._server is not None:
-            raise RuntimeError("already serving")
-        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
-        return int(self._server.server_port)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 class _PrefillCollector:

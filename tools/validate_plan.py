@@ -2,8 +2,9 @@
 
 Runs ``pdkv-transfer-test`` locally on a trace (decode holding each request's GPU blocks for
 output_length x --token-ms, prefill computing --layer-ms a layer), then ``pdkv-transfer-test
-plan`` on the same trace with the link and swap rates that run measured, at the same buffer
-and GPU pool; prints both sets of figures side by side and whether each is within the
+plan`` on the same trace at the same buffer and GPU pool: the planner measures the link and
+swap rates itself (its burst run on this host), and takes prefill's time per request from
+the real run; prints both sets of figures side by side and whether each is within the
 tolerance (``--tolerance`` relative, or ``--floor-ms`` absolute for latencies). Last line:
 one JSON object.
 

@@ -429,9 +429,9 @@ def recommend(rows: list[dict[str, Any]], target_wait_ms: float, target_ttft_ms:
 
 
 def write_plan_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
-    import io
-
     import matplotlib
+
+    from .report import save_figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -461,14 +461,7 @@ def write_plan_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
         ax.legend(fontsize=8, loc="best")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    if path.endswith(".png"):
-        fig.savefig(path, dpi=110)
-    else:
-        buf = io.StringIO()
-        fig.savefig(buf, format="svg")
-        with open(path, "w") as f:
-            f.write(f"<!doctype html><meta charset=utf-8><title>pdkv capacity plan</title>\n{buf.getvalue()}")
-    plt.close(fig)
+    save_figure(fig, path, "pdkv capacity plan")
 
 
 def load_warnings(trace: Sequence[TraceRequest], cfg: PlanConfig) -> list[str]:

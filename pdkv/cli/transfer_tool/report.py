@@ -146,10 +146,27 @@ def print_report(rep: dict[str, Any], console: Any) -> None:
         console.print(f"[red]{line}[/red]")
 
 
-def write_plot(path: str, dec: DecodeSide) -> None:
-    """Bytes landed per second and buffer occupancy over the run (PNG, or SVG in HTML)."""
+def save_figure(fig: Any, path: str, title: str) -> None:
+    """Write a matplotlib figure to ``path``: PNG for ``.png``, else an HTML page holding it
+    as SVG (no script, opens anywhere); then close it."""
     import io
 
+    import matplotlib.pyplot as plt
+
+    try:
+        if path.endswith(".png"):
+            fig.savefig(path, dpi=110)
+        else:
+            buf = io.StringIO()
+            fig.savefig(buf, format="svg")
+            with open(path, "w") as f:
+                f.write(f"<!doctype html><meta charset=utf-8><title>{title}</title>\n{buf.getvalue()}")
+    finally:
+        plt.close(fig)
+
+
+def write_plot(path: str, dec: DecodeSide) -> None:
+    """Bytes landed per second and buffer occupancy over the run (PNG, or SVG in HTML)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,11 +190,4 @@ def write_plot(path: str, dec: DecodeSide) -> None:
     # below the axes: the legend never covers the curves
     fig.legend(handles=[a1, a2, a3], loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    if path.endswith(".png"):
-        fig.savefig(path, dpi=110)
-    else:
-        buf = io.StringIO()
-        fig.savefig(buf, format="svg")
-        with open(path, "w") as f:
-            f.write(f"<!doctype html><meta charset=utf-8><title>pdkv transfer test</title>\n{buf.getvalue()}")
-    plt.close(fig)
+    save_figure(fig, path, "pdkv transfer test")
