@@ -46,16 +46,33 @@ def _tx(dec, lay, spec, **kw):
     return PrefillSender(lay, spec, dec.rx.control_address, transport="nixl", instance="pf", timeout_s=5, **kw)
 
 
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "per-write"])
 @pytest.mark.parametrize("P,D,nhd", [(1, 1, False), (2, 4, False), (4, 2, False), (2, 1, True)])
-def test_nixl_every_byte(P, D, nhd, no_leaks):
+def test_nixl_every_byte(P, D, nhd, prepared, monkeypatch, no_leaks):
+    """Every byte, TP 1->1, 2->4, 4->2 and token-major 2->1, several requests a layer:
+    through the session's prepared descriptor lists (two prepared per sender, whatever the
+    number of requests and layers), and through lists built per write (a cache whose
+    prepared lists would pass PREPARED_MAX)."""
+    from pdkv import _ffi
+    from pdkv.transfer import nixl
+
+    if not prepared:
+        monkeypatch.setattr(nixl, "PREPARED_MAX", 0)
+    made = []
+    real = _ffi.nixl.Agent.prepare
+    monkeypatch.setattr(_ffi.nixl.Agent, "prepare", lambda self, *a, **k: made.append(a) or real(self, *a, **k))
     dec = Decode(D=D, token_major=nhd, transports=("nixl",))
     try:
         caches = [prefill_cache(P, r, token_major=nhd) for r in range(P)]
         txs = [_tx(dec, lay, spec) for lay, _, spec in caches]
-        assert all(tx.transport == "nixl" and tx.stats["path"] == "nixl (DRAM source)" for tx in txs)
+        want = "nixl (DRAM source, prepared lists)" if prepared else "nixl (DRAM source)"
+        assert all(tx.transport == "nixl" and tx.stats["path"] == want for tx in txs)
         src_blocks = {"a": [3, 4, 5, 9, 10], "b": [20, 21, 22, 23, 30, 31], "c": [60]}  # several a layer
         grants = _send_batch(txs, src_blocks)
         _check_tp(dec, caches, src_blocks, grants)
+        grants = _send_batch(txs, {"d": [7, 8], "e": [40, 41, 50]})  # the lists serve the next ones too
+        _check_tp(dec, caches, {"d": [7, 8], "e": [40, 41, 50]}, grants)
+        assert len(made) == (2 * P if prepared else 0)
         for tx in txs:
             tx.close()
     finally:
@@ -287,7 +304,8 @@ def test_nixl_two_process_tool_mode_verifies_every_byte(tmp_path, no_leaks):
             timeout=60,
         )
         assert p.returncode == 0, p.stdout + p.stderr
-        assert "transport nixl (nixl (DRAM source))" in p.stdout and "4 of 4 requests received" in p.stdout
+        said = " ".join(p.stdout.split())  # the console wraps long lines
+        assert "transport nixl (nixl (DRAM source, prepared lists))" in said and "4 of 4 requests received" in said
         d.send_signal(signal.SIGTERM)
         d.wait(30)
         rep = json.loads(out.read_text())
@@ -335,7 +353,7 @@ def test_nixl_from_gpu_caches_every_byte(cuda_device, P, D, source, no_leaks):
     try:
         kw = {"gpudirect": "require"} if source == "vram" else {}
         txs = [_tx(dec, lay, gspec, **kw) for lay, _, _, gspec in caches]
-        want = "nixl (VRAM source)" if source == "vram" else "nixl staged (GPU gather)"
+        want = "nixl (VRAM source, prepared lists)" if source == "vram" else "nixl staged (GPU gather)"
         assert all(tx.stats["path"] == want for tx in txs), [tx.stats["path"] for tx in txs]
         src_blocks = {f"g{i}": [(7 * i + j * 3) % 64 for j in range(5)] for i in range(3)}
         grants = _send_batch(txs, src_blocks)

@@ -6,9 +6,11 @@ process into a decode process's buffer in random destination order, 16 requests 
 every byte verified: through ``PrefillSender(transport="nixl")`` (grants, one NIXL WRITE
 per layer, the layer reported, outcomes back), through a bare NIXL agent posting the same
 descriptors into the same buffer (agents, registration and metadata exchange done outside
-the timing for both), and through pdkv's tcp and shm, interleaved, the ratio to bare NIXL
-taken per repetition. UCX runs with ``UCX_TLS`` as ``--ucx`` says (``tcp``; ``cma``: a
-same-host single copy, as ``cma,tcp``; ``default``: UCX's own choice, ``UCX_TLS`` unset).
+the timing for both: bare NIXL's descriptor lists prepared once, as pdkv's session prepares
+its own; a second bare row builds each write's list), and through pdkv's tcp and shm,
+interleaved, the ratio to bare NIXL taken per repetition. UCX runs with ``UCX_TLS`` as
+``--ucx`` says (``tcp``; ``cma``: a same-host single copy, as ``cma,tcp``; ``default``:
+UCX's own choice, ``UCX_TLS`` unset).
 
 ``--gpu``: the source is a cache in GPU memory (device 0), and the rows are NIXL's own
 VRAM source (bare, and pdkv with ``gpudirect="require"``), pdkv's staged path (the swap
@@ -121,15 +123,24 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
             verify(t, np.concatenate([np.asarray(g.blocks) for g in grants]))
             return NREQ * per * bb / dt
 
-        def bare_write() -> float:
+        # bare NIXL's prepared lists, made once outside the timing: every block of the source
+        # and of decode's buffer, one strided row each
+        prep_local = bare.prepare(np.array([[base_src, bb, dev, bb, nb]], np.uint64), mem)
+        prep_remote = bare.prepare(np.array([[base, bb, 0, bb, nb]], np.uint64), "DRAM", peer)
+
+        def bare_write(prepared: bool) -> float:
             dst[:] = 0xEE
             n = NREQ * per
             order = np.arange(n)  # destination blocks 0..n-1, sources in the same random order
-            # Nx3 (address, length, device) arrays, NIXL's cheapest descriptor input
-            local = _descs(base_src + perm[order].astype(np.uint64) * bb, bb, dev)
-            remote = _descs(base + order.astype(np.uint64) * bb, bb, 0)
+            if not prepared:  # Nx3 (address, length, device) arrays, NIXL's cheapest list input
+                local = _descs(base_src + perm[order].astype(np.uint64) * bb, bb, dev)
+                remote = _descs(base + order.astype(np.uint64) * bb, bb, 0)
+            li, ri = perm[order].astype(np.int32), order.astype(np.int32)
             t0 = time.perf_counter()
-            h = bare.write(local, remote, peer, mem)
+            if prepared:
+                h = bare.write_prepared(prep_local, li, prep_remote, ri)
+            else:
+                h = bare.write(local, remote, peer, mem)
             while (st := bare.state(h)) not in ("DONE", "ERR"):
                 time.sleep(20e-6)
             dt = time.perf_counter() - t0
@@ -139,7 +150,11 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
             return n * bb / dt
 
         def one_rep() -> dict[str, float]:
-            return {"bare": bare_write(), **{label: transfer(label) for label in rows}}
+            return {
+                "bare": bare_write(True),
+                "bare per-write": bare_write(False),
+                **{label: transfer(label) for label in rows},
+            }
 
         one_rep()  # warm-up
         reps = [one_rep() for _ in range(a.reps)]
@@ -150,6 +165,7 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
         # per repetition: pdkv over NIXL against bare NIXL doing the same writes from the same source
         same = "nixl vram" if a.gpu else "nixl"
         out["ratio"] = med(r[same] / r["bare"] for r in reps)
+        out["ratio_per_write"] = med(r[same] / r["bare per-write"] for r in reps)
         if a.gpu:
             out["staged_vs_vram"] = med(r["nixl"] / r["nixl vram"] for r in reps)
         return out
@@ -192,7 +208,8 @@ def main() -> int:
         head = f"{'bare VRAM':>10} {'pdkv VRAM':>10} {'ratio':>6} {'pdkv staged':>12} {'staged/VRAM':>12}"
         head += f" {'pdkv tcp':>9}"
     else:
-        head = f"{'bare NIXL':>10} {'pdkv nixl':>10} {'ratio':>6} {'pdkv tcp':>9} {'pdkv shm':>9}"
+        head = f"{'bare NIXL':>10} {'pdkv nixl':>10} {'ratio':>6} {'bare/write':>11} {'ratio':>6}"
+        head += f" {'pdkv tcp':>9} {'pdkv shm':>9}"
     print(f"{'KiB':>6} {'UCX':>7} {head}", flush=True)
     rows = []
     g = 1 << 30
@@ -208,6 +225,7 @@ def main() -> int:
             else:
                 cells = (
                     f"{r['bare'] / g:>10.2f} {r['nixl'] / g:>10.2f} {r['ratio']:>6.2f}"
+                    f" {r['bare per-write'] / g:>11.2f} {r['ratio_per_write']:>6.2f}"
                     f" {r['tcp'] / g:>9.2f} {r['shm'] / g:>9.2f}"
                 )
             print(f"{kib:>6} {ucx:>7} {cells}", flush=True)
@@ -216,7 +234,10 @@ def main() -> int:
         print(" ratio: pdkv with NIXL's VRAM source / bare NIXL doing the same writes; staged/VRAM: pdkv's staged")
         print(" path / pdkv with NIXL's VRAM source; both per repetition)")
     else:
-        print("(medians of repetitions; ratio: per repetition, pdkv nixl / bare NIXL, same writes, same buffer)")
+        print(
+            "(medians of repetitions; ratio: per repetition, pdkv nixl / bare NIXL, same writes, same buffer;"
+            " bare NIXL: prepared lists, bare/write: a list built per write)"
+        )
     print(json.dumps({"min_ratio": round(min(r["ratio"] for r in rows), 3), "rows": rows}))
     return 0
 

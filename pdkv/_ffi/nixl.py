@@ -100,6 +100,7 @@ class Agent:
         self.name = name
         self._regs: list[Any] = []
         self._remotes: set[str] = set()
+        self._prepped: list[Any] = []
 
     def register(self, regions: Sequence[tuple[int, int, int]], mem: str) -> None:
         """Register ``(addr, length, device)`` regions (``mem``: ``DRAM`` or ``VRAM``) once."""
@@ -136,6 +137,26 @@ class Agent:
             raise TransferError("NIXL transfer failed to start (ERR)")
         return h
 
+    def prepare(self, descs: Any, mem: str, peer: str = "") -> Any:
+        """A prepared descriptor list (NIXL's ``prep_xfer_dlist``) of this agent's memory,
+        or of ``peer``'s (its metadata added): ``descs`` an Nx5 uint64 array of strided rows
+        ``(address, length, device, stride, count)``, ``count`` descriptors of ``length``
+        bytes ``stride`` apart each, numbered in row order. Kept until :meth:`close`."""
+        h = _call("prep_xfer_dlist", self._a.prep_xfer_dlist, peer or "NIXL_INIT_AGENT", descs, mem)
+        self._prepped.append(h)
+        return h
+
+    def write_prepared(self, local: Any, local_idx: Any, remote: Any, remote_idx: Any) -> Any:
+        """Start one WRITE of ``local``'s descriptors ``local_idx[i]`` into ``remote``'s
+        ``remote_idx[i]`` (lists from :meth:`prepare`; int32 arrays; contiguous neighbours
+        merged by NIXL); returns the handle to poll."""
+        h = _call("make_prepped_xfer", self._a.make_prepped_xfer, "WRITE", local, local_idx, remote, remote_idx)
+        st = _call("transfer", self._a.transfer, h)
+        if st == "ERR":
+            self.release(h)
+            raise TransferError("NIXL transfer failed to start (ERR)")
+        return h
+
     def state(self, handle: Any) -> str:
         """``DONE``, ``PROC`` or ``ERR``."""
         return str(_call("check_xfer_state", self._a.check_xfer_state, handle))
@@ -144,7 +165,14 @@ class Agent:
         _call("release_xfer_handle", self._a.release_xfer_handle, handle)
 
     def close(self) -> None:
-        """Remove remote agents, deregister memory. Idempotent; errors ignored (teardown)."""
+        """Release prepared lists, remove remote agents, deregister memory. Idempotent;
+        errors ignored (teardown)."""
+        for h in self._prepped:
+            try:
+                h.release()
+            except Exception:
+                pass
+        self._prepped.clear()
         for name in list(self._remotes):
             try:
                 self.remove_remote(name)

@@ -3,7 +3,13 @@
 Decode registers each rank's buffer with its NIXL agent once (DRAM) and answers the hello
 with its agent's metadata and each rank's registered region; prefill registers its cache
 once (DRAM, or VRAM for a GPU cache) before the hello, which carries its agent's metadata
-(size-bounded, validated like every field). Per layer, every request's pieces
+(size-bounded, validated like every field). Once connected, prefill prepares two NIXL
+descriptor lists for the session (``prep_xfer_dlist``): every piece of every block of its
+cache, and every piece of every block of decode's buffers, one strided row per (layer,
+segment, piece); each layer's write then names pieces by index (``make_prepped_xfer``),
+so no request builds or registers descriptors again. Caches whose lists would pass
+:data:`PREPARED_MAX` descriptors (token-major heterogeneous TP of large caches) and the
+staged GPU path build each write's list instead. Per layer, every request's pieces
 (heterogeneous-TP segments included) go as one NIXL WRITE, polled until ``DONE`` (or
 ``ERR``: the layer's requests fail) within ``timeout_s``; then prefill reports the layer
 through pdkv's control plane (``LayerBatch``), the one way decode learns that bytes landed.
@@ -31,7 +37,11 @@ from ..rdma import merge_regions
 from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem, report_layer
 from .staging import StagedSends, make_staged, stage_layer
 
-__all__ = ["NixlSender", "NixlReceiver"]
+__all__ = ["NixlSender", "NixlReceiver", "PREPARED_MAX"]
+
+#: the most descriptors a session's prepared list may hold on either side (NIXL keeps
+#: each one in memory, some tens of bytes): above it each write builds its own list
+PREPARED_MAX = 1 << 21
 
 
 def _agent_name(side: str) -> str:
@@ -77,12 +87,13 @@ class NixlSender(SenderTransport):
         self._peer = ""
         self._dst_specs: dict[int, CacheSpec] = {}
         self._staged: StagedSends | None = None
+        self._prepared: PreparedPieces | None = None
 
     @property
     def path(self) -> str:
         if self._staged is not None:
             return f"nixl staged ({self._staged.strategy} gather)"
-        return f"nixl ({self._mem} source)"
+        return f"nixl ({self._mem} source{', prepared lists' if self._prepared is not None else ''})"
 
     @property
     def staging(self) -> StagedSends | None:
@@ -115,6 +126,10 @@ class NixlSender(SenderTransport):
             # one lane: the slots are written in order; the ring registered once (DRAM)
             self._staged = make_staged(self.host, self.options, lanes=1)
             self._agent.register([(self._staged.ring.address, self._staged.ring.nbytes, 0)], "DRAM")
+        else:
+            self._prepared = PreparedPieces.build(
+                self._agent, self._peer, self.host.segments, self.host.cache, self._dst_specs, self._dev, self._mem
+            )
 
     def after_writes(self, fn: Callable[[], None]) -> None:
         if self._staged is None:
@@ -133,21 +148,33 @@ class NixlSender(SenderTransport):
             return
         sb = np.concatenate([w.src for w in work])
         db = np.concatenate([w.dst for w in work])
-        plans, total = layer_pieces(h.segments, h.layout, h.dst_layout, h.cache, self._dst_specs, sb, db, layer)
-        src = np.concatenate([p[1] for p in plans])
-        dst = np.concatenate([p[2] for p in plans])
-        ln = np.concatenate([p[3] for p in plans])
-        self._write(f"layer {layer}", src, dst, ln, self._dev, self._mem)
+        agent = self._agent
+        assert agent is not None
+        if self._prepared is not None:
+            p = self._prepared
+            li, ri = p.indices(layer, sb, db)
+            self._await(f"layer {layer}", agent.write_prepared(p.local, li, p.remote, ri))
+            total = int(sb.size) * p.block_bytes
+        else:
+            plans, total = layer_pieces(h.segments, h.layout, h.dst_layout, h.cache, self._dst_specs, sb, db, layer)
+            src = np.concatenate([p[1] for p in plans])
+            dst = np.concatenate([p[2] for p in plans])
+            ln = np.concatenate([p[3] for p in plans])
+            self._write(f"layer {layer}", src, dst, ln, self._dev, self._mem)
         h.add_bytes(total)
         report_layer(h, layer, work)
 
     def _write(self, what: str, src: Any, dst: Any, ln: Any, dev: int, mem: str) -> None:
-        """One NIXL WRITE of ``src[i]`` into decode's ``dst[i]`` (``ln[i]`` bytes), polled
-        to DONE within the timeout: ERR raises TransferError; a timeout breaks the session
-        (the write may still land: decode fences this peer) and raises PdkvTimeoutError."""
+        """One NIXL WRITE of ``src[i]`` into decode's ``dst[i]`` (``ln[i]`` bytes), awaited."""
+        assert self._agent is not None
+        self._await(what, self._agent.write(_descs(src, ln, dev), _descs(dst, ln, 0), self._peer, mem))
+
+    def _await(self, what: str, handle: Any) -> None:
+        """Poll a started WRITE to DONE within the timeout, then release it: ERR raises
+        TransferError; a timeout breaks the session (the write may still land: decode
+        fences this peer) and raises PdkvTimeoutError."""
         h, agent = self.host, self._agent
         assert agent is not None
-        handle = agent.write(_descs(src, ln, dev), _descs(dst, ln, 0), self._peer, mem)
         deadline = time.monotonic() + h.timeout_s
         try:
             while True:
@@ -185,9 +212,68 @@ class NixlSender(SenderTransport):
         if self._staged is not None:
             self._staged.close(self.host.timeout_s)
             self._staged = None
+        self._prepared = None  # its handles hold NIXL's agent (and its UCX worker) alive
         if self._agent is not None:
             self._agent.close()
             self._agent = None
+
+
+class PreparedPieces:
+    """A session's two prepared NIXL lists: ``local``, every piece of every block of the
+    prefill cache, and ``remote``, every piece of every block of decode's buffers, one
+    strided row per (layer, segment, piece of the segment) on each side, so that piece
+    ``c`` of block ``b`` of segment ``k`` in ``layer`` is descriptor
+    ``start[layer][k] + c * blocks + b`` of its list."""
+
+    def __init__(self, local: Any, remote: Any, lstart: Any, rstart: Any, segs: Any, nsrc: int, ndst: Any) -> None:
+        self.local, self.remote = local, remote
+        self._lstart, self._rstart = lstart, rstart  # [layer, segment] -> first descriptor
+        self._counts = [int(g.count) for g in segs]
+        self._nsrc, self._ndst = nsrc, ndst  # blocks of the cache; of each segment's buffer
+        self.block_bytes = sum(int(g.length) * int(g.count) for g in segs)  # one block, all segments
+
+    @staticmethod
+    def rows(segs: Any, specs: Any, layers: int, dev: int) -> tuple[np.ndarray, np.ndarray]:
+        """The Nx5 strided rows of ``specs[k]`` (segment ``k``'s side, source or
+        destination) for every layer and segment, and ``start[layer, k]``."""
+        rows, start, at = [], np.zeros((layers, len(segs)), dtype=np.int64), 0
+        for layer in range(layers):
+            for k, (g, (spec, src)) in enumerate(zip(segs, specs)):
+                base, stride = spec.region(layer, g.tensor)
+                off, step = (g.src_offset, g.src_stride) if src else (g.dst_offset, g.dst_stride)
+                start[layer, k] = at
+                for c in range(g.count):
+                    rows.append((base + off + c * step, g.length, dev, stride, spec.num_blocks))
+                at += g.count * spec.num_blocks
+        return np.asarray(rows, dtype=np.uint64).reshape(-1, 5), start
+
+    @classmethod
+    def build(
+        cls, agent: Any, peer: str, segs: Any, src: CacheSpec, dsts: dict[int, CacheSpec], dev: int, mem: str
+    ) -> PreparedPieces | None:
+        """Both lists prepared, or None when either would pass :data:`PREPARED_MAX`."""
+        layers = src.layout.total_layers
+        per_block = sum(int(g.count) for g in segs)
+        ndst = [dsts[g.dst_rank].num_blocks for g in segs]
+        remote_n = layers * sum(int(g.count) * n for g, n in zip(segs, ndst))
+        if max(layers * per_block * src.num_blocks, remote_n) > PREPARED_MAX:
+            return None
+        lrows, lstart = cls.rows(segs, [(src, True)] * len(segs), layers, dev)
+        rrows, rstart = cls.rows(segs, [(dsts[g.dst_rank], False) for g in segs], layers, 0)
+        local = agent.prepare(lrows, mem)
+        remote = agent.prepare(rrows, "DRAM", peer)
+        return cls(local, remote, lstart, rstart, segs, src.num_blocks, ndst)
+
+    def indices(self, layer: int, sb: np.ndarray, db: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """int32 indices into ``local`` and ``remote`` of every piece of ``layer`` from
+        cache blocks ``sb[i]`` into buffer blocks ``db[i]``: segment by segment, block
+        by block, piece by piece (the order :func:`~pdkv.plan.layer_pieces` writes)."""
+        li, ri = [], []
+        for k, count in enumerate(self._counts):
+            c = np.arange(count, dtype=np.int64)[None, :]
+            li.append((self._lstart[layer, k] + c * self._nsrc + sb[:, None]).ravel())
+            ri.append((self._rstart[layer, k] + c * self._ndst[k] + db[:, None]).ravel())
+        return np.concatenate(li).astype(np.int32), np.concatenate(ri).astype(np.int32)
 
 
 def gpu_source_staged(device: int | None, options: Any) -> bool:
