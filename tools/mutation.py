@@ -15,6 +15,14 @@ Not part of CI (it takes tens of minutes on 2 cores). Needs ``pip install mutmut
 
     python tools/mutation.py                       # all three modules
     python tools/mutation.py blocks --diffs        # one, with the survivors' diffs
+    python tools/mutation.py schedloop --tests tests/test_scheduler_model.py --why
+
+``--why`` says how each killed mutant was caught, from the first failing test's exception
+(mutmut stops at the first): ``assertion`` (an ``assert`` or ``pytest.raises`` of the tests,
+or an invariant check of pdkv's they call, outside any teardown), ``teardown`` (a
+teardown's checks: blocks home, nothing leaked), ``error`` (any other exception escaping a
+test: the mutant crashed the code, or raised where the tests expected it not to) and
+``timeout`` (no failure recorded: killed by mutmut's time limit).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import tomllib
 
@@ -47,7 +56,75 @@ def equivalents() -> dict[str, str]:
     return out
 
 
-def run_module(module: str, tests: list[str], children: int, diffs: bool, keep: str | None = None) -> dict:
+# appended to the scratch copy's tests/conftest.py by --why: one JSON line per failed test
+WHY_HOOK = """
+
+# ---- tools/mutation.py --why: how each mutant's first failure came about
+import json as _why_json
+import os as _why_os
+import traceback as _why_tb
+
+import pytest as _why_pytest
+
+
+def _why_kind(exc, frames):
+    in_teardown = any(f == "teardown" for _, f in frames)
+    if isinstance(exc, (AssertionError, _why_pytest.fail.Exception)):
+        return "teardown" if in_teardown else "assertion"
+    return "error"
+
+
+@_why_pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    mutant = _why_os.environ.get("MUTANT_UNDER_TEST", "")
+    path = _why_os.environ.get("PDKV_MUTATION_WHY")
+    if not (rep.failed and path and mutant and call.excinfo is not None):
+        return
+    exc = call.excinfo.value
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # hypothesis: several bugs
+        exc = exc.exceptions[0]
+    frames = [
+        (_why_os.path.basename(fs.filename), fs.name)
+        for fs in _why_tb.extract_tb(exc.__traceback__)
+        if "/tests/" in fs.filename or "/pdkv/" in fs.filename
+    ]
+    kind = "teardown" if rep.when == "teardown" else _why_kind(exc, frames)
+    line = {"mutant": mutant, "test": item.nodeid, "when": rep.when, "kind": kind, "type": type(exc).__name__,
+            "where": ":".join(frames[-1]) if frames else ""}
+    fd = _why_os.open(path, _why_os.O_WRONLY | _why_os.O_APPEND | _why_os.O_CREAT, 0o600)
+    try:
+        _why_os.write(fd, (_why_json.dumps(line) + "\\n").encode())
+    finally:
+        _why_os.close(fd)
+"""
+
+
+def why_of(path: str, status: dict[str, str]) -> dict[str, Any]:
+    """Each killed mutant's first recorded failure, counted by kind."""
+    first: dict[str, dict] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                first.setdefault(rec["mutant"], rec)
+    kinds: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    for name, st in status.items():
+        if st not in ("killed", "timeout"):
+            continue
+        rec = first.get(name)
+        kind = rec["kind"] if rec else "timeout"
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if rec and kind == "error":
+            errors[rec["type"]] = errors.get(rec["type"], 0) + 1
+    return {"by_kind": kinds, "error_types": errors, "records": first}
+
+
+def run_module(
+    module: str, tests: list[str], children: int, diffs: bool, keep: str | None = None, why: bool = False
+) -> dict:
     resume = keep is not None and os.path.isdir(os.path.join(keep, module, "mutants"))
     work = os.path.join(keep, module) if keep else tempfile.mkdtemp(prefix=f"pdkv-mutation-{module}-")
     try:
@@ -75,6 +152,17 @@ def run_module(module: str, tests: list[str], children: int, diffs: bool, keep: 
         with open(os.path.join(work, "pyproject.toml"), "w") as f:
             f.write(text)
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        why_path = os.path.join(work, "why.jsonl")
+        if why:
+            if os.path.exists(why_path):
+                os.unlink(why_path)
+            conftest = os.path.join(work, "tests", "conftest.py")
+            with open(conftest) as f:
+                has_hook = "tools/mutation.py --why" in f.read()
+            if not has_hook:
+                with open(conftest, "a") as f:
+                    f.write(WHY_HOOK)
+            env["PDKV_MUTATION_WHY"] = why_path
         mm = [sys.executable, "-m", "mutmut"]
         run = subprocess.run(
             [*mm, "run", "--max-children", str(children)], cwd=work, env=env, capture_output=True, text=True
@@ -109,6 +197,8 @@ def run_module(module: str, tests: list[str], children: int, diffs: bool, keep: 
         }
         for s in status.values():
             out["by_status"][s] = out["by_status"].get(s, 0) + 1
+        if why:
+            out["why"] = why_of(why_path, status)
         if diffs:
             out["diffs"] = {}
             for n in survivors:
@@ -131,19 +221,29 @@ def main() -> int:
     ap.add_argument(
         "--tests", help="comma-separated test files instead of the module's own (to see what one file alone kills)"
     )
+    ap.add_argument("--why", action="store_true", help="count the killed mutants by how they were caught")
     a = ap.parse_args()
     results = []
     for m in a.modules:
         if m not in table:
             ap.error(f"unknown module {m!r}: choose from {', '.join(table)}")
         tests = a.tests.split(",") if a.tests else table[m]
-        results.append(run_module(m, tests, a.max_children, a.diffs, a.keep))
+        results.append(run_module(m, tests, a.max_children, a.diffs, a.keep, a.why))
     print(f"{'module':12} {'mutants':>8} {'killed':>7} {'survived':>9} {'equivalent':>11} {'score':>7}")
     for r in results:
         print(
             f"{r['module']:12} {r['mutants']:8d} {r['killed']:7d} {r['survived']:9d} {r['equivalent']:11d} "
             f"{r['score']:7.1%}"
         )
+    if a.why:
+        head = f"{'module':12} {'assertion':>9} {'teardown':>9} {'error':>6} {'timeout':>8}"
+        print(f"\nhow the killed were caught: {head}")
+        for r in results:
+            k = r["why"]["by_kind"]
+            print(
+                f"{'':27}{r['module']:12} {k.get('assertion', 0):9d} {k.get('teardown', 0):9d} "
+                f"{k.get('error', 0):6d} {k.get('timeout', 0):8d}   errors by type: {r['why']['error_types']}"
+            )
     for r in results:
         if r["stale_equivalents"]:
             print(
@@ -158,7 +258,11 @@ def main() -> int:
                     print("    " + r["diffs"][n].replace("\n", "\n    "))
     print(
         json.dumps(
-            {r["module"]: {k: r[k] for k in ("mutants", "killed", "survived", "equivalent", "score")} for r in results}
+            {
+                r["module"]: {k: r[k] for k in ("mutants", "killed", "survived", "equivalent", "score")}
+                | ({"caught_by": r["why"]["by_kind"]} if a.why else {})
+                for r in results
+            }
         )
     )
     return 0
