@@ -55,7 +55,7 @@ class NixlSender(SenderTransport):
     NIXL WRITE per slot): ``gpudirect='require'`` takes the VRAM source, ``'off'`` (or
     ``staging='always'``) the staged path, ``'auto'`` the VRAM source only on a host with an
     RDMA device (where UCX writes GPU memory to the NIC directly) and staged otherwise: UCX
-    without one copies GPU memory through its own bounce buffers, measured 10x slower than
+    without one copies GPU memory through its own bounce buffers, measured 7-10x slower than
     the staged path on the H200 host (docs/PERF.md, tools/bench_nixl.py --gpu)."""
 
     name = "nixl"
