@@ -107,6 +107,28 @@ def test_two_prefill_instances_and_token_throughput():
     assert sorted(r.decode_start_s) == pytest.approx([1.6, 2.6])
 
 
+def test_a_fixed_time_per_request_comes_before_the_compute():
+    # 0.5 s fixed, then 160 tokens at 160/s: a computed at 1.5, its first layer at
+    # 0.5 + 0.5 = 1.0, so it lands max(1.5 + 0.5, 1.0 + 1.0) = 2.0; b's server starts at
+    # 1.5 (one instance), computed 3.0, lands 3.5 (the link is free from 2.0)
+    c = cfg(gpu_blocks=20, layer_ms=0.0, prefill_tokens_per_s=160.0, overhead_s=0.5)
+    r = simulate(TWO, c, 0)
+    assert r.wait_s == pytest.approx([0.0, 0.0]) and sorted(r.ttft_s) == pytest.approx([1.5, 3.0])
+    assert sorted(r.decode_start_s) == pytest.approx([2.1, 3.6])
+
+
+def test_fit_prefill_recovers_a_fixed_part_and_a_rate():
+    from pdkv.cli.transfer_tool.report import fit_prefill
+
+    toks = [100, 400, 900, 1600]
+    fixed, rate = fit_prefill(toks, [0.02 + t / 50_000 for t in toks])
+    assert fixed == pytest.approx(0.02) and rate == pytest.approx(50_000)
+    # one prompt length, or a fit with a negative fixed part: the mean rate, nothing fixed
+    assert fit_prefill([200, 200], [0.01, 0.03]) == (0.0, pytest.approx(10_000))
+    assert fit_prefill([100, 200], [0.001, 0.1]) == (0.0, pytest.approx(300 / 0.101))
+    assert fit_prefill([], []) == (0.0, 0.0)
+
+
 requests = st.lists(st.tuples(st.floats(0, 20), st.integers(1, 400), st.integers(0, 30)), min_size=1, max_size=40).map(
     lambda xs: [TraceRequest(f"r{i}", t, n, o) for i, (t, n, o) in enumerate(sorted(xs))]
 )
@@ -215,6 +237,7 @@ def test_plan_on_the_shipped_trace(tmp_path, capsys):
         ([], "plan needs --trace FILE"),
         (["--trace", TRACE, "--gpu-gib", "0"], "--gpu-gib must be a positive number"),
         (["--trace", TRACE, "--bandwidth-gbps", "-1"], "--bandwidth-gbps must be >= 0"),
+        (["--trace", TRACE, "--prefill-overhead-ms", "-1"], "--prefill-overhead-ms must be >= 0"),
         (["--trace", TRACE, "--prefill-instances", "0"], "--prefill-instances must be positive"),
         (["--trace", TRACE, "--target-ttft-ms", "nan"], "--target-ttft-ms"),
         (["--trace", TRACE, "--gpu-gib", "1", "--bandwidth-gbps", "1", "--swap-gbps", "1"], "raise --gpu-gib"),

@@ -108,6 +108,8 @@ def test_trace_replay_and_plot(tmp_path, no_leaks):
     assert p.returncode == 0, p.stdout + p.stderr
     assert rep["requests_ready"] == 6 and rep["verify_errors"] == 0
     assert "<svg" in plot.read_text()
+    # prefill's cost fitted over the trace's prompts, as the planner takes it
+    assert rep["prefill_fixed_ms"] >= 0 and rep["prefill_fit_tokens_per_s"] > 0
 
 
 @pytest.mark.multiproc

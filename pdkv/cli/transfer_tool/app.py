@@ -23,7 +23,7 @@ from ...errors import PdkvError
 from ...layout import KVLayout
 from .decode import DecodeSide, Track
 from .prefill import prefill_on_gpu, run_prefill
-from .report import build_report, print_report, write_plot
+from .report import build_report, fit_prefill, print_report, write_plot
 from .workload import PRESETS, MiB, Parser, UsageError, layout_kw, make_workload, parse_devices
 
 MODES = ["local", "decode", "prefill", "plan", "sweep"]
@@ -114,11 +114,13 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
     waits: dict[str, float] = {}  # prefill's wait for decode blocks, by request
     ttfts: dict[str, float] = {}  # arrival -> last layer computed (the first token), by request
     computes: dict[str, float] = {}  # grant -> last layer computed: prefill's compute (and KV writes)
+    busies: dict[str, float] = {}  # asking for blocks -> handed off: the prefill server's time on it
     chosen: dict[int, str] = {}  # prefill rank -> the transport decode chose for it
     copies: set[str] = set()  # which copy the shm senders from host caches run
     paths: set[str] = set()  # the data paths the senders run ("tcp staged (kernel gather)")
     prefill_reports: list[dict[str, Any]] = []
     lock = threading.Lock()
+    unreadable = [0]  # event lines from the prefill ranks that did not parse
     t0 = time.monotonic()
     interrupted = False
     rep: dict[str, Any] = {}
@@ -142,6 +144,10 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                 try:
                     ev = json.loads(line)
                 except ValueError:
+                    if line.strip():  # an event lost would make figures wrong: say so, and fail
+                        with lock:
+                            unreadable[0] += 1
+                            dec.failures.append(f"a prefill rank wrote an unreadable event line: {line[:120]!r}")
                     continue
                 with lock:
                     kind = ev.get("type")
@@ -155,6 +161,8 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                     elif kind == "computed":
                         ttfts[ev["rid"]] = max(ttfts.get(ev["rid"], 0.0), float(ev["ttft"]))
                         computes[ev["rid"]] = max(computes.get(ev["rid"], 0.0), float(ev["compute"]))
+                    elif kind == "served":
+                        busies[ev["rid"]] = max(busies.get(ev["rid"], 0.0), float(ev["busy"]))
                     elif kind == "summary":
                         prefill_reports.append(ev)
                     elif kind == "hello":
@@ -248,14 +256,25 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                 reasons,
                 list(waits.values()),
                 list(ttfts.values()),
-                requests=len(work),
+                requests=None if a.duration else len(work),  # a duration may leave some unissued
             )
         rep["prefill_compute_ms_p50"] = float(np.percentile(list(computes.values()), 50)) * 1e3 if computes else 0.0
         # prefill's own rate: prompt tokens over the time from grant to last layer computed
         toks = {r.rid: r.tokens for r in work}
         busy = sum(computes.values())
         rep["prefill_tokens_per_s"] = sum(toks.get(rid, 0) for rid in computes) / busy if busy > 0 else 0.0
+        # the planner's prefill cost, fixed + tokens / rate, fitted to the server's time per
+        # request less its wait for decode blocks beyond the control round trip (the planner
+        # simulates that wait itself)
+        served = [rid for rid in busies if rid in waits]
+        if served:
+            rtt = min(waits[rid] for rid in served)
+            fixed, rate = fit_prefill(
+                [toks.get(rid, 0) for rid in served], [busies[rid] - (waits[rid] - rtt) for rid in served]
+            )
+            rep["prefill_fixed_ms"], rep["prefill_fit_tokens_per_s"] = fixed * 1e3, rate
         rep["transport"] = a.transport
+        rep["event_lines_unreadable"] = unreadable[0]
         rep["transports_chosen"] = sorted(set(chosen.values()))
         rep["data_paths"] = sorted(paths)
         rep["shm_copy"] = sorted(copies)
@@ -298,6 +317,7 @@ def _finish(a: argparse.Namespace, rep: dict[str, Any], console: Any, dec: Decod
         )
         return 130
     ok = rep["verify_errors"] == 0 and rep["requests_failed"] == 0 and rep["requests_ready"] > 0
+    ok = ok and not rep.get("event_lines_unreadable")
     console.print(
         "[green]PASS[/green]" if ok else "[red]FAIL[/red]",
         f"{rep['requests_ready']} requests ready, {rep['bytes_verified']:,} bytes verified, "
@@ -488,6 +508,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill throughput of one instance (compute time = input_length / this; --layer-ms overrides)",
     )
     g.add_argument(
+        "--prefill-overhead-ms",
+        type=float,
+        default=0.0,
+        help="a prefill instance's fixed time per request besides compute (control round trips, scheduling); "
+        "a transfer test run reports it as prefill_fixed_ms",
+    )
+    g.add_argument(
         "--bandwidth-gbps", type=float, default=0.0, help="prefill -> decode link, GB/s (default: measured here)"
     )
     g.add_argument("--swap-gbps", type=float, default=0.0, help="buffer -> GPU swap, GB/s (default: measured here)")
@@ -605,7 +632,7 @@ def _check_plan_args(a: argparse.Namespace) -> None:
         v = getattr(a, name)
         if not math.isfinite(v) or v <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number")
-    for name in ("bandwidth_gbps", "swap_gbps", "target_wait_ms", "layer_ms"):
+    for name in ("bandwidth_gbps", "swap_gbps", "target_wait_ms", "layer_ms", "prefill_overhead_ms"):
         v = getattr(a, name)
         if not math.isfinite(v) or v < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
@@ -631,9 +658,16 @@ def main(argv: list[str] | None = None) -> int:
         _configure_logging(a.verbose)
         if a.mode == "prefill":
             if a.events:  # a rank of local mode: one JSON line per event, for the tool's decode side
+                out_lock = threading.Lock()
 
                 def emit(d: dict[str, Any]) -> None:
-                    print(json.dumps(d), flush=True)
+                    # one write a line, under a lock: the sender's threads report outcomes
+                    # while the main thread reports its own events (print writes the line and
+                    # its newline apart, and two threads' lines could interleave)
+                    line = json.dumps(d) + "\n"
+                    with out_lock:
+                        sys.stdout.write(line)
+                        sys.stdout.flush()
 
                 return run_prefill(a, emit)
             return run_prefill_console(a, console)

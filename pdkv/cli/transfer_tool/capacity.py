@@ -7,7 +7,8 @@ The model, per request of the trace (Mooncake format: ``timestamp`` ms, ``input_
 - **prefill**: ``prefill_instances`` servers take arrivals in order. A server first
   reserves decode blocks (``DecodeScheduler.reserve``); while the reservation is queued the
   server waits (that is *prefill's wait for decode blocks*), then computes the prompt in
-  ``input_length / prefill_tokens_per_s`` seconds (or ``layers x layer_ms``) and is free for
+  ``overhead + input_length / prefill_tokens_per_s`` seconds (or ``overhead + layers x
+  layer_ms``; ``overhead`` a fixed time per request, 0 unless given) and is free for
   the next request when the last layer is computed: sending is asynchronous.
 - **transfer**: layer by layer over one link into decode of ``bandwidth`` bytes/s shared in
   arrival order; the last layer lands at the later of "computed plus one layer's bytes" and
@@ -99,6 +100,7 @@ class PlanConfig:
     prefill_instances: int = 1
     prefill_tokens_per_s: float = 0.0  # compute time from the prompt length ...
     layer_ms: float = 0.0  # ... or a fixed time per layer (as the transfer test's --layer-ms)
+    overhead_s: float = 0.0  # ... plus a fixed time per request (control round trips, scheduling)
     bandwidth: float = 10e9  # bytes/s into decode (all ranks together)
     swap_bandwidth: float = 40e9  # bytes/s buffer -> GPU (all ranks together)
     token_s: float = 0.03  # decode time per output token
@@ -107,9 +109,10 @@ class PlanConfig:
     max_queue: int = 1 << 20
 
     def compute_s(self, tokens: int) -> float:
+        """A prefill server's time on a request once granted, its fixed part included."""
         if self.layer_ms:
-            return self.layout.total_layers * self.layer_ms / 1000
-        return tokens / self.prefill_tokens_per_s
+            return self.overhead_s + self.layout.total_layers * self.layer_ms / 1000
+        return self.overhead_s + tokens / self.prefill_tokens_per_s
 
     @property
     def instance_block_bytes(self) -> int:
@@ -268,7 +271,7 @@ def simulate(trace: Sequence[TraceRequest], cfg: PlanConfig, buffer_blocks: int)
         c = cfg.compute_s(s.req.input_tokens)
         s.computed = clock.now + c
         nbytes = len(grant.blocks) * bb
-        first_layer = clock.now + c / lay.total_layers
+        first_layer = clock.now + cfg.overhead_s + (c - cfg.overhead_s) / lay.total_layers
         data_start = max(first_layer, link_free)
         s.received = max(s.computed + nbytes / lay.total_layers / cfg.bandwidth, data_start + nbytes / cfg.bandwidth)
         link_free = s.received
@@ -552,6 +555,7 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
         prefill_instances=a.prefill_instances,
         prefill_tokens_per_s=a.prefill_tokens_per_s,
         layer_ms=a.layer_ms,
+        overhead_s=a.prefill_overhead_ms / 1000,
         bandwidth=bw,
         swap_bandwidth=swap_bw,
         token_s=a.token_ms / 1000,
@@ -573,6 +577,8 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
     rows_ok = [r for r in rows if r is not None]
     elapsed = time.monotonic() - t0
     compute = f"{a.layer_ms} ms a layer" if a.layer_ms else f"{a.prefill_tokens_per_s:,.0f} tokens/s"
+    if a.prefill_overhead_ms:
+        compute += f" + {a.prefill_overhead_ms:g} ms a request"
     head = (
         f"{a.model} ({lay.total_layers} layers, {lay.block_bytes * a.decode_tp / (1 << 20):.2f} MiB a block of "
         f"{lay.tokens_per_block} tokens, decode TP {a.decode_tp}); {len(trace)} requests of {a.trace}; "
@@ -629,6 +635,7 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
             "prefill_instances": a.prefill_instances,
             "prefill_tokens_per_s": a.prefill_tokens_per_s,
             "layer_ms": a.layer_ms,
+            "prefill_overhead_ms": a.prefill_overhead_ms,
             "bandwidth_GBps": bw / 1e9,
             "swap_GBps": swap_bw / 1e9,
             "bandwidth_measured": measured,

@@ -150,6 +150,8 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
             now = time.monotonic()
             emit({"type": "computed", "rid": r.rid, "ttft": now - t0 - r.arrival, "compute": now - tg})
             tx.finish(r.rid)
+            # the server's whole time on it: asking for blocks (and waiting) to handing it off
+            emit({"type": "served", "rid": r.rid, "busy": time.monotonic() - ts})
         # wait for the outstanding outcomes (bounded)
         deadline = time.monotonic() + a.timeout * 6
         with cv:

@@ -46,12 +46,18 @@ def build_report(
     failed_ids |= {rid for rid, t in dec.tracks.items() if t.state not in ("ready", "")}
     peak_buf = int(m["buffer_blocks_peak"])
     seen = len(set(outcomes) | set(dec.tracks))
+    n_req = max(requests or 0, seen)
+    # requests issued that neither became ready nor reported a failure: lost, and failed
+    lost = max(0, n_req - len(ready) - len(failed_ids)) if requests else 0
+    if lost:
+        dec.failures.append(f"{lost} request(s) issued but neither ready nor failed (no outcome reported)")
     return {
-        "requests": max(requests or 0, seen),
+        "requests": n_req,
         "requests_ready": len(ready),
         "requests_into_gpu_blocks": sum(1 for t in ready if t.location == "gpu"),
         "requests_queued": int(m["reservations_queued"]),
-        "requests_failed": len(failed_ids),
+        "requests_failed": len(failed_ids) + lost,
+        "requests_lost": lost,
         "bytes_verified": dec.bytes_verified,
         "verify_errors": dec.verify_errors,
         "bytes_transferred": total_bytes,
@@ -144,6 +150,23 @@ def print_report(rep: dict[str, Any], console: Any) -> None:
     console.print(t)
     for line in rep["failures"]:
         console.print(f"[red]{line}[/red]")
+
+
+def fit_prefill(tokens: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """``(fixed_s, tokens_per_s)`` of the least-squares line ``seconds = fixed + tokens /
+    tokens_per_s`` over requests; with fewer than two prompt lengths, or a fit that is not a
+    positive rate with a fixed part >= 0, no fixed part and the mean rate."""
+    t = np.asarray(tokens, dtype=np.float64)
+    s = np.asarray(seconds, dtype=np.float64)
+    if not t.size or s.sum() <= 0:
+        return 0.0, 0.0
+    mean_rate = float(t.sum() / s.sum())
+    if np.unique(t).size < 2:
+        return 0.0, mean_rate
+    slope, fixed = np.polyfit(t, s, 1)
+    if slope <= 0 or fixed < 0:
+        return 0.0, mean_rate
+    return float(fixed), float(1 / slope)
 
 
 def save_figure(fig: Any, path: str, title: str) -> None:
