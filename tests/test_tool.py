@@ -455,3 +455,41 @@ def test_sweep_mode_one_row_per_size_and_transport(tmp_path, no_leaks):
     assert json.loads(p.stdout.strip().splitlines()[-1]) == rep
     p, _ = run(["sweep", "--sweep-tokens-per-block", "x"], tmp_path)
     assert p.returncode == 2 and "--sweep-tokens-per-block 'x'" in p.stderr
+
+
+def test_a_request_neither_ready_nor_failed_is_reported_lost_and_failed():
+    """A request issued that never reached decode and reported no outcome (an event lost)
+    must not pass as a clean run: it counts as failed, and the report says why."""
+    from types import SimpleNamespace
+
+    from pdkv.cli.transfer_tool.decode import Track
+    from pdkv.cli.transfer_tool.report import build_report
+    from pdkv.layout import KVLayout
+
+    lay = KVLayout(num_layers=2, kv_heads=1, head_dim=8, tokens_per_block=16, dtype="bfloat16")
+    ready = {f"r{i}": Track(reserved=1.0, received=2.0, ready=2.5, state="ready", blocks=2) for i in range(5)}
+    metrics = {
+        "reservations_queued": 0,
+        "buffer_blocks_peak": 4,
+        "prefill_wait_avoided_seconds_max": 0.0,
+        "prefill_wait_avoided_seconds_sum": 0.0,
+        "swap_busy_seconds": 0.0,
+        "swap_bytes": 0,
+    }
+    dec = SimpleNamespace(
+        tracks=ready,
+        sched=SimpleNamespace(metrics=lambda: metrics),
+        failures=[],
+        bytes_verified=0,
+        verify_errors=0,
+        nb=64,
+        gpu_blocks=64,
+        cuda=None,
+        timeline=[],
+    )
+    outcomes = {rid: "received" for rid in ready}
+    rep = build_report(dec, [], outcomes, 3.0, lay, 1, requests=6)  # 6 issued, 5 accounted for
+    assert (rep["requests"], rep["requests_ready"], rep["requests_lost"], rep["requests_failed"]) == (6, 5, 1, 1)
+    assert any("neither ready nor failed" in f for f in rep["failures"])
+    rep = build_report(dec, [], outcomes, 3.0, lay, 1, requests=5)
+    assert (rep["requests_lost"], rep["requests_failed"]) == (0, 0)
