@@ -80,7 +80,10 @@ def one_rep(a: argparse.Namespace, common: list[str], k: int) -> dict:
             + ["--bandwidth-gbps", f"{bw:.6f}", "--swap-gbps", f"{swap:.6f}"],
             os.path.join(d, "alt.json"),
         )
-    pick = lambda p: [r for r in p["sweep"] if r["buffer_blocks"] == a.buffer_blocks][0]  # noqa: E731
+
+    def pick(p: dict) -> dict:
+        return next(r for r in p["sweep"] if r["buffer_blocks"] == a.buffer_blocks)
+
     return {"real": real, "row": pick(plan), "alt": pick(alt), "bw": bw, "swap": swap, "fixed": fixed, "rate": rate}
 
 

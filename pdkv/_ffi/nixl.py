@@ -130,7 +130,11 @@ class Agent:
         returns the handle to poll."""
         ld = _call("get_xfer_descs", self._a.get_xfer_descs, _dlist(local), mem)
         rd = _call("get_xfer_descs", self._a.get_xfer_descs, _dlist(remote), "DRAM")
-        h = _call("initialize_xfer", self._a.initialize_xfer, "WRITE", ld, rd, peer)
+        return self._post(_call("initialize_xfer", self._a.initialize_xfer, "WRITE", ld, rd, peer))
+
+    def _post(self, h: Any) -> Any:
+        """Post a transfer request made from descriptors; the handle, or TransferError
+        (the handle released) when NIXL refuses to start it."""
         st = _call("transfer", self._a.transfer, h)
         if st == "ERR":
             self.release(h)
@@ -150,12 +154,9 @@ class Agent:
         """Start one WRITE of ``local``'s descriptors ``local_idx[i]`` into ``remote``'s
         ``remote_idx[i]`` (lists from :meth:`prepare`; int32 arrays; contiguous neighbours
         merged by NIXL); returns the handle to poll."""
-        h = _call("make_prepped_xfer", self._a.make_prepped_xfer, "WRITE", local, local_idx, remote, remote_idx)
-        st = _call("transfer", self._a.transfer, h)
-        if st == "ERR":
-            self.release(h)
-            raise TransferError("NIXL transfer failed to start (ERR)")
-        return h
+        return self._post(
+            _call("make_prepped_xfer", self._a.make_prepped_xfer, "WRITE", local, local_idx, remote, remote_idx)
+        )
 
     def state(self, handle: Any) -> str:
         """``DONE``, ``PROC`` or ``ERR``."""

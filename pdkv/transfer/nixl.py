@@ -233,12 +233,13 @@ class PreparedPieces:
         self.block_bytes = sum(int(g.length) * int(g.count) for g in segs)  # one block, all segments
 
     @staticmethod
-    def rows(segs: Any, specs: Any, layers: int, dev: int) -> tuple[np.ndarray, np.ndarray]:
-        """The Nx5 strided rows of ``specs[k]`` (segment ``k``'s side, source or
-        destination) for every layer and segment, and ``start[layer, k]``."""
+    def rows(segs: Any, specs: Any, src: bool, layers: int, dev: int) -> tuple[np.ndarray, np.ndarray]:
+        """The Nx5 strided rows of segment ``k``'s side in ``specs[k]`` (its source side,
+        or with ``src`` false its destination side) for every layer and segment, and
+        ``start[layer, k]``."""
         rows, start, at = [], np.zeros((layers, len(segs)), dtype=np.int64), 0
         for layer in range(layers):
-            for k, (g, (spec, src)) in enumerate(zip(segs, specs)):
+            for k, (g, spec) in enumerate(zip(segs, specs)):
                 base, stride = spec.region(layer, g.tensor)
                 off, step = (g.src_offset, g.src_stride) if src else (g.dst_offset, g.dst_stride)
                 start[layer, k] = at
@@ -258,8 +259,8 @@ class PreparedPieces:
         remote_n = layers * sum(int(g.count) * n for g, n in zip(segs, ndst))
         if max(layers * per_block * src.num_blocks, remote_n) > PREPARED_MAX:
             return None
-        lrows, lstart = cls.rows(segs, [(src, True)] * len(segs), layers, dev)
-        rrows, rstart = cls.rows(segs, [(dsts[g.dst_rank], False) for g in segs], layers, 0)
+        lrows, lstart = cls.rows(segs, [src] * len(segs), True, layers, dev)
+        rrows, rstart = cls.rows(segs, [dsts[g.dst_rank] for g in segs], False, layers, 0)
         local = agent.prepare(lrows, mem)
         remote = agent.prepare(rrows, "DRAM", peer)
         return cls(local, remote, lstart, rstart, segs, src.num_blocks, ndst)

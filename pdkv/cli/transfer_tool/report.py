@@ -49,8 +49,9 @@ def build_report(
     n_req = max(requests or 0, seen)
     # requests issued that neither became ready nor reported a failure: lost, and failed
     lost = max(0, n_req - len(ready) - len(failed_ids)) if requests else 0
+    failures = list(dec.failures)
     if lost:
-        dec.failures.append(f"{lost} request(s) issued but neither ready nor failed (no outcome reported)")
+        failures.append(f"{lost} request(s) issued but neither ready nor failed (no outcome reported)")
     return {
         "requests": n_req,
         "requests_ready": len(ready),
@@ -85,7 +86,7 @@ def build_report(
         "prefill_wait_avoided_s_total": m["prefill_wait_avoided_seconds_sum"],
         "prefill_wait_avoided_s_max": m["prefill_wait_avoided_seconds_max"],
         "gpu": dec.cuda,
-        "failures": sorted(dec.failures)[:20]
+        "failures": sorted(failures)[:20]
         + sorted(_failure_line(r, outcomes, dec, reasons or {}) for r in list(failed_ids)[:20]),
     }
 
