@@ -12,12 +12,10 @@ caught and discarded.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -351,18 +349,61 @@ class ModelScheduler:
         return out
 
 
+def _says(expected):
+    return "success" if expected is None else f"{type(expected).__name__}: {expected}"
+
+
+def _outcome(expected, call, what):
+    """Run ``call`` and compare its outcome with the model's prediction: ``expected`` None
+    (a result, returned) or an exception (exactly its class and message). Any other outcome,
+    an exception the model does not predict included, fails by assertion naming the call and
+    both outcomes (the exception chained). Returns the call's result."""
+    try:
+        got = call()
+    except Exception as exc:
+        if expected is not None and type(exc) is type(expected) and str(exc) == str(expected):
+            return None
+        raise AssertionError(
+            f"{what}: the model predicts {_says(expected)}; the scheduler raised {type(exc).__name__}: {exc}"
+        ) from exc
+    assert expected is None, f"{what}: the model predicts {_says(expected)}; the scheduler returned {got!r}"
+    return got
+
+
+class Predicted:
+    """The scheduler under test, every public call's outcome held to the model's prediction:
+    success, unless the call is made inside ``_raises`` (which names the error it predicts).
+    So an exception the model does not foresee fails the step by assertion, like a wrong
+    result, and is never mistaken for a crash of the test itself."""
+
+    expecting = False
+
+    def __init__(self, real: DecodeScheduler):
+        self._real = real
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            if Predicted.expecting:
+                return attr(*args, **kwargs)
+            return _outcome(None, lambda: attr(*args, **kwargs), f"{name}()")
+
+        return call
+
+
 def _raises(expected, call):
-    """Run ``call``; assert it raised exactly ``expected``'s class with a message starting
-    alike (or returned, when ``expected`` is None). Returns the call's result."""
+    """Run ``call``; assert it raised exactly ``expected``'s class and message (or returned,
+    when ``expected`` is None). Returns the call's result."""
     rule_name = sys._getframe(1).f_code.co_name
     event(f"{rule_name}: {'ok' if expected is None else type(expected).__name__}")
-    if expected is None:
-        return call()
-    with pytest.raises(type(expected)) as e:
-        call()
-    assert type(e.value) is type(expected)
-    assert str(e.value) == str(expected), (str(e.value), str(expected))
-    return None
+    Predicted.expecting = True
+    try:
+        return _outcome(expected, call, rule_name)
+    finally:
+        Predicted.expecting = False
 
 
 class SchedulerModelMachine(RuleBasedStateMachine):
@@ -384,15 +425,21 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         self.swap = Swap()
         o = SchedulerOptions(**self.OPTS)
         self.real_events: list = []
-        self.s = DecodeScheduler(
-            num_layers=LAYERS,
-            gpu=BlockPool(self.GPU, "gpu"),
-            buffer=BlockPool(self.BUF, "buffer") if self.BUFFER else None,
-            swap=self.swap if self.BUFFER else None,
-            block_bytes=BLOCK_BYTES,
-            options=o,
-            clock=self.clock,
-            listener=self.real_events.append,
+        self.s = Predicted(
+            _outcome(
+                None,
+                lambda: DecodeScheduler(
+                    num_layers=LAYERS,
+                    gpu=BlockPool(self.GPU, "gpu"),
+                    buffer=BlockPool(self.BUF, "buffer") if self.BUFFER else None,
+                    swap=self.swap if self.BUFFER else None,
+                    block_bytes=BLOCK_BYTES,
+                    options=o,
+                    clock=self.clock,
+                    listener=self.real_events.append,
+                ),
+                "DecodeScheduler()",
+            )
         )
         self.m = ModelScheduler(self.GPU, self.BUF if self.BUFFER else None, o)
         self.k = 0
@@ -584,12 +631,18 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         rid = f"bad{self.k}"
         m.settle()
         free = sorted(m.free["gpu"])
-        cases = [([self.GPU], "a prefix must be distinct GPU block ids"), ([], "a prefix must be distinct")]
+        shape = f"request {rid!r}: a prefix must be distinct GPU block ids in [0, {self.GPU}), got "
+        cases = [([self.GPU], f"{shape}[{self.GPU}]"), ([], f"{shape}[]")]
         if free:
-            cases.append(([free[0]], f"request {rid!r}: prefix blocks [{free[0]}] are free in the GPU pool"))
+            cases.append(
+                (
+                    [free[0]],
+                    f"request {rid!r}: prefix blocks [{free[0]}] are free in the GPU pool "
+                    "(a prefix is blocks the engine holds)",
+                )
+            )
         blocks, msg = data.draw(st.sampled_from(cases))
-        with pytest.raises(RequestError, match=re.escape(msg)):
-            self.s.hold_prefix(rid, blocks)
+        _raises(RequestError(msg), lambda: self.s.hold_prefix(rid, blocks))
         assert rid not in self.s._holds
 
     @rule(n=st.integers(1, 6), gpu_ok=st.booleans(), peer=st.sampled_from(["A", "B"]), data=st.data())

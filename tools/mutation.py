@@ -22,7 +22,10 @@ Not part of CI (it takes tens of minutes on 2 cores). Needs ``pip install mutmut
 or an invariant check of pdkv's they call, outside any teardown), ``teardown`` (a
 teardown's checks: blocks home, nothing leaked), ``error`` (any other exception escaping a
 test: the mutant crashed the code, or raised where the tests expected it not to) and
-``timeout`` (no failure recorded: killed by mutmut's time limit).
+``timeout`` (no failure recorded: killed by mutmut's time limit). Of the assertions it also
+counts, by type, those that failed on an exception the test did not predict (an assertion
+raised ``from`` a non-assertion exception, as the model machine's outcome comparison does),
+so that a mutant that raises is never counted as a wrong value or state.
 """
 
 from __future__ import annotations
@@ -91,8 +94,11 @@ def pytest_runtest_makereport(item, call):
         if "/tests/" in fs.filename or "/pdkv/" in fs.filename
     ]
     kind = "teardown" if rep.when == "teardown" else _why_kind(exc, frames)
+    cause = exc.__cause__
+    raised = type(cause).__name__ if kind != "error" and isinstance(cause, Exception) and not isinstance(
+        cause, AssertionError) else ""
     line = {"mutant": mutant, "test": item.nodeid, "when": rep.when, "kind": kind, "type": type(exc).__name__,
-            "where": ":".join(frames[-1]) if frames else ""}
+            "raised": raised, "where": ":".join(frames[-1]) if frames else ""}
     fd = _why_os.open(path, _why_os.O_WRONLY | _why_os.O_APPEND | _why_os.O_CREAT, 0o600)
     try:
         _why_os.write(fd, (_why_json.dumps(line) + "\\n").encode())
@@ -111,6 +117,7 @@ def why_of(path: str, status: dict[str, str]) -> dict[str, Any]:
                 first.setdefault(rec["mutant"], rec)
     kinds: dict[str, int] = {}
     errors: dict[str, int] = {}
+    raised: dict[str, int] = {}  # assertions failed on an exception the tests did not predict, by type
     for name, st in status.items():
         if st not in ("killed", "timeout"):
             continue
@@ -119,7 +126,9 @@ def why_of(path: str, status: dict[str, str]) -> dict[str, Any]:
         kinds[kind] = kinds.get(kind, 0) + 1
         if rec and kind == "error":
             errors[rec["type"]] = errors.get(rec["type"], 0) + 1
-    return {"by_kind": kinds, "error_types": errors, "records": first}
+        if rec and rec.get("raised"):
+            raised[rec["raised"]] = raised.get(rec["raised"], 0) + 1
+    return {"by_kind": kinds, "error_types": errors, "raised_types": raised, "records": first}
 
 
 def run_module(
@@ -236,14 +245,18 @@ def main() -> int:
             f"{r['score']:7.1%}"
         )
     if a.why:
-        head = f"{'module':12} {'assertion':>9} {'teardown':>9} {'error':>6} {'timeout':>8}"
+        head = f"{'module':12} {'assertion':>9} {'(raised)':>9} {'teardown':>9} {'error':>6} {'timeout':>8}"
         print(f"\nhow the killed were caught: {head}")
         for r in results:
-            k = r["why"]["by_kind"]
+            k, w = r["why"]["by_kind"], r["why"]
+            n_raised = sum(w["raised_types"].values())
             print(
-                f"{'':27}{r['module']:12} {k.get('assertion', 0):9d} {k.get('teardown', 0):9d} "
-                f"{k.get('error', 0):6d} {k.get('timeout', 0):8d}   errors by type: {r['why']['error_types']}"
+                f"{'':27}{r['module']:12} {k.get('assertion', 0):9d} {n_raised:9d} {k.get('teardown', 0):9d} "
+                f"{k.get('error', 0):6d} {k.get('timeout', 0):8d}"
             )
+        print("(raised): assertions of the tests that failed on an exception they did not predict, by type:")
+        for r in results:
+            print(f"  {r['module']}: {r['why']['raised_types']}; errors escaping, by type: {r['why']['error_types']}")
     for r in results:
         if r["stale_equivalents"]:
             print(
@@ -260,7 +273,11 @@ def main() -> int:
         json.dumps(
             {
                 r["module"]: {k: r[k] for k in ("mutants", "killed", "survived", "equivalent", "score")}
-                | ({"caught_by": r["why"]["by_kind"]} if a.why else {})
+                | (
+                    {"caught_by": r["why"]["by_kind"], "assertions_on_a_raise": sum(r["why"]["raised_types"].values())}
+                    if a.why
+                    else {}
+                )
                 for r in results
             }
         )
