@@ -344,7 +344,7 @@ def test_staged_tcp_every_byte(P, D, nhd, streams, no_leaks):
             st_ = tx.transport_impl.staging
             assert len(st_.log) > 4 and st_.ring.free_slots == 2
             assert sum(r.nbytes for r in st_.log) == tx.stats["bytes"] > 0
-            assert [ly for ly, _, _ in tx.layer_log] == [0, 1, 2, 3]
+            assert [e[0] for e in tx.layer_log] == [0, 1, 2, 3]
             tx.close()
         assert not _staged_threads()
     finally:

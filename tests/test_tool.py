@@ -78,6 +78,8 @@ def test_local_mode_verifies_every_byte(extra, tmp_path, no_leaks):
         "prefill_wait_avoided_s_total",
     ):
         assert k in rep
+    # the link's rate over the time prefill was writing
+    assert 0 < rep["link_busy_s"] <= rep["wall_s"] and rep["link_GBps"] > 0
 
 
 @pytest.mark.multiproc
@@ -493,3 +495,11 @@ def test_a_request_neither_ready_nor_failed_is_reported_lost_and_failed():
     assert any("neither ready nor failed" in f for f in rep["failures"])
     rep = build_report(dec, [], outcomes, 3.0, lay, 1, requests=5)
     assert (rep["requests_lost"], rep["requests_failed"]) == (0, 0)
+    # the link's rate: bytes the ranks sent over the time some rank was writing (overlaps once)
+    ranks = [
+        {"bytes": 2_000_000_000, "writes": [[10.0, 11.0], [10.5, 12.0]]},
+        {"bytes": 1_000_000_000, "writes": [[11.5, 12.5], [14.0, 14.5]]},
+    ]
+    rep = build_report(dec, ranks, outcomes, 3.0, lay, 1, requests=5)
+    assert rep["link_busy_s"] == pytest.approx(3.0) and rep["link_GBps"] == pytest.approx(1.0)
+    assert build_report(dec, [], outcomes, 3.0, lay, 1)["link_GBps"] == 0.0

@@ -141,8 +141,9 @@ class PrefillSender:
         }
         self._stats_lock = threading.Lock()
         self.outcomes: dict[str, int] = {}  # requests by outcome state ("received", "failed", ...)
-        # (layer, seconds from send_layer() to its writes done, bytes): per-layer latency
-        self.layer_log: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=1 << 16)
+        # (layer, seconds from send_layer() to its writes done, bytes, monotonic time its writes
+        # began, monotonic time they were done): per-layer latency, and when the link was busy
+        self.layer_log: collections.deque[tuple[int, float, int, float, float]] = collections.deque(maxlen=1 << 16)
         self._codec = Codec(opts.secret)
         self._lock = threading.Lock()
         self._grants: dict[str, SendGrant] = {}
@@ -541,7 +542,7 @@ class PrefillSender:
             else:
                 tr.after_writes(lambda: self._complete(job.request_ids[0], job.ok, job.error))
             return
-        layer, mark = job.layer, [0]
+        layer, mark = job.layer, [0.0, 0.0]  # bytes sent and the time when the layer's writes begin
         try:
             if job.event is not None:
                 deadline = time.monotonic() + self.timeout_s
@@ -549,12 +550,18 @@ class PrefillSender:
                     if time.monotonic() > deadline:
                         raise PdkvTimeoutError(f"layer {layer}: the engine's event did not complete")
                     time.sleep(20e-6)
+
             # the layer's bytes and its end counted where its writes are done, in write order
-            tr.after_writes(lambda: mark.__setitem__(0, self.stats["bytes"]))
+            def begin() -> None:
+                mark[:] = [self.stats["bytes"], time.monotonic()]
+
+            def log() -> None:
+                done = time.monotonic()
+                self.layer_log.append((layer, done - job.queued_at, int(self.stats["bytes"] - mark[0]), mark[1], done))
+
+            tr.after_writes(begin)
             self._write_layer(layer, job.items)
-            tr.after_writes(
-                lambda: self.layer_log.append((layer, time.monotonic() - job.queued_at, self.stats["bytes"] - mark[0]))
-            )
+            tr.after_writes(log)
         except Exception as exc:  # every request of the layer failed: report it
             with self._lock:
                 for rid, _, _ in job.items:

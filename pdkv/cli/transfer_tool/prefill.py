@@ -172,6 +172,8 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
             "rank": a.rank,
             "failed": failed + len(lost),
             "layer_s": [x[1] for x in layers],
+            # when this rank was writing (monotonic, host-wide): the link's busy time
+            "writes": [[round(x[3], 6), round(x[4], 6)] for x in layers],
             "bytes": stats["bytes"],
             "elapsed": time.monotonic() - t0,
         }

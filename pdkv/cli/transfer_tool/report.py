@@ -16,6 +16,16 @@ def _pct(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
+def _union_s(intervals: Sequence[Sequence[float]]) -> float:
+    """Seconds covered by the union of ``[start, end]`` intervals."""
+    total, reach = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
 def build_report(
     dec: DecodeSide,
     prefill: list[dict[str, Any]],
@@ -37,6 +47,8 @@ def build_report(
     ttr = [t.received - t.reserved for t in ready if t.received]
     tready = [t.ready - t.reserved for t in ready if t.ready]
     layer_s = [x for p in prefill for x in p.get("layer_s", [])]
+    busy = _union_s([w for p in prefill for w in p.get("writes", [])])
+    sent = sum(p.get("bytes", 0) for p in prefill)
     total_bytes = sum(t.blocks for t in ready) * inst_block
     starts = [t.reserved for t in dec.tracks.values() if t.reserved]
     ends = [max(t.received, t.ready) for t in ready]
@@ -65,6 +77,9 @@ def build_report(
         "wall_s": wall,
         "transfer_s": span,
         "throughput_GBps": total_bytes / span / 1e9 if span > 0 else 0.0,
+        # bytes sent over the time some prefill rank was writing: the link's rate under the run's load
+        "link_GBps": sent / busy / 1e9 if busy > 0 else 0.0,
+        "link_busy_s": busy,
         "request_GBps_p50": _pct(per_req_gbps, 50),
         "request_GBps_p1": _pct(per_req_gbps, 1),  # the slowest 1%: 99% of requests beat it
         "layer_latency_ms_p50": _pct(layer_s, 50) * 1e3,
@@ -115,6 +130,8 @@ def print_report(rep: dict[str, Any], console: Any) -> None:
         "wall_s": "{:.2f}",
         "transfer_s": "{:.2f}",
         "throughput_GBps": "{:.2f}",
+        "link_GBps": "{:.2f}",
+        "link_busy_s": "{:.2f}",
         "request_GBps_p50": "{:.2f}",
         "request_GBps_p1": "{:.2f}",
         "layer_latency_ms_p50": "{:.2f}",
