@@ -16,21 +16,25 @@ Not part of CI (it takes tens of minutes on 2 cores). Needs ``pip install mutmut
     python tools/mutation.py                       # all three modules
     python tools/mutation.py blocks --diffs        # one, with the survivors' diffs
     python tools/mutation.py schedloop --tests tests/test_scheduler_model.py --why
+    python tools/mutation.py scheduler --mutants survivors.txt   # only these, against the module's tests
 
 ``--why`` says how each killed mutant was caught, from the first failing test's exception
-(mutmut stops at the first): ``assertion`` (an ``assert`` or ``pytest.raises`` of the tests,
+(mutmut stops at the first; of the distinct failures hypothesis reports for it, the best
+catch): ``assertion`` (an ``assert`` or ``pytest.raises`` of the tests,
 or an invariant check of pdkv's they call, outside any teardown), ``teardown`` (a
 teardown's checks: blocks home, nothing leaked), ``error`` (any other exception escaping a
 test: the mutant crashed the code, or raised where the tests expected it not to) and
-``timeout`` (no failure recorded: killed by mutmut's time limit). Of the assertions it also
-counts, by type, those that failed on an exception the test did not predict (an assertion
-raised ``from`` a non-assertion exception, as the model machine's outcome comparison does),
-so that a mutant that raises is never counted as a wrong value or state.
+``timeout`` (no failure recorded: killed by mutmut's time limit). Of the assertions and
+teardown checks it also counts, by type, those that failed on an exception the test did not
+predict (an assertion raised ``from`` a non-assertion exception, as the model machine's
+outcome comparison does), so that a mutant that raises is never counted as a wrong value or
+state.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -77,6 +81,15 @@ def _why_kind(exc, frames):
     return "error"
 
 
+def _why_leaves(exc):
+    if isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # hypothesis: several distinct bugs
+        return [leaf for e in exc.exceptions for leaf in _why_leaves(e)]
+    return [exc]
+
+
+_WHY_RANK = {"assertion": 0, "teardown": 1, "error": 2}
+
+
 @_why_pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -85,20 +98,23 @@ def pytest_runtest_makereport(item, call):
     path = _why_os.environ.get("PDKV_MUTATION_WHY")
     if not (rep.failed and path and mutant and call.excinfo is not None):
         return
-    exc = call.excinfo.value
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # hypothesis: several bugs
-        exc = exc.exceptions[0]
-    frames = [
-        (_why_os.path.basename(fs.filename), fs.name)
-        for fs in _why_tb.extract_tb(exc.__traceback__)
-        if "/tests/" in fs.filename or "/pdkv/" in fs.filename
-    ]
-    kind = "teardown" if rep.when == "teardown" else _why_kind(exc, frames)
-    cause = exc.__cause__
-    raised = type(cause).__name__ if kind != "error" and isinstance(cause, Exception) and not isinstance(
-        cause, AssertionError) else ""
-    line = {"mutant": mutant, "test": item.nodeid, "when": rep.when, "kind": kind, "type": type(exc).__name__,
-            "raised": raised, "where": ":".join(frames[-1]) if frames else ""}
+    found = []
+    for exc in _why_leaves(call.excinfo.value):
+        frames = [
+            (_why_os.path.basename(fs.filename), fs.name)
+            for fs in _why_tb.extract_tb(exc.__traceback__)
+            if "/tests/" in fs.filename or "/pdkv/" in fs.filename
+        ]
+        kind = "teardown" if rep.when == "teardown" else _why_kind(exc, frames)
+        cause = exc.__cause__
+        raised = type(cause).__name__ if kind != "error" and isinstance(cause, Exception) and not isinstance(
+            cause, AssertionError) else ""
+        found.append({"kind": kind, "type": type(exc).__name__, "raised": raised,
+                      "where": ":".join(frames[-1]) if frames else ""})
+    # hypothesis reports each distinct failure it found; the test caught the mutant by the
+    # best of them (an assertion of a step before a teardown's check before a crash)
+    best = min(found, key=lambda f: _WHY_RANK[f["kind"]])
+    line = {"mutant": mutant, "test": item.nodeid, "when": rep.when, **best, "failures": len(found)}
     fd = _why_os.open(path, _why_os.O_WRONLY | _why_os.O_APPEND | _why_os.O_CREAT, 0o600)
     try:
         _why_os.write(fd, (_why_json.dumps(line) + "\\n").encode())
@@ -117,7 +133,8 @@ def why_of(path: str, status: dict[str, str]) -> dict[str, Any]:
                 first.setdefault(rec["mutant"], rec)
     kinds: dict[str, int] = {}
     errors: dict[str, int] = {}
-    raised: dict[str, int] = {}  # assertions failed on an exception the tests did not predict, by type
+    raised: dict[str, int] = {}  # checks failed on an exception the tests did not predict, by type
+    raised_by_kind: dict[str, int] = {}  # the same, by how the mutant was caught (assertion, teardown)
     for name, st in status.items():
         if st not in ("killed", "timeout"):
             continue
@@ -128,11 +145,24 @@ def why_of(path: str, status: dict[str, str]) -> dict[str, Any]:
             errors[rec["type"]] = errors.get(rec["type"], 0) + 1
         if rec and rec.get("raised"):
             raised[rec["raised"]] = raised.get(rec["raised"], 0) + 1
-    return {"by_kind": kinds, "error_types": errors, "raised_types": raised, "records": first}
+            raised_by_kind[kind] = raised_by_kind.get(kind, 0) + 1
+    return {
+        "by_kind": kinds,
+        "error_types": errors,
+        "raised_types": raised,
+        "raised_by_kind": raised_by_kind,
+        "records": first,
+    }
 
 
 def run_module(
-    module: str, tests: list[str], children: int, diffs: bool, keep: str | None = None, why: bool = False
+    module: str,
+    tests: list[str],
+    children: int,
+    diffs: bool,
+    keep: str | None = None,
+    why: bool = False,
+    only: list[str] | None = None,
 ) -> dict:
     resume = keep is not None and os.path.isdir(os.path.join(keep, module, "mutants"))
     work = os.path.join(keep, module) if keep else tempfile.mkdtemp(prefix=f"pdkv-mutation-{module}-")
@@ -174,7 +204,11 @@ def run_module(
             env["PDKV_MUTATION_WHY"] = why_path
         mm = [sys.executable, "-m", "mutmut"]
         run = subprocess.run(
-            [*mm, "run", "--max-children", str(children)], cwd=work, env=env, capture_output=True, text=True
+            [*mm, "run", "--max-children", str(children), *(only or [])],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         if run.returncode != 0:
             raise SystemExit(f"mutmut run failed for {module}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
@@ -182,7 +216,7 @@ def run_module(
         status: dict[str, str] = {}
         for line in res.stdout.splitlines():
             name, sep, st = line.strip().rpartition(": ")
-            if sep:
+            if sep and (not only or any(fnmatch.fnmatchcase(name, pat) for pat in only)):
                 status[name] = st
         eq = equivalents()
         dead = ("killed", "timeout")
@@ -231,13 +265,25 @@ def main() -> int:
         "--tests", help="comma-separated test files instead of the module's own (to see what one file alone kills)"
     )
     ap.add_argument("--why", action="store_true", help="count the killed mutants by how they were caught")
+    ap.add_argument(
+        "--mutants",
+        metavar="FILE",
+        help="run only the mutants named in FILE (one name or glob a line; e.g. the survivors of another run)",
+    )
     a = ap.parse_args()
+    only = None
+    if a.mutants:
+        with open(a.mutants) as f:
+            only = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
     results = []
     for m in a.modules:
         if m not in table:
             ap.error(f"unknown module {m!r}: choose from {', '.join(table)}")
         tests = a.tests.split(",") if a.tests else table[m]
-        results.append(run_module(m, tests, a.max_children, a.diffs, a.keep, a.why))
+        mine = [n for n in only if n.startswith(f"pdkv.{m}.")] if only is not None else None
+        if mine == []:
+            continue
+        results.append(run_module(m, tests, a.max_children, a.diffs, a.keep, a.why, mine))
     print(f"{'module':12} {'mutants':>8} {'killed':>7} {'survived':>9} {'equivalent':>11} {'score':>7}")
     for r in results:
         print(
@@ -245,18 +291,20 @@ def main() -> int:
             f"{r['score']:7.1%}"
         )
     if a.why:
-        head = f"{'module':12} {'assertion':>9} {'(raised)':>9} {'teardown':>9} {'error':>6} {'timeout':>8}"
-        print(f"\nhow the killed were caught: {head}")
+        print(
+            "\nhow the killed were caught (in brackets: of those, the checks that failed on an exception the "
+            "tests did not predict)"
+        )
+        print(f"{'module':12} {'assertion':>16} {'teardown':>16} {'error':>6} {'timeout':>8}")
         for r in results:
-            k, w = r["why"]["by_kind"], r["why"]
-            n_raised = sum(w["raised_types"].values())
+            k, rk = r["why"]["by_kind"], r["why"]["raised_by_kind"]
+            cells = [f"{k.get(c, 0)} ({rk.get(c, 0)})" for c in ("assertion", "teardown")]
+            print(f"{r['module']:12} {cells[0]:>16} {cells[1]:>16} {k.get('error', 0):6d} {k.get('timeout', 0):8d}")
+        for r in results:
             print(
-                f"{'':27}{r['module']:12} {k.get('assertion', 0):9d} {n_raised:9d} {k.get('teardown', 0):9d} "
-                f"{k.get('error', 0):6d} {k.get('timeout', 0):8d}"
+                f"  {r['module']}: checks failed on an exception, by type: {r['why']['raised_types']}; "
+                f"errors escaping, by type: {r['why']['error_types']}"
             )
-        print("(raised): assertions of the tests that failed on an exception they did not predict, by type:")
-        for r in results:
-            print(f"  {r['module']}: {r['why']['raised_types']}; errors escaping, by type: {r['why']['error_types']}")
     for r in results:
         if r["stale_equivalents"]:
             print(
@@ -274,7 +322,7 @@ def main() -> int:
             {
                 r["module"]: {k: r[k] for k in ("mutants", "killed", "survived", "equivalent", "score")}
                 | (
-                    {"caught_by": r["why"]["by_kind"], "assertions_on_a_raise": sum(r["why"]["raised_types"].values())}
+                    {"caught_by": r["why"]["by_kind"], "checks_failed_on_a_raise": r["why"]["raised_by_kind"]}
                     if a.why
                     else {}
                 )
