@@ -6,8 +6,9 @@ tickets, the FIFO queue, swaps, the GPU reserve, every counter). The state machi
 both with the same steps, drawn so that most are legal (reservations that fit, the real
 tokens, queued grants learned from the listener), and after every step asserts that each
 call had exactly the outcome the model predicts (the result, or the precise error class
-and message) and that states, block ids, queue, quarantine and metrics agree. Nothing is
-caught and discarded.
+and message) and that states, block ids, queue, quarantine and metrics agree. Every call
+goes through that comparison, so an exception the model does not predict fails the step by
+assertion, naming the call and both outcomes. Nothing is caught and discarded.
 """
 
 from __future__ import annotations
