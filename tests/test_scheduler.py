@@ -1279,3 +1279,24 @@ def test_drop_prefix_and_an_unclaimed_hold_expire_each_release_once():
         RequestError, match=re.escape("(it is live: a prefix its reservation claimed is released when it ends)")
     ):
         s.drop_prefix("c")
+
+
+def test_every_ending_but_finish_is_logged_with_the_state_it_left(caplog):
+    """An operator reading pdkv's log sees each request that ended badly: its id, the state
+    it ended in, the state it left and why (a finished request is not logged)."""
+    s, clock, swap, ev = make()
+    caplog.set_level("INFO", logger="pdkv.scheduler")
+    r = s.reserve("a", num_tokens=40)
+    s.land_layers("a", r.grant.token, [0])
+    s.fail("a", "peer said so")
+    s.reserve("b", num_tokens=16)
+    s.abort("b")
+    s.reserve("c", num_tokens=16)
+    clock.t += 11
+    s.tick()
+    got = [(rec.name, rec.levelname, rec.getMessage()) for rec in caplog.records]
+    assert got == [
+        ("pdkv.scheduler", "INFO", "request 'a' failed (was receiving): peer said so"),
+        ("pdkv.scheduler", "INFO", "request 'b' aborted (was reserved): aborted"),
+        ("pdkv.scheduler", "INFO", "request 'c' expired (was reserved): lease of 10.0s expired"),
+    ]
