@@ -19,7 +19,7 @@ def _pct(xs: Sequence[float], q: float) -> float:
 def _union_s(intervals: Sequence[Sequence[float]]) -> float:
     """Seconds covered by the union of ``[start, end]`` intervals."""
     total, reach = 0.0, -math.inf
-    for a, b in sorted(intervals):
+    for a, b in sorted((float(w[0]), float(w[1])) for w in intervals):
         if b > reach:
             total += b - max(a, reach)
             reach = b
