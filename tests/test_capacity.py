@@ -262,3 +262,26 @@ def test_plan_measures_the_bandwidth_when_not_given(tmp_path):
     c = json.loads(out.read_text())["config"]
     assert c["bandwidth_measured"] and c["bandwidth_GBps"] > 0 and c["swap_GBps"] > 0
     assert "(measured here)" in p.stdout
+
+
+@pytest.mark.parametrize("link, swap", [(0.0, 3.0), (2.0, 0.0)])
+def test_a_measured_rate_of_zero_is_a_usage_error(link, swap, monkeypatch):
+    """A burst that measured no link or no swap rate must not reach the simulation, which
+    divides by both: the operator is told to give the rates."""
+    import types
+
+    from pdkv.cli.transfer_tool.capacity import measure_rates
+    from pdkv.cli.transfer_tool.workload import UsageError
+
+    def fake_run(argv, **kw):
+        with open(argv[argv.index("--json") + 1], "w") as f:
+            json.dump({"link_GBps": link, "swap_GBps": swap}, f)
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    a = types.SimpleNamespace(
+        model="tiny", decode_tp=1, layers=None, kv_heads=None, head_dim=None, tokens_per_block=None, dtype=None
+    )
+    console = types.SimpleNamespace(print=lambda *x, **k: None)
+    with pytest.raises(UsageError, match=r"gave no rate .*give --bandwidth-gbps and --swap-gbps"):
+        measure_rates(a, console)

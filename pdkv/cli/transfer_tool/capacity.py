@@ -523,7 +523,13 @@ def measure_rates(a: Any, console: Any) -> tuple[float, float]:
             )
         with open(out) as f:
             rep = json.load(f)
-    return float(rep["link_GBps"]) * 1e9, float(rep["swap_GBps"]) * 1e9
+    link, swap = float(rep.get("link_GBps", 0.0)), float(rep.get("swap_GBps", 0.0))
+    if not (link > 0 and swap > 0):  # a plan on a zero rate would divide by it
+        raise UsageError(
+            f"measuring the bandwidth gave no rate (link {link:.3f} GB/s, swap {swap:.3f} GB/s); give "
+            "--bandwidth-gbps and --swap-gbps instead"
+        )
+    return link * 1e9, swap * 1e9
 
 
 def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
