@@ -62,6 +62,14 @@ __all__ = [
     "OUTCOME_STATES",
     "Abort",
     "Heartbeat",
+    "Bye",
+    "MAX_PID",
+    "MAX_TP",
+    "MAX_LAYERS",
+    "MAX_BATCH_ITEMS",
+    "INSTANCE_KEY_BYTES",
+    "mask_instance_key",
+    "printable",
     "ErrorMsg",
     "Message",
     "Codec",
@@ -69,12 +77,16 @@ __all__ = [
 ]
 
 _MAC_BYTES = 32  # HMAC-SHA256
-MAX_BATCH_ITEMS = 4096  # requests one LayerBatch may name (4096 x 256-byte ids fit in decode's 2 MiB limit)
+# requests one batch message may name: what a sender sends (SEND_BATCH), so that one message
+# costs decode's control loop a bounded time (~15 ms at 512 reservations on the dev VM)
+MAX_BATCH_ITEMS = 512
 MAX_BATCH_ERROR = 1024  # characters of one batch item's error or reason (senders send 512 items a message)
 # 2: one frame per message (MAC length, MAC, body); 3: LayerBatch, CompleteBatch, cuda_ipc;
 # 4: OutcomeBatch, ReserveBatch, GrantBatch; 5: challenge-response handshake, typed nested
-# records, data connections authenticated by a MAC over decode's nonce
-PROTOCOL_VERSION = 5
+# records, data connections authenticated by a MAC over decode's nonce; 6: a prefill
+# instance proves its identity (an instance key, masked under the session key, in Auth), the
+# Challenge echoes the Hello's nonce, Bye ends a session, every wire integer bounded
+PROTOCOL_VERSION = 6
 GRANT_OUTCOMES = ("gpu", "buffer", "queued", "rejected")
 MAX_BATCH_BLOCKS = 1 << 16  # block ids one GrantBatch may carry (its grants' blocks together)
 MAX_GRANT_BLOCKS = 1 << 17  # block ids one grant may carry: 5 bytes each below 2^32, so it fits MAX_MESSAGE_BYTES
@@ -82,6 +94,10 @@ OUTCOME_STATES = ("received", "failed", "expired", "aborted", "rejected")
 MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
 MAX_ID = 256  # characters of a request id
 MAX_NUM_TOKENS = 1 << 26  # tokens one reservation may ask for
+MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT: no process id is larger
+MAX_TP = 4096  # tensor-parallel ranks of one instance
+MAX_LAYERS = 1 << 16  # layers (with extra layers) of one cache
+INSTANCE_KEY_BYTES = 32  # a prefill instance's key (SenderOptions.instance_key), and its mask
 
 
 class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -97,6 +113,12 @@ _Short = Annotated[str, msgspec.Meta(max_length=64)]
 _U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 _U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack carries up to 2^64 - 1
 _Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+_Key = Annotated[bytes, msgspec.Meta(min_length=INSTANCE_KEY_BYTES, max_length=INSTANCE_KEY_BYTES)]
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID)]
+_Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+_Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP)]
+_Layer = Annotated[int, msgspec.Meta(ge=0, lt=MAX_LAYERS)]
+_Text = Annotated[str, msgspec.Meta(max_length=1024)]  # an error or a reason
 
 
 class LayoutDesc(_Rec, kw_only=True, frozen=True):
@@ -201,32 +223,37 @@ class IpcSection(_Rec, kw_only=True, frozen=True):
 class Hello(_Base, tag="hello", frozen=True):
     """prefill -> decode, first message of a session (MAC'd under the shared secret)."""
 
-    version: int
+    version: _U32
     instance: _Name
-    tp_rank: int
-    tp_size: int
+    tp_rank: _Rank
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
     layout: LayoutDesc
     transports: Annotated[list[_Short], msgspec.Meta(max_length=16)]
     boot_id: _Short
-    pid: int
-    nonce: bytes
+    pid: Annotated[int, msgspec.Meta(ge=0, le=MAX_PID)]
+    nonce: _Nonce
     rdma: RdmaEndpointDesc | None = None  # prefill's queue-pair record when it offers rdma
     cuda: CudaDesc | None = None  # set when prefill's cache is GPU memory
     nixl: NixlHello | None = None  # prefill's NIXL agent when it offers nixl
 
 
 class Challenge(_Base, tag="challenge", frozen=True):
-    """decode -> prefill, answer to a Hello (under the secret): decode's fresh nonce. The
-    session key is HMAC(secret, prefill nonce, this nonce) from here on."""
+    """decode -> prefill, answer to a Hello (under the secret): decode's fresh nonce, and the
+    Hello's (``hello_nonce``: which Hello this answers). The session key is HMAC(secret,
+    prefill nonce, this nonce) from here on."""
 
     nonce: _Nonce
+    hello_nonce: _Nonce
 
 
 class Auth(_Base, tag="auth", frozen=True):
     """prefill -> decode, under the session key: proves the secret for this session
-    (``nonce`` echoes the Challenge's)."""
+    (``nonce`` echoes the Challenge's) and carries the instance's key, masked
+    (:func:`mask_instance_key`): the ranks of one prefill instance are the sessions that
+    show one key."""
 
     nonce: _Nonce
+    instance_key: _Key
 
 
 class Welcome(_Base, tag="welcome", frozen=True):
@@ -234,14 +261,14 @@ class Welcome(_Base, tag="welcome", frozen=True):
     ``session_id`` names the session on data connections; it is no credential (a data
     connection also proves the session key, :func:`data_auth_mac`)."""
 
-    version: int
+    version: _U32
     instance: _Name
-    tp_size: int
+    tp_size: _U32
     ranks: Annotated[list[_U32], msgspec.Meta(max_length=4096)]
     layouts: Annotated[list[LayoutDesc], msgspec.Meta(max_length=4096)]
     transport: _Short
     shm_names: Annotated[list[_Name], msgspec.Meta(max_length=4096)]
-    buffer_blocks: int
+    buffer_blocks: _U32
     data_addr: _Name
     session_id: _Nonce
     rdma: RdmaOffer | None = None
@@ -250,25 +277,28 @@ class Welcome(_Base, tag="welcome", frozen=True):
 
 
 class ReserveReq(_Base, tag="reserve", frozen=True):
-    request_id: str
-    num_tokens: int
+    request_id: _Id
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NUM_TOKENS)]
 
 
 class ReserveBatch(_Base, tag="reserves", frozen=True):
     """prefill -> decode: ``ReserveReq`` for every item ``(request_id, num_tokens)``, in one
     message (``reserve_many``); each item is answered on its own, in a ``GrantBatch``."""
 
-    items: list[tuple[str, int]]
+    items: Annotated[
+        list[tuple[_Id, Annotated[int, msgspec.Meta(ge=1, le=MAX_NUM_TOKENS)]]],
+        msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS),
+    ]
 
 
 class GrantMsg(_Base, tag="grant", frozen=True):
-    request_id: str
-    outcome: str  # gpu | buffer | queued | rejected
-    location: str = ""
-    blocks: list[int] = []
-    token: int = 0
+    request_id: _Id
+    outcome: _Short  # gpu | buffer | queued | rejected
+    location: _Short = ""
+    blocks: Annotated[list[_U32], msgspec.Meta(max_length=MAX_GRANT_BLOCKS)] = []
+    token: _Token = 0
     lease_s: float = 0.0
-    reason: str = ""
+    reason: _Text = ""
     prefix_blocks: _U32 = 0  # the prompt's first blocks decode holds already: prefill skips them
 
 
@@ -276,17 +306,17 @@ class GrantBatch(_Base, tag="grants", frozen=True):
     """decode -> prefill: the answers to one ``ReserveBatch`` (and any grants decided while
     handling it), at most ``MAX_BATCH_BLOCKS`` block ids a message."""
 
-    items: list[GrantMsg]
+    items: Annotated[list[GrantMsg], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
 
 
 class LayerDone(_Base, tag="layer", frozen=True):
     """prefill -> decode: this rank's writes of ``layers`` for the request succeeded (shm),
     for ``blocks`` of its blocks (0: all of them; a chunk of a chunked prefill sends fewer)."""
 
-    request_id: str
-    token: int
-    layers: list[int]
-    blocks: int = 0
+    request_id: _Id
+    token: _Token
+    layers: Annotated[list[_Layer], msgspec.Meta(min_length=1, max_length=4096)]
+    blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_GRANT_BLOCKS)] = 0
 
 
 class LayerBatch(_Base, tag="layers", frozen=True):
@@ -294,44 +324,54 @@ class LayerBatch(_Base, tag="layers", frozen=True):
     ``(request_id, token, blocks)`` (blocks as in LayerDone): one message for a layer of a
     batch instead of one per request."""
 
-    layer: int
-    items: list[tuple[str, int, int]]
+    layer: _Layer
+    items: Annotated[
+        list[tuple[_Id, _Token, Annotated[int, msgspec.Meta(ge=0, le=MAX_GRANT_BLOCKS)]]],
+        msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS),
+    ]
 
 
 class Complete(_Base, tag="complete", frozen=True):
     """prefill -> decode: every write of this rank for the request finished (``ok``) or not."""
 
-    request_id: str
-    token: int
+    request_id: _Id
+    token: _Token
     ok: bool
-    error: str = ""
+    error: _Text = ""
 
 
 class CompleteBatch(_Base, tag="completes", frozen=True):
     """prefill -> decode: ``Complete`` for every item ``(request_id, token, ok, error)``,
     in one message (the requests of a batch finish together)."""
 
-    items: list[tuple[str, int, bool, str]]
+    items: Annotated[list[tuple[_Id, _Token, bool, _Text]], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
 
 
 class Outcome(_Base, tag="outcome", frozen=True):
     """decode -> prefill: the definite outcome of a request (received, failed, expired, aborted)."""
 
-    request_id: str
-    state: str
-    reason: str = ""
+    request_id: _Id
+    state: _Short
+    reason: _Text = ""
 
 
 class OutcomeBatch(_Base, tag="outcomes", frozen=True):
     """decode -> prefill: ``Outcome`` for every item ``(request_id, state, reason)``, in one
     message (the requests of one ``LayerBatch`` or ``CompleteBatch`` end together)."""
 
-    items: list[tuple[str, str, str]]
+    items: Annotated[list[tuple[_Id, _Short, _Text]], msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
 
 
 class Abort(_Base, tag="abort", frozen=True):
-    request_id: str
-    reason: str = ""
+    request_id: _Id
+    reason: _Text = ""
+
+
+class Bye(_Base, tag="bye", frozen=True):
+    """Either side: this session ends now (prefill closes its sender; decode answers with a
+    Bye once the session's state is gone, and also says Bye when it closes)."""
+
+    reason: _Text = ""
 
 
 class Heartbeat(_Base, tag="hb", frozen=True):
@@ -339,8 +379,8 @@ class Heartbeat(_Base, tag="hb", frozen=True):
 
 
 class ErrorMsg(_Base, tag="error", frozen=True):
-    code: str
-    message: str
+    code: _Short
+    message: Annotated[str, msgspec.Meta(max_length=4096)]
 
 
 Message = (
@@ -360,6 +400,7 @@ Message = (
     | OutcomeBatch
     | Abort
     | Heartbeat
+    | Bye
     | ErrorMsg
 )
 
@@ -376,6 +417,22 @@ def session_key(secret: bytes, prefill_nonce: bytes, decode_nonce: bytes) -> byt
 
 def new_nonce() -> bytes:
     return os.urandom(16)
+
+
+def mask_instance_key(key: bytes, session_key: bytes | None, prefill_nonce: bytes, decode_nonce: bytes) -> bytes:
+    """``key`` XOR a pad only this session's two ends can make (HMAC under the session key,
+    over both nonces); the same call unmasks. Without a secret the pad is made from the
+    nonces alone, which a reader of the control traffic also sees: unauthenticated operation
+    trusts the network."""
+    pad_key = session_key if session_key is not None else b"pdkv-no-secret"
+    pad = hmac.new(pad_key, b"pdkv-instance-pad" + prefill_nonce + decode_nonce, hashlib.sha256).digest()
+    return bytes(a ^ b for a, b in zip(key, pad, strict=True))
+
+
+def printable(text: str) -> bool:
+    """Whether a name from the wire may reach a log line as it is (no control characters,
+    no line breaks)."""
+    return text.isprintable()
 
 
 def layout_desc(layout: object) -> LayoutDesc:
@@ -415,6 +472,11 @@ class Codec:
         self._dec = msgspec.msgpack.Decoder(_Envelope)
         self._send_seq = 0
         self._recv_seq = -1
+
+    def continue_from(self, other: Codec) -> None:
+        """Number this codec's messages on from ``other``'s (a handshake started again on
+        one connection: the peer's codec refuses a sequence number it has seen)."""
+        self._send_seq = max(self._send_seq, other._send_seq)
 
     def set_session(self, prefill_nonce: bytes, decode_nonce: bytes) -> None:
         if self.secret is not None:
@@ -488,8 +550,11 @@ def is_unauthenticated(frames: list[bytes]) -> bool:
 def _validate(m: Message) -> None:
     """Semantic checks msgspec's types cannot express."""
     rid = getattr(m, "request_id", None)
-    if rid is not None and not (0 < len(rid) <= MAX_ID):
-        raise ProtocolError(f"request_id of length {len(rid)} (must be 1-{MAX_ID})")
+    if rid is not None and not (0 < len(rid) <= MAX_ID and rid.isprintable()):
+        raise ProtocolError(f"request_id of length {len(rid)} (must be 1-{MAX_ID} printable characters)")
+    items = getattr(m, "items", None)
+    if items and isinstance(items[0], tuple) and not all(it[0].isprintable() for it in items):
+        raise ProtocolError("a batch item's request id is not printable")
     if isinstance(m, (Hello, Welcome)) and m.version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {m.version} is not supported (this pdkv speaks {PROTOCOL_VERSION})")
     if isinstance(m, Hello):
@@ -497,6 +562,8 @@ def _validate(m: Message) -> None:
             raise ProtocolError(f"tp_rank={m.tp_rank} tp_size={m.tp_size} are inconsistent")
         if len(m.nonce) != 16:
             raise ProtocolError("hello nonce must be 16 bytes")
+        if not m.instance or not m.instance.isprintable():
+            raise ProtocolError("instance name must be 1-256 printable characters")
     if isinstance(m, ReserveReq) and not (0 < m.num_tokens <= MAX_NUM_TOKENS):
         raise ProtocolError(f"num_tokens={m.num_tokens} out of range")
     if isinstance(m, LayerDone) and (not m.layers or len(m.layers) > 4096 or min(m.layers) < 0 or m.blocks < 0):

@@ -188,7 +188,11 @@ def read_origin(name: str, shm_dir: str = "/dev/shm") -> dict[str, Any] | None:
     one pdkv wrote (wrong magic, malformed, too large, or not a regular file)."""
     path = os.path.join(shm_dir, name + ORIGIN_SUFFIX)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # a FIFO or a device named like a record must not block the sweeper: only a regular
+        # file is opened, and without blocking (should it be swapped for a FIFO in between)
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:

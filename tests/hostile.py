@@ -17,12 +17,14 @@ from pdkv.protocol import (
     Auth,
     Challenge,
     Codec,
+    ErrorMsg,
     Hello,
     Message,
     Welcome,
     data_auth_mac,
     is_unauthenticated,
     layout_desc,
+    mask_instance_key,
     new_nonce,
 )
 from pdkv.transfer import FRAME_HEADER
@@ -45,7 +47,12 @@ class RawSession:
         complete: bool = True,
         ctx: zmq.Context | None = None,
         timeout_ms: int = 5000,
+        instance_key: bytes | None = None,
+        refusable: bool = False,
     ) -> None:
+        """``instance_key``: the 32-byte key this session proves (default: its own random
+        one, a stranger to every other session); ``refusable``: a refusal after Auth is
+        kept in ``refusal`` instead of failing."""
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -67,7 +74,9 @@ class RawSession:
                 self.nonce,
             )
         )
+        self.instance_key = instance_key if instance_key is not None else os.urandom(32)
         self.welcome: Welcome | None = None
+        self.refusal: ErrorMsg | None = None
         self.challenge: Challenge | None = None
         self.sock.send_multipart(self.hello_frames)
         if not complete:
@@ -76,8 +85,11 @@ class RawSession:
         assert isinstance(ch, Challenge), ch
         self.challenge = ch
         self.codec.set_session(self.nonce, ch.nonce)
-        self.send(Auth(ch.nonce))
+        self.send(Auth(ch.nonce, mask_instance_key(self.instance_key, self.codec.key, self.nonce, ch.nonce)))
         w = self.recv()
+        if refusable and isinstance(w, ErrorMsg):
+            self.refusal = w
+            return
         assert isinstance(w, Welcome), w
         self.welcome = w
 

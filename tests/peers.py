@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -47,6 +48,7 @@ def prefill(a: argparse.Namespace) -> None:
         timeout_s=a.timeout,
         heartbeat_s=0.2,
         instance=a.instance,
+        instance_key=bytes.fromhex(os.environ["PDKV_INSTANCE_KEY"]) if os.environ.get("PDKV_INSTANCE_KEY") else None,
         staging=a.staging,
         staging_slot_bytes=a.slot_bytes or None,
     ) as tx:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from extras import need
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -210,10 +211,10 @@ def test_sweep_sizes_and_recommendation():
 
 
 def test_plan_on_the_shipped_trace(tmp_path, capsys):
-    png, html, out = tmp_path / "p.png", tmp_path / "p.html", tmp_path / "p.json"
+    out = tmp_path / "p.json"
     argv = ["plan", "--trace", TRACE, "--bandwidth-gbps", "25", "--swap-gbps", "50", "--gpu-gib", "24"]
     argv += ["--prefill-instances", "3", "--json", str(out)]
-    assert tool_main([*argv, "--plot", str(png)]) == 0
+    assert tool_main(argv) == 0
     text = capsys.readouterr().out
     last = json.loads(text.strip().splitlines()[-1])  # the JSON line comes last
     assert last == json.loads(out.read_text())
@@ -226,6 +227,14 @@ def test_plan_on_the_shipped_trace(tmp_path, capsys):
     assert best["prefill_wait_ms_p99"] == 0 and best["ttft_ms_p99"] < rows[0]["ttft_ms_p99"]
     assert "recommendation:" in text and "prefix reuse" in text and "what the decode buffer buys" in text
     assert last["prefix_reuse"]["blocks_not_transferred"] > 0
+
+
+def test_plan_plot_on_the_shipped_trace(tmp_path):
+    need("matplotlib", "plot")
+    png, html = tmp_path / "p.png", tmp_path / "p.html"
+    argv = ["plan", "--trace", TRACE, "--bandwidth-gbps", "25", "--swap-gbps", "50", "--gpu-gib", "24"]
+    argv += ["--prefill-instances", "3"]
+    assert tool_main([*argv, "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert tool_main([*argv, "--plot", str(html)]) == 0
     assert "<svg" in html.read_text()

@@ -5,6 +5,7 @@ GPU between two processes."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -483,6 +484,7 @@ def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, transport, gpu
         )
         # auto: a GPU cache offers cuda_ipc first, and decode checks the GPU can map its memory
         rx = DecodeReceiver(sched, lays, bufs, nb, transports=("cuda_ipc", "shm"), gpu_caches=gspecs, auto_tick=True)
+        env = dict(os.environ, PDKV_INSTANCE_KEY=os.urandom(32).hex())  # the P ranks are one instance
         procs = [
             _spawn(
                 "prefill",
@@ -503,6 +505,7 @@ def test_cuda_ipc_between_processes_every_byte(cuda_device, P, D, transport, gpu
                 "10",
                 "--instance",
                 "gpf",
+                env=env,
             )
             for r in range(P)
         ]

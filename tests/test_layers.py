@@ -24,6 +24,7 @@ LAYERS = [
         "pdkv.transfer.base",
         "pdkv.transfer.options",
         "pdkv.transfer.channel",
+        "pdkv.transfer.guard",
         "pdkv.transfer.hostcopy",
         "pdkv.transfer.sockets",
         "pdkv.transfer.staging",

@@ -10,6 +10,7 @@ from pdkv.errors import AuthenticationError, PdkvError, ProtocolError
 from pdkv.protocol import (
     PROTOCOL_VERSION,
     Auth,
+    Bye,
     Challenge,
     Codec,
     Complete,
@@ -30,6 +31,9 @@ from pdkv.protocol import (
 )
 
 SECRET = b"k" * 32
+
+# msgspec names the field that breaks its schema: where a bound now lives
+AT = r"at .\$\[1\]\.(layer|items)"
 
 
 def hello(**kw):
@@ -52,8 +56,9 @@ def test_round_trip_and_replay():
     a, b = Codec(SECRET), Codec(SECRET)
     for m in (
         hello(),
-        Challenge(b"c" * 16),
-        Auth(b"c" * 16),
+        Challenge(b"c" * 16, b"n" * 16),
+        Auth(b"c" * 16, b"k" * 32),
+        Bye("sender closed"),
         ReserveReq("r", 10),
         GrantMsg("r", "buffer", "buffer", [1, 2], 5, 1.0),
         LayerDone("r", 5, [0, 1]),
@@ -98,31 +103,31 @@ def test_authentication():
         (LayerDone("r", 1, []), "layer"),
         (LayerDone("r", 1, [-1]), "layer"),
         (GrantMsg("r", "buffer", blocks=[-5]), "block"),
-        (LayerBatch(-1, [("r", 1, 0)]), "layer batch"),
-        (LayerBatch(0, []), "layer batch"),
-        (LayerBatch(0, [("r", 1, 0)] * 4097), "layer batch"),
-        (LayerBatch(0, [("r", 1, 0), ("", 1, 0)]), "layer batch item"),
-        (LayerBatch(0, [("r", -1, 0)]), "layer batch item"),
-        (LayerBatch(0, [("r", 1, -2)]), "layer batch item"),
-        (CompleteBatch([]), "complete batch"),
-        (CompleteBatch([("r", 1, True, "")] * 4097), "complete batch"),
-        (CompleteBatch([("", 1, True, "")]), "complete batch item"),
-        (CompleteBatch([("r", 1 << 63, True, "")]), "complete batch item"),
-        (CompleteBatch([("r", 1, False, "x" * 1025)]), "complete batch item"),
+        (LayerBatch(-1, [("r", 1, 0)]), "layer batch|" + AT),
+        (LayerBatch(0, []), "layer batch|" + AT),
+        (LayerBatch(0, [("r", 1, 0)] * 4097), "layer batch|" + AT),
+        (LayerBatch(0, [("r", 1, 0), ("", 1, 0)]), "layer batch item|" + AT),
+        (LayerBatch(0, [("r", -1, 0)]), "layer batch item|" + AT),
+        (LayerBatch(0, [("r", 1, -2)]), "layer batch item|" + AT),
+        (CompleteBatch([]), "complete batch|" + AT),
+        (CompleteBatch([("r", 1, True, "")] * 4097), "complete batch|" + AT),
+        (CompleteBatch([("", 1, True, "")]), "complete batch item|" + AT),
+        (CompleteBatch([("r", 1 << 63, True, "")]), "complete batch item|" + AT),
+        (CompleteBatch([("r", 1, False, "x" * 1025)]), "complete batch item|" + AT),
         (Outcome("r", "teleported"), "outcome state 'teleported'"),
-        (OutcomeBatch([]), "outcome batch"),
-        (OutcomeBatch([("r", "received", "")] * 4097), "outcome batch"),
-        (OutcomeBatch([("r", "received", ""), ("", "failed", "")]), "outcome batch item"),
-        (OutcomeBatch([("r", "done", "")]), "outcome batch item"),
-        (OutcomeBatch([("r", "failed", "x" * 1025)]), "outcome batch item"),
-        (ReserveBatch([]), "reserve batch"),
-        (ReserveBatch([("r", 1)] * 4097), "reserve batch"),
-        (ReserveBatch([("r", 1), ("", 1)]), "reserve batch item"),
-        (ReserveBatch([("r", 0)]), "reserve batch item"),
-        (ReserveBatch([("r", (1 << 26) + 1)]), "reserve batch item"),
+        (OutcomeBatch([]), "outcome batch|" + AT),
+        (OutcomeBatch([("r", "received", "")] * 4097), "outcome batch|" + AT),
+        (OutcomeBatch([("r", "received", ""), ("", "failed", "")]), "outcome batch item|" + AT),
+        (OutcomeBatch([("r", "done", "")]), "outcome batch item|" + AT),
+        (OutcomeBatch([("r", "failed", "x" * 1025)]), "outcome batch item|" + AT),
+        (ReserveBatch([]), "reserve batch|" + AT),
+        (ReserveBatch([("r", 1)] * 4097), "reserve batch|" + AT),
+        (ReserveBatch([("r", 1), ("", 1)]), "reserve batch item|" + AT),
+        (ReserveBatch([("r", 0)]), "reserve batch item|" + AT),
+        (ReserveBatch([("r", (1 << 26) + 1)]), "reserve batch item|" + AT),
         (GrantMsg("r", "stolen"), "grant outcome 'stolen'"),
-        (GrantBatch([]), "grant batch"),
-        (GrantBatch([GrantMsg("r", "buffer", "buffer", list(range(40000)), 1)] * 2), "grant batch"),
+        (GrantBatch([]), "grant batch|" + AT),
+        (GrantBatch([GrantMsg("r", "buffer", "buffer", list(range(40000)), 1)] * 2), "grant batch|" + AT),
         (
             GrantBatch([GrantMsg("r", "buffer", "buffer", [1], 1), GrantMsg("", "buffer", "buffer", [2], 1)]),
             "request_id",
@@ -142,7 +147,7 @@ def test_the_largest_grant_fits_one_message_and_a_larger_one_is_refused():
     a, b = Codec(SECRET), Codec(SECRET)
     big = GrantMsg("r" * MAX_ID, "buffer", "buffer", [(1 << 32) - 1] * MAX_GRANT_BLOCKS, (1 << 63) - 1, 1.0)
     assert b.decode(a.encode(big)) == big  # under MAX_MESSAGE_BYTES with the widest ids and id
-    with pytest.raises(ProtocolError, match="grant block list"):
+    with pytest.raises(ProtocolError, match=r"grant block list|length <= 131072 - at .\$\[1\]\.blocks"):
         b.decode(a.encode(GrantMsg("r", "buffer", "buffer", [1] * (MAX_GRANT_BLOCKS + 1), 1, 1.0)))
 
 

@@ -283,14 +283,15 @@ def test_hostile_rdma_hello_is_refused_and_decode_serves_on(record, monkeypatch,
         s.connect(dec.rx.control_address)
         lay = KVLayout(**BASE)
         c = Codec(None)
+        nonce = os.urandom(16)
         s.send_multipart(
-            c.encode(Hello(PROTOCOL_VERSION, "evil", 0, 1, layout_desc(lay), ["rdma"], "b", 1, b"n" * 16, record))
+            c.encode(Hello(PROTOCOL_VERSION, "evil", 0, 1, layout_desc(lay), ["rdma"], "b", 1, nonce, record))
         )
         assert s.poll(5000)
         msg = c.decode(s.recv_multipart())
         if isinstance(msg, Challenge):  # a record the schema admits is checked when the session starts
-            c.set_session(b"n" * 16, msg.nonce)
-            s.send_multipart(c.encode(Auth(msg.nonce)))
+            c.set_session(nonce, msg.nonce)
+            s.send_multipart(c.encode(Auth(msg.nonce, os.urandom(32))))
             assert s.poll(5000)
             msg = c.decode(s.recv_multipart())
         assert isinstance(msg, ErrorMsg) and "rdma" in msg.message

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from extras import need
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "mooncake_synthetic_200.jsonl")  # ships with the tests
 SMALL = [
@@ -84,6 +85,7 @@ def test_local_mode_verifies_every_byte(extra, tmp_path, no_leaks):
 
 @pytest.mark.multiproc
 def test_trace_replay_and_plot(tmp_path, no_leaks):
+    need("matplotlib", "plot")
     plot = tmp_path / "p.html"
     p, rep = run(
         [

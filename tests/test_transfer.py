@@ -307,12 +307,13 @@ def test_hostile_tcp_frames_never_land(no_leaks):
         dec.close()
 
 
-def _spawn(*args):
+def _spawn(*args, env=None):
     return subprocess.Popen(
         [sys.executable, os.path.join(HERE, "peers.py"), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
 
 

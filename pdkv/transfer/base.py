@@ -158,6 +158,7 @@ class Peer:
     layout: KVLayout | None = None
     segs_by_src: dict[int, list[Segment]] = field(default_factory=dict)
     block_bytes_by_src: dict[int, int] = field(default_factory=dict)
+    key_fp: bytes = b""  # fingerprint of the instance key the session proved (its identity)
 
 
 @dataclass
@@ -179,6 +180,7 @@ class Inflight:
     run_len: list[int] = field(default_factory=list)  # consecutive destination ids from index i
     location: str = "buffer"  # where the blocks are: "buffer", or "gpu" (a writes_gpu transport)
     transport: str = ""  # the granting session's transport (per-transport byte and layer counts)
+    asked: int = 0  # blocks a queued request waits for (per-instance quota)
     # byte-counting transports (tcp): the (layer, source rank, segment) pieces of which
     # blocks were admitted, so no piece is written twice and a layer fills only with distinct ones
     cov: dict[tuple[int, int, int], bytearray] = field(default_factory=dict)

@@ -10,6 +10,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import zmq
 
@@ -24,6 +25,7 @@ _log = logging.getLogger("pdkv.transfer")
 # plain ints: pyzmq's enum flags cost microseconds per operation on the hot path
 _NB, _MORE_NB = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_SRCFD = int(zmq.SRCFD)
 
 
 class Channel:
@@ -38,8 +40,11 @@ class Channel:
     may consume the signal that input is waiting, so after each send the sender checks
     ``EVENTS`` and wakes the I/O thread if input is there."""
 
-    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], source_fds: bool = False) -> None:
         self.sock = sock
+        # with source_fds, each message received comes with the descriptor of the connection
+        # it came on (zmq's SRCFD), as (fd, frames): decode's guard of its control connections
+        self.source_fds = source_fds
         self.lock = threading.Lock()
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
@@ -78,23 +83,28 @@ class Channel:
             self.wake()
         return True
 
-    def _drain(self) -> list[list[bytes]] | None:
-        out: list[list[bytes]] = []
+    def _drain(self) -> list[Any] | None:
+        out: list[Any] = []
         with self.lock:
             if self._closed:
                 return None
             try:
                 while len(out) < 256 and int(self.sock.getsockopt(_EVENTS)) & _POLLIN:
-                    out.append(self.sock.recv_multipart(_NB))
+                    if self.source_fds:
+                        parts = self.sock.recv_multipart(_NB, copy=False)
+                        out.append((parts[0].get(_SRCFD), [p.bytes for p in parts]))
+                    else:
+                        out.append(self.sock.recv_multipart(_NB))
             except zmq.Again:
                 pass
             except zmq.ZMQError:
                 return None
         return out
 
-    def wait(self, timeout_ms: int) -> list[list[bytes]] | None:
-        """Messages waiting now; if none, wait up to ``timeout_ms`` for input or a wake-up.
-        None once the channel is closed."""
+    def wait(self, timeout_ms: int) -> list[Any] | None:
+        """Messages waiting now (each its frames, or ``(fd, frames)`` with ``source_fds``);
+        if none, wait up to ``timeout_ms`` for input or a wake-up. None once the channel is
+        closed."""
         out = self._drain()
         if out is None or out:
             return out

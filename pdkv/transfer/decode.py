@@ -10,6 +10,7 @@ definite outcome on both sides in bounded time.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import os
@@ -27,8 +28,10 @@ from ..plan import run_lengths
 from ..procs import pid_alive
 from ..protocol import (
     MAX_GRANT_BLOCKS,
+    MAX_MESSAGE_BYTES,
     Abort,
     Auth,
+    Bye,
     Codec,
     Complete,
     CompleteBatch,
@@ -49,11 +52,26 @@ from . import base as registry
 from . import handshake
 from .base import Inflight, Peer, ReceiverTransport
 from .channel import Channel, RateLimitedLog, Replies
+from .guard import ControlGuard
 from .options import ReceiverOptions, merge_options
 
 __all__ = ["DecodeReceiver"]
 
 _log = logging.getLogger(__name__)
+
+# the control socket: a message at most MAX_MESSAGE_BYTES (with its frame's MAC), and few
+# queued per connection, so that what a connection can make decode hold is bounded
+_CONTROL_MSG_BYTES = MAX_MESSAGE_BYTES + 64
+_CONTROL_RCVHWM = 4
+_PEER_QUEUE = 64  # messages of one connection waiting for the control loop; more are dropped
+
+
+def _loopback(endpoint: str) -> bool:
+    """Whether a zmq endpoint is reachable only from this host."""
+    if not endpoint.startswith("tcp://"):
+        return True  # ipc://, inproc://
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class DecodeReceiver:
@@ -140,6 +158,10 @@ class DecodeReceiver:
             "accept_errors": 0,
             "loop_errors": 0,
             "frames_cut": 0,
+            "identity_refused": 0,
+            "control_evicted": 0,
+            "messages_dropped": 0,
+            "quota_refused": 0,
         }
         self._stats_lock = threading.Lock()
         # transport -> [bytes credited, layers landed], every transport (stats["bytes"] is tcp's wire)
@@ -155,16 +177,37 @@ class DecodeReceiver:
         self._inflight: dict[str, Inflight] = {}
         self._by_token: dict[int, Inflight] = {}
         self._grants: dict[tuple[str, str], GrantMsg] = {}
+        self._hello_nonces = handshake.HelloNonces(opts.auth_timeout_s * 2)
+        # messages taken off the socket, by connection, served round-robin: one peer's flood
+        # of batches delays another's reservation by one message, not by the flood
+        self._queues: dict[bytes, collections.deque[tuple[int, list[bytes]]]] = {}
         self._threads: list[threading.Thread] = []
         self._transports: dict[str, ReceiverTransport] = {}
         self._ctx = zmq.Context()
         try:  # a half-built receiver (address in use, a transport that cannot start) leaves nothing open
             self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
+            self._router.setsockopt(zmq.MAXMSGSIZE, _CONTROL_MSG_BYTES)
+            self._router.setsockopt(zmq.RCVHWM, _CONTROL_RCVHWM)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            self._guard = ControlGuard(
+                self._router,
+                opts.auth_timeout_s,
+                opts.max_pending_control,
+                opts.max_pending_per_source,
+                self.count,
+                self.warn,
+            )
             self._router.bind(opts.control)
             self.control_address = bytes(self._router.getsockopt(zmq.LAST_ENDPOINT)).decode()
+            if opts.secret is None and not (_loopback(opts.control) and opts.data_host.startswith("127.")):
+                _log.warning(
+                    "pdkv decode: listening beyond loopback (control %s, data %s) without a secret: "
+                    "any host that reaches these ports can write into the buffer "
+                    "(set ReceiverOptions(secret=...); docs/SECURITY.md)",
+                    self.control_address,
+                    opts.data_host,
+                )
             for e in entries:
                 self._transports[e.name] = e.receiver(self)
         except BaseException:
@@ -173,7 +216,7 @@ class DecodeReceiver:
                 tr.close()
             self._ctx.destroy(linger=0)
             raise
-        self._ch = Channel(self._router)
+        self._ch = Channel(self._router, source_fds=True)
         scheduler.add_listener(self._on_event)
         self._start(self._control_loop, "pdkv-decode-control")
 
@@ -193,12 +236,17 @@ class DecodeReceiver:
         scheduler. Idempotent."""
         if self.stopping.is_set():
             return
+        with self.lock:
+            idents = list(self._peers)
+        for ident in idents:  # so that prefill fails its requests now, not after its timeout
+            self._send(ident, Bye("decode closed"))
         self.stopping.set()
         self._ch.wake()
         for t in self._threads:
             t.join(timeout)
         for tr in self._transports.values():  # each ends its own threads and connections
             tr.close()
+        self._guard.close()
         self._ch.close()
         self._ctx.term()
         self.scheduler.remove_listener(self._on_event)
@@ -272,13 +320,29 @@ class DecodeReceiver:
     def _control_loop(self) -> None:
         last_check = time.monotonic()
         while not self.stopping.is_set():
-            got = self._ch.wait(2 if self.options.auto_tick else 50)
+            self._guard.poll(time.monotonic())  # connections accepted and gone, before their messages
+            got = self._ch.wait(0 if self._queues else 2 if self.options.auto_tick else 50)
             if got is None:
                 break
-            for frames in got:
+            for fd, frames in got:
+                if not frames:
+                    continue
+                q = self._queues.get(frames[0])
+                if q is None:
+                    q = self._queues[frames[0]] = collections.deque()
+                if len(q) >= _PEER_QUEUE:
+                    self.count("messages_dropped")  # a connection sending faster than it is served
+                    continue
+                q.append((fd, frames))
+            # one message of each connection in turn
+            for ident in list(self._queues):
+                q = self._queues[ident]
+                fd, frames = q.popleft()
+                if not q:
+                    del self._queues[ident]
                 # one message, whatever it holds, never ends the loop that serves every peer
                 try:
-                    self._on_frames(frames)
+                    self._on_frames(frames, fd)
                 except Exception:
                     self.count("loop_errors")
                     self.count("messages_rejected")
@@ -289,22 +353,35 @@ class DecodeReceiver:
                     self.scheduler.tick()
                 if now - last_check > 0.1:
                     last_check = now
+                    self._guard.sweep(now)
                     self._check_peers(now)
             except Exception:
                 self.count("loop_errors")
                 _log.exception("decode housekeeping failed (retried next round)")
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[bytes], fd: int = -1) -> None:
         if len(frames) < 2:
             self.count("messages_rejected")
             return
         ident, rest = frames[0], frames[1:]
         peer = self._peers.get(ident)
+        if peer is None:
+            self._guard.seen(fd, ident)
         hs = self._pending.get(ident) if peer is None else None
         codec = peer.codec if peer is not None else hs.codec if hs is not None else Codec(self.secret)
         try:
             msg = codec.decode(rest)
         except ProtocolError as exc:
+            if hs is not None:  # a Hello sent again while its first is answered?
+                fresh = Codec(self.secret)
+                try:
+                    again = fresh.decode(rest)
+                except ProtocolError:
+                    again = None
+                if isinstance(again, Hello):
+                    fresh.continue_from(hs.codec)
+                    handshake.answer_hello(self, ident, fresh, again)
+                    return
             self.count("messages_rejected")
             if peer is None:  # answer once, unauthenticated, so the operator sees why
                 if hs is not None:  # an Auth that does not verify under this session's key
@@ -320,7 +397,7 @@ class DecodeReceiver:
                     self.count("messages_rejected")
                     self.count("auth_failed")
                     return
-                handshake.accept_session(self, ident, hs)
+                handshake.accept_session(self, ident, hs, msg)
             elif isinstance(msg, Hello):
                 handshake.answer_hello(self, ident, codec, msg)
             else:
@@ -334,9 +411,16 @@ class DecodeReceiver:
             rid = getattr(msg, "request_id", "")
             self._send(ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}" if rid else str(exc)))
 
+    def on_session(self, ident: bytes) -> None:
+        """A session began on connection ``ident`` (the handshake's last step)."""
+        self._guard.session(ident, True, time.monotonic())
+
     def _dispatch(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, Heartbeat):
             self._send(peer.ident, Heartbeat(time.time()))
+        elif isinstance(msg, Bye):
+            self._send(peer.ident, Bye("session ended"))
+            self._end_session(peer, f"prefill {peer.instance} rank {peer.tp_rank} ended its session", dead=False)
         elif isinstance(msg, ReserveReq):
             self._on_reserve(peer, msg.request_id, msg.num_tokens)
         elif isinstance(msg, ReserveBatch):
@@ -442,6 +526,22 @@ class DecodeReceiver:
                 ),
             )
             return
+        quota = self.options.max_blocks_per_instance
+        if quota is not None:
+            with self.lock:
+                held = sum(len(i.blocks) or i.asked for i in self._inflight.values() if i.instance == peer.instance)
+            if held + nblk > quota:
+                self.count("quota_refused")
+                self._send_grant(
+                    peer.ident,
+                    GrantMsg(
+                        rid,
+                        "rejected",
+                        reason=f"instance {peer.instance!r} holds {held} blocks; {nblk} more would pass "
+                        f"max_blocks_per_instance ({quota})",
+                    ),
+                )
+                return
         res = self.scheduler.reserve(
             rid, num_blocks=nblk, peer=peer.instance, gpu_ok=self._transports[peer.transport].writes_gpu
         )
@@ -450,7 +550,9 @@ class DecodeReceiver:
             if res.outcome == "queued":
                 with self.lock:
                     self._grants[key] = g
-                    self._inflight[rid] = Inflight(rid, peer.instance, 0, [], [], peer.tp_size, peers={peer.ident})
+                    self._inflight[rid] = Inflight(
+                        rid, peer.instance, 0, [], [], peer.tp_size, peers={peer.ident}, asked=nblk
+                    )
             self._send_grant(peer.ident, g)
             return
         self._register_grant(peer, key, res.grant)
@@ -566,26 +668,44 @@ class DecodeReceiver:
         for ident in [i for i, hs in self._pending.items() if hs.deadline <= now]:
             del self._pending[ident]  # a Hello never followed by its Auth
         with self.lock:
-            dead = [
-                p
-                for p in self._peers.values()
-                if now - p.last_seen > self.options.peer_timeout_s or (p.same_host and p.pid and not pid_alive(p.pid))
-            ]
-            for p in dead:
-                del self._peers[p.ident]
-                self._sessions.pop(p.session_id, None)
-        for p in dead:
+            peers = list(self._peers.values())
+        for p in peers:  # each peer on its own: one that cannot be checked stops no other's check
+            try:
+                silent = now - p.last_seen > self.options.peer_timeout_s
+                gone = p.same_host and p.pid > 0 and not pid_alive(p.pid)
+            except Exception:
+                self.count("loop_errors")
+                _log.exception("checking peer %s rank %d failed (fenced)", p.instance, p.tp_rank)
+                silent, gone = True, False
+            if silent or gone:
+                why = "was silent for peer_timeout_s" if silent else f"process {p.pid} is gone"
+                self._end_session(p, f"prefill {p.instance} rank {p.tp_rank} died ({why})", dead=True)
+
+    def _end_session(self, p: Peer, why: str, dead: bool) -> None:
+        """End ``p``'s session: fence its data path, fail its requests, release what only it
+        could still write. ``dead``: it died (a warning), else it ended the session itself."""
+        with self.lock:
+            if self._peers.get(p.ident) is not p:
+                return
+            del self._peers[p.ident]
+            self._sessions.pop(p.session_id, None)
+        self._guard.session(p.ident, False, time.monotonic())
+        if dead:
             self.count("peers_dead")
-            _log.warning("peer %s (rank %d, %s) is dead: fenced, its requests fail", p.instance, p.tp_rank, p.transport)
-            self._transports[p.transport].fence(p)  # no write of this peer lands after this
-            with self.lock:
-                mine = [inf for inf in self._inflight.values() if p.ident in inf.peers]
-            for inf in mine:
-                try:
-                    self.scheduler.fail(inf.request_id, f"prefill {p.instance} rank {p.tp_rank} died")
-                except PdkvError:
-                    pass
-            # it can no longer start a write: quarantined blocks go back now (those a write
-            # admitted before still holds go when that write ends)
-            if not any(q.instance == p.instance for q in self._peers.values()):
-                self.scheduler.fence(p.instance)
+            _log.warning("%s: fenced, its requests fail", why)
+        else:
+            _log.info("%s (%s)", why, p.transport)
+        self._transports[p.transport].fence(p)  # no write of this peer lands after this
+        with self.lock:
+            mine = [inf for inf in self._inflight.values() if p.ident in inf.peers]
+        for inf in mine:
+            try:
+                self.scheduler.fail(inf.request_id, why)
+            except PdkvError:
+                pass
+        # it can no longer start a write: quarantined blocks go back now (those a write
+        # admitted before still holds go when that write ends)
+        with self.lock:
+            sibling = any(q.instance == p.instance for q in self._peers.values())
+        if not sibling:
+            self.scheduler.fence(p.instance)

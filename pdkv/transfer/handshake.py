@@ -4,14 +4,22 @@ Prefill (:func:`open_session`) offers its layout, rank and transports with a non
 (:func:`answer_hello`) checks the layout against its own, picks the first offered
 transport it serves and can use for this peer, and answers a Challenge under the shared
 secret, holding nothing; prefill answers Auth under the session key both derive from the
-two nonces; decode (:func:`accept_session`) then makes the session and sends Welcome with
-what the chosen transport needs; prefill connects that transport.
+two nonces, with its instance's key masked under that session key; decode
+(:func:`accept_session`) then makes the session and sends Welcome with what the chosen
+transport needs; prefill connects that transport.
+
+Identity: the sessions of one prefill instance are those that show one instance key. A
+session naming an instance that has live sessions under another key is refused, and so is
+a second live session of one (instance, rank): a name is a label, the key is the identity.
+A Hello whose nonce decode saw within the handshake window is refused (replay).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,6 +48,7 @@ from ..protocol import (
     Welcome,
     is_unauthenticated,
     layout_desc,
+    mask_instance_key,
     new_nonce,
 )
 from . import base as registry
@@ -51,7 +60,25 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["Handshake", "answer_hello", "accept_session", "open_session"]
+__all__ = ["Handshake", "answer_hello", "accept_session", "open_session", "instance_key_of"]
+
+_HELLO_RETRY_S = 1.0  # a Hello unanswered this long is sent again (its connection may have been closed)
+_process_keys: dict[str, bytes] = {}
+_keys_lock = threading.Lock()
+
+
+def instance_key_of(instance: str, given: bytes | None) -> bytes:
+    """The 32-byte key a sender proves: of ``given`` (``SenderOptions.instance_key``), or
+    this process's own random key for ``instance``."""
+    if given is not None:
+        return hashlib.sha256(b"pdkv-instance-key" + given).digest()
+    with _keys_lock:
+        return _process_keys.setdefault(instance, os.urandom(32))
+
+
+def key_fingerprint(key: bytes) -> bytes:
+    """What decode keeps of an instance's key."""
+    return hashlib.sha256(b"pdkv-instance-fp" + key).digest()
 
 
 @dataclass
@@ -66,6 +93,24 @@ class Handshake:
     same_host: bool
     nonce: bytes
     deadline: float
+
+
+class HelloNonces:
+    """Hello nonces seen within the handshake window: a replayed Hello is refused at once,
+    before it costs a pending handshake (bounded: the oldest are forgotten first)."""
+
+    def __init__(self, window_s: float, cap: int = 1 << 16) -> None:
+        self.window_s, self.cap = window_s, cap
+        self._seen: dict[bytes, float] = {}
+
+    def fresh(self, nonce: bytes, now: float) -> bool:
+        """Whether ``nonce`` is new (and remember it)."""
+        if nonce in self._seen:
+            return False
+        while len(self._seen) >= self.cap or (self._seen and next(iter(self._seen.values())) < now):
+            del self._seen[next(iter(self._seen))]
+        self._seen[nonce] = now + self.window_s
+        return True
 
 
 def answer_hello(rx: DecodeReceiver, ident: bytes, codec: Codec, h: Hello) -> None:
@@ -84,16 +129,21 @@ def answer_hello(rx: DecodeReceiver, ident: bytes, codec: Codec, h: Hello) -> No
     except PdkvError as exc:
         refuse(str(exc))
         return
-    if len(rx._pending) >= rx.options.max_handshakes:
+    now = time.monotonic()
+    if not rx._hello_nonces.fresh(h.nonce, now):
+        rx.count("auth_failed")
+        refuse("hello replayed (its nonce was seen already)")
+        return
+    rx._pending.pop(ident, None)  # a Hello sent again on one connection replaces the first
+    while len(rx._pending) >= rx.options.max_handshakes:
+        # the oldest handshake gives way: holding handshakes open keeps no new peer out
         rx.count("connections_refused")
         rx._warn.warning(
             "handshakes",
-            "pdkv decode: %d control handshakes in progress (max_handshakes); "
-            "refusing more until they complete or time out",
+            "pdkv decode: %d control handshakes in progress (max_handshakes): the oldest are dropped",
             len(rx._pending),
         )
-        refuse("too many handshakes in progress; retry later")
-        return
+        del rx._pending[next(iter(rx._pending))]
     same = h.boot_id == boot_id()
     with rx.lock:
         sibling = next((p.transport for p in rx._peers.values() if p.instance == h.instance), None)
@@ -126,17 +176,42 @@ def answer_hello(rx: DecodeReceiver, ident: bytes, codec: Codec, h: Hello) -> No
         )
         return
     nonce = new_nonce()
-    frames = codec.encode(Challenge(nonce))  # under the secret
+    frames = codec.encode(Challenge(nonce, h.nonce))  # under the secret
     codec.set_session(h.nonce, nonce)
-    rx._pending[ident] = Handshake(
-        codec, h, lay, segs, transport, same, nonce, time.monotonic() + rx.options.auth_timeout_s
-    )
+    rx._pending[ident] = Handshake(codec, h, lay, segs, transport, same, nonce, now + rx.options.auth_timeout_s)
     rx._ch.send(lambda: [ident, *frames])
 
 
-def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake) -> None:
-    """The peer proved the session key: make the session, answer Welcome."""
+def identity_refusal(rx: DecodeReceiver, h: Hello, fp: bytes) -> str | None:
+    """Why a session of instance ``h.instance``, rank ``h.tp_rank``, proving the key whose
+    fingerprint is ``fp``, may not start now (None: it may). Under ``rx.lock``."""
+    mine = [p for p in rx._peers.values() if p.instance == h.instance]
+    if mine and mine[0].key_fp != fp:
+        return (
+            f"instance {h.instance!r} has live sessions under another instance key "
+            "(ranks of one instance share SenderOptions.instance_key)"
+        )
+    if mine and mine[0].tp_size != h.tp_size:
+        return f"instance {h.instance!r} has live sessions of tp_size {mine[0].tp_size}, not {h.tp_size}"
+    if any(p.tp_rank == h.tp_rank for p in mine):
+        return f"rank {h.tp_rank} of instance {h.instance!r} has a live session already"
+    if len(rx._peers) >= rx.options.max_sessions:
+        return f"decode serves {len(rx._peers)} sessions (max_sessions); retry later"
+    return None
+
+
+def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake, auth: Auth) -> None:
+    """The peer proved the session key: check its identity, make the session, answer Welcome."""
     h, codec, transport = hs.hello, hs.codec, hs.transport
+    fp = key_fingerprint(mask_instance_key(auth.instance_key, codec.key, h.nonce, hs.nonce))
+    with rx.lock:
+        why = identity_refusal(rx, h, fp)
+    if why is not None:
+        rx.count("identity_refused")
+        rx._warn.warning("identity", "pdkv decode: session refused: %s", why)
+        refusal = ErrorMsg("refused", why)
+        rx._ch.send(lambda: [ident, *codec.encode(refusal)])
+        return
     peer = Peer(
         ident,
         codec,
@@ -149,6 +224,7 @@ def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake) -> None:
         os.urandom(16),
         time.monotonic(),
         hs.layout,
+        key_fp=fp,
     )
     for g in hs.segs:
         peer.segs_by_src.setdefault(g.src_rank, []).append(g)
@@ -179,6 +255,16 @@ def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake) -> None:
     with rx.lock:
         rx._peers[ident] = peer
         rx._sessions[peer.session_id] = ident
+    rx.on_session(ident)
+    _log.debug(
+        "session open: instance %s rank %d/%d, transport %s, pid %d%s",
+        h.instance,
+        h.tp_rank,
+        h.tp_size,
+        transport,
+        h.pid,
+        " (same host)" if hs.same_host else "",
+    )
     rx._ch.send(lambda: [ident, *frames])
 
 
@@ -201,32 +287,50 @@ def open_session(tx: PrefillSender, offer: list[str], timeout_s: float) -> None:
         made.append(name)
         fields.update(tr.hello_fields())
     offer = made
-    nonce = new_nonce()
     deadline = time.monotonic() + timeout_s
-    tx._sock.send_multipart(
-        tx._codec.encode(
-            Hello(
-                PROTOCOL_VERSION,
-                tx.instance,
-                tx.layout.tp_rank,
-                tx.layout.tp_size,
-                layout_desc(tx.layout),
-                offer,
-                boot_id(),
-                os.getpid(),
-                nonce,
-                fields["rdma"],
-                fields["cuda"],
-                fields["nixl"],
+
+    def hello() -> bytes:
+        nonce = new_nonce()
+        tx._sock.send_multipart(
+            tx._codec.encode(
+                Hello(
+                    PROTOCOL_VERSION,
+                    tx.instance,
+                    tx.layout.tp_rank,
+                    tx.layout.tp_size,
+                    layout_desc(tx.layout),
+                    offer,
+                    boot_id(),
+                    os.getpid(),
+                    nonce,
+                    fields["rdma"],
+                    fields["cuda"],
+                    fields["nixl"],
+                )
             )
         )
-    )
-    ch = reply(tx, deadline, timeout_s)
-    if not isinstance(ch, Challenge):
-        raise ProtocolError(f"expected challenge, got {type(ch).__name__}")
+        return nonce
+
+    # a Hello unanswered for a second is sent again with a new nonce: decode may have closed
+    # its connection (too many without a session) and zmq connects anew; only the Challenge
+    # to the latest Hello counts
+    nonces = [hello()]
+    while True:
+        ch = reply(tx, min(deadline, time.monotonic() + _HELLO_RETRY_S), timeout_s, final=deadline)
+        if ch is None:
+            nonces.append(hello())
+            continue
+        if not isinstance(ch, Challenge):
+            raise ProtocolError(f"expected challenge, got {type(ch).__name__}")
+        if ch.hello_nonce == nonces[-1]:
+            break
+        if ch.hello_nonce not in nonces:
+            raise ProtocolError("challenge to a hello this sender did not send")
+    nonce = nonces[-1]
     # from here on the session key: HMAC(secret, our nonce, decode's fresh nonce)
     tx._codec.set_session(nonce, ch.nonce)
-    tx._sock.send_multipart(tx._codec.encode(Auth(ch.nonce)))
+    key = mask_instance_key(instance_key_of(tx.instance, tx.options.instance_key), tx._codec.key, nonce, ch.nonce)
+    tx._sock.send_multipart(tx._codec.encode(Auth(ch.nonce, key)))
     msg = reply(tx, deadline, timeout_s)
     if not isinstance(msg, Welcome):
         raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
@@ -251,9 +355,13 @@ def open_session(tx: PrefillSender, offer: list[str], timeout_s: float) -> None:
     tx._last_heard = time.monotonic()
 
 
-def reply(tx: PrefillSender, deadline: float, timeout_s: float) -> Message:
-    """The next handshake message from decode; a refusal raises PeerError."""
-    if not tx._sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+def reply(tx: PrefillSender, until: float, timeout_s: float, final: float | None = None) -> Message | None:
+    """The next handshake message from decode; a refusal raises PeerError. Nothing by
+    ``until``: None when ``final`` (a later deadline) is given and not yet past, else
+    PdkvTimeoutError."""
+    if not tx._sock.poll(max(1, int((until - time.monotonic()) * 1000))):
+        if final is not None and time.monotonic() < final:
+            return None
         raise PdkvTimeoutError(f"decode did not answer the handshake within {timeout_s}s (is it running?)")
     frames = tx._sock.recv_multipart()
     try:

@@ -69,7 +69,19 @@ class ReceiverOptions:
     max_connections:
         Authenticated data connections, at most (each has a thread).
     max_handshakes:
-        Control handshakes in progress (Hello answered, Auth awaited), at most.
+        Control handshakes in progress (Hello answered, Auth awaited), at most; past it the
+        oldest is dropped (an attacker opening handshakes cannot keep a new one out).
+    max_pending_control:
+        Control connections without a session, at most (the oldest is closed past it), and
+        each closed when it has no session ``auth_timeout_s`` after it connected.
+    max_pending_per_source:
+        Control connections without a session from one address, at most (its oldest is
+        closed past it).
+    max_sessions:
+        Prefill sessions (ranks) at once, at most.
+    max_blocks_per_instance:
+        Buffer (and GPU) blocks the requests of one prefill instance may hold at once;
+        None: no quota (one instance may fill the buffer, as a single prefill needs).
     auto_tick:
         Call ``scheduler.tick()`` from the receiver loop (every ~2 ms), for engines that
         do not tick themselves.
@@ -106,6 +118,10 @@ class ReceiverOptions:
     max_pending_connections: int = 64
     max_connections: int = 1024
     max_handshakes: int = 256
+    max_pending_control: int = 64
+    max_pending_per_source: int = 16
+    max_sessions: int = 1024
+    max_blocks_per_instance: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.transports, str) or not self.transports:
@@ -115,8 +131,17 @@ class ReceiverOptions:
             raise ValueError(f"transports={self.transports!r} names a transport twice")
         for name in ("peer_timeout_s", "io_timeout_s", "min_data_rate", "auth_timeout_s"):
             _positive(name, getattr(self, name))
-        for name in ("max_pending_connections", "max_connections", "max_handshakes"):
+        for name in (
+            "max_pending_connections",
+            "max_connections",
+            "max_handshakes",
+            "max_pending_control",
+            "max_pending_per_source",
+            "max_sessions",
+        ):
             _count(name, getattr(self, name))
+        if self.max_blocks_per_instance is not None:
+            _count("max_blocks_per_instance", self.max_blocks_per_instance)
         _secret(self.secret)
         _rdma_port(self.rdma_port, self.rdma_gid_index)
         if self.gpu_caches is not None:
@@ -141,7 +166,15 @@ class SenderOptions:
     """How a :class:`~pdkv.transfer.PrefillSender` sends.
 
     instance:
-        Name of the prefill instance; all its ranks use the same one.
+        Name of the prefill instance; all its ranks use the same one. It names the
+        instance in logs and metrics; what makes sessions one instance is ``instance_key``.
+    instance_key:
+        What the ranks of one prefill instance share to prove they are one (bytes, >= 16):
+        decode lets a session share another's grants only when both show the same key, and
+        refuses a session naming a live instance with another key. Default: one random key
+        per instance name and process, so ranks in one process are one instance; ranks in
+        separate processes must each be given the same key (e.g. ``os.urandom(32)`` made
+        by their launcher).
     secret:
         The shared secret decode was given.
     transport:
@@ -183,6 +216,7 @@ class SenderOptions:
 
     instance: str = "prefill"
     secret: bytes | None = field(default=None, repr=False)
+    instance_key: bytes | None = field(default=None, repr=False)
     transport: str = "auto"
     streams: int = 2
     timeout_s: float = 10.0
@@ -201,8 +235,10 @@ class SenderOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.transport, str):
             raise ValueError(f"transport={self.transport!r} must be a transport name or 'auto'")
-        if not isinstance(self.instance, str) or not 0 < len(self.instance) <= 256:
-            raise ValueError(f"instance={self.instance!r:.80} must be a string of 1-256 characters")
+        if not isinstance(self.instance, str) or not 0 < len(self.instance) <= 256 or not self.instance.isprintable():
+            raise ValueError(f"instance={self.instance!r:.80} must be a string of 1-256 printable characters")
+        if self.instance_key is not None and (not isinstance(self.instance_key, bytes) or len(self.instance_key) < 16):
+            raise ValueError("instance_key must be bytes (>= 16 of them) or None")
         _count("streams", self.streams, 1, 64)
         _positive("timeout_s", self.timeout_s)
         _positive("heartbeat_s", self.heartbeat_s)

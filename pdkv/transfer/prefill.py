@@ -10,6 +10,7 @@ resolves every request to a definite :class:`RequestOutcome` in bounded time.
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
@@ -35,6 +36,7 @@ from ..protocol import (
     MAX_ID,
     MAX_NUM_TOKENS,
     Abort,
+    Bye,
     Codec,
     Complete,
     CompleteBatch,
@@ -55,6 +57,8 @@ from .channel import SEND_BATCH, Channel, clip
 from .options import SenderOptions, merge_options
 
 __all__ = ["PrefillSender", "RequestOutcome"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +156,8 @@ class PrefillSender:
         self._outcomes: dict[str, _Waiter] = {}
         self._failed: dict[str, str] = {}
         self._closed = threading.Event()
+        self._bye = threading.Event()  # decode ended the session (or answered ours)
+        self._closing = False
         self._broken: str | None = None
         self._jobs: queue.Queue[LayerJob | FinishJob | None] = queue.Queue()
         self._pending_jobs = 0
@@ -386,6 +392,12 @@ class PrefillSender:
         """Stop threads, close sockets and shm mappings. Pending requests fail. Idempotent."""
         if self._closed.is_set():
             return
+        if self.session_id and not self._broken and not self._bye.is_set():
+            # end the session at decode now (its requests fail there at once, and the name and
+            # rank are free for a new session), waiting a bounded time for decode's answer
+            self._closing = True
+            self.post(Bye("sender closed"))
+            self._bye.wait(min(1.0, self.timeout_s))
         self._closed.set()
         self._jobs.put(None)
         self._ch.wake()
@@ -491,6 +503,12 @@ class PrefillSender:
             self.stats["outcome_messages"] += 1
             for rid, state, reason in msg.items:
                 self._resolve(rid, state, reason)
+        elif isinstance(msg, Bye):
+            self._bye.set()
+            if not self._closing and not self._broken:
+                self._broken = f"decode ended the session: {msg.reason}"
+                _log.info("%s", self._broken)
+                self._fail_all(self._broken)
         elif isinstance(msg, ErrorMsg):
             rid = msg.message.split(":", 1)[0]
             with self._lock:

@@ -188,16 +188,25 @@ class DataListener:
             raise
         with self.host.lock:
             nconns = len(self._conns)
-        if len(pending) >= self.opts.max_pending_connections or nconns >= self.opts.max_connections:
+        if nconns >= self.opts.max_connections:
             self.host.count("connections_refused")
-            which = (
-                "max_pending_connections" if len(pending) >= self.opts.max_pending_connections else "max_connections"
-            )
             self.host.warn(
-                which, "pdkv decode: data connection refused: %s (%d) reached", which, getattr(self.opts, which)
+                "max_connections",
+                "pdkv decode: data connection refused: max_connections (%d) reached",
+                self.opts.max_connections,
             )
             conn.close()
             return True
+        while len(pending) >= self.opts.max_pending_connections:
+            # the oldest connection still authenticating gives way: holding connections open
+            # keeps no new session's connection out (it authenticates in a round trip)
+            self.host.count("connections_refused")
+            self.host.warn(
+                "max_pending_connections",
+                "pdkv decode: max_pending_connections (%d) data connections authenticating: the oldest is closed",
+                self.opts.max_pending_connections,
+            )
+            self._drop_pending(sel, pending, next(iter(pending)))
         conn.setblocking(False)
         st = _PreAuth(now + self.opts.auth_timeout_s, bytearray(_AUTH_HEAD))
         pending[conn] = st

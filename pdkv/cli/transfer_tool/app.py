@@ -125,7 +125,9 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
     interrupted = False
     rep: dict[str, Any] = {}
     try:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # the ranks of the one prefill instance prove they are one with a key they share
+        # (handed over in the environment, never on a command line other users can read)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PDKV_INSTANCE_KEY=os.urandom(32).hex())
         for r in range(a.prefill_tp):
             procs.append(
                 subprocess.Popen(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 import time
 from typing import Any
@@ -16,7 +17,22 @@ from ...interop import aligned_empty
 from ...layout import CacheSpec, KVLayout
 from ...swap import SwapEngine
 from ...transfer import PrefillSender, RequestOutcome
-from .workload import layout_kw, make_workload, parse_devices, pattern, request_key
+from .workload import UsageError, layout_kw, make_workload, parse_devices, pattern, request_key
+
+
+def instance_key_from_env() -> bytes | None:
+    """``$PDKV_INSTANCE_KEY`` (hex): the key the ranks of one prefill instance, started as
+    separate processes, share (SenderOptions.instance_key); None when unset."""
+    v = os.environ.get("PDKV_INSTANCE_KEY")
+    if not v:
+        return None
+    try:
+        key = bytes.fromhex(v)
+    except ValueError:
+        raise UsageError("PDKV_INSTANCE_KEY must be hex digits (e.g. from: openssl rand -hex 32)") from None
+    if len(key) < 16:
+        raise UsageError("PDKV_INSTANCE_KEY must hold at least 16 bytes (32 hex digits)")
+    return key
 
 
 def run_prefill(a: argparse.Namespace, emit: Any) -> int:
@@ -62,6 +78,7 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
             spec,
             a.connect,
             instance=a.instance,
+            instance_key=instance_key_from_env(),
             secret=a.secret.encode() if a.secret else None,
             transport=a.transport,
             streams=a.streams,

@@ -1,0 +1,158 @@
+"""Decode's guard over its control connections: how many there are without a session, from
+where, and for how long.
+
+ZeroMQ accepts every connection to the control socket and has no cap of its own. The guard
+follows them through zmq's socket monitor (each accepted connection's descriptor) and the
+source descriptor of each message (``SRCFD``), and closes (``shutdown`` on a duplicate of
+the descriptor; zmq then drops the connection as if the peer had left):
+
+- a connection without a session ``auth_timeout_s`` after it was accepted (silent, or a
+  handshake never finished);
+- the oldest connection without a session when there are more than
+  ``max_pending_control`` of them, or more than ``max_pending_per_source`` from one
+  address.
+
+A connection whose session is live is never closed by the guard. So a peer holding
+connections open, or opening them quickly, keeps no new peer out for longer than it takes
+that peer to handshake (a few round trips), and what unauthenticated peers can make decode
+hold is bounded: ``max_pending_control`` connections, each with at most ``RCVHWM`` messages
+of at most ``MAX_MESSAGE_BYTES`` queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+__all__ = ["ControlGuard"]
+
+_EVENT = struct.Struct("=hi")  # zmq monitor frame 1: event number, value (the fd for ACCEPTED/DISCONNECTED)
+_ACCEPTED, _GONE = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+
+
+@dataclass
+class _Conn:
+    deadline: float
+    source: str
+    ident: bytes = b""
+    session: bool = False
+
+
+class ControlGuard:
+    """Tracks and bounds decode's control connections (all calls from the control loop)."""
+
+    def __init__(
+        self,
+        router: zmq.Socket[bytes],
+        auth_timeout_s: float,
+        max_pending: int,
+        max_per_source: int,
+        count: Callable[[str], None],
+        warn: Callable[..., None],
+    ) -> None:
+        self._router = router
+        self._mon = router.get_monitor_socket(int(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED))
+        self.auth_timeout_s = auth_timeout_s
+        self.max_pending, self.max_per_source = max_pending, max_per_source
+        self._count, self._warn = count, warn
+        self._conns: dict[int, _Conn] = {}  # fd -> connection, in the order accepted
+
+    @property
+    def pending(self) -> int:
+        """Connections without a live session."""
+        return sum(not c.session for c in self._conns.values())
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    def poll(self, now: float) -> None:
+        """Take zmq's monitor events (accepted, gone), then enforce the caps."""
+        accepted = False
+        while True:
+            try:
+                frames = self._mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError:
+                return
+            if len(frames) < 2 or len(frames[0]) < _EVENT.size:
+                continue
+            event, fd = _EVENT.unpack_from(frames[0])
+            if event & _ACCEPTED:
+                self._conns.pop(fd, None)  # a number reused: the old connection's end was seen first
+                self._conns[fd] = _Conn(now + self.auth_timeout_s, _source(fd))
+                accepted = True
+            elif event & _GONE:
+                self._conns.pop(fd, None)
+        if accepted:
+            self._enforce()
+
+    def seen(self, fd: int, ident: bytes) -> None:
+        """A message from ``ident`` came on connection ``fd``."""
+        c = self._conns.get(fd)
+        if c is not None:
+            c.ident = ident
+
+    def session(self, ident: bytes, live: bool, now: float) -> None:
+        """``ident``'s session began (``live``) or ended: a connection whose session ended
+        must make a new one within ``auth_timeout_s``."""
+        for c in self._conns.values():
+            if c.ident == ident:
+                c.session = live
+                c.deadline = now + self.auth_timeout_s
+
+    def sweep(self, now: float) -> None:
+        """Close connections without a session past their deadline."""
+        for fd in [fd for fd, c in self._conns.items() if not c.session and c.deadline <= now]:
+            self._close(fd, "control connection closed: no session within auth_timeout_s")
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.disable_monitor()
+        self._mon.close(0)
+
+    def _enforce(self) -> None:
+        pending = [fd for fd, c in self._conns.items() if not c.session]
+        by_source: dict[str, list[int]] = {}
+        for fd in pending:
+            by_source.setdefault(self._conns[fd].source, []).append(fd)
+        for src, fds in by_source.items():
+            for fd in fds[: max(0, len(fds) - self.max_per_source)]:
+                self._close(fd, f"control connection closed: more than max_pending_per_source from {src}")
+        pending = [fd for fd, c in self._conns.items() if not c.session]
+        for fd in pending[: max(0, len(pending) - self.max_pending)]:
+            self._close(fd, "control connection closed: more than max_pending_control without a session")
+
+    def _close(self, fd: int, why: str) -> None:
+        self._conns.pop(fd, None)
+        self._count("control_evicted")
+        self._warn("control-evicted", "pdkv decode: %s", why)
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+        s.close()
+
+
+def _source(fd: int) -> str:
+    """The address a connection comes from (its host part), "" when it cannot be read."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return ""
+    try:
+        addr = s.getpeername()
+        return str(addr[0]) if isinstance(addr, tuple) else "local"
+    except OSError:
+        return ""
+    finally:
+        s.close()
