@@ -594,6 +594,8 @@ def _validate(m: Message) -> None:
         for r, n in m.items:
             if not (0 < len(r) <= MAX_ID) or not 0 < n <= MAX_NUM_TOKENS:
                 raise ProtocolError("reserve batch item out of range (request id or num_tokens)")
+        if len({r for r, _ in m.items}) != len(m.items):
+            raise ProtocolError("reserve batch names a request id twice (one reservation is answered once)")
     if isinstance(m, GrantBatch):
         if not 0 < len(m.items) <= MAX_BATCH_ITEMS or sum(len(g.blocks) for g in m.items) > MAX_BATCH_BLOCKS:
             raise ProtocolError(f"grant batch with {len(m.items)} items is out of range")

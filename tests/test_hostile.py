@@ -27,6 +27,7 @@ from test_transfer import BASE, HERE, Decode, prefill_cache, reap, send_one, wai
 
 from pdkv import CacheSpec, KVLayout, PrefillSender, State
 from pdkv.errors import ProtocolError, TransferError
+from pdkv.procs import boot_id
 from pdkv.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -45,6 +46,7 @@ from pdkv.protocol import (
     Welcome,
     layout_desc,
     mask_instance_key,
+    new_nonce,
     pack_frame,
 )
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM
@@ -765,4 +767,408 @@ def test_a_session_of_another_transport_opens_no_data_connection(no_leaks):
             s.close()
     finally:
         ctx.destroy(linger=0)
+        dec.close()
+
+
+# ------------------------------------------------------------------ 9. identity, caps, sweepers (round 2)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
+def test_a_session_naming_a_live_instance_cannot_join_its_grant(secret, no_leaks):
+    """Grant hijack through the instance name: an authenticated attacker names the victim's
+    instance, as its own rank and as the other rank of its TP pair. Both are refused, so it
+    is never sent the victim's grant; a second live session of the victim's own rank is
+    refused even with the right key; the victim's real second rank joins the grant."""
+    dec = Decode(secret=secret)
+    ctx = zmq.Context()
+    try:
+        addr, key = dec.rx.control_address, os.urandom(32)
+
+        def lay(r):
+            return KVLayout(**BASE, tp_size=2, tp_rank=r)
+
+        victim = RawSession(addr, lay(0), secret=secret, instance="victim", instance_key=key, ctx=ctx)
+        victim.send(ReserveReq("v", 16))
+        g = victim.recv()
+        assert g.outcome == "buffer"
+        before = snapshot(dec)
+        for rank in (0, 1):
+            atk = RawSession(addr, lay(rank), secret=secret, instance="victim", ctx=ctx, refusable=True)
+            assert atk.welcome is None and "another instance key" in atk.refusal.message, atk.refusal
+            atk.close()
+        dup = RawSession(addr, lay(0), secret=secret, instance="victim", instance_key=key, ctx=ctx, refusable=True)
+        assert dup.welcome is None and "live session" in dup.refusal.message, dup.refusal
+        dup.close()
+        assert dec.rx.stats["identity_refused"] == 3
+        outside_unchanged(dec, before)
+        r1 = RawSession(addr, lay(1), secret=secret, instance="victim", instance_key=key, ctx=ctx)
+        r1.send(ReserveReq("v", 16))
+        g1 = r1.recv()
+        assert (g1.token, g1.blocks) == (g.token, g.blocks)  # one instance, one grant
+        r1.close()
+        victim.close()
+        good_peer(dec, secret=secret, blocks=(4, 5))
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_names_from_the_wire_are_printable(no_leaks):
+    """An instance name or request id with a line break would forge log lines: refused."""
+    dec = Decode()
+    ctx = zmq.Context()
+    try:
+        lay = KVLayout(**BASE)
+        h = RawSession(dec.rx.control_address, lay, instance="x\nWARNING forged", complete=False, ctx=ctx)
+        m = h.recv()
+        assert isinstance(m, ErrorMsg) and "printable" in m.message and not dec.rx._pending
+        h.close()
+        s = RawSession(dec.rx.control_address, lay, instance="p", ctx=ctx)
+        s.send(ReserveReq("r\n1", 8))
+        time.sleep(0.3)
+        assert dec.rx.stats["messages_rejected"] >= 1 and dec.sched.live_requests() == []
+        s.send(ReserveBatch([("a", 8), ("a", 8)]))  # one id twice in a batch: refused whole
+        time.sleep(0.3)
+        assert dec.sched.live_requests() == []
+        s.close()
+        good_peer(dec)
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_a_pid_beyond_any_process_is_refused_and_a_broken_check_stops_no_other(monkeypatch, no_leaks):
+    """``pid = 2**63 - 1`` made every sweep raise OverflowError, so no dead peer was fenced:
+    the schema refuses it, and each peer's check stands alone."""
+    dec = Decode(peer_timeout_s=0.5)
+    ctx = zmq.Context()
+    try:
+        lay = KVLayout(**BASE)
+        c = Codec(None)
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(dec.rx.control_address)
+        s.send_multipart(
+            c.encode(Hello(PROTOCOL_VERSION, "big", 0, 1, layout_desc(lay), ["tcp"], boot_id(), 2**63 - 1, new_nonce()))
+        )
+        assert s.poll(5000)
+        m = Codec(None).decode(s.recv_multipart())
+        assert isinstance(m, ErrorMsg) and "pid" in m.message
+        s.close(0)
+        # a check that raises for one peer (whatever the cause) does not shield another
+        bad = RawSession(dec.rx.control_address, lay, instance="bad", ctx=ctx)
+        silent = RawSession(dec.rx.control_address, lay, instance="silent", ctx=ctx)
+        silent.send(ReserveReq("s", 8))
+        assert silent.recv().outcome == "buffer"
+        from pdkv.transfer import decode as decode_mod
+
+        real = decode_mod.pid_alive
+        for p in dec.rx._peers.values():
+            if p.instance == "bad":
+                p.same_host, p.pid = True, 4194303
+
+        def pid_alive(pid):
+            if pid == 4194303:
+                raise OverflowError("as os.kill raised for 2**63 - 1")
+            return real(pid)
+
+        monkeypatch.setattr("pdkv.transfer.decode.pid_alive", pid_alive)
+        wait_until(lambda: dec.sched.request("s").state is State.FAILED, 5, "the silent peer fenced")
+        bad.close()
+        silent.close()
+        good_peer(dec)
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_the_sweepers_do_not_hang_on_a_fifo_named_like_a_record(tmp_path):
+    """``pdkv-shm list`` and ``clean`` opened ``<name>@origin`` blocking: a FIFO there, which
+    any local user can make, hung them for ever."""
+    from pdkv.shmclean import clean, scan_segments
+
+    (tmp_path / "pdkv-9-x").write_bytes(b"\0" * 4096)
+    os.mkfifo(tmp_path / "pdkv-9-x@origin")
+    out: list = []
+    t = threading.Thread(target=lambda: out.append((scan_segments(str(tmp_path)), clean(shm_dir=str(tmp_path)))))
+    t.daemon = True
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the sweep blocked on a FIFO"
+    segs, rep = out[0]
+    assert [s.verdict for s in segs] == ["unproven"] and "no pdkv origin record" in segs[0].why
+    assert rep.removed == () and (tmp_path / "pdkv-9-x").exists()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _spawn_decode(*args):
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    d = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "peers.py"), "decode", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    import json
+
+    return d, json.loads(d.stdout.readline())
+
+
+def _stop(d):
+    d.send_signal(signal.SIGTERM)
+    try:
+        d.wait(10)
+    finally:
+        reap(d)
+
+
+CONTROL_FLOOD_BOUND_MIB = 200  # decode's RSS growth under the flood below, at most (docs/SECURITY.md)
+
+
+@pytest.mark.multiproc
+def test_a_flood_of_large_control_messages_neither_grows_decode_nor_starves_a_good_peer(no_leaks):
+    """Eight unauthenticated connections send 1 MiB messages as fast as they can (and some
+    of 2 MiB, over the cap): decode's RSS stays within a bound, and a good peer is served
+    within its timeout meanwhile."""
+    d, info = _spawn_decode("--auth-timeout", "1")
+    stop = threading.Event()
+    ctx = zmq.Context()
+    try:
+        time.sleep(0.5)
+        base = _rss_mib(d.pid)
+        peak = [base]
+
+        def flood(i):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 4)
+            s.connect(info["control"])
+            junk = [b"\0" + os.urandom(16) * ((1 << 20) // 16 - 8), b"\0" + b"x" * (2 << 20)]
+            while not stop.is_set():
+                try:
+                    s.send(junk[i % 2 and int(time.monotonic() * 10) % 5 == 0], zmq.NOBLOCK)
+                except zmq.Again:
+                    time.sleep(0.001)
+            s.close(0)
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], _rss_mib(d.pid))
+                time.sleep(0.05)
+
+        threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(8)]
+        threads.append(threading.Thread(target=sample, daemon=True))
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        lay, arr, spec = prefill_cache(1, 0)
+        t0 = time.monotonic()
+        with PrefillSender(lay, spec, info["control"], transport="tcp", timeout_s=5, instance="good") as tx:
+            assert send_one(tx, "good", [0, 1], timeout=5).ok
+        served = time.monotonic() - t0
+        time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(5)
+        grew = peak[0] - base
+        print(f"decode RSS {base:.0f} MiB, peak {peak[0]:.0f} MiB under the flood; good peer served in {served:.2f} s")
+        assert grew < CONTROL_FLOOD_BOUND_MIB, f"decode grew by {grew:.0f} MiB under the flood"
+        assert served < 5
+    finally:
+        stop.set()
+        ctx.destroy(linger=0)
+        _stop(d)
+
+
+@pytest.mark.multiproc
+def test_idle_control_connections_do_not_exhaust_decode(no_leaks):
+    """Control connections that never speak (raw TCP, held open) used to stay for ever: at a
+    small descriptor limit a good peer could no longer handshake. Decode closes those
+    without a session past max_pending_control and after auth_timeout_s."""
+    d, info = _spawn_decode("--nofile", "80", "--auth-timeout", "0.5")
+    socks: list[socket.socket] = []
+    try:
+        host, port = info["control"][len("tcp://") :].rsplit(":", 1)
+        for _ in range(150):  # more than decode may have descriptors for
+            try:
+                socks.append(socket.create_connection((host, int(port)), timeout=2))
+            except OSError:
+                break
+        time.sleep(0.3)
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, info["control"], transport="tcp", timeout_s=5, instance="good") as tx:
+            assert send_one(tx, "good", [0, 1], timeout=5).ok
+    finally:
+        for s in socks:
+            s.close()
+        _stop(d)
+
+
+def test_silent_data_connections_held_open_keep_no_session_out(no_leaks):
+    """An attacker keeps max_pending_connections silent data connections open, opening a
+    new one whenever one is closed: the oldest gives way, and a good peer's connections
+    authenticate."""
+    dec = Decode(max_pending_connections=8, auth_timeout_s=5)
+    stop = threading.Event()
+    held: list[socket.socket] = []
+    try:
+        host, port = dec.rx.data_address.split(":")
+
+        def hold():
+            while not stop.is_set():
+                while len(held) < 8 and not stop.is_set():
+                    try:
+                        held.append(socket.create_connection((host, int(port)), timeout=1))
+                    except OSError:
+                        time.sleep(0.01)
+                for s in list(held):
+                    s.setblocking(False)
+                    try:
+                        if s.recv(1) == b"":
+                            held.remove(s)
+                            s.close()
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        held.remove(s)
+                        s.close()
+                time.sleep(0.005)
+
+        t = threading.Thread(target=hold, daemon=True)
+        t.start()
+        time.sleep(0.5)
+        good_peer(dec, blocks=(2, 3))  # received: every byte of it landed
+        assert dec.rx.stats["connections_refused"] > 0  # the attacker's connections gave way
+    finally:
+        stop.set()
+        t.join(5)
+        for s in held:
+            s.close()
+        dec.close()
+
+
+def test_a_replayed_hello_flood_keeps_no_session_out(no_leaks):
+    """One captured Hello replayed hundreds of times a second used to fill max_handshakes
+    and keep every new session out; decode remembers Hello nonces and refuses a repeat."""
+    dec = Decode(secret=SECRET)
+    stop = threading.Event()
+    ctx = zmq.Context()
+    try:
+        h = RawSession(dec.rx.control_address, KVLayout(**BASE), secret=SECRET, complete=False, ctx=ctx)
+        assert isinstance(h.recv(), Challenge)
+        captured = h.hello_frames
+        sent = [0]
+
+        def replay():
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(dec.rx.control_address)
+            while not stop.is_set():
+                s.send_multipart(captured)
+                sent[0] += 1
+                while s.poll(0):
+                    s.recv_multipart()
+                time.sleep(0.002)
+            s.close(0)
+
+        t = threading.Thread(target=replay, daemon=True)
+        t.start()
+        time.sleep(1.5)
+        good_peer(dec, secret=SECRET)
+        stop.set()
+        t.join(5)
+        assert sent[0] > 300 and len(dec.rx._pending) <= 1
+        h.close()
+    finally:
+        stop.set()
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_one_instance_cannot_take_the_whole_buffer_past_its_quota(no_leaks):
+    dec = Decode(max_blocks_per_instance=4)
+    ctx = zmq.Context()
+    try:
+        greedy = RawSession(dec.rx.control_address, KVLayout(**BASE), instance="greedy", ctx=ctx)
+        greedy.send(ReserveReq("g1", 32))  # 4 blocks
+        assert greedy.recv().outcome == "buffer"
+        greedy.send(ReserveReq("g2", 8))
+        g2 = greedy.recv()
+        assert g2.outcome == "rejected" and "max_blocks_per_instance" in g2.reason
+        assert dec.rx.stats["quota_refused"] == 1
+        good_peer(dec, blocks=(5, 6))  # another instance is served
+        greedy.close()
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_one_peers_batches_do_not_starve_anothers_reservation(no_leaks):
+    """An authenticated peer sends hundreds of 512-item reservation batches; the control
+    loop serves connections in turn, so a good peer's reservation is answered within its
+    timeout."""
+    dec = Decode(max_blocks_per_instance=16)
+    ctx = zmq.Context()
+    try:
+        atk = RawSession(dec.rx.control_address, KVLayout(**BASE), instance="flood", ctx=ctx)
+        for i in range(300):
+            atk.send(ReserveBatch([(f"f{i}-{j}", 8) for j in range(512)]))
+        lay, arr, spec = prefill_cache(1, 0)
+        t0 = time.monotonic()
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5, instance="good") as tx:
+            tx.reserve("good", 16, timeout=5)
+            waited = time.monotonic() - t0
+        assert waited < 5, waited
+        atk.close()
+    finally:
+        ctx.destroy(linger=0)
+        dec.close()
+
+
+def test_a_sender_that_closes_ends_its_session_at_once_and_is_not_called_dead(caplog, no_leaks):
+    """The normal end of a session is a Bye, logged at info; the name and rank are free for
+    the next sender of this process at once; decode's close tells its peers."""
+    import logging
+
+    dec = Decode()
+    try:
+        caplog.set_level(logging.INFO, logger="pdkv")
+        good_peer(dec)
+        assert not dec.rx._peers and dec.rx.stats["peers_dead"] == 0
+        assert any("ended its session" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "dead" in r.getMessage()]
+        good_peer(dec, rid="again", blocks=(2, 3))  # same instance name and rank, right away
+        lay, arr, spec = prefill_cache(1, 0)
+        tx = PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=30, instance="late")
+        tx.reserve("late", 8)
+        dec.rx.close()
+        out = tx.wait_outcome("late", 3)  # told by decode's Bye, not after its 30 s timeout
+        assert not out.ok and "decode" in out.reason, out
+        tx.close()
+    finally:
+        dec.close()
+
+
+def test_listening_beyond_loopback_without_a_secret_warns(caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="pdkv")
+    dec = Decode(control="tcp://0.0.0.0:0")
+    try:
+        assert any("without a secret" in r.getMessage() for r in caplog.records)
+    finally:
+        dec.close()
+    caplog.clear()
+    dec = Decode(control="tcp://0.0.0.0:0", secret=SECRET)
+    try:
+        assert not any("without a secret" in r.getMessage() for r in caplog.records)
+    finally:
         dec.close()

@@ -83,16 +83,19 @@ class Channel:
             self.wake()
         return True
 
-    def _drain(self) -> list[Any] | None:
+    def _drain(self, max_bytes: int) -> list[Any] | None:
         out: list[Any] = []
+        got = 0
         with self.lock:
             if self._closed:
                 return None
             try:
-                while len(out) < 256 and int(self.sock.getsockopt(_EVENTS)) & _POLLIN:
+                while len(out) < 256 and got < max_bytes and int(self.sock.getsockopt(_EVENTS)) & _POLLIN:
                     if self.source_fds:
                         parts = self.sock.recv_multipart(_NB, copy=False)
-                        out.append((parts[0].get(_SRCFD), [p.bytes for p in parts]))
+                        frames = [p.bytes for p in parts]
+                        got += sum(map(len, frames))
+                        out.append((parts[0].get(_SRCFD), frames))
                     else:
                         out.append(self.sock.recv_multipart(_NB))
             except zmq.Again:
@@ -101,11 +104,11 @@ class Channel:
                 return None
         return out
 
-    def wait(self, timeout_ms: int) -> list[Any] | None:
-        """Messages waiting now (each its frames, or ``(fd, frames)`` with ``source_fds``);
-        if none, wait up to ``timeout_ms`` for input or a wake-up. None once the channel is
-        closed."""
-        out = self._drain()
+    def wait(self, timeout_ms: int, max_bytes: int = 1 << 62) -> list[Any] | None:
+        """Messages waiting now (each its frames, or ``(fd, frames)`` with ``source_fds``;
+        at most 256, and no more once ``max_bytes`` are taken); if none, wait up to
+        ``timeout_ms`` for input or a wake-up. None once the channel is closed."""
+        out = self._drain(max_bytes)
         if out is None or out:
             return out
         self._poll.poll(timeout_ms)
@@ -115,7 +118,7 @@ class Channel:
                     os.read(self._r, 4096)
                 except BlockingIOError:
                     pass
-        return self._drain()
+        return self._drain(max_bytes)
 
     def close(self) -> None:
         with self.lock:

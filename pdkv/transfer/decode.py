@@ -63,7 +63,12 @@ _log = logging.getLogger(__name__)
 # queued per connection, so that what a connection can make decode hold is bounded
 _CONTROL_MSG_BYTES = MAX_MESSAGE_BYTES + 64
 _CONTROL_RCVHWM = 4
-_PEER_QUEUE = 64  # messages of one connection waiting for the control loop; more are dropped
+# what the control loop takes off the socket before serving it: at most _QUEUED_BYTES in all,
+# and of one connection at most _PEER_QUEUE messages and _PEER_QUEUED_BYTES (a connection
+# sending faster than it is served loses what passes them; a prefill's messages are KiBs)
+_QUEUED_BYTES = 32 << 20
+_PEER_QUEUE = 1024
+_PEER_QUEUED_BYTES = 4 << 20
 
 
 def _loopback(endpoint: str) -> bool:
@@ -181,6 +186,7 @@ class DecodeReceiver:
         # messages taken off the socket, by connection, served round-robin: one peer's flood
         # of batches delays another's reservation by one message, not by the flood
         self._queues: dict[bytes, collections.deque[tuple[int, list[bytes]]]] = {}
+        self._queued: dict[bytes, int] = {}  # bytes queued, by connection
         self._threads: list[threading.Thread] = []
         self._transports: dict[str, ReceiverTransport] = {}
         self._ctx = zmq.Context()
@@ -321,25 +327,31 @@ class DecodeReceiver:
         last_check = time.monotonic()
         while not self.stopping.is_set():
             self._guard.poll(time.monotonic())  # connections accepted and gone, before their messages
-            got = self._ch.wait(0 if self._queues else 2 if self.options.auto_tick else 50)
+            room = _QUEUED_BYTES - sum(self._queued.values())
+            got = self._ch.wait(0 if self._queues else 2 if self.options.auto_tick else 50, max(room, 1))
             if got is None:
                 break
             for fd, frames in got:
                 if not frames:
                     continue
-                q = self._queues.get(frames[0])
+                ident, n = frames[0], sum(map(len, frames))
+                q = self._queues.get(ident)
                 if q is None:
-                    q = self._queues[frames[0]] = collections.deque()
-                if len(q) >= _PEER_QUEUE:
+                    q = self._queues[ident] = collections.deque()
+                    self._queued[ident] = 0
+                if len(q) >= _PEER_QUEUE or self._queued[ident] + n > _PEER_QUEUED_BYTES:
                     self.count("messages_dropped")  # a connection sending faster than it is served
                     continue
                 q.append((fd, frames))
+                self._queued[ident] += n
             # one message of each connection in turn
             for ident in list(self._queues):
                 q = self._queues[ident]
                 fd, frames = q.popleft()
+                self._queued[ident] -= sum(map(len, frames))
                 if not q:
                     del self._queues[ident]
+                    del self._queued[ident]
                 # one message, whatever it holds, never ends the loop that serves every peer
                 try:
                     self._on_frames(frames, fd)

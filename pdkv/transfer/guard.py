@@ -3,8 +3,8 @@ where, and for how long.
 
 ZeroMQ accepts every connection to the control socket and has no cap of its own. The guard
 follows them through zmq's socket monitor (each accepted connection's descriptor) and the
-source descriptor of each message (``SRCFD``), and closes (``shutdown`` on a duplicate of
-the descriptor; zmq then drops the connection as if the peer had left):
+source descriptor of each message (``SRCFD``), and closes (``shutdown`` on zmq's own
+descriptor, without a duplicate: zmq then drops the connection as if the peer had left):
 
 - a connection without a session ``auth_timeout_s`` after it was accepted (silent, or a
   handshake never finished);
@@ -22,7 +22,6 @@ of at most ``MAX_MESSAGE_BYTES`` queued.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import struct
 from collections.abc import Callable
@@ -134,20 +133,27 @@ class ControlGuard:
         self._conns.pop(fd, None)
         self._count("control_evicted")
         self._warn("control-evicted", "pdkv decode: %s", why)
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
+        s = _borrow(fd)
+        if s is None:
             return
         with contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_RDWR)
-        s.close()
+        s.detach()  # the descriptor stays zmq's: it closes it when it sees the connection end
+
+
+def _borrow(fd: int) -> socket.socket | None:
+    """A socket object over zmq's descriptor ``fd``, without a duplicate (out of
+    descriptors is when the guard is needed most); ``detach()`` it after use."""
+    try:
+        return socket.socket(fileno=fd)
+    except OSError:
+        return None
 
 
 def _source(fd: int) -> str:
     """The address a connection comes from (its host part), "" when it cannot be read."""
-    try:
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    s = _borrow(fd)
+    if s is None:
         return ""
     try:
         addr = s.getpeername()
@@ -155,4 +161,4 @@ def _source(fd: int) -> str:
     except OSError:
         return ""
     finally:
-        s.close()
+        s.detach()
