@@ -69,6 +69,7 @@ _CONTROL_RCVHWM = 4
 _QUEUED_BYTES = 32 << 20
 _PEER_QUEUE = 1024
 _PEER_QUEUED_BYTES = 4 << 20
+_ROUND_S = 0.02
 
 
 def _loopback(endpoint: str) -> bool:
@@ -344,21 +345,25 @@ class DecodeReceiver:
                     continue
                 q.append((fd, frames))
                 self._queued[ident] += n
-            # one message of each connection in turn
-            for ident in list(self._queues):
-                q = self._queues[ident]
-                fd, frames = q.popleft()
-                self._queued[ident] -= sum(map(len, frames))
-                if not q:
-                    del self._queues[ident]
-                    del self._queued[ident]
-                # one message, whatever it holds, never ends the loop that serves every peer
-                try:
-                    self._on_frames(frames, fd)
-                except Exception:
-                    self.count("loop_errors")
-                    self.count("messages_rejected")
-                    _log.exception("control message handling failed (message dropped)")
+            # one message of each connection in turn, for at most _ROUND_S (then the socket is
+            # read again, so a connection that spoke since waits for at most that)
+            served, until = 0, time.monotonic() + _ROUND_S
+            while self._queues and served < 256 and time.monotonic() < until:
+                for ident in list(self._queues):
+                    q = self._queues[ident]
+                    fd, frames = q.popleft()
+                    self._queued[ident] -= sum(map(len, frames))
+                    if not q:
+                        del self._queues[ident]
+                        del self._queued[ident]
+                    served += 1
+                    # one message, whatever it holds, never ends the loop that serves every peer
+                    try:
+                        self._on_frames(frames, fd)
+                    except Exception:
+                        self.count("loop_errors")
+                        self.count("messages_rejected")
+                        _log.exception("control message handling failed (message dropped)")
             now = time.monotonic()
             try:
                 if self.options.auto_tick:
