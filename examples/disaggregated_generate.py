@@ -10,7 +10,7 @@ paged cache (vLLM's flash-attention layout, token-major). It starts the prefill 
 each layer's K/V into its ranks' paged caches (FastDeploy's head-major layout, heads split
 between its TP ranks) and hands each layer to pdkv. pdkv carries the blocks into decode's
 CPU buffer and swaps them into decode's paged cache; decode rebuilds the model's cache
-from its own blocks (``pdkv.modelcache``) and greedy-decodes from prefill's first token.
+from its own blocks (``pdkv.integrations.modelcache``) and greedy-decodes from prefill's first token.
 Printed beside a colocated ``generate()`` of the same model and prompt: the tokens match,
 and the K/V decode rebuilt equal the colocated prefill's bit for bit. Runs on a CPU;
 ``--device cuda`` keeps both sides' caches in GPU memory.
@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 import pdkv
-from pdkv.modelcache import PagedKV, hf_cache, read_heads
+from pdkv.integrations.modelcache import PagedKV, hf_cache, read_heads
 
 SEED = 1234
 PROMPT_LEN = 13

@@ -11,12 +11,12 @@ from . import errors as errors
 from . import native as native
 from . import plan as plan
 from . import protocol as protocol
-from . import rdma as rdma
-from .blocks import BlockAllocator, BlockPool
+from .buffer.shared import SharedBuffer
 from .errors import *  # noqa: F403
-from .interop import TensorInfo, aligned_empty, cache_from_tensors, tensor_info
+from .integrations.interop import TensorInfo, aligned_empty, cache_from_tensors, tensor_info
 from .layout import GIB, CacheSpec, KVLayout, Segment, tp_segments
-from .scheduler import (
+from .scheduling.blocks import BlockAllocator, BlockPool
+from .scheduling.scheduler import (
     DecodeScheduler,
     Event,
     EventKind,
@@ -30,9 +30,9 @@ from .scheduler import (
     SwapHandle,
     WriteTicket,
 )
-from .shm import SharedBuffer
 from .swap import CopyHandle, CopyPlan, SwapEngine, SwapGroup, plan_copy
 from .transfer import DecodeReceiver, PrefillSender, ReceiverOptions, RequestOutcome, SenderOptions, SendGrant
+from .transfer import rdma_qp as rdma  # noqa: F401  (pdkv.rdma: the RDMA queue-pair layer)
 
 # a library logs only where the application configured logging (no last-resort output)
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())

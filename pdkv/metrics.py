@@ -1,7 +1,7 @@
 """Prometheus metrics of a decode instance and of prefill senders, with ``prometheus_client``
 (``pip install 'pdkv[metrics]'``).
 
-:class:`DecodeMetrics` exports a :class:`~pdkv.scheduler.DecodeScheduler` (and optionally its
+:class:`DecodeMetrics` exports a :class:`~pdkv.scheduling.scheduler.DecodeScheduler` (and optionally its
 :class:`~pdkv.transfer.DecodeReceiver`) into a ``CollectorRegistry``: counters and gauges read
 at scrape time from the scheduler's and receiver's own counters (nothing is counted twice),
 histograms of grant -> received and swap (received -> ready) latency and a counter of ended
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from .scheduler import DecodeScheduler, Event
+from .scheduling.scheduler import DecodeScheduler, Event
 
 __all__ = ["DecodeMetrics", "PrefillMetrics"]
 

@@ -204,7 +204,7 @@ def worker(a: argparse.Namespace) -> None:
     block tensor as this process reads it; ``exit`` ends it."""
     import hashlib
 
-    from pdkv import workers
+    from pdkv.integrations import workers
 
     lay = KVLayout(**LAYOUT, tp_size=a.tp, tp_rank=a.rank, token_major=a.nhd)
     nb = 64

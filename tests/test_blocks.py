@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from pdkv.blocks import BlockAllocator, BlockPool, runs_of
 from pdkv.errors import BlockError, OutOfBlocksError
+from pdkv.scheduling.blocks import BlockAllocator, BlockPool, runs_of
 
 
 def test_lowest_first_and_contiguous():

@@ -15,15 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdkv.cli.transfer_tool import main as tool_main
-from pdkv.cli.transfer_tool.capacity import (
-    PlanConfig,
-    TraceRequest,
-    prefix_savings,
-    read_trace,
-    recommend,
-    simulate,
-    sweep_sizes,
-)
+from pdkv.cli.transfer_tool.capacity import PlanConfig, TraceRequest, prefix_savings, read_trace, simulate
+from pdkv.cli.transfer_tool.plan_mode import recommend, sweep_sizes
 from pdkv.cli.transfer_tool.workload import UsageError
 from pdkv.layout import KVLayout
 
@@ -279,7 +272,7 @@ def test_a_measured_rate_of_zero_is_a_usage_error(link, swap, monkeypatch):
     divides by both: the operator is told to give the rates."""
     import types
 
-    from pdkv.cli.transfer_tool.capacity import measure_rates
+    from pdkv.cli.transfer_tool.plan_mode import measure_rates
     from pdkv.cli.transfer_tool.workload import UsageError
 
     def fake_run(argv, **kw):

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from test_transfer import BASE, _lines, _spawn, clean_killed_segment, expected_block, prefill_cache, reap, wait_until
 
 from pdkv import BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, SwapEngine, _ffi
-from pdkv.cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section
 from pdkv.errors import LayoutError, PeerError, ProtocolError
 from pdkv.transfer import DecodeReceiver, PrefillSender
+from pdkv.transfer.ipc_export import IpcMapping, export_gpu_caches, parse_ipc_section
 
 
 class FakeIpc:
@@ -651,7 +651,7 @@ def test_cuda_ipc_decode_killed_prefill_fails_in_bounded_time_and_its_context_st
         other = _ffi.cuda.malloc(arr.nbytes)
         try:
             with SwapEngine(gspec, CacheSpec.for_buffer(lay, 64, other), strategy="kernel") as eng:
-                from pdkv.swap import plan_copy
+                from pdkv.swap.engine import plan_copy
 
                 eng.copy_plan(plan_copy(gspec, CacheSpec.for_buffer(lay, 64, other), [3, 4], [5, 6])).wait(10)
         finally:

@@ -885,7 +885,7 @@ def test_a_pid_beyond_any_process_is_refused_and_a_broken_check_stops_no_other(m
 def test_the_sweepers_do_not_hang_on_a_fifo_named_like_a_record(tmp_path):
     """``pdkv-shm list`` and ``clean`` opened ``<name>@origin`` blocking: a FIFO there, which
     any local user can make, hung them for ever."""
-    from pdkv.shmclean import clean, scan_segments
+    from pdkv.buffer.sweeper import clean, scan_segments
 
     (tmp_path / "pdkv-9-x").write_bytes(b"\0" * 4096)
     os.mkfifo(tmp_path / "pdkv-9-x@origin")

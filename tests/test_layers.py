@@ -9,30 +9,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "pdkv"
 
-# lower layers first; a module may import only modules of its own layer or below
-LAYERS = [
-    {"pdkv.errors"},
-    {"pdkv._ffi", "pdkv._ffi.libc", "pdkv._ffi.cpu", "pdkv._ffi.cuda", "pdkv._ffi.verbs", "pdkv._ffi.nixl"},
-    {"pdkv.procs", "pdkv.kernels", "pdkv.layout"},
-    {"pdkv.plan"},
-    {"pdkv.blocks", "pdkv.lifecycle"},
-    {"pdkv.schedloop", "pdkv.schedview", "pdkv.scheduler"},
-    {"pdkv.protocol", "pdkv.shmseg", "pdkv.rdma", "pdkv.interop"},
-    {"pdkv.shm", "pdkv.shmclean", "pdkv.swap", "pdkv.cuda_ipc", "pdkv.native", "pdkv.modelcache"},
-    {"pdkv.workers"},
-    {
-        "pdkv.transfer.base",
-        "pdkv.transfer.options",
-        "pdkv.transfer.channel",
-        "pdkv.transfer.guard",
-        "pdkv.transfer.hostcopy",
-        "pdkv.transfer.sockets",
-        "pdkv.transfer.staging",
-    },
-    {"pdkv.transfer.shm", "pdkv.transfer.tcp", "pdkv.transfer.rdma", "pdkv.transfer.cuda_ipc", "pdkv.transfer.nixl"},
-    {"pdkv.transfer.handshake", "pdkv.transfer.decode", "pdkv.transfer.prefill"},
-    {"pdkv.transfer", "pdkv", "pdkv.metrics"},  # metrics observes a scheduler and a receiver
+# the parts of the library, lower first: a module may import only modules of its own part or
+# of a part below it (a package's __init__ belongs to its part; pdkv's own __init__ is last)
+PARTS = [
+    "pdkv.errors",
+    "pdkv._ffi",
+    "pdkv.procs",
+    "pdkv.layout",
+    "pdkv.protocol",
+    "pdkv.plan",
+    "pdkv.scheduling",
+    "pdkv.buffer",
+    "pdkv.swap",
+    "pdkv.integrations.interop",
+    "pdkv.transfer",
+    "pdkv.integrations",
+    "pdkv.native",
+    "pdkv.metrics",
+    "pdkv",
 ]
+TOP_LEVEL_MAX = 8  # pdkv's own modules besides its packages: only what every part shares
+LINES_MAX = 600
 TRANSPORTS = {
     "pdkv.transfer.shm",
     "pdkv.transfer.tcp",
@@ -42,6 +39,12 @@ TRANSPORTS = {
 }
 
 
+def _part(mod: str) -> int:
+    """The index in PARTS of the longest part that holds ``mod``."""
+    best = max((p for p in PARTS if mod == p or mod.startswith(p + ".")), key=len)
+    return PARTS.index(best)
+
+
 def _module(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -49,22 +52,11 @@ def _module(path: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(path: Path, mod: str, modules: set[str]) -> set[str]:
     package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for n in node.orelse:
-                visit(n)
-            return
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.split(".")[0] == "pdkv")
         elif isinstance(node, ast.ImportFrom):
@@ -92,27 +84,24 @@ def _graph() -> dict[str, set[str]]:
     return {m: _imports(p, m, modules) for m, p in files.items()}
 
 
-def test_every_library_module_has_a_layer_and_imports_no_layer_above_its_own():
+def test_every_library_module_imports_no_part_above_its_own():
     graph = _graph()
-    layer = {m: i for i, group in enumerate(LAYERS) for m in group}
     library = {m for m in graph if not m.startswith("pdkv.cli")}
-    assert library - set(layer) == set(), "give every new module a layer in LAYERS"
-    upward = [(m, d) for m in library for d in graph[m] if layer.get(d, len(LAYERS)) > layer[m]]
-    assert upward == [], f"upward imports: {sorted(upward)}"
+    upward = sorted((m, d) for m in library for d in graph[m] if _part(d) > _part(m))
+    assert upward == [], f"upward imports: {upward}"
 
 
 def test_the_import_graph_has_no_cycles():
-    graph = _graph()
-    # the package __init__ files import their submodules by design; a cycle through one is
-    # a submodule importing its package, caught by the layer test
-    edges = {m: {d for d in ds if d not in ("pdkv", "pdkv.transfer")} for m, ds in graph.items()}
+    """Every import counts, lazy ones in functions and those under ``if TYPE_CHECKING:``
+    too (a type-only import is the same dependency, checked later)."""
+    edges = _graph()
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def dfs(m: str) -> None:
         state[m] = 1
         stack.append(m)
-        for d in edges.get(m, ()):
+        for d in sorted(edges.get(m, ())):
             if state.get(d) == 1:
                 raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(d) :] + [d])}")
             if d not in state:
@@ -125,6 +114,42 @@ def test_the_import_graph_has_no_cycles():
             dfs(m)
 
 
+def test_the_tree_shows_the_parts():
+    """Few top-level modules, no two modules of one file name, none over LINES_MAX lines,
+    and every package's __init__ says its job and what it may import."""
+    files = sorted(p for p in ROOT.rglob("*.py") if "__pycache__" not in p.parts)
+    top = [p for p in files if p.parent == ROOT and p.name != "__init__.py"]
+    assert len(top) <= TOP_LEVEL_MAX, [p.name for p in top]
+    names: dict[str, list[str]] = {}
+    for p in files:
+        if p.name not in ("__init__.py", "__main__.py"):
+            names.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert {n: ps for n, ps in names.items() if len(ps) > 1} == {}
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > LINES_MAX}
+    assert long == {}
+    for p in files:
+        if p.name == "__init__.py" and p.parent != ROOT:
+            doc = ast.get_docstring(ast.parse(p.read_text())) or ""
+            assert "May import" in doc, f"{p}: its docstring says what the package may import"
+
+
+def test_a_planted_cycle_and_a_planted_upward_import_are_caught(tmp_path, monkeypatch):
+    """The checks above can fail: a copy of the tree with a back edge is refused by both."""
+    import shutil
+
+    copy = tmp_path / "pdkv"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    layout = copy / "layout.py"
+    layout.write_text(layout.read_text() + "\nfrom .scheduling import scheduler as _planted  # noqa\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", copy)
+    import pytest
+
+    with pytest.raises(AssertionError, match="upward imports"):
+        test_every_library_module_imports_no_part_above_its_own()
+    with pytest.raises(AssertionError, match="import cycle"):
+        test_the_import_graph_has_no_cycles()
+
+
 def test_sessions_reach_transports_only_through_the_registry_and_nothing_imports_a_cli():
     graph = _graph()
     for session in ("pdkv.transfer.decode", "pdkv.transfer.prefill", "pdkv.transfer.handshake"):
@@ -132,4 +157,8 @@ def test_sessions_reach_transports_only_through_the_registry_and_nothing_imports
     assert [
         m for m, ds in graph.items() if not m.startswith("pdkv.cli") and any(d.startswith("pdkv.cli") for d in ds)
     ] == []
-    assert graph["pdkv.scheduler"] & {"pdkv.protocol", "pdkv.shm", "pdkv.swap", "pdkv._ffi", "pdkv.transfer"} == set()
+    assert (
+        graph["pdkv.scheduling.scheduler"]
+        & {"pdkv.protocol", "pdkv.buffer.shared", "pdkv.swap", "pdkv._ffi", "pdkv.transfer"}
+        == set()
+    )

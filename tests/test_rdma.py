@@ -24,7 +24,8 @@ from pdkv import (
     _ffi,
 )
 from pdkv.errors import PdkvTimeoutError, PeerError, ProtocolError, RdmaError, RdmaUnavailableError
-from pdkv.rdma import (
+from pdkv.transfer import DecodeReceiver, PrefillSender
+from pdkv.transfer.rdma_qp import (
     CompletionTracker,
     EndpointInfo,
     RdmaTarget,
@@ -34,7 +35,6 @@ from pdkv.rdma import (
     merge_regions,
     plan_writes,
 )
-from pdkv.transfer import DecodeReceiver, PrefillSender
 
 
 def test_plan_coalesces_and_bounds():

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test
 
-from pdkv.blocks import BlockPool
 from pdkv.errors import GrantViolation, LeaseExpiredError, PdkvError, RequestError
-from pdkv.scheduler import DecodeScheduler, SchedulerOptions, State
+from pdkv.scheduling.blocks import BlockPool
+from pdkv.scheduling.scheduler import DecodeScheduler, SchedulerOptions, State
 
 
 class Clock:
@@ -1189,7 +1189,7 @@ def test_swaps_admitted_before_an_allocator_refuses_are_still_submitted():
 def test_a_swap_finished_twice_by_racing_ticks_is_finished_once():
     """Two tick() calls may both see a swap done (polled outside the lock): the second
     finishing of it changes nothing."""
-    from pdkv import schedloop
+    from pdkv.scheduling import loop as schedloop
 
     s, clock, swap, ev = make(gpu=8, direct_to_gpu=False)
     r = s.reserve("a", num_blocks=2)
@@ -1285,7 +1285,7 @@ def test_every_ending_but_finish_is_logged_with_the_state_it_left(caplog):
     """An operator reading pdkv's log sees each request that ended badly: its id, the state
     it ended in, the state it left and why (a finished request is not logged)."""
     s, clock, swap, ev = make()
-    caplog.set_level("INFO", logger="pdkv.scheduler")
+    caplog.set_level("INFO", logger="pdkv.scheduling")
     r = s.reserve("a", num_tokens=40)
     s.land_layers("a", r.grant.token, [0])
     s.fail("a", "peer said so")
@@ -1296,7 +1296,7 @@ def test_every_ending_but_finish_is_logged_with_the_state_it_left(caplog):
     s.tick()
     got = [(rec.name, rec.levelname, rec.getMessage()) for rec in caplog.records]
     assert got == [
-        ("pdkv.scheduler", "INFO", "request 'a' failed (was receiving): peer said so"),
-        ("pdkv.scheduler", "INFO", "request 'b' aborted (was reserved): aborted"),
-        ("pdkv.scheduler", "INFO", "request 'c' expired (was reserved): lease of 10.0s expired"),
+        ("pdkv.scheduling.core", "INFO", "request 'a' failed (was receiving): peer said so"),
+        ("pdkv.scheduling.core", "INFO", "request 'b' aborted (was reserved): aborted"),
+        ("pdkv.scheduling.core", "INFO", "request 'c' expired (was reserved): lease of 10.0s expired"),
     ]

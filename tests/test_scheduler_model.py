@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_scheduler import Clock
 
-from pdkv.blocks import BlockPool
 from pdkv.errors import GrantViolation, LeaseExpiredError, RequestError
-from pdkv.scheduler import DecodeScheduler, SchedulerOptions, State
+from pdkv.scheduling.blocks import BlockPool
+from pdkv.scheduling.scheduler import DecodeScheduler, SchedulerOptions, State
 
 WRITABLE = (State.RESERVED, State.RECEIVING)
 LAYERS = 3

@@ -17,9 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdkv import BusyError, ClosedError, CudaUnavailableError, SharedBuffer, _ffi
-from pdkv.cli.shm import main as shm_main
-from pdkv.shm import stripe_sizes
-from pdkv.shmclean import clean_segments, scan_segments
+from pdkv.buffer.shared import stripe_sizes
+from pdkv.buffer.sweeper import clean_segments, scan_segments
+from pdkv.cli.shm_tool import main as shm_main
 
 TAG = os.environ["PDKV_SHM_TAG"]  # this run's segments (conftest.py): clean only those
 
@@ -133,7 +133,7 @@ def test_failure_after_shm_open_leaves_nothing(monkeypatch, shm_name, no_leaks):
     def boom(*a, **k):
         raise OSError(5, "injected")
 
-    monkeypatch.setattr("pdkv.shm._populate", boom)
+    monkeypatch.setattr("pdkv.buffer.shared._populate", boom)
     with pytest.raises(OSError, match="injected"):
         SharedBuffer.create(1 << 20, shm_name)
     assert not os.path.exists(f"/dev/shm/{shm_name}")
@@ -384,7 +384,7 @@ def test_stripe_sizes_cover_the_buffer_exactly(size, k):
 
 
 def test_auto_stripes_only_for_large_buffers(monkeypatch):
-    from pdkv.shm import _auto_stripes
+    from pdkv.buffer.shared import _auto_stripes
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert _auto_stripes(64 << 20) == 1
@@ -577,7 +577,7 @@ def test_huge_pages_where_the_mount_allows_them_and_only_there(no_leaks):
 
 
 def test_clean_never_removes_what_it_cannot_prove_is_pdkvs(no_leaks):
-    from pdkv.shmclean import clean
+    from pdkv.buffer.sweeper import clean
 
     names = ["pdkv_999999_not_a_pdkv_file", "pdkv-999999-forged"]
     for n in names:
@@ -631,7 +631,10 @@ def test_clean_from_another_pid_namespace_keeps_live_segments(no_leaks):
     cmd = _unshare()
     with SharedBuffer.create(65536) as b:
         out = subprocess.run(
-            [*cmd, sys.executable, "-m", "pdkv.cli.shm", "clean", "--yes"], capture_output=True, text=True, timeout=60
+            [*cmd, sys.executable, "-m", "pdkv.cli.shm_tool", "clean", "--yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert out.returncode == 0, out.stderr
         assert os.path.exists(f"/dev/shm/{b.name}")  # its pid means nothing over there: kept
@@ -671,7 +674,7 @@ def test_clean_sees_a_creator_in_a_child_pid_namespace(no_leaks):
 
 @pytest.mark.multiproc
 def test_clean_goes_on_after_a_file_it_may_not_remove(monkeypatch, no_leaks):
-    from pdkv.shmclean import clean
+    from pdkv.buffer.sweeper import clean
 
     code = (
         "import sys; from pdkv import SharedBuffer; bs = [SharedBuffer.create(65536) for _ in range(2)]; "
@@ -695,7 +698,7 @@ def test_clean_goes_on_after_a_file_it_may_not_remove(monkeypatch, no_leaks):
 
 
 def test_a_buffer_larger_than_memory_is_refused(monkeypatch, shm_name, no_leaks):
-    from pdkv import shmseg as shm_mod  # where create() checks memory
+    from pdkv.buffer import segments as shm_mod  # where create() checks memory
 
     monkeypatch.setattr(shm_mod, "available_memory", lambda: (10 << 30, "MemAvailable"))
     with pytest.raises(OSError, match=r"does not fit in memory: MemAvailable leaves 10737418240 bytes") as e:

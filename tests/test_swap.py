@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from pdkv import CacheSpec, KVLayout, SharedBuffer, _ffi
 from pdkv.errors import SwapError
-from pdkv.swap import SwapEngine, _batch_spans, plan_copy
+from pdkv.swap.engine import SwapEngine, _batch_spans, plan_copy
 
 
 def lay(**kw):
@@ -475,7 +475,7 @@ def test_failed_submission_drains_what_was_queued_before_raising(strategy, monke
 
 
 def test_drain_gives_up_after_its_bound(monkeypatch):
-    from pdkv import swap
+    from pdkv.swap import handles as swap
 
     fake = FakeStreamCuda()
     fake.install(monkeypatch)

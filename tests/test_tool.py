@@ -396,7 +396,7 @@ def test_a_buffer_larger_than_memory_is_a_usage_error(tmp_path, no_leaks):
     # fits /dev/shm's free space but not the memory left: the buffer's own check says so
     import os
 
-    from pdkv.shmseg import available_memory
+    from pdkv.buffer.segments import available_memory
 
     st = os.statvfs("/dev/shm")
     shm_free, mem = st.f_bavail * st.f_frsize, available_memory()[0]
@@ -429,7 +429,7 @@ def test_logs_only_with_verbose(tmp_path, no_leaks):
     assert p.returncode == 0 and p.stderr == "", p.stderr
     p, _ = run([*args, "-v"], tmp_path)
     assert p.returncode == 0, p.stderr
-    assert "pdkv.shm INFO created shared buffer pdkv-" in p.stderr and "DEBUG" not in p.stderr
+    assert "pdkv.buffer.shared INFO created shared buffer pdkv-" in p.stderr and "DEBUG" not in p.stderr
 
 
 @pytest.mark.multiproc
@@ -466,7 +466,7 @@ def test_a_request_neither_ready_nor_failed_is_reported_lost_and_failed():
     must not pass as a clean run: it counts as failed, and the report says why."""
     from types import SimpleNamespace
 
-    from pdkv.cli.transfer_tool.decode import Track
+    from pdkv.cli.transfer_tool.decode_mode import Track
     from pdkv.cli.transfer_tool.report import build_report
     from pdkv.layout import KVLayout
 

@@ -109,7 +109,7 @@ def clean_killed_segment(name, timeout=5.0):
     """A killed peer's segment, removed by the clean command once it is provably stale
     (waited for, bounded: a killed process's mappings go with its teardown); the scan's
     verdict in the failure message otherwise."""
-    from pdkv.shmclean import clean_segments, scan_segments
+    from pdkv.buffer.sweeper import clean_segments, scan_segments
 
     deadline = time.monotonic() + timeout
     while True:

@@ -1,4 +1,4 @@
-"""Decode ranks in worker processes (pdkv.workers): each worker exports its rank's cache,
+"""Decode ranks in worker processes (pdkv.integrations.workers): each worker exports its rank's cache,
 the scheduler process maps it and swaps into it; the workers read back every byte."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from test_transfer import BASE, HERE, expected_block, prefill_cache, reap, wait_
 
 from pdkv import BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, SwapEngine, SwapGroup
 from pdkv.errors import LayoutError, ProtocolError
+from pdkv.integrations.workers import export_cache, host_cache, map_cache, parse_export
 from pdkv.transfer import DecodeReceiver, PrefillSender
-from pdkv.workers import export_cache, host_cache, map_cache, parse_export
 
 NB = 64  # the workers' cache blocks (tests/peers.py worker)
 
@@ -51,7 +51,7 @@ def test_a_host_cache_export_maps_the_same_bytes(no_leaks):
 def test_bad_exports_are_refused_before_anything_is_opened(no_leaks):
     import msgspec
 
-    from pdkv.workers import CacheExport
+    from pdkv.integrations.workers import CacheExport
 
     lay = _lay(2, 0)
     buf, spec = host_cache(lay, 8)
@@ -269,7 +269,7 @@ def test_a_worker_that_dies_leaves_its_segment_mapped_until_the_scheduler_unmaps
     (the segment is not cleaned while mapped), and once unmapped the clean removes it."""
     from test_transfer import TAG, clean_killed_segment
 
-    from pdkv.shmclean import clean_segments
+    from pdkv.buffer.sweeper import clean_segments
 
     ps, exports = _workers(1)
     try:

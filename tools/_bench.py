@@ -42,6 +42,6 @@ def stop_decode(child: Any) -> None:
     child.kill()
     child.wait(10)
     child.stdout.close()
-    from pdkv.shmclean import clean_segments
+    from pdkv.buffer.sweeper import clean_segments
 
     clean_segments(dry_run=False, tag=os.environ.get("PDKV_SHM_TAG") or None)

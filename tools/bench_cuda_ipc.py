@@ -96,7 +96,7 @@ def main() -> int:
     if a.role == "decode":
         decode_main(a)
         return 0
-    from pdkv.swap import SwapEngine, plan_copy
+    from pdkv.swap.engine import SwapEngine, plan_copy
 
     rows, out = [], {}
 
@@ -196,7 +196,7 @@ def main() -> int:
         finally:
             child.kill()
             child.wait(10)
-            from pdkv.shmclean import clean_segments
+            from pdkv.buffer.sweeper import clean_segments
 
             clean_segments(dry_run=False, tag=os.environ.get("PDKV_SHM_TAG") or None)
 

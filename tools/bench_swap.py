@@ -33,7 +33,7 @@ from _bench import torch_with_cuda
 
 import pdkv
 from pdkv.native import cuda as _cuda
-from pdkv.swap import plan_copy
+from pdkv.swap.engine import plan_copy
 
 
 def _one_call(submit, s_, d_, direction):

@@ -4,8 +4,11 @@ errors are translated here, once.
 
 ``cuda``, ``verbs`` and ``cpu`` import their bindings lazily, so ``import pdkv`` works on a
 host with neither CUDA, pyverbs nor llvmlite.
+
+May import: ``pdkv.errors`` only.
 """
 
-from . import cpu, cuda, libc, nixl, verbs
+from . import cpu, cuda, libc, verbs
+from . import nixl_agent as nixl
 
 __all__ = ["cpu", "cuda", "libc", "nixl", "verbs"]

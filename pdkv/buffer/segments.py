@@ -1,7 +1,7 @@
 """What a pdkv shared-memory segment is on disk: its name and stripes, the origin record
 beside it (who made it: the proof ``pdkv-shm clean`` needs), how it is populated, the
 memory check before it is made, and the unlinking of owned names at exit or SIGTERM.
-:class:`~pdkv.shm.SharedBuffer` is built on these.
+:class:`~pdkv.buffer.shared.SharedBuffer` is built on these.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from . import _ffi, procs
+from .. import _ffi, procs
 
 __all__ = [
     "NAME_PREFIX",

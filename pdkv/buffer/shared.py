@@ -16,9 +16,9 @@ import weakref
 from contextlib import ExitStack
 from typing import Any
 
-from . import _ffi
-from .errors import BusyError, ClosedError, CudaUnavailableError, PdkvError
-from .shmseg import (
+from .. import _ffi
+from ..errors import BusyError, ClosedError, CudaUnavailableError, PdkvError
+from .segments import (
     _MAX_STRIPES,
     NAME_PREFIX,
     ORIGIN_MAGIC,

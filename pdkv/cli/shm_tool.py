@@ -1,12 +1,12 @@
 """``pdkv-shm``: list pdkv shared-memory buffers; ``clean`` removes those provably left by a
-dead creator (dry run unless ``--yes``). The rules are :mod:`pdkv.shmclean`'s."""
+dead creator (dry run unless ``--yes``). The rules are :mod:`pdkv.buffer.sweeper`'s."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..shmclean import clean, scan_segments
+from ..buffer.sweeper import clean, scan_segments
 
 __all__ = ["main"]
 

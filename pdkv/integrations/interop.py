@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import LayoutError
-from .layout import DTYPE_BITS, CacheSpec, KVLayout
+from ..errors import LayoutError
+from ..layout import DTYPE_BITS, CacheSpec, KVLayout
 
 __all__ = ["TensorInfo", "tensor_info", "cache_from_tensors", "aligned_empty"]
 

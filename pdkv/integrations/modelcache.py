@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import LayoutError
+from ..errors import LayoutError
+from ..layout import CacheSpec, KVLayout
 from .interop import cache_from_tensors
-from .layout import CacheSpec, KVLayout
 
 __all__ = ["ENGINES", "PagedKV", "read_heads", "hf_cache"]
 
@@ -32,7 +32,7 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - the extra names it
-        raise ImportError(f"pdkv.modelcache needs torch: pip install 'pdkv[model]' ({exc})") from None
+        raise ImportError(f"pdkv.integrations.modelcache needs torch: pip install 'pdkv[model]' ({exc})") from None
     return torch
 
 

@@ -16,88 +16,64 @@ completed without the secret. Data connections authenticate against the session 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 from typing import Annotated, Any
 
 import msgspec
 
-from .errors import AuthenticationError, ProtocolError
+from ..errors import ProtocolError
+from .limits import (
+    GRANT_OUTCOMES,
+    INSTANCE_KEY_BYTES,
+    MAX_BATCH_BLOCKS,
+    MAX_BATCH_ERROR,
+    MAX_BATCH_ITEMS,
+    MAX_GRANT_BLOCKS,
+    MAX_ID,
+    MAX_LAYERS,
+    MAX_NIXL_METADATA,
+    MAX_NUM_TOKENS,
+    MAX_PID,
+    MAX_TP,
+    NONCE_BYTES,
+    OUTCOME_STATES,
+    PROTOCOL_VERSION,
+)
 
 __all__ = [
-    "PROTOCOL_VERSION",
-    "MAX_MESSAGE_BYTES",
-    "MAX_ID",
-    "MAX_NUM_TOKENS",
-    "pack_frame",
-    "unpack_frame",
-    "is_unauthenticated",
-    "Hello",
-    "Challenge",
-    "Auth",
-    "Welcome",
     "LayoutDesc",
     "RdmaEndpointDesc",
     "RdmaRegionDesc",
     "RdmaOffer",
+    "NixlHello",
+    "NixlRegionDesc",
+    "NixlOffer",
     "CudaDesc",
     "IpcAlloc",
     "IpcRank",
     "IpcSection",
-    "data_auth_mac",
-    "layout_desc",
-    "to_plain",
+    "Hello",
+    "Challenge",
+    "Auth",
+    "Welcome",
     "ReserveReq",
     "ReserveBatch",
     "GrantMsg",
     "GrantBatch",
-    "GRANT_OUTCOMES",
     "LayerDone",
     "LayerBatch",
-    "CompleteBatch",
     "Complete",
+    "CompleteBatch",
     "Outcome",
     "OutcomeBatch",
-    "OUTCOME_STATES",
     "Abort",
-    "Heartbeat",
     "Bye",
-    "MAX_PID",
-    "MAX_TP",
-    "MAX_LAYERS",
-    "MAX_BATCH_ITEMS",
-    "INSTANCE_KEY_BYTES",
-    "mask_instance_key",
-    "printable",
+    "Heartbeat",
     "ErrorMsg",
     "Message",
-    "Codec",
-    "session_key",
+    "layout_desc",
+    "to_plain",
+    "validate",
 ]
-
-_MAC_BYTES = 32  # HMAC-SHA256
-# requests one batch message may name: what a sender sends (SEND_BATCH), so that one message
-# costs decode's control loop a bounded time (~15 ms at 512 reservations on the dev VM)
-MAX_BATCH_ITEMS = 512
-MAX_BATCH_ERROR = 1024  # characters of one batch item's error or reason (senders send 512 items a message)
-# 2: one frame per message (MAC length, MAC, body); 3: LayerBatch, CompleteBatch, cuda_ipc;
-# 4: OutcomeBatch, ReserveBatch, GrantBatch; 5: challenge-response handshake, typed nested
-# records, data connections authenticated by a MAC over decode's nonce; 6: a prefill
-# instance proves its identity (an instance key, masked under the session key, in Auth), the
-# Challenge echoes the Hello's nonce, Bye ends a session, every wire integer bounded
-PROTOCOL_VERSION = 6
-GRANT_OUTCOMES = ("gpu", "buffer", "queued", "rejected")
-MAX_BATCH_BLOCKS = 1 << 16  # block ids one GrantBatch may carry (its grants' blocks together)
-MAX_GRANT_BLOCKS = 1 << 17  # block ids one grant may carry: 5 bytes each below 2^32, so it fits MAX_MESSAGE_BYTES
-OUTCOME_STATES = ("received", "failed", "expired", "aborted", "rejected")
-MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
-MAX_ID = 256  # characters of a request id
-MAX_NUM_TOKENS = 1 << 26  # tokens one reservation may ask for
-MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT: no process id is larger
-MAX_TP = 4096  # tensor-parallel ranks of one instance
-MAX_LAYERS = 1 << 16  # layers (with extra layers) of one cache
-INSTANCE_KEY_BYTES = 32  # a prefill instance's key (SenderOptions.instance_key), and its mask
 
 
 class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -112,7 +88,7 @@ _Name = Annotated[str, msgspec.Meta(max_length=256)]
 _Short = Annotated[str, msgspec.Meta(max_length=64)]
 _U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 _U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack carries up to 2^64 - 1
-_Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+_Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
 _Key = Annotated[bytes, msgspec.Meta(min_length=INSTANCE_KEY_BYTES, max_length=INSTANCE_KEY_BYTES)]
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID)]
 _Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -141,7 +117,7 @@ class LayoutDesc(_Rec, kw_only=True, frozen=True):
 
 
 class RdmaEndpointDesc(_Rec, kw_only=True, frozen=True):
-    """A queue pair's record (``pdkv.rdma.EndpointInfo``)."""
+    """A queue pair's record (``pdkv.transfer.rdma_qp.EndpointInfo``)."""
 
     qpn: _U32
     psn: _U32
@@ -164,9 +140,6 @@ class RdmaOffer(_Rec, kw_only=True, frozen=True):
 
     endpoint: RdmaEndpointDesc
     regions: Annotated[list[RdmaRegionDesc], msgspec.Meta(max_length=4096)]
-
-
-MAX_NIXL_METADATA = 1 << 16  # bytes of a NIXL agent's metadata in a handshake (a UCX agent's: ~300)
 
 
 class NixlHello(_Rec, kw_only=True, frozen=True):
@@ -215,7 +188,7 @@ class IpcRank(_Rec, kw_only=True, frozen=True):
 
 
 class IpcSection(_Rec, kw_only=True, frozen=True):
-    """``Welcome.cuda`` (see :mod:`pdkv.cuda_ipc`)."""
+    """``Welcome.cuda`` (see :mod:`pdkv.transfer.ipc_export`)."""
 
     ranks: Annotated[list[IpcRank], msgspec.Meta(max_length=4096)]
 
@@ -405,36 +378,6 @@ Message = (
 )
 
 
-class _Envelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True, array_like=True):
-    seq: int
-    msg: Message
-
-
-def session_key(secret: bytes, prefill_nonce: bytes, decode_nonce: bytes) -> bytes:
-    """Per-session MAC key: HMAC(secret, both nonces). Old sessions' frames do not verify."""
-    return hmac.new(secret, b"pdkv-session" + prefill_nonce + decode_nonce, hashlib.sha256).digest()
-
-
-def new_nonce() -> bytes:
-    return os.urandom(16)
-
-
-def mask_instance_key(key: bytes, session_key: bytes | None, prefill_nonce: bytes, decode_nonce: bytes) -> bytes:
-    """``key`` XOR a pad only this session's two ends can make (HMAC under the session key,
-    over both nonces); the same call unmasks. Without a secret the pad is made from the
-    nonces alone, which a reader of the control traffic also sees: unauthenticated operation
-    trusts the network."""
-    pad_key = session_key if session_key is not None else b"pdkv-no-secret"
-    pad = hmac.new(pad_key, b"pdkv-instance-pad" + prefill_nonce + decode_nonce, hashlib.sha256).digest()
-    return bytes(a ^ b for a, b in zip(key, pad, strict=True))
-
-
-def printable(text: str) -> bool:
-    """Whether a name from the wire may reach a log line as it is (no control characters,
-    no line breaks)."""
-    return text.isprintable()
-
-
 def layout_desc(layout: object) -> LayoutDesc:
     """A :class:`~pdkv.layout.KVLayout`'s descriptor as the typed wire record."""
     return msgspec.convert(layout.descriptor(), LayoutDesc)  # type: ignore[attr-defined]
@@ -445,109 +388,7 @@ def to_plain(rec: msgspec.Struct | None) -> dict[str, Any]:
     return msgspec.to_builtins(rec, builtin_types=(bytes,)) if rec is not None else {}
 
 
-def data_auth_mac(session_key: bytes | None, session_id: bytes, nonce: bytes) -> bytes:
-    """What a data connection sends to prove its session: HMAC-SHA256 under a key derived
-    from the session key, over the session id and the nonce decode sent on this
-    connection. Without a secret (``session_key`` None) the key is the session id, which
-    authenticates nothing: unauthenticated operation trusts the network."""
-    key = hmac.new(session_key, b"pdkv-data-key", hashlib.sha256).digest() if session_key else session_id
-    return hmac.new(key, b"pdkv-data-auth" + session_id + nonce, hashlib.sha256).digest()
-
-
-class Codec:
-    """Encodes and validates frames for one direction of one session.
-
-    Parameters
-    ----------
-    secret:
-        Shared secret, or ``None`` for unauthenticated operation.
-    """
-
-    def __init__(self, secret: bytes | None = None) -> None:
-        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
-            raise ValueError("secret must be bytes of at least 16 bytes")
-        self.secret = secret
-        self.key: bytes | None = secret  # the handshake uses the secret; then the session key
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(_Envelope)
-        self._send_seq = 0
-        self._recv_seq = -1
-
-    def continue_from(self, other: Codec) -> None:
-        """Number this codec's messages on from ``other``'s (a handshake started again on
-        one connection: the peer's codec refuses a sequence number it has seen)."""
-        self._send_seq = max(self._send_seq, other._send_seq)
-
-    def set_session(self, prefill_nonce: bytes, decode_nonce: bytes) -> None:
-        if self.secret is not None:
-            self.key = session_key(self.secret, prefill_nonce, decode_nonce)
-
-    def encode(self, msg: Message) -> list[bytes]:
-        """Return the frames to send: one, :func:`pack_frame` of the MAC and the body
-        (each zmq frame costs a send on a hot path, so there is one)."""
-        self._send_seq += 1
-        body = self._enc.encode(_Envelope(self._send_seq, msg))
-        if len(body) > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
-        mac = hmac.new(self.key, body, hashlib.sha256).digest() if self.key is not None else b""
-        return [pack_frame(mac, body)]
-
-    def decode(self, frames: list[bytes]) -> Message:
-        """Validate and decode frames; raise ProtocolError (AuthenticationError for MACs).
-
-        Nothing changes when a frame is refused, except that the sequence number of an
-        accepted frame is remembered.
-        """
-        if len(frames) != 1:
-            raise ProtocolError(f"expected 1 frame, got {len(frames)}")
-        mac, body = unpack_frame(frames[0])
-        if len(body) > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
-        if self.key is not None:
-            want = hmac.new(self.key, body, hashlib.sha256).digest()
-            if not hmac.compare_digest(mac, want):
-                raise AuthenticationError("message authentication failed (wrong or missing shared secret)")
-        elif mac:
-            raise AuthenticationError("peer authenticates its messages, but no shared secret is configured here")
-        try:
-            env = self._dec.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise ProtocolError(f"invalid message: {exc}") from None
-        except Exception as exc:  # RecursionError, MemoryError, anything: never past the codec
-            raise ProtocolError(f"invalid message ({type(exc).__name__})") from None
-        if env.seq <= self._recv_seq:
-            raise ProtocolError(f"replayed or reordered message (seq {env.seq} after {self._recv_seq})")
-        try:
-            _validate(env.msg)
-        except ProtocolError:
-            raise
-        except Exception as exc:
-            raise ProtocolError(f"invalid message ({type(exc).__name__}: {exc})") from None
-        self._recv_seq = env.seq
-        return env.msg
-
-
-def pack_frame(mac: bytes, body: bytes) -> bytes:
-    """One message frame: a byte with the MAC's length (0: unauthenticated, or 32), the
-    MAC, the msgpack body."""
-    return bytes((len(mac),)) + mac + body
-
-
-def unpack_frame(frame: bytes) -> tuple[bytes, bytes]:
-    """``(mac, body)`` of a frame; ProtocolError if it is malformed."""
-    frame = bytes(frame)
-    if not frame or frame[0] not in (0, _MAC_BYTES) or len(frame) < 1 + frame[0]:
-        raise ProtocolError("malformed frame (expected a MAC length of 0 or 32, the MAC, the body)")
-    n = frame[0]
-    return frame[1 : 1 + n], frame[1 + n :]
-
-
-def is_unauthenticated(frames: list[bytes]) -> bool:
-    """Whether a message carries no MAC (a refusal to a peer whose key is unknown)."""
-    return len(frames) == 1 and frames[0][:1] == b"\x00"
-
-
-def _validate(m: Message) -> None:
+def validate(m: Message) -> None:
     """Semantic checks msgspec's types cannot express."""
     rid = getattr(m, "request_id", None)
     if rid is not None and not (0 < len(rid) <= MAX_ID and rid.isprintable()):
@@ -600,7 +441,7 @@ def _validate(m: Message) -> None:
         if not 0 < len(m.items) <= MAX_BATCH_ITEMS or sum(len(g.blocks) for g in m.items) > MAX_BATCH_BLOCKS:
             raise ProtocolError(f"grant batch with {len(m.items)} items is out of range")
         for g in m.items:
-            _validate(g)
+            validate(g)
     if isinstance(m, GrantMsg) and m.outcome not in GRANT_OUTCOMES:
         raise ProtocolError(f"grant outcome {m.outcome[:32]!r} is not one of {', '.join(GRANT_OUTCOMES)}")
     if isinstance(m, GrantMsg) and (len(m.blocks) > MAX_GRANT_BLOCKS or (m.blocks and min(m.blocks) < 0)):

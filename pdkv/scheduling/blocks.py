@@ -17,8 +17,8 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from .errors import BlockError, OutOfBlocksError
-from .plan import runs_of
+from ..errors import BlockError, OutOfBlocksError
+from ..plan import runs_of
 
 __all__ = ["BlockAllocator", "BlockPool", "runs_of"]
 

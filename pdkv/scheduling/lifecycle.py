@@ -2,7 +2,7 @@
 :class:`SchedulerOptions`, what it hands out (:class:`Grant`, :class:`WriteTicket`,
 :class:`Reservation`, :class:`ReadyRequest`, :class:`RequestInfo`), what it reports
 (:class:`EventKind`, :class:`Event`), the swap backend it drives (:class:`SwapBackend`,
-:class:`SwapHandle`), and the scheduler's internal records. :mod:`pdkv.scheduler` holds
+:class:`SwapHandle`), and the scheduler's internal records. :mod:`pdkv.scheduling.scheduler` holds
 the state machine over them and re-exports the public ones.
 """
 

@@ -9,17 +9,14 @@ kernels).
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
 
+from .core import SchedulerCore
 from .lifecycle import _WRITABLE, Event, EventKind, State, SwapHandle, _Release, _Req
-
-if TYPE_CHECKING:
-    from .scheduler import DecodeScheduler
 
 __all__ = ["expire_due", "release_quarantine", "grant_queued", "admit_swaps", "submit", "swap_finished"]
 
 
-def expire_due(s: DecodeScheduler, now: float) -> None:
+def expire_due(s: SchedulerCore, now: float) -> None:
     heap = s._expiry
     while heap and heap[0][0] <= now:
         t, _, rid = heapq.heappop(heap)
@@ -40,7 +37,7 @@ def expire_due(s: DecodeScheduler, now: float) -> None:
         s._terminate(req, State.REJECTED, "timed out in the reservation queue", now)
 
 
-def release_quarantine(s: DecodeScheduler, now: float) -> None:
+def release_quarantine(s: SchedulerCore, now: float) -> None:
     if not s._quarantine:
         return
     keep = []
@@ -54,7 +51,7 @@ def release_quarantine(s: DecodeScheduler, now: float) -> None:
     s._quarantine = keep
 
 
-def grant_queued(s: DecodeScheduler, now: float) -> None:
+def grant_queued(s: SchedulerCore, now: float) -> None:
     while s._queue:
         req = s._reqs[s._queue[0]]
         grant = s._grant(req, now)
@@ -65,7 +62,7 @@ def grant_queued(s: DecodeScheduler, now: float) -> None:
         s._event(EventKind.GRANTED, req.rid, grant=grant, t=now)
 
 
-def admit_swaps(s: DecodeScheduler, now: float) -> list[_Req]:
+def admit_swaps(s: SchedulerCore, now: float) -> list[_Req]:
     out: list[_Req] = []
     o = s.options
     while s._swapq:
@@ -94,7 +91,7 @@ def admit_swaps(s: DecodeScheduler, now: float) -> list[_Req]:
     return out
 
 
-def submit(s: DecodeScheduler, reqs: list[_Req]) -> list[Event | _Release]:
+def submit(s: SchedulerCore, reqs: list[_Req]) -> list[Event | _Release]:
     assert s.swap is not None
     results: list[tuple[_Req, SwapHandle | None, Exception | None]] = []
     for req in reqs:  # no lock held: the backend may launch kernels, take time
@@ -114,7 +111,7 @@ def submit(s: DecodeScheduler, reqs: list[_Req]) -> list[Event | _Release]:
         return s._emit()
 
 
-def swap_finished(s: DecodeScheduler, req: _Req, err: BaseException | None, now: float) -> None:
+def swap_finished(s: SchedulerCore, req: _Req, err: BaseException | None, now: float) -> None:
     if s._swapping.pop(req.rid, None) is None:
         return
     if not s._swapping:  # time with at least one swap in flight: swap_bytes / this = swap throughput
@@ -145,7 +142,7 @@ def swap_finished(s: DecodeScheduler, req: _Req, err: BaseException | None, now:
     s._event(EventKind.READY, req.rid, t=now)
 
 
-def expire_holds(s: DecodeScheduler, now: float) -> None:
+def expire_holds(s: SchedulerCore, now: float) -> None:
     """Prefix holds no reservation claimed within ``lease_s`` are released."""
     for rid in [r for r, h in s._holds.items() if h.deadline <= now]:
         h = s._holds.pop(rid)

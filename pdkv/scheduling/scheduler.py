@@ -2,7 +2,7 @@
 
 Pure Python: no CUDA, no sockets. It talks to the swap engine through
 :class:`SwapBackend` and to the engine's GPU allocator through
-:class:`~pdkv.blocks.BlockAllocator`, so all of it runs on a CPU.
+:class:`~pdkv.scheduling.blocks.BlockAllocator`, so all of it runs on a CPU.
 
 States::
 
@@ -25,22 +25,15 @@ backend are called with no lock held.
 
 from __future__ import annotations
 
-import contextlib
-import heapq
 import logging
-import secrets
-import threading
-import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
-from . import schedloop, schedview
-from .blocks import BlockAllocator, BlockPool
-from .errors import GrantViolation, LeaseExpiredError, RequestError
-from .layout import KVLayout
+from ..errors import GrantViolation, RequestError
+from . import loop as schedloop
+from . import view as schedview
+from .blocks import BlockPool
+from .core import Release, SchedulerCore
 from .lifecycle import (
-    _COUNTER_OF,
-    _WRITABLE,
     Event,
     EventKind,
     Grant,
@@ -53,9 +46,7 @@ from .lifecycle import (
     SwapHandle,
     WriteTicket,
     _Hold,
-    _Metrics,
     _Quarantine,
-    _Release,
     _Req,
 )
 
@@ -77,10 +68,7 @@ __all__ = [
 ]
 
 
-Release = Callable[[str, tuple[int, ...]], None]  # a held prefix's release (DecodeScheduler.hold_prefix)
-
-
-class DecodeScheduler:
+class DecodeScheduler(SchedulerCore):
     """Decode-side block accounting and request lifecycle.
 
     Parameters
@@ -113,225 +101,6 @@ class DecodeScheduler:
     leases, grants queued reservations, polls swaps and admits new ones.
     """
 
-    def __init__(
-        self,
-        *,
-        num_layers: int | None = None,
-        gpu: BlockAllocator,
-        layout: KVLayout | None = None,
-        buffer: BlockPool | None = None,
-        swap: SwapBackend | None = None,
-        tokens_per_block: int | None = None,
-        block_bytes: int = 0,
-        options: SchedulerOptions | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        listener: Callable[[Event], None] | None = None,
-    ) -> None:
-        if layout is not None:
-            for name, given, own in (
-                ("num_layers", num_layers, layout.total_layers),
-                ("tokens_per_block", tokens_per_block, layout.tokens_per_block),
-            ):
-                if given is not None and given != own:
-                    raise ValueError(f"{name}={given!r} disagrees with the layout's {own}: give one of them")
-            num_layers, tokens_per_block = layout.total_layers, layout.tokens_per_block
-            block_bytes = block_bytes or layout.block_bytes
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers <= 0:
-            raise ValueError(f"num_layers={num_layers!r} must be a positive integer")
-        if num_layers > 4096:
-            raise ValueError(f"num_layers={num_layers} is absurd (more than 4096)")
-        if buffer is not None and swap is None:
-            raise ValueError("a buffer needs a swap backend (swap=...) to move blocks to the GPU")
-        self.num_layers = num_layers
-        self._all_layers = (1 << num_layers) - 1
-        self.gpu = gpu
-        self.buffer = buffer
-        self.swap = swap
-        self.tokens_per_block = tokens_per_block
-        self.block_bytes = block_bytes
-        self.options = options or SchedulerOptions()
-        self.clock = clock
-        self.listener = listener
-        self._listeners: tuple[Callable[[Event], None], ...] = ()  # add_listener's, after ``listener``
-        self._lock = threading.Lock()
-        self._reqs: dict[str, _Req] = {}
-        self._tomb: OrderedDict[str, tuple[State, int, str]] = OrderedDict()
-        self._expiry: list[tuple[float, int, str]] = []
-        self._seq = 0
-        self._queue: deque[str] = deque()
-        self._swapq: dict[str, None] = {}
-        self._swapping: dict[str, _Req] = {}
-        self._ready: deque[_Req] = deque()
-        self._busy_since = 0.0
-        self._quarantine: list[_Quarantine] = []
-        self._events: list[Event | _Release] = []
-        self._holds: dict[str, _Hold] = {}  # hold_prefix's, not yet claimed by a reservation
-        self._m = _Metrics().counters
-
-    # ------------------------------------------------------------------ helpers
-    def _emit(self) -> list[Event | _Release]:
-        # called with the lock held: takes the events (and prefix releases due); the caller
-        # delivers them unlocked
-        ev, self._events = self._events, []
-        return ev
-
-    def _event(self, kind: EventKind, rid: str, grant: Grant | None = None, reason: str = "", t: float = 0.0) -> None:
-        if self.listener is not None or self._listeners:
-            self._events.append(Event(kind, rid, grant, reason, t))
-
-    def _deliver(self, events: list[Event | _Release]) -> None:
-        if not events:
-            return
-        fns = ((self.listener,) if self.listener is not None else ()) + self._listeners
-        for e in events:
-            if isinstance(e, _Release):
-                e.fn(e.request_id, e.blocks)
-                continue
-            for fn in fns:
-                fn(e)
-
-    def _release_prefix(self, rid: str, blocks: tuple[int, ...], fn: Release | None) -> None:
-        """A held prefix is no longer needed: ``fn(rid, blocks)`` once the lock is dropped."""
-        if blocks and fn is not None:
-            self._events.append(_Release(fn, rid, blocks))
-
-    def add_listener(self, fn: Callable[[Event], None]) -> None:
-        """Also call ``fn`` with every event (after ``listener``), e.g. a transport's; as
-        ``listener``, from whichever thread caused the event, with no lock held."""
-        with self._lock:
-            self._listeners = (*self._listeners, fn)
-
-    def remove_listener(self, fn: Callable[[Event], None]) -> None:
-        """Stop calling ``fn`` (added by :meth:`add_listener`); ValueError if it was not."""
-        with self._lock:
-            if fn not in self._listeners:
-                raise ValueError("remove_listener: that function is not a listener of this scheduler")
-            i = self._listeners.index(fn)
-            self._listeners = self._listeners[:i] + self._listeners[i + 1 :]
-
-    def _get_live(self, rid: str) -> _Req:
-        req = self._reqs.get(rid)
-        if req is None:
-            tomb = self._tomb.get(rid)
-            self._m["late_messages_rejected"] += 1
-            if tomb is not None:
-                state, _, reason = tomb
-                if state is State.EXPIRED:
-                    raise LeaseExpiredError(f"request {rid!r}: its lease expired; the message is refused")
-                raise RequestError(f"request {rid!r} is already {state.value}" + (f" ({reason})" if reason else ""))
-            raise RequestError(f"unknown request {rid!r}")
-        return req
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The lock, and the events made under it delivered after it, also when the call
-        raises (a write refused because the lease just ran out still tells the listener
-        that the request expired)."""
-        try:
-            with self._lock:
-                yield
-                ev = self._emit() if self._events else None
-        except BaseException:
-            with self._lock:
-                ev = self._emit() if self._events else None
-            if ev:
-                self._deliver(ev)
-            raise
-        if ev:
-            self._deliver(ev)
-
-    def _check_writable(self, req: _Req, token: int, now: float) -> None:
-        if req.token != token:
-            self._m["late_messages_rejected"] += 1
-            raise GrantViolation(f"request {req.rid!r}: grant token does not match (stale or forged)")
-        if req.state not in _WRITABLE:
-            self._m["late_messages_rejected"] += 1
-            raise RequestError(f"request {req.rid!r} is {req.state.value}; no more writes are accepted")
-        if now >= req.expires:
-            self._expire(req, now)
-            self._m["late_messages_rejected"] += 1
-            raise LeaseExpiredError(f"request {req.rid!r}: its lease expired; the message is refused")
-
-    def _push_expiry(self, req: _Req) -> None:
-        self._seq += 1
-        heapq.heappush(self._expiry, (req.expires, self._seq, req.rid))
-
-    def _grant(self, req: _Req, now: float) -> Grant | None:
-        """Try to give ``req`` destination blocks; return the grant or None."""
-        n, o = req.n, self.options
-        blocks = None
-        if o.direct_to_gpu and req.gpu_ok and self.gpu.num_free - n >= o.gpu_reserve_blocks:
-            blocks = self.gpu.try_allocate(n)
-            if blocks is not None:
-                req.location, req.gpu_blocks = "gpu", blocks
-        if blocks is None and self.buffer is not None:
-            blocks = self.buffer.try_allocate(n)
-            if blocks is not None:
-                req.location, req.buffer_blocks = "buffer", blocks
-                held = self.buffer.num_total - self.buffer.num_free
-                if held > self._m["buffer_blocks_peak"]:
-                    self._m["buffer_blocks_peak"] = held
-        if blocks is None:
-            return None
-        req.state = State.RESERVED
-        req.token = secrets.randbits(63)
-        req.reserved_at = now
-        req.expires = now + o.lease_s
-        self._push_expiry(req)
-        self._m["reservations_" + req.location] += 1
-        return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, o.lease_s, len(req.prefix))  # type: ignore[arg-type]
-
-    def _release_blocks(self, req: _Req, *, quarantine: bool, now: float) -> None:
-        w = req.writers
-        for pool, attr in ((self.buffer, "buffer_blocks"), (self.gpu, "gpu_blocks")):
-            blocks = getattr(req, attr)
-            if blocks:
-                assert pool is not None  # a request holds buffer blocks only where there is a buffer
-                setattr(req, attr, None)
-                # an admitted write still running holds its blocks whatever the grace says
-                if (quarantine and self.options.fence_grace_s > 0) or w.n:
-                    q = _Quarantine(now + self.options.fence_grace_s, req.peer, pool, blocks, w)
-                    w.entries.append(q)
-                    self._quarantine.append(q)
-                else:
-                    pool.free(blocks)
-
-    def _terminate(self, req: _Req, state: State, reason: str, now: float) -> None:
-        """Move ``req`` to a terminal state; every block returns (or is quarantined)."""
-        prev = req.state
-        if prev is State.SWAPPING:
-            # the swap still reads the buffer and writes the GPU blocks: finish it first
-            if req.cancel is None:
-                req.cancel = (state, reason)
-            return
-        self._release_blocks(req, quarantine=prev in _WRITABLE, now=now)
-        if prev is State.QUEUED:
-            try:
-                self._queue.remove(req.rid)
-            except ValueError:
-                pass
-        self._swapq.pop(req.rid, None)
-        if prev is State.READY and req.in_ready:
-            self._ready.remove(req)
-        req.state = state
-        req.reason = reason
-        prefix, req.prefix = req.prefix, ()
-        self._release_prefix(req.rid, prefix, req.release)
-        del self._reqs[req.rid]
-        self._tomb[req.rid] = (state, req.token, reason)
-        if len(self._tomb) > self.options.max_tombstones:
-            self._tomb.popitem(last=False)
-        key = _COUNTER_OF.get(state)
-        if key:
-            self._m[key] += 1
-        if state is not State.FINISHED:
-            self._event(EventKind(state.value), req.rid, reason=reason, t=now)
-            _log.info("request %r %s (was %s): %s", req.rid, state.value, prev.value, reason)
-
-    def _expire(self, req: _Req, now: float) -> None:
-        self._terminate(req, State.EXPIRED, f"lease of {self.options.lease_s}s expired", now)
-
-    # ------------------------------------------------------------------ reservation
     def reserve(
         self,
         request_id: str,

@@ -1,22 +1,19 @@
-"""What :class:`~pdkv.scheduler.DecodeScheduler` shows of itself: its counters and gauges
+"""What :class:`~pdkv.scheduling.scheduler.DecodeScheduler` shows of itself: its counters and gauges
 (:func:`metrics`), their Prometheus text (:func:`prometheus`), and the accounting
 invariants tests assert (:func:`check_invariants`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from .blocks import BlockPool
+from .core import SchedulerCore
 from .lifecycle import TERMINAL, State
-
-if TYPE_CHECKING:
-    from .scheduler import DecodeScheduler
 
 __all__ = ["metrics", "prometheus", "check_invariants"]
 
 
-def metrics(s: DecodeScheduler) -> dict[str, float]:
+def metrics(s: SchedulerCore) -> dict[str, float]:
     """Counters and gauges as a flat dict. ``live_<state>`` counts the live requests in
     each state now (``live_ready``); ``requests_<event>`` are counters since start."""
     with s._lock:
@@ -37,7 +34,7 @@ def metrics(s: DecodeScheduler) -> dict[str, float]:
         return out
 
 
-def prometheus(s: DecodeScheduler, prefix: str = "pdkv_") -> str:
+def prometheus(s: SchedulerCore, prefix: str = "pdkv_") -> str:
     """:meth:`metrics` in the Prometheus text exposition format."""
     lines = []
     for k, v in sorted(metrics(s).items()):
@@ -47,7 +44,7 @@ def prometheus(s: DecodeScheduler, prefix: str = "pdkv_") -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_invariants(s: DecodeScheduler, engine_blocks: Iterable[int] = ()) -> None:
+def check_invariants(s: SchedulerCore, engine_blocks: Iterable[int] = ()) -> None:
     """Assert the accounting invariants (tests): every pool's held blocks are exactly
     those of live requests plus quarantine, plus on the GPU pool the held prefixes
     (:meth:`~pdkv.DecodeScheduler.hold_prefix`, which may share blocks) and

@@ -19,22 +19,22 @@ layer, so an engine can start on layer 0 before the last layer lands.
 from __future__ import annotations
 
 import threading
-import time
 import weakref
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import numpy as np
 
-from . import _ffi
-from .errors import ClosedError, CudaUnavailableError, PdkvError, PdkvTimeoutError, SwapError
+from .. import _ffi
+from ..errors import ClosedError, CudaUnavailableError, PdkvError, SwapError
+from ..layout import CacheSpec
+from ..plan import CopyPlan, plan_copy, split_runs
+from .handles import _DRAIN_TIMEOUT_S, CopyHandle, _CudaHandle, _destroy_events, _drain, _FutureHandle
 from .kernels import KERNEL_SOURCE
-from .layout import CacheSpec
-from .plan import CopyPlan, plan_copy, split_runs
 
-# CopyPlan, plan_copy and split_runs live in pdkv.plan (re-exported here); the kernel in pdkv.kernels
-__all__ = ["CopyPlan", "plan_copy", "split_runs", "CopyHandle", "SwapEngine", "SwapGroup", "Strategy", "KERNEL_SOURCE"]
+# CopyPlan, plan_copy and split_runs live in pdkv.plan (re-exported here); the kernel in pdkv.swap.kernels
+__all__ = ["CopyPlan", "plan_copy", "split_runs", "CopyHandle", "SwapEngine", "Strategy", "KERNEL_SOURCE"]
 
 Strategy = Literal["auto", "kernel", "batch", "memcpy", "host"]
 # auto: mean piece at least this -> cudaMemcpyBatchAsync (H200, 4096 blocks, batches
@@ -70,155 +70,6 @@ def _batch_spans(a: int, b: int, first: int | None = None, cap: int | None = Non
         a += n
         n = min(cap, 2 * n)
     return out
-
-
-class CopyHandle:
-    """An asynchronous copy. ``done()`` never blocks; ``wait(timeout)`` is bounded.
-
-    ``layer_done(l)`` / ``wait_layer(l, timeout)`` exist when the copy was layer-wise.
-    ``error`` is the exception if the copy failed (``done()`` is then True).
-    """
-
-    def __init__(self, nbytes: int, layers: int) -> None:
-        self.nbytes = nbytes
-        self.num_layers = layers
-        self._error: BaseException | None = None
-        self._t0 = time.perf_counter()
-        self._t1: float | None = None
-
-    @property
-    def error(self) -> BaseException | None:
-        self.done()
-        return self._error
-
-    def done(self) -> bool:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def layer_done(self, layer: int) -> bool:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def _wait(self, pred: Callable[[], bool], timeout: float | None, what: str) -> None:
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        while not pred():
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise PdkvTimeoutError(f"{what} not finished within {timeout} s")
-            # poll finely for the first 100 ms (copies take ~1-50 ms), then back off
-            elapsed = now - start
-            if elapsed < 0.002:
-                time.sleep(0)
-            else:
-                time.sleep(2e-5 if elapsed < 0.1 else 1e-3)
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until done (at most ``timeout`` s); raise the copy's error if it failed."""
-        self._wait(self.done, timeout, "copy")
-        if self._error is not None:
-            raise SwapError(f"copy failed: {self._error}") from self._error
-
-    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        self._wait(lambda: self.layer_done(layer), timeout, f"layer {layer} of the copy")
-        if self._error is not None:
-            raise SwapError(f"copy failed: {self._error}") from self._error
-
-    @property
-    def seconds(self) -> float | None:
-        """Wall time from submission to the first ``done()`` that saw it complete."""
-        return None if self._t1 is None else self._t1 - self._t0
-
-
-class _CudaHandle(CopyHandle):
-    def __init__(self, nbytes: int, layers: int, events: list[int], keep: object) -> None:
-        super().__init__(nbytes, layers)
-        self._events = events  # one per layer when layer-wise, else one
-        self._keep = keep  # descriptor memory: freed when the copy is done
-        self._finished = False
-        self._lock = threading.Lock()
-        self._fin = weakref.finalize(self, _destroy_events, list(events))
-
-    # done() may be called from several threads at once (staged sends: the lanes of a
-    # chunk, and the engine reusing descriptor memory): the lock keeps one from querying
-    # an event another has just destroyed (a crash in the driver)
-    def done(self) -> bool:
-        if self._finished:
-            return True
-        with self._lock:
-            if self._finished:
-                return True
-            try:
-                ok = _ffi.cuda.event_query(self._events[-1])
-            except Exception as exc:  # a CUDA error surfaces here: the copy failed
-                self._error = exc
-                ok = True
-            if ok:
-                self._t1 = time.perf_counter()
-                self._keep = None
-                self._fin()
-                self._finished = True
-            return ok
-
-    def layer_done(self, layer: int) -> bool:
-        if self._finished or len(self._events) == 1:
-            return self.done()
-        with self._lock:
-            if self._finished:
-                return True
-            try:
-                return _ffi.cuda.event_query(self._events[layer])
-            except Exception as exc:
-                self._error = exc
-                return True
-
-
-_DRAIN_TIMEOUT_S = 60.0
-
-
-def _drain(stream: int, timeout: float | None = None) -> bool:
-    """Wait, bounded, for everything queued on ``stream`` so far; False if it did not finish."""
-    timeout = _DRAIN_TIMEOUT_S if timeout is None else timeout
-    try:
-        ev = _ffi.cuda.event_create()
-    except Exception:
-        return False
-    try:
-        _ffi.cuda.event_record(ev, stream)
-        deadline = time.monotonic() + timeout
-        while not _ffi.cuda.event_query(ev):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(1e-4)
-        return True
-    except Exception:  # the stream itself failed: nothing more will run on it
-        return True
-    finally:
-        _destroy_events([ev])
-
-
-def _destroy_events(events: list[int]) -> None:
-    for e in events:
-        try:
-            _ffi.cuda.event_destroy(e)
-        except Exception:
-            pass
-
-
-class _FutureHandle(CopyHandle):
-    def __init__(self, nbytes: int, layers: int, fut: Future[None], layer_flags: list[threading.Event]) -> None:
-        super().__init__(nbytes, layers)
-        self._fut = fut
-        self._flags = layer_flags
-
-    def done(self) -> bool:
-        if not self._fut.done():
-            return False
-        if self._t1 is None:
-            self._t1 = time.perf_counter()
-            self._error = self._fut.exception()
-        return True
-
-    def layer_done(self, layer: int) -> bool:
-        return self._flags[layer].is_set() or self.done()
 
 
 class _Busy:
@@ -276,7 +127,7 @@ class SwapEngine:
     layerwise:
         Default for :meth:`submit`: one completion per layer.
 
-    The engine is a :class:`~pdkv.scheduler.SwapBackend`: :meth:`submit` copies buffer
+    The engine is a :class:`~pdkv.scheduling.scheduler.SwapBackend`: :meth:`submit` copies buffer
     blocks into GPU blocks. Ownership: the engine owns its stream, events and staging
     memory and frees them on :meth:`close`; the caches belong to the caller.
     """
@@ -574,36 +425,3 @@ class SwapEngine:
         if not layerwise:
             return [(0, e[-1] if e else 0)]
         return list(zip([0] + e[:-1], e))
-
-
-class _GroupHandle(CopyHandle):
-    def __init__(self, handles: list[CopyHandle]) -> None:
-        super().__init__(sum(h.nbytes for h in handles), handles[0].num_layers if handles else 0)
-        self._hs = handles
-
-    def done(self) -> bool:
-        if all(h.done() for h in self._hs):
-            if self._t1 is None:
-                self._t1 = time.perf_counter()
-                self._error = next((h.error for h in self._hs if h.error is not None), None)
-            return True
-        return False
-
-    def layer_done(self, layer: int) -> bool:
-        return all(h.layer_done(layer) for h in self._hs)
-
-
-class SwapGroup:
-    """One swap backend over several engines (the TP ranks a decode process hosts):
-    a request's swap is done when every rank's copy is done.
-
-    Ownership: the engines stay the caller's.
-    """
-
-    def __init__(self, engines: Sequence[SwapEngine]) -> None:
-        if not engines:
-            raise ValueError("SwapGroup needs at least one engine")
-        self.engines = list(engines)
-
-    def submit(self, request_id: str, buffer_blocks: Sequence[int], gpu_blocks: Sequence[int]) -> CopyHandle:
-        return _GroupHandle([e.submit(request_id, buffer_blocks, gpu_blocks) for e in self.engines])

@@ -1,7 +1,7 @@
 """Moving KV cache from prefill ranks into the blocks decode granted, layer by layer.
 
 Decode runs a :class:`DecodeReceiver` (control plane on a ZeroMQ ROUTER socket, the
-:class:`~pdkv.scheduler.DecodeScheduler` behind it); each prefill rank runs a
+:class:`~pdkv.scheduling.scheduler.DecodeScheduler` behind it); each prefill rank runs a
 :class:`PrefillSender` (DEALER socket, a data thread that writes layer after layer while
 the engine computes the next one). The bytes move through a transport, chosen per peer
 from those both sides have registered (:mod:`.base`: the interface and the registry):
@@ -16,15 +16,36 @@ from those both sides have registered (:mod:`.base`: the interface and the regis
 GPU cache, cuda_ipc and shm; decode picks the first it serves and can use for the peer.
 A new transport is one module with a :class:`SenderTransport` and a
 :class:`ReceiverTransport` subclass, made available by :func:`register`.
+
+The sessions: ``decode`` (:class:`DecodeReceiver`: the control loop and message handling)
+over ``receiver`` (its state and the surface transports use), ``prefill``
+(:class:`PrefillSender`), ``handshake`` (both halves of session setup) with ``identity``
+(instance keys, pending handshakes), ``guard`` (decode's control connections), ``channel``,
+``options``, ``sockets`` (authenticated data connections), ``staging`` and ``hostcopy``
+(the staged and host copy paths), ``rdma_qp`` and ``ipc_export`` (the RDMA queue-pair layer and
+the CUDA IPC export, beside their transports).
+
+May import: everything below it (errors, layout, protocol, plan, scheduling, buffer, swap,
+``integrations.interop``, ``_ffi``); the sessions reach transports only through the registry.
 """
 
 from . import base
-from .base import ReceiverTransport, SenderTransport, SendGrant, WriteItem, auto_offer, names, register, unregister
+from .base import (
+    ReceiverTransport,
+    RequestOutcome,
+    SenderTransport,
+    SendGrant,
+    WriteItem,
+    auto_offer,
+    names,
+    register,
+    unregister,
+)
 from .cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from .decode import DecodeReceiver
 from .nixl import NixlReceiver, NixlSender
 from .options import ReceiverOptions, SenderOptions, default_copy_threads
-from .prefill import PrefillSender, RequestOutcome
+from .prefill import PrefillSender
 from .rdma import RdmaReceiver, RdmaSender
 from .shm import ShmReceiver, ShmSender
 from .tcp import FRAME_HEADER, FRAME_ITEM, TcpReceiver, TcpSender

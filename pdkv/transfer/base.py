@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from ..layout import CacheSpec, KVLayout, Segment
 
 if TYPE_CHECKING:
+    from ..buffer.shared import SharedBuffer
     from ..protocol import Codec, Hello, Message, Welcome
-    from ..scheduler import DecodeScheduler
-    from ..shm import SharedBuffer
+    from ..scheduling.scheduler import DecodeScheduler
 
 __all__ = [
     "SendGrant",
+    "RequestOutcome",
+    "Waiter",
     "WriteItem",
     "LayerJob",
     "FinishJob",
@@ -385,3 +387,32 @@ def auto_offer(cache: CacheSpec) -> list[str]:
         if cls.auto_rank is not None and cls.refuses(cache) is None and cls.available():
             out.append(n)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """The definite end of a request on the prefill side: ``state`` is ``received`` (prefill
+    may free its blocks, decode has the data) or ``failed``/``expired``/``aborted``/``rejected``
+    (prefill frees its blocks; the request must be retried or dropped)."""
+
+    request_id: str
+    state: str
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "received"
+
+
+class Waiter:
+    """A value one thread sets and another waits for (a grant, an outcome)."""
+
+    __slots__ = ("event", "value")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.value: Any = None
+
+    def set(self, v: Any) -> None:
+        self.value = v
+        self.event.set()

@@ -1,7 +1,7 @@
 """The cuda_ipc transport: a GPU cache on decode's host writes into decode's GPU blocks.
 
 Decode exports each rank's GPU cache as CUDA IPC handles of the allocations that hold it
-(:mod:`pdkv.cuda_ipc`) and serves it only to a prefill whose GPU can map them (the same
+(:mod:`pdkv.transfer.ipc_export`) and serves it only to a prefill whose GPU can map them (the same
 GPU, or one with peer access). Prefill maps them and writes GPU grants device to device
 with the swap engine's kernel; buffer grants go into decode's shared buffers as with shm.
 The ranks of one prefill instance share a grant, so an instance is all cuda_ipc or none.
@@ -14,11 +14,11 @@ from typing import Any
 import msgspec
 
 from .. import _ffi
-from ..cuda_ipc import IpcMapping, export_gpu_caches, parse_ipc_section, unreachable
 from ..errors import PdkvError
 from ..layout import CacheSpec, KVLayout
 from ..protocol import CudaDesc, Hello, IpcSection, Welcome, to_plain
 from .base import Peer, ReceiverHost, WriteItem
+from .ipc_export import IpcMapping, export_gpu_caches, parse_ipc_section, unreachable
 from .shm import ShmReceiver, ShmSender
 
 __all__ = ["CudaIpcSender", "CudaIpcReceiver"]

@@ -16,15 +16,13 @@ A Hello whose nonce decode saw within the handshake window is refused (replay).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
+import zmq
 
 from ..errors import (
     LayoutError,
@@ -52,68 +50,19 @@ from ..protocol import (
     new_nonce,
 )
 from . import base as registry
-from .base import Peer
-
-if TYPE_CHECKING:
-    from .decode import DecodeReceiver
-    from .prefill import PrefillSender
+from .base import Peer, SenderHost, SenderTransport
+from .identity import Handshake, instance_key_of, key_fingerprint
+from .options import SenderOptions
+from .receiver import ReceiverCore
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["Handshake", "answer_hello", "accept_session", "open_session", "instance_key_of"]
+__all__ = ["answer_hello", "accept_session", "open_session", "Opener"]
 
 _HELLO_RETRY_S = 1.0  # a Hello unanswered this long is sent again (its connection may have been closed)
-_process_keys: dict[str, bytes] = {}
-_keys_lock = threading.Lock()
 
 
-def instance_key_of(instance: str, given: bytes | None) -> bytes:
-    """The 32-byte key a sender proves: of ``given`` (``SenderOptions.instance_key``), or
-    this process's own random key for ``instance``."""
-    if given is not None:
-        return hashlib.sha256(b"pdkv-instance-key" + given).digest()
-    with _keys_lock:
-        return _process_keys.setdefault(instance, os.urandom(32))
-
-
-def key_fingerprint(key: bytes) -> bytes:
-    """What decode keeps of an instance's key."""
-    return hashlib.sha256(b"pdkv-instance-fp" + key).digest()
-
-
-@dataclass
-class Handshake:
-    """A Hello answered with a Challenge, waiting for the peer's Auth (holds no resources)."""
-
-    codec: Codec
-    hello: Hello
-    layout: KVLayout
-    segs: list[Segment]
-    transport: str
-    same_host: bool
-    nonce: bytes
-    deadline: float
-
-
-class HelloNonces:
-    """Hello nonces seen within the handshake window: a replayed Hello is refused at once,
-    before it costs a pending handshake (bounded: the oldest are forgotten first)."""
-
-    def __init__(self, window_s: float, cap: int = 1 << 16) -> None:
-        self.window_s, self.cap = window_s, cap
-        self._seen: dict[bytes, float] = {}
-
-    def fresh(self, nonce: bytes, now: float) -> bool:
-        """Whether ``nonce`` is new (and remember it)."""
-        if nonce in self._seen:
-            return False
-        while len(self._seen) >= self.cap or (self._seen and next(iter(self._seen.values())) < now):
-            del self._seen[next(iter(self._seen))]
-        self._seen[nonce] = now + self.window_s
-        return True
-
-
-def answer_hello(rx: DecodeReceiver, ident: bytes, codec: Codec, h: Hello) -> None:
+def answer_hello(rx: ReceiverCore, ident: bytes, codec: Codec, h: Hello) -> None:
     """Check a Hello and answer it with a Challenge; the session starts only on a valid
     Auth (:func:`accept_session`). Nothing is allocated for the peer before that."""
 
@@ -182,7 +131,7 @@ def answer_hello(rx: DecodeReceiver, ident: bytes, codec: Codec, h: Hello) -> No
     rx._ch.send(lambda: [ident, *frames])
 
 
-def identity_refusal(rx: DecodeReceiver, h: Hello, fp: bytes) -> str | None:
+def identity_refusal(rx: ReceiverCore, h: Hello, fp: bytes) -> str | None:
     """Why a session of instance ``h.instance``, rank ``h.tp_rank``, proving the key whose
     fingerprint is ``fp``, may not start now (None: it may). Under ``rx.lock``."""
     mine = [p for p in rx._peers.values() if p.instance == h.instance]
@@ -200,7 +149,7 @@ def identity_refusal(rx: DecodeReceiver, h: Hello, fp: bytes) -> str | None:
     return None
 
 
-def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake, auth: Auth) -> None:
+def accept_session(rx: ReceiverCore, ident: bytes, hs: Handshake, auth: Auth) -> None:
     """The peer proved the session key: check its identity, make the session, answer Welcome."""
     h, codec, transport = hs.hello, hs.codec, hs.transport
     fp = key_fingerprint(mask_instance_key(auth.instance_key, codec.key, h.nonce, hs.nonce))
@@ -268,7 +217,24 @@ def accept_session(rx: DecodeReceiver, ident: bytes, hs: Handshake, auth: Auth) 
     rx._ch.send(lambda: [ident, *frames])
 
 
-def open_session(tx: PrefillSender, offer: list[str], timeout_s: float) -> None:
+class Opener(SenderHost, Protocol):
+    """What :func:`open_session` sets up on a prefill sender (``PrefillSender``)."""
+
+    options: SenderOptions
+    instance: str
+    stats: dict[str, Any]
+    transport: str
+    session_id: bytes  # set here; the transports read it
+    dst_layout: KVLayout
+    segments: list[Segment]
+    _sock: zmq.Socket[bytes]
+    _codec: Codec
+    _candidates: dict[str, SenderTransport]
+    _data: SenderTransport | None
+    _last_heard: float
+
+
+def open_session(tx: Opener, offer: list[str], timeout_s: float) -> None:
     fields: dict[str, Any] = {"rdma": None, "cuda": None, "nixl": None}
     auto = tx.options.transport == "auto"
     made: list[str] = []
@@ -355,7 +321,7 @@ def open_session(tx: PrefillSender, offer: list[str], timeout_s: float) -> None:
     tx._last_heard = time.monotonic()
 
 
-def reply(tx: PrefillSender, until: float, timeout_s: float, final: float | None = None) -> Message | None:
+def reply(tx: Opener, until: float, timeout_s: float, final: float | None = None) -> Message | None:
     """The next handshake message from decode; a refusal raises PeerError. Nothing by
     ``until``: None when ``final`` (a later deadline) is given and not yet past, else
     PdkvTimeoutError."""

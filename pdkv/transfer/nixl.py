@@ -33,8 +33,8 @@ from ..errors import PdkvTimeoutError, ProtocolError, TransferError
 from ..layout import CacheSpec, KVLayout
 from ..plan import layer_pieces
 from ..protocol import Hello, NixlHello, NixlOffer, NixlRegionDesc, Welcome
-from ..rdma import merge_regions
 from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem, report_layer
+from .rdma_qp import merge_regions
 from .staging import StagedSends, make_staged, stage_layer
 
 __all__ = ["NixlSender", "NixlReceiver", "PREPARED_MAX"]

@@ -15,7 +15,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -52,40 +51,13 @@ from ..protocol import (
 )
 from . import base as registry
 from . import handshake
-from .base import FinishJob, LayerJob, SenderTransport, SendGrant, WriteItem
+from .base import FinishJob, LayerJob, RequestOutcome, SenderTransport, SendGrant, Waiter, WriteItem
 from .channel import SEND_BATCH, Channel, clip
 from .options import SenderOptions, merge_options
 
 __all__ = ["PrefillSender", "RequestOutcome"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutcome:
-    """The definite end of a request on the prefill side: ``state`` is ``received`` (prefill
-    may free its blocks, decode has the data) or ``failed``/``expired``/``aborted``/``rejected``
-    (prefill frees its blocks; the request must be retried or dropped)."""
-
-    request_id: str
-    state: str
-    reason: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.state == "received"
-
-
-class _Waiter:
-    __slots__ = ("event", "value")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.value: Any = None
-
-    def set(self, v: Any) -> None:
-        self.value = v
-        self.event.set()
 
 
 class PrefillSender:
@@ -152,8 +124,8 @@ class PrefillSender:
         self._lock = threading.Lock()
         self._grants: dict[str, SendGrant] = {}
         self._grant_arrays: dict[int, Any] = {}  # grant token -> its block ids as an array
-        self._reserve_waiters: dict[str, _Waiter] = {}
-        self._outcomes: dict[str, _Waiter] = {}
+        self._reserve_waiters: dict[str, Waiter] = {}
+        self._outcomes: dict[str, Waiter] = {}
         self._failed: dict[str, str] = {}
         self._closed = threading.Event()
         self._bye = threading.Event()  # decode ended the session (or answered ours)
@@ -256,9 +228,9 @@ class PrefillSender:
                 if rid in self._reserve_waiters or rid in self._grants:
                     raise RequestError(f"request {rid!r} is already reserved or being reserved")
             for rid in ids:
-                w = _Waiter()
+                w = Waiter()
                 self._reserve_waiters[rid] = w
-                self._outcomes[rid] = _Waiter()
+                self._outcomes[rid] = Waiter()
                 waiters.append(w)
         if len(requests) == 1:
             self.post(ReserveReq(*requests[0]))

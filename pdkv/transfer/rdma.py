@@ -5,7 +5,7 @@ pair's record in the welcome; prefill registers its host cache and makes a queue
 before the hello (which carries its record), posts writes coalesced over contiguous runs,
 checks every completion, then reports each request's layer (``LayerDone``). Dropping a
 dead peer's queue pair is its fence. Not run on RDMA hardware (docs/TRANSPORTS.md); tested
-against a simulated verbs layer. The verbs work itself is in :mod:`pdkv.rdma`.
+against a simulated verbs layer. The verbs work itself is in :mod:`pdkv.transfer.rdma_qp`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from ..errors import PdkvError, ProtocolError, RdmaError, RdmaUnavailableError
 from ..layout import CacheSpec, KVLayout
 from ..plan import layer_pieces
 from ..protocol import Hello, LayerDone, RdmaEndpointDesc, RdmaOffer, Welcome, to_plain
-from ..rdma import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
+from .rdma_qp import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .staging import StagedSends, make_staged, stage_layer
 
 _log = logging.getLogger(__name__)

@@ -208,7 +208,7 @@ class StagedSends:
         timeout_s: float = 10.0,
         fail_request: Callable[[str, str], None] | None = None,
     ) -> None:
-        from ..swap import SwapEngine
+        from ..swap.engine import SwapEngine
 
         if not isinstance(lanes, int) or not 1 <= lanes <= 64:
             raise ValueError(f"lanes={lanes!r} must be an integer in 1..64")

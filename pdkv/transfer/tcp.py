@@ -31,7 +31,7 @@ from ..errors import ClosedError, GrantViolation, PdkvError, ProtocolError, Tran
 from ..layout import KVLayout, Segment
 from ..plan import plan_layer, tcp_frames, tcp_items
 from ..protocol import Hello, Welcome
-from ..scheduler import WriteTicket
+from ..scheduling.scheduler import WriteTicket
 from .base import Inflight, Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
 from .sockets import FRAME_HEADER, K_DATA, MAGIC, DataListener, connect_authenticated, sendmsg_all
 from .staging import StagedSends, chunk_ranges, make_staged

@@ -13,6 +13,10 @@ prefill write decode's GPU blocks directly, and the buffer only when they are fu
 the default ``auto``, decode with GPU blocks serves cuda_ipc too, so ``--prefill-gpu``
 alone gets what an engine's GPU-cache sender gets: cuda_ipc where the GPUs reach each
 other, else shm. Prefill ranks with host caches (the default) take shm or tcp.
+
+Modules by mode: ``app`` (flags, checks, main), ``local_mode``, ``decode_mode``,
+``prefill_mode``, ``plan_mode`` over ``capacity`` (the simulation), ``sweep``; ``workload``
+and ``report`` serve them all. May import: pdkv's public API.
 """
 
 from .app import main

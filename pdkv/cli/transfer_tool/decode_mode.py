@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from ... import _ffi
-from ...blocks import BlockPool
+from ...buffer.segments import available_memory
+from ...buffer.shared import SharedBuffer
 from ...errors import PdkvError
-from ...interop import aligned_empty
+from ...integrations.interop import aligned_empty
 from ...layout import CacheSpec, KVLayout
-from ...scheduler import DecodeScheduler, Event, SchedulerOptions
-from ...shm import SharedBuffer
-from ...shmseg import available_memory
+from ...scheduling.blocks import BlockPool
+from ...scheduling.scheduler import DecodeScheduler, Event, SchedulerOptions
 from ...swap import SwapEngine, SwapGroup
 from ...transfer import DecodeReceiver
 from .workload import (

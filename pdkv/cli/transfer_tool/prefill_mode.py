@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 
 from ... import _ffi
-from ...blocks import BlockPool
 from ...errors import PdkvError
-from ...interop import aligned_empty
+from ...integrations.interop import aligned_empty
 from ...layout import CacheSpec, KVLayout
-from ...swap import SwapEngine
+from ...scheduling.blocks import BlockPool
+from ...swap.engine import SwapEngine
 from ...transfer import PrefillSender, RequestOutcome
 from .workload import UsageError, layout_kw, make_workload, parse_devices, pattern, request_key
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ...layout import KVLayout
-from .decode import DecodeSide, Track
+from .decode_mode import DecodeSide, Track
 
 
 def _pct(xs: Sequence[float], q: float) -> float:

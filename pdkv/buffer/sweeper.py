@@ -18,9 +18,9 @@ import logging
 import os
 from dataclasses import dataclass
 
-from . import _ffi
-from .procs import creator_verdict
-from .shmseg import NAME_PREFIX, ORIGIN_SUFFIX, STRIPE_SEP, read_origin
+from .. import _ffi
+from ..procs import creator_verdict
+from .segments import NAME_PREFIX, ORIGIN_SUFFIX, STRIPE_SEP, read_origin
 
 __all__ = ["SegmentInfo", "CleanReport", "scan_segments", "clean_segments", "clean", "SHM_DIR"]
 

@@ -1,0 +1,310 @@
+"""The tool's plan mode: a buffer-size sweep of the capacity simulation (``capacity``) over a
+trace, its table, its recommendation, the load warnings, the burst that measures this
+host's link and swap rates, and the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+from ...layout import KVLayout
+from .capacity import PlanConfig, TraceRequest, prefix_savings, read_trace, simulate
+from .workload import UsageError, layout_kw
+
+FIGURE_COLUMNS = (  # header, figure, format: fits 80 columns
+    ("buf\nGiB", "buffer_gib", "{:.1f}"),
+    ("wait\np50 ms", "prefill_wait_ms_p50", "{:.0f}"),
+    ("wait\np99 ms", "prefill_wait_ms_p99", "{:.0f}"),
+    ("wait\nmax ms", "prefill_wait_ms_max", "{:.0f}"),
+    ("TTFT\np50 ms", "ttft_ms_p50", "{:.0f}"),
+    ("TTFT\np99 ms", "ttft_ms_p99", "{:.0f}"),
+    ("peak\nbuf", "peak_buffer_occupancy", "{:.0%}"),
+    ("queued", "queued", "{:d}"),
+    ("rejected", "rejected", "{:d}"),
+)
+
+
+def sweep_sizes(spec: str | None, lay: KVLayout, gpu_blocks: int, smallest: int = 1) -> list[int]:
+    """Buffer sizes in blocks per rank: ``--buffer-sweep`` GiB values, or by default 0 and
+    ``smallest`` doubled up to 4 times the GPU pool (``smallest``: the largest request where
+    every transfer goes through the buffer, else 1/8 of the GPU pool)."""
+    if not spec:
+        top = max(4 * gpu_blocks, smallest)
+        out = [0]
+        n = max(1, smallest)
+        while n < top:
+            out.append(n)
+            n *= 2
+        return out + [top]
+    try:
+        gibs = [float(x) for x in spec.split(",")]
+    except ValueError:
+        gibs = []
+    if not gibs or any(not math.isfinite(g) or g < 0 for g in gibs):
+        raise UsageError(f"--buffer-sweep {spec!r}: expected GiB values >= 0, comma-separated, e.g. 0,1,2,4")
+    return sorted({lay.blocks_for_bytes(int(g * (1 << 30))) if g else 0 for g in gibs})
+
+
+def recommend(rows: list[dict[str, Any]], target_wait_ms: float, target_ttft_ms: float | None) -> dict[str, Any] | None:
+    """The smallest buffer whose p99 prefill wait (and p99 TTFT, if given) meets the target
+    with every request served; None when none in the sweep does."""
+    for r in rows:
+        if r["rejected"] or r["queue_timeouts"] or r["completed"] != r["requests"]:
+            continue
+        if r["prefill_wait_ms_p99"] > target_wait_ms:
+            continue
+        if target_ttft_ms is not None and r["ttft_ms_p99"] > target_ttft_ms:
+            continue
+        return r
+    return None
+
+
+def write_plan_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+
+    from .report import save_figure
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["buffer_gib"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    ax = axes[0]
+    ax.plot(x, [r["prefill_wait_ms_p50"] for r in rows], "o-", label="p50")
+    ax.plot(x, [r["prefill_wait_ms_p99"] for r in rows], "s-", label="p99")
+    ax.plot(x, [r["prefill_wait_ms_max"] for r in rows], "^--", label="max")
+    ax.set_title("prefill's wait for decode blocks")
+    ax.set_ylabel("ms")
+    ax = axes[1]
+    ax.plot(x, [r["ttft_ms_p50"] for r in rows], "o-", label="TTFT p50")
+    ax.plot(x, [r["ttft_ms_p99"] for r in rows], "s-", label="TTFT p99")
+    ax.plot(x, [r["decode_start_ms_p99"] for r in rows], "^--", label="decode start p99")
+    ax.set_title("time to first token, to first decode step")
+    ax.set_ylabel("ms")
+    ax = axes[2]
+    ax.plot(x, [100 * r["peak_buffer_occupancy"] for r in rows], "o-", label="peak buffer occupancy (%)")
+    ax.plot(x, [100 * r["queued"] / max(1, r["requests"]) for r in rows], "s-", label="requests queued (%)")
+    ax.set_title("buffer use and queueing")
+    ax.set_ylabel("%")
+    for ax in axes:
+        ax.set_xlabel("buffer per decode rank (GiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path, "pdkv capacity plan")
+
+
+def load_warnings(trace: Sequence[TraceRequest], cfg: PlanConfig) -> list[str]:
+    """Offered load of prefill compute and of decode's GPU pool over the trace's span: above
+    1 the queue grows without bound and every figure measures that queue, not the buffer."""
+    span = max(r.arrival for r in trace) - min(r.arrival for r in trace)
+    if span <= 0:
+        return []
+    out = []
+    work = sum(cfg.compute_s(r.input_tokens) for r in trace) / cfg.prefill_instances
+    if work / span > 1:
+        out.append(
+            f"prefill is overloaded: {work / span:.1f}x its capacity over the trace's {span:.0f} s "
+            "(TTFT is prefill queueing; add --prefill-instances or raise --prefill-tokens-per-s)"
+        )
+    held = sum(cfg.layout.blocks_for_tokens(r.input_tokens) * r.output_tokens * cfg.token_s for r in trace)
+    if held / span > cfg.gpu_blocks:
+        out.append(
+            f"decode is overloaded: requests hold {held / span:,.0f} GPU blocks on average, the pool has "
+            f"{cfg.gpu_blocks} (any buffer fills; raise --gpu-gib)"
+        )
+    return out
+
+
+def measure_rates(a: Any, console: Any) -> tuple[float, float]:
+    """Transfer and swap bandwidth of this host for the layout, in bytes/s: a short loopback
+    run of the transfer test (16 requests of about 2 GiB in all, sent at once, not verified): the
+    link's rate over the time prefill was writing (the transfer span would also count the time
+    the test's prefill spends computing its patterns, which the plan models apart) and the swap
+    rate over the time swaps were in flight."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pdkv-plan-") as d:
+        out = os.path.join(d, "rates.json")
+        lay = KVLayout(**layout_kw(a), tp_size=a.decode_tp)
+        per_token = lay.block_bytes * a.decode_tp / lay.tokens_per_block
+        tokens = int(min(16384, max(256, (2 << 30) / 16 / per_token)))  # about 2 GiB in all
+        argv = [sys.executable, "-m", "pdkv.cli.transfer_tool", "--model", a.model, "--requests", "16"]
+        argv += ["--prompt-len", str(tokens), "--no-verify", "--concurrency", "16", "--json", out, "-q"]
+        argv += ["--decode-tp", str(a.decode_tp), "--gpu-blocks", "0"]
+        for opt, attr in (("--layers", "layers"), ("--kv-heads", "kv_heads"), ("--head-dim", "head_dim")):
+            if getattr(a, attr) is not None:
+                argv += [opt, str(getattr(a, attr))]
+        for opt, attr in (("--tokens-per-block", "tokens_per_block"), ("--dtype", "dtype")):
+            if getattr(a, attr) is not None:
+                argv += [opt, str(getattr(a, attr))]
+        console.print(f"measuring this host's transfer and swap bandwidth (16 requests of {tokens} tokens) ...")
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if p.returncode != 0 or not os.path.exists(out):
+            last = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or ["no output"]
+            raise UsageError(
+                f"measuring the bandwidth failed ({last[0]}); give --bandwidth-gbps and --swap-gbps instead"
+            )
+        with open(out) as f:
+            rep = json.load(f)
+    link, swap = float(rep.get("link_GBps", 0.0)), float(rep.get("swap_GBps", 0.0))
+    if not (link > 0 and swap > 0):  # a plan on a zero rate would divide by it
+        raise UsageError(
+            f"measuring the bandwidth gave no rate (link {link:.3f} GB/s, swap {swap:.3f} GB/s); give "
+            "--bandwidth-gbps and --swap-gbps instead"
+        )
+    return link * 1e9, swap * 1e9
+
+
+def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
+    import time
+
+    from rich import box
+    from rich.table import Table
+
+    trace = read_trace(a.trace, a.trace_limit, a.time_scale)
+    lay = KVLayout(**lay_kw, tp_size=a.decode_tp)
+    if a.gpu_blocks:
+        gpu_blocks = a.gpu_blocks
+    else:
+        gpu_blocks = lay.blocks_for_bytes(int(a.gpu_gib * (1 << 30)))
+    if gpu_blocks <= 0:
+        raise UsageError(f"--gpu-gib {a.gpu_gib} holds no block of {lay.block_bytes} bytes")
+    big = max(trace, key=lambda r: r.input_tokens)
+    need = lay.blocks_for_tokens(big.input_tokens)
+    sizes = sweep_sizes(a.buffer_sweep, lay, gpu_blocks, max(1, gpu_blocks // 8) if a.direct_to_gpu else need)
+    bw = a.bandwidth_gbps * 1e9 if a.bandwidth_gbps else 0.0
+    swap_bw = a.swap_gbps * 1e9 if a.swap_gbps else 0.0
+    measured = not (bw and swap_bw)
+    if measured:
+        mbw, mswap = measure_rates(a, console)
+        bw, swap_bw = bw or mbw, swap_bw or mswap
+    cfg = PlanConfig(
+        layout=lay,
+        decode_tp=a.decode_tp,
+        gpu_blocks=gpu_blocks,
+        prefill_instances=a.prefill_instances,
+        prefill_tokens_per_s=a.prefill_tokens_per_s,
+        layer_ms=a.layer_ms,
+        overhead_s=a.prefill_overhead_ms / 1000,
+        bandwidth=bw,
+        swap_bandwidth=swap_bw,
+        token_s=a.token_ms / 1000,
+        direct_to_gpu=a.direct_to_gpu,
+    )
+    if need > gpu_blocks:
+        raise UsageError(
+            f"trace request {big.rid} needs {need} GPU blocks ({big.input_tokens} tokens) but the decode GPU pool "
+            f"has {gpu_blocks}: raise --gpu-gib or --gpu-blocks"
+        )
+    t0 = time.monotonic()
+    rows: list[dict[str, Any] | None] = []
+    for nb in sizes:
+        if nb and not a.direct_to_gpu and nb < need:
+            rows.append(None)  # every request passes through the buffer: it must hold the largest
+            continue
+        rows.append(simulate(trace, cfg, nb).figures())
+    skipped = [sizes[i] for i, r in enumerate(rows) if r is None]
+    rows_ok = [r for r in rows if r is not None]
+    elapsed = time.monotonic() - t0
+    compute = f"{a.layer_ms} ms a layer" if a.layer_ms else f"{a.prefill_tokens_per_s:,.0f} tokens/s"
+    if a.prefill_overhead_ms:
+        compute += f" + {a.prefill_overhead_ms:g} ms a request"
+    head = (
+        f"{a.model} ({lay.total_layers} layers, {lay.block_bytes * a.decode_tp / (1 << 20):.2f} MiB a block of "
+        f"{lay.tokens_per_block} tokens, decode TP {a.decode_tp}); {len(trace)} requests of {a.trace}; "
+        f"{a.prefill_instances} prefill instance(s) at {compute}; link {bw / 1e9:.2f} GB/s, swap "
+        f"{swap_bw / 1e9:.2f} GB/s{' (measured here)' if measured else ''}; decode {a.token_ms} ms a token, "
+        f"{gpu_blocks} GPU blocks ({gpu_blocks * lay.block_bytes / (1 << 30):.1f} GiB a rank); "
+        + ("transfers into GPU blocks while they last" if a.direct_to_gpu else "every transfer through the buffer")
+    )
+    console.print(head)
+    for line in load_warnings(trace, cfg):
+        console.print(f"[yellow]{line}[/yellow]")
+    tb = Table(
+        title="what the decode buffer buys (buffer 0: prefill waits for decode GPU blocks)",
+        box=box.SIMPLE,
+        padding=(0, 1),
+    )
+    for name, _, _ in FIGURE_COLUMNS:
+        tb.add_column(name, justify="right")
+    for r in rows_ok:
+        tb.add_row(
+            *("n/a" if isinstance(r[k], float) and math.isnan(r[k]) else f.format(r[k]) for _, k, f in FIGURE_COLUMNS)
+        )
+    console.print(tb)
+    if skipped:
+        console.print(f"left out: buffers of {skipped} blocks hold less than the largest request ({need} blocks)")
+    best = recommend(rows_ok, a.target_wait_ms, a.target_ttft_ms)
+    target = f"p99 prefill wait <= {a.target_wait_ms:g} ms" + (
+        f" and p99 TTFT <= {a.target_ttft_ms:g} ms" if a.target_ttft_ms is not None else ""
+    )
+    if best is None:
+        console.print(f"no buffer in the sweep meets {target}: try larger sizes (--buffer-sweep)")
+    else:
+        console.print(
+            f"recommendation: {best['buffer_gib']:.2f} GiB ({best['buffer_blocks']} blocks) per decode rank is the "
+            f"smallest buffer in the sweep meeting {target}"
+        )
+    pre = prefix_savings(trace, lay.tokens_per_block)
+    if pre["requests_with_hash_ids"]:
+        console.print(
+            "prefix reuse (decode holds every earlier prompt's blocks, by hash_ids): "
+            f"{pre['blocks_not_transferred']:,} of "
+            f"{pre['blocks_total']:,} blocks not transferred ({pre['fraction_not_transferred']:.1%})"
+        )
+    console.print(f"{len(rows_ok)} buffer sizes x {len(trace)} requests simulated in {elapsed:.1f} s")
+    out = {
+        "mode": "plan",
+        "trace": a.trace,
+        "requests": len(trace),
+        "config": {
+            "model": a.model,
+            "layout": lay.descriptor(),
+            "decode_tp": a.decode_tp,
+            "gpu_blocks": gpu_blocks,
+            "prefill_instances": a.prefill_instances,
+            "prefill_tokens_per_s": a.prefill_tokens_per_s,
+            "layer_ms": a.layer_ms,
+            "prefill_overhead_ms": a.prefill_overhead_ms,
+            "bandwidth_GBps": bw / 1e9,
+            "swap_GBps": swap_bw / 1e9,
+            "bandwidth_measured": measured,
+            "token_ms": a.token_ms,
+            "direct_to_gpu": a.direct_to_gpu,
+            "time_scale": a.time_scale,
+        },
+        "target": {"prefill_wait_ms_p99": a.target_wait_ms, "ttft_ms_p99": a.target_ttft_ms},
+        "sweep": rows_ok,
+        "recommended_buffer_blocks": best["buffer_blocks"] if best else None,
+        "recommended_buffer_gib": best["buffer_gib"] if best else None,
+        "prefix_reuse": pre,
+        "simulation_s": elapsed,
+    }
+    if a.plot:
+        write_plan_plot(a.plot, rows_ok, "\n".join(textwrap.wrap(head, 160)))
+        console.print(f"plot written to {a.plot}")
+    text = json.dumps(_finite(out))
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    print(text)  # the JSON line is the last thing printed
+    return 0
+
+
+def _finite(x: Any) -> Any:
+    """NaN (a figure with no samples) as null: the JSON stays standard."""
+    if isinstance(x, float):
+        return None if math.isnan(x) else x
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
