@@ -1,6 +1,7 @@
 """Mutation score of pdkv's accounting and layout modules, each against its own tests.
 
-For every module named (default: blocks, scheduler, layout) this copies ``pdkv/``,
+For every module named (default: every module of the table; a module is its path under
+``pdkv/``, dotted: ``scheduling.blocks``) this copies ``pdkv/``,
 ``tests/`` and ``pyproject.toml`` into a scratch folder, sets mutmut's ``only_mutate`` and
 test selection from ``[tool.pdkv.mutation]`` in ``pyproject.toml``, runs ``mutmut run``
 on every mutant (none sampled), and prints per module: mutants, killed (time-outs count as
@@ -14,9 +15,9 @@ listed by name with a one-line reason in ``tools/mutation_equivalent.txt``.
 Not part of CI (it takes tens of minutes on 2 cores). Needs ``pip install mutmut``.
 
     python tools/mutation.py                       # all three modules
-    python tools/mutation.py blocks --diffs        # one, with the survivors' diffs
-    python tools/mutation.py schedloop --tests tests/test_scheduler_model.py --why
-    python tools/mutation.py scheduler --mutants survivors.txt   # only these, against the module's tests
+    python tools/mutation.py scheduling.blocks --diffs        # one, with the survivors' diffs
+    python tools/mutation.py scheduling.loop --tests tests/test_scheduler_model.py --why
+    python tools/mutation.py scheduling.scheduler --mutants survivors.txt   # only these, against the module's tests
 
 ``--why`` says how each killed mutant was caught, from the first failing test's exception
 (mutmut stops at the first; of the distinct failures hypothesis reports for it, the best
@@ -184,7 +185,7 @@ def run_module(
                 text = f.read()
         sel = ", ".join(json.dumps(t) for t in tests)
         # this run's module and tests, in mutmut's own table
-        text = re.sub(r"(?m)^only_mutate = .*$", f'only_mutate = ["pdkv/{module}.py"]', text)
+        text = re.sub(r"(?m)^only_mutate = .*$", f'only_mutate = ["pdkv/{module.replace(".", "/")}.py"]', text)
         text = re.sub(
             r"(?m)^pytest_add_cli_args_test_selection = .*$", f"pytest_add_cli_args_test_selection = [{sel}]", text
         )
@@ -312,7 +313,7 @@ def main() -> int:
                 + ", ".join(r["stale_equivalents"])
             )
         if r["survivors"]:
-            print(f"\nsurvivors in pdkv/{r['module']}.py ({r['by_status']}):")
+            print(f"\nsurvivors in pdkv/{r['module'].replace('.', '/')}.py ({r['by_status']}):")
             for n in r["survivors"]:
                 print(f"  {n}")
                 if a.diffs:

@@ -25,7 +25,6 @@ backend are called with no lock held.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 
 from ..errors import GrantViolation, RequestError
@@ -49,8 +48,6 @@ from .lifecycle import (
     _Quarantine,
     _Req,
 )
-
-_log = logging.getLogger(__name__)
 
 __all__ = [
     "State",
