@@ -579,22 +579,24 @@ def test_huge_pages_where_the_mount_allows_them_and_only_there(no_leaks):
 def test_clean_never_removes_what_it_cannot_prove_is_pdkvs(no_leaks):
     from pdkv.buffer.sweeper import clean
 
-    names = ["pdkv_999999_not_a_pdkv_file", "pdkv-999999-forged"]
+    # named with this run's tag, so that the clean below (tag=TAG) touches no other test's files
+    forged = f"pdkv-999999-{TAG}forged"
+    names = [f"pdkv-999999-{TAG}not_a_pdkv_file", forged]
     for n in names:
         fd = _ffi.libc.shm_open("/" + n, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.close(fd)
     # a forged record: right magic, but naming another uid than the file's
-    fd = _ffi.libc.shm_open("/pdkv-999999-forged@origin", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    os.write(fd, b'{"magic": "pdkv-shm-origin/1", "name": "pdkv-999999-forged", "uid": 12345, "pid": 999999}')
+    fd = _ffi.libc.shm_open(f"/{forged}@origin", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.write(fd, b'{"magic": "pdkv-shm-origin/1", "name": "%s", "uid": 12345, "pid": 999999}' % forged.encode())
     os.close(fd)
     try:
-        rep = clean(dry_run=False)
+        rep = clean(dry_run=False, tag=TAG)
         for n in names:
             assert os.path.exists(f"/dev/shm/{n}")
             assert any(k == n for k, _ in rep.skipped), rep.skipped
-        assert "no pdkv origin record" in dict(rep.skipped)["pdkv_999999_not_a_pdkv_file"]
+        assert "no pdkv origin record" in dict(rep.skipped)[names[0]]
     finally:
-        for n in names + ["pdkv-999999-forged@origin"]:
+        for n in names + [f"{forged}@origin"]:
             with contextlib.suppress(FileNotFoundError):
                 _ffi.libc.shm_unlink("/" + n)
 
@@ -690,7 +692,7 @@ def test_clean_goes_on_after_a_file_it_may_not_remove(monkeypatch, no_leaks):
         return real(n)
 
     monkeypatch.setattr(_ffi.libc, "shm_unlink", unlink)
-    rep = clean(dry_run=False)
+    rep = clean(dry_run=False, tag=TAG)  # this run's only: another test's killed peer keeps its segment
     assert b in rep.removed and a not in rep.removed
     assert any(n == a and "could not remove" in why for n, why in rep.skipped)
     monkeypatch.setattr(_ffi.libc, "shm_unlink", real)
