@@ -430,6 +430,29 @@ def test_logs_only_with_verbose(tmp_path, no_leaks):
     p, _ = run([*args, "-v"], tmp_path)
     assert p.returncode == 0, p.stderr
     assert "pdkv.buffer.shared INFO created shared buffer pdkv-" in p.stderr and "DEBUG" not in p.stderr
+    # the normal end of a session is said as such, never as a dead peer
+    assert "ended its session" in p.stderr and "dead" not in p.stderr and "WARNING" not in p.stderr, p.stderr
+    p, _ = run([*args, "-vv"], tmp_path)  # documented: -vv is debug
+    assert p.returncode == 0, p.stderr
+    for what in ("DEBUG session open: instance", "DEBUG grant 'r0'", "DEBUG swap of 'r0' done"):
+        assert what in p.stderr, (what, p.stderr[-2000:])
+
+
+def test_metrics_port_without_prometheus_client_is_one_usage_line(monkeypatch, capsys):
+    """Without the metrics extra, --metrics-port is refused up front (rc 2, one line naming
+    the extra), not a traceback after the run has started."""
+    import importlib.util
+
+    from pdkv.cli.transfer_tool import main as tool_main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "prometheus_client" else real(name, *a)
+    )
+    for argv in (["--metrics-port", "0"], ["decode", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "0"]):
+        assert tool_main([*argv, "--model", "tiny"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "pip install 'pdkv[metrics]'" in err[0], err
 
 
 @pytest.mark.multiproc

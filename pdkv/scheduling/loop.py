@@ -9,9 +9,12 @@ kernels).
 from __future__ import annotations
 
 import heapq
+import logging
 
 from .core import SchedulerCore
 from .lifecycle import _WRITABLE, Event, EventKind, State, SwapHandle, _Release, _Req
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["expire_due", "release_quarantine", "grant_queued", "admit_swaps", "submit", "swap_finished"]
 
@@ -98,6 +101,7 @@ def submit(s: SchedulerCore, reqs: list[_Req]) -> list[Event | _Release]:
         try:
             assert req.buffer_blocks is not None and req.gpu_blocks is not None
             results.append((req, s.swap.submit(req.rid, req.buffer_blocks, req.gpu_blocks), None))
+            _log.debug("swap of %r submitted: %d buffer blocks -> GPU", req.rid, len(req.buffer_blocks))
         except Exception as exc:  # a failed submit fails the request, never the loop
             results.append((req, None, exc))
     with s._lock:
@@ -117,6 +121,7 @@ def swap_finished(s: SchedulerCore, req: _Req, err: BaseException | None, now: f
     if not s._swapping:  # time with at least one swap in flight: swap_bytes / this = swap throughput
         s._m["swap_busy_seconds"] += now - s._busy_since
     dt = now - req.swap_started
+    _log.debug("swap of %r %s after %.2f ms", req.rid, f"failed: {err}" if err else "done", dt * 1e3)
     m = s._m
     m["swap_seconds_sum"] += dt
     m["swap_seconds_max"] = max(m["swap_seconds_max"], dt)

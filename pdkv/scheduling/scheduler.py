@@ -25,6 +25,7 @@ backend are called with no lock held.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 
 from ..errors import GrantViolation, RequestError
@@ -48,6 +49,8 @@ from .lifecycle import (
     _Quarantine,
     _Req,
 )
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "State",
@@ -421,6 +424,7 @@ class DecodeScheduler(SchedulerCore):
                     self._free_quarantined(q)
                     q.writers.entries.remove(q)
                     n += len(q.blocks)
+            _log.debug("peer %s fenced: %d quarantined blocks released", peer, n)
             return n
 
     # ------------------------------------------------------------------ hand-off

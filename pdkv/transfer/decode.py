@@ -318,6 +318,7 @@ class DecodeReceiver(ReceiverCore):
             rid, num_blocks=nblk, peer=peer.instance, gpu_ok=self._transports[peer.transport].writes_gpu
         )
         if res.grant is None:
+            _log.debug("reservation %r of %d blocks %s: %s", rid, nblk, res.outcome, res.reason)
             g = GrantMsg(rid, res.outcome, reason=res.reason)
             if res.outcome == "queued":
                 with self.lock:
@@ -362,6 +363,15 @@ class DecodeReceiver(ReceiverCore):
             self._inflight[grant.request_id] = inf
             self._by_token[grant.token] = inf
             self._grants[key] = g
+        _log.debug(
+            "grant %r: %d %s blocks, token %d, lease %.1f s, instance %s",
+            grant.request_id,
+            len(blocks),
+            grant.location,
+            grant.token,
+            grant.lease_s,
+            peer.instance,
+        )
         for ident in inf.peers:
             self._send_grant(ident, g)
 

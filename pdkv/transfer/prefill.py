@@ -153,6 +153,7 @@ class PrefillSender:
         except BaseException:
             self._teardown()
             raise
+        _log.debug("session open: instance %s rank %d, %s", self.instance, layout.tp_rank, self.stats["path"])
         self._threads = [
             threading.Thread(target=self._io_loop, name="pdkv-prefill-io", daemon=True),
             threading.Thread(target=self._data_loop, name="pdkv-prefill-data", daemon=True),

@@ -117,6 +117,8 @@ class StagingRing:
         once the ring is closed."""
         deadline = time.monotonic() + timeout
         with self._cv:
+            if not self._free:
+                _log.debug("staging: all %d slots wait for their sends; waiting for one", self.slots)
             while not self._free:
                 if self._closed:
                     raise ClosedError("the staging ring is closed")

@@ -227,6 +227,11 @@ def _check_args(a: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {v} must be >= 0")
     if a.metrics_port is not None and not 0 <= a.metrics_port <= 65535:
         raise UsageError(f"--metrics-port {a.metrics_port} must be in 0..65535")
+    if a.metrics_port is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("prometheus_client") is None:
+            raise UsageError("--metrics-port needs prometheus_client: pip install 'pdkv[metrics]'")
     if a.token_ms is not None and not (math.isfinite(a.token_ms) and a.token_ms >= 0):
         raise UsageError(f"--token-ms {a.token_ms} must be >= 0")
     if not (math.isfinite(a.lease_s) and a.lease_s > 0):
@@ -390,6 +395,8 @@ def _check_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             break
         if tok.startswith("-") and len(tok) > 1 and not tok[1:2].isdigit():
             flag = tok.split("=", 1)[0]
+            if len(flag) > 2 and flag[1] != "-" and f"-{flag[1]}" in known and set(flag[1:]) == {flag[1]}:
+                continue  # -vv: a counted short flag given twice
             if flag not in known:
                 near = difflib.get_close_matches(flag, known, n=1)
                 raise UsageError(f"unknown flag {flag}" + (f" (did you mean {near[0]}?)" if near else ""))
