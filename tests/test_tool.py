@@ -468,12 +468,15 @@ def test_sweep_mode_one_row_per_size_and_transport(tmp_path, no_leaks):
             "8,32",
             "--sweep-transports",
             "shm",
+            "--sweep-reps",
+            "2",
         ],
         tmp_path,
         timeout=240,
     )
     assert p.returncode == 0, p.stdout + p.stderr
     rows = rep["rows"]
+    assert all(r["runs"] == 2 and r["grant_to_ready_ms_p99"] >= r["grant_to_ready_ms_p50"] > 0 for r in rows)
     assert [(r["tokens_per_block"], r["transport"], r["result"]) for r in rows] == [
         (8, "shm", "PASS"),
         (32, "shm", "PASS"),
@@ -482,6 +485,9 @@ def test_sweep_mode_one_row_per_size_and_transport(tmp_path, no_leaks):
     assert json.loads(p.stdout.strip().splitlines()[-1]) == rep
     p, _ = run(["sweep", "--sweep-tokens-per-block", "x"], tmp_path)
     assert p.returncode == 2 and "--sweep-tokens-per-block 'x'" in p.stderr
+    # a transport that does not exist: refused before any run, on stderr, rc 2
+    p, _ = run(["sweep", "--model", "tiny", "--sweep-transports", "shm,bogus"], tmp_path, timeout=30)
+    assert p.returncode == 2 and "'bogus' is not a transport" in p.stderr, p.stderr
 
 
 def test_a_request_neither_ready_nor_failed_is_reported_lost_and_failed():

@@ -201,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("sweep")
     g.add_argument("--sweep-tokens-per-block", default="16,32,64,128", help="sweep: block sizes in tokens")
     g.add_argument("--sweep-transports", default="shm,tcp", help="sweep: transports, comma-separated")
+    g.add_argument("--sweep-reps", type=int, default=3, help="sweep: runs of each point (medians reported)")
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure to this JSON file")
     g.add_argument("--plot", help="local/decode: throughput and occupancy over time; plan: the sweep (.png or .html)")
