@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdkv.cli.transfer_tool import main as tool_main
-from pdkv.cli.transfer_tool.capacity import PlanConfig, TraceRequest, prefix_savings, read_trace, simulate
+from pdkv.cli.transfer_tool.capacity import PlanConfig, prefix_savings, simulate
 from pdkv.cli.transfer_tool.plan_mode import recommend, sweep_sizes
-from pdkv.cli.transfer_tool.workload import UsageError
+from pdkv.cli.transfer_tool.workload import TraceRequest, UsageError, read_trace
 from pdkv.layout import KVLayout
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "mooncake_synthetic_200.jsonl")

@@ -534,3 +534,24 @@ def test_a_request_neither_ready_nor_failed_is_reported_lost_and_failed():
     rep = build_report(dec, ranks, outcomes, 3.0, lay, 1, requests=5)
     assert rep["link_busy_s"] == pytest.approx(3.0) and rep["link_GBps"] == pytest.approx(1.0)
     assert build_report(dec, [], outcomes, 3.0, lay, 1)["link_GBps"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ('{"timestamp": 0, "input_length": -3, "output_length": 1}', "line 2: needs timestamp >= 0"),
+        ('{"time": 0, "input_length": 10}', "line 2: not a trace record ('timestamp')"),
+        ("not json", "line 2: not a trace record"),
+    ],
+)
+def test_local_mode_checks_a_trace_as_plan_does(tmp_path, capsys, line, why):
+    """A bad trace line is one usage line naming the file and the line, before anything
+    starts (rc 2), in local mode as in plan mode."""
+    from pdkv.cli.transfer_tool import main as tool_main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1}\n' + line + "\n")
+    for mode in ([], ["plan", "--gpu-gib", "1", "--bandwidth-gbps", "10", "--swap-gbps", "10"]):
+        assert tool_main([*mode, "--model", "tiny", "--trace", str(trace)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--trace {trace} {why}" in err[0], err

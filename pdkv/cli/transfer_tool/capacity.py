@@ -26,7 +26,6 @@ as engines without a buffer do. Everything else is the same code.
 from __future__ import annotations
 
 import heapq
-import json
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -38,57 +37,9 @@ import numpy as np
 from ...layout import KVLayout
 from ...scheduling.blocks import BlockPool
 from ...scheduling.scheduler import DecodeScheduler, Event, SchedulerOptions
-from .workload import UsageError
+from .workload import TraceRequest, UsageError
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids: one id per 512 prompt tokens
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    rid: str
-    arrival: float  # seconds
-    input_tokens: int
-    output_tokens: int
-    hash_ids: tuple[int, ...] = ()
-
-
-def read_trace(path: str, limit: int = 0, time_scale: float = 1.0) -> list[TraceRequest]:
-    """A Mooncake-format JSONL trace; every line checked, errors name the line."""
-    out: list[TraceRequest] = []
-    try:
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                if limit and len(out) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    d = json.loads(line)
-                    ts, n_in = d["timestamp"], d["input_length"]
-                    n_out = d.get("output_length", 1)
-                    hashes = d.get("hash_ids", [])
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise UsageError(f"--trace {path} line {i}: not a trace record ({exc})") from None
-                ok = (
-                    isinstance(ts, (int, float))
-                    and ts >= 0
-                    and all(isinstance(v, int) and not isinstance(v, bool) for v in (n_in, n_out))
-                    and n_in > 0
-                    and n_out >= 0
-                    and isinstance(hashes, list)
-                    and all(isinstance(h, int) for h in hashes)
-                )
-                if not ok:
-                    raise UsageError(
-                        f"--trace {path} line {i}: needs timestamp >= 0 (ms), input_length > 0, "
-                        "output_length >= 0 (integers) and hash_ids (a list of integers)"
-                    )
-                out.append(TraceRequest(f"t{i - 1}", ts / 1000.0 * time_scale, n_in, n_out, tuple(hashes)))
-    except OSError as exc:
-        raise UsageError(f"--trace {path}: {exc.strerror}") from None
-    if not out:
-        raise UsageError(f"--trace {path}: no requests")
-    return out
 
 
 @dataclass(frozen=True, slots=True)

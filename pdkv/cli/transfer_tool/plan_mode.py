@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...layout import KVLayout
-from .capacity import PlanConfig, TraceRequest, prefix_savings, read_trace, simulate
-from .workload import UsageError, layout_kw
+from .capacity import PlanConfig, prefix_savings, simulate
+from .workload import TraceRequest, UsageError, layout_kw, read_trace
 
 FIGURE_COLUMNS = (  # header, figure, format: fits 80 columns
     ("buf\nGiB", "buffer_gib", "{:.1f}"),

@@ -82,29 +82,61 @@ class Req:
     output: int
 
 
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    rid: str
+    arrival: float  # seconds
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] = ()
+
+
+def read_trace(path: str, limit: int = 0, time_scale: float = 1.0) -> list[TraceRequest]:
+    """A Mooncake-format JSONL trace; every line checked, errors name the line."""
+    out: list[TraceRequest] = []
+    try:
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if limit and len(out) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    d = json.loads(line)
+                    ts, n_in = d["timestamp"], d["input_length"]
+                    n_out = d.get("output_length", 1)
+                    hashes = d.get("hash_ids", [])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise UsageError(f"--trace {path} line {i}: not a trace record ({exc})") from None
+                ok = (
+                    isinstance(ts, (int, float))
+                    and ts >= 0
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in (n_in, n_out))
+                    and n_in > 0
+                    and n_out >= 0
+                    and isinstance(hashes, list)
+                    and all(isinstance(h, int) for h in hashes)
+                )
+                if not ok:
+                    raise UsageError(
+                        f"--trace {path} line {i}: needs timestamp >= 0 (ms), input_length > 0, "
+                        "output_length >= 0 (integers) and hash_ids (a list of integers)"
+                    )
+                out.append(TraceRequest(f"t{i - 1}", ts / 1000.0 * time_scale, n_in, n_out, tuple(hashes)))
+    except OSError as exc:
+        raise UsageError(f"--trace {path}: {exc.strerror}") from None
+    if not out:
+        raise UsageError(f"--trace {path}: no requests")
+    return out
+
+
 def make_workload(a: argparse.Namespace) -> list[Req]:
     rng = np.random.default_rng(a.seed)
-    if a.trace:
-        out: list[Req] = []
-        try:
-            with open(a.trace) as f:
-                for i, line in enumerate(f):
-                    if a.trace_limit and len(out) >= a.trace_limit:
-                        break
-                    d = json.loads(line)
-                    out.append(
-                        Req(
-                            f"t{i}",
-                            d["timestamp"] / 1000.0 * a.time_scale,
-                            int(d["input_length"]),
-                            int(d.get("output_length", 1)),
-                        )
-                    )
-        except (OSError, ValueError, KeyError) as exc:
-            raise UsageError(f"--trace {a.trace}: {exc}") from None
-        if not out:
-            raise UsageError(f"--trace {a.trace}: no requests")
-        return out
+    if a.trace:  # every line checked as the planner checks it, errors naming the line
+        return [
+            Req(t.rid, t.arrival, t.input_tokens, t.output_tokens)
+            for t in read_trace(a.trace, a.trace_limit, a.time_scale)
+        ]
     n = a.requests
     dist = a.prompt_len
     try:
