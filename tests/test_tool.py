@@ -555,3 +555,17 @@ def test_local_mode_checks_a_trace_as_plan_does(tmp_path, capsys, line, why):
         assert tool_main([*mode, "--model", "tiny", "--trace", str(trace)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--trace {trace} {why}" in err[0], err
+
+
+def test_piped_tables_are_not_cut_at_80_columns(tmp_path):
+    """Output to a pipe (CI logs, `| tee`) keeps whole rows: rich cut them at 80 columns
+    (`136317…`, `rejec…`)."""
+    argv = ["plan", "--trace", TRACE, "--bandwidth-gbps", "25", "--swap-gbps", "50", "--gpu-gib", "24"]
+    p = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli.transfer_tool", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    assert "…" not in p.stdout, [ln for ln in p.stdout.splitlines() if "…" in ln][:3]
+    # the facts line and the warnings are one line each, not wrapped at column 80
+    facts = [ln for ln in p.stdout.splitlines() if ln.startswith("llama3-8b (32 layers")]
+    assert len(facts) == 1 and len(facts[0]) > 80 and "GPU blocks" in facts[0], facts

@@ -323,7 +323,8 @@ def _check_plan_args(a: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    console = Console(stderr=False)
+    # piped (a log, a CI job): rich would cut tables and wrap lines at 80 columns; keep them whole
+    console = Console(stderr=False, width=None if sys.stdout.isatty() else 1000)
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
         parser = build_parser()
