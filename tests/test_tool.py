@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from extras import need
@@ -205,6 +206,49 @@ def test_prefill_mode_by_hand_prints_a_summary(tmp_path, no_leaks):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "PASS 3 of 3 requests received by decode" in p.stdout and "{" not in p.stdout
     assert d.returncode == 0 and "PASS 3 requests ready" in out
+
+
+@pytest.mark.multiproc
+def test_prefill_mode_sums_up_when_decode_dies(tmp_path, no_leaks):
+    """Decode killed mid-run: prefill names the first few failed requests, then counts the
+    rest by reason (it printed one line per request)."""
+    tool = [sys.executable, "-m", "pdkv.cli.transfer_tool"]
+    d = subprocess.Popen(
+        [*tool, "decode", "--listen", "tcp://127.0.0.1:0", "--model", "tiny", "--buffer-blocks", "32"]
+        + ["--duration", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        addr = d.stdout.readline().split("listening on ")[1].split(" ")[0]
+        p = subprocess.Popen(
+            [*tool, "prefill", "--connect", addr, "--model", "tiny", "--requests", "60", "--rate", "20"]
+            + ["--timeout", "2", "--concurrency", "40"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.0)
+        d.kill()
+        out, err = p.communicate(timeout=120)
+    finally:
+        for q in (d, p):
+            if q.poll() is None:
+                q.kill()
+            q.communicate()
+    from pdkv.buffer.sweeper import clean_segments
+
+    # the killed decode's segment: removed by the sweeper once its creator is provably gone
+    deadline = time.monotonic() + 10
+    while [n for n in os.listdir("/dev/shm") if n.startswith(f"pdkv-{d.pid}-")]:
+        assert time.monotonic() < deadline, "the killed decode's segment was not cleaned"
+        clean_segments(dry_run=False, tag=os.environ["PDKV_SHM_TAG"])
+        time.sleep(0.05)
+    assert p.returncode != 0
+    named = [ln for ln in out.splitlines() if ln.startswith("r") and ": failed" in ln]
+    assert 0 < len(named) <= 5, out
+    assert "FAIL" in out and "request(s) failed" in out, out
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from .report import build_report
 from .workload import PRESETS, Parser, UsageError, layout_kw, make_workload, parse_devices
 
 MODES = ["local", "decode", "prefill", "plan", "sweep"]
+_FAILURES_SHOWN = 5  # failed requests prefill mode names one by one; the rest are counted by reason
 
 
 def run_decode(a: argparse.Namespace, console: Any) -> int:
@@ -422,6 +423,7 @@ def run_prefill_console(a: argparse.Namespace, console: Any) -> int:
     waits: list[float] = []
     summary: dict[str, Any] = {}
     lines: list[str] = []
+    failures: dict[str, int] = {}  # reason -> requests that failed for it
     progress = Progress(
         TextColumn(f"prefill rank {a.rank}"),
         BarColumn(),
@@ -447,7 +449,12 @@ def run_prefill_console(a: argparse.Namespace, console: Any) -> int:
             elif kind == "outcome":
                 outcomes[d["rid"]] = d["state"]
                 if d["state"] != "received":
-                    progress.console.print(f"[red]{d['rid']}: {d['state']} ({d.get('reason', '')})[/red]")
+                    # the first few failures as they come, then only a count: when decode dies,
+                    # every request in flight fails for one reason
+                    why = f"{d['state']} ({d.get('reason', '')})"
+                    failures[why] = failures.get(why, 0) + 1
+                    if sum(failures.values()) <= _FAILURES_SHOWN:
+                        progress.console.print(f"[red]{d['rid']}: {why}[/red]")
                 progress.update(task, completed=len(outcomes))
             elif kind == "summary":
                 summary.update(d)
@@ -462,4 +469,7 @@ def run_prefill_console(a: argparse.Namespace, console: Any) -> int:
         + f" {ok} of {n} requests received by decode, {len(outcomes) - ok} failed; {gb:.2f} GB sent in {el:.2f} s; "
         f"wait for decode blocks p50 / p99 {wait}"
     )
+    if sum(failures.values()) > _FAILURES_SHOWN:
+        for why, k in sorted(failures.items(), key=lambda kv: -kv[1])[:_FAILURES_SHOWN]:
+            console.print(f"  {k} request(s) {why}")
     return rc
