@@ -1045,3 +1045,28 @@ def test_grant_batches_keep_every_grant_in_order_within_the_limits(sizes):
         nxt = grants[i + n]
         assert len(part) == 512 or sum(len(g.blocks) for g in part) + len(nxt.blocks) > MAX_BATCH_BLOCKS
         i += n
+
+
+def test_the_default_scheduler_options_work_with_the_default_receiver(no_leaks):
+    """SchedulerOptions() (direct_to_gpu) with a receiver serving shm and tcp: its peers are
+    granted buffer blocks (they cannot write GPU blocks), no error at construction."""
+    lay = KVLayout(**BASE)
+    buf = SharedBuffer.create(CacheSpec.buffer_bytes(lay, 8))
+    try:
+        gpu = np.zeros(lay.block_bytes * 8, np.uint8)
+        eng = SwapEngine(
+            CacheSpec.for_buffer(lay, 8, buf.address),
+            CacheSpec.for_buffer(lay, 8, gpu.ctypes.data),
+            strategy="host",
+            buffer_pinned=False,
+        )
+        sched = DecodeScheduler(layout=lay, gpu=BlockPool(8), buffer=BlockPool(8), swap=eng)
+        assert sched.options.direct_to_gpu
+        with DecodeReceiver(sched, [lay], [buf], 8, auto_tick=True) as rx:
+            _, arr, spec = prefill_cache(1, 0)
+            with PrefillSender(lay, spec, rx.control_address, transport="tcp", timeout_s=5) as tx:
+                assert tx.reserve("d", 16).location == "buffer"
+        eng.close()
+    finally:
+        buf.close()
+        buf.unlink()

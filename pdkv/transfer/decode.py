@@ -64,9 +64,9 @@ class DecodeReceiver(ReceiverCore):
     Parameters
     ----------
     scheduler:
-        The decode scheduler. ``direct_to_gpu`` needs a transport that writes GPU blocks
-        served (``cuda_ipc``, with ``gpu_caches``): only its peers are granted GPU blocks;
-        the others are always granted buffer blocks.
+        The decode scheduler. Its ``direct_to_gpu`` (the default) grants GPU blocks only to
+        peers whose transport writes them (``cuda_ipc``, with ``gpu_caches``); the others
+        are granted buffer blocks, so the default options work with any transports.
     layouts:
         The layout of each decode rank hosted by this receiver (``tp_rank`` set).
     buffers:

@@ -73,11 +73,6 @@ class ReceiverCore:
                 entries.append(registry.get(t))
             except ValueError as exc:
                 raise ValueError(f"transport {t!r} is not served by DecodeReceiver: {exc}") from None
-        if scheduler.options.direct_to_gpu and not any(e.receiver.writes_gpu for e in entries):
-            raise ValueError(
-                f"{', '.join(opts.transports)} write into the CPU buffer: create the scheduler with "
-                "SchedulerOptions(direct_to_gpu=False), or serve cuda_ipc with gpu_caches"
-            )
         if opts.gpu_caches is not None and not any(e.receiver.writes_gpu for e in entries):
             raise ValueError("gpu_caches are served by cuda_ipc only: add it to transports")
         if len(layouts) != len(buffers) or not layouts:
