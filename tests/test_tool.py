@@ -155,8 +155,9 @@ def test_ctrl_c_is_interrupted_rc_130(mode, tmp_path, no_leaks):
     import time
 
     args = ["--model", "tiny", "--timeout", "10"]
+    out_json = tmp_path / "r.json"
     if mode == "local":
-        args += ["--requests", "400", "--rate", "20"]  # 20 s of arrivals
+        args += ["--requests", "400", "--rate", "20", "--json", str(out_json)]  # 20 s of arrivals
     else:
         args = ["decode", "--listen", "tcp://127.0.0.1:0", "--buffer-blocks", "16", *args]
     p = subprocess.Popen(
@@ -178,6 +179,12 @@ def test_ctrl_c_is_interrupted_rc_130(mode, tmp_path, no_leaks):
             p.communicate()
     assert p.returncode == 130, out[-2000:] + err[-2000:]
     assert "interrupted" in out and "FAIL" not in out and "Traceback" not in err
+    if mode == "local":
+        # what was not issued yet is not failed, and no more bytes verified than landed
+        rep = json.loads(out_json.read_text())
+        assert rep["requests_not_issued"] > 200 and rep["requests_failed"] < 20, rep
+        assert rep["requests_ready"] + rep["requests_failed"] + rep["requests_not_issued"] == 400, rep
+        assert rep["bytes_verified"] <= rep["bytes_transferred"], rep
 
 
 @pytest.mark.multiproc
@@ -570,6 +577,14 @@ def test_a_request_neither_ready_nor_failed_is_reported_lost_and_failed():
     assert any("neither ready nor failed" in f for f in rep["failures"])
     rep = build_report(dec, [], outcomes, 3.0, lay, 1, requests=5)
     assert (rep["requests_lost"], rep["requests_failed"]) == (0, 0)
+    # a request that landed and was verified, then ended badly (an interrupted run aborts
+    # what decode still holds): counted failed, and its bytes in both byte counts
+    dec.tracks = dict(ready, r9=Track(reserved=1.0, received=2.0, ready=2.5, state="aborted", blocks=2))
+    dec.bytes_verified = 6 * 2 * lay.block_bytes
+    rep = build_report(dec, [], dict(outcomes, r9="aborted"), 3.0, lay, 1)
+    assert rep["requests_failed"] == 1 and rep["bytes_verified"] <= rep["bytes_transferred"], rep
+    dec.tracks = ready
+    dec.bytes_verified = 0
     # the link's rate: bytes the ranks sent over the time some rank was writing (overlaps once)
     ranks = [
         {"bytes": 2_000_000_000, "writes": [[10.0, 11.0], [10.5, 12.0]]},

@@ -254,8 +254,11 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                 reasons,
                 list(waits.values()),
                 list(ttfts.values()),
-                requests=None if a.duration else len(work),  # a duration may leave some unissued
+                # a duration or an interrupt may leave some unissued: those are not lost
+                requests=None if a.duration or interrupted else len(work),
             )
+        if interrupted:
+            rep["requests_not_issued"] = max(0, len(work) - rep["requests"])
         rep["prefill_compute_ms_p50"] = float(np.percentile(list(computes.values()), 50)) * 1e3 if computes else 0.0
         # prefill's own rate: prompt tokens over the time from grant to last layer computed
         toks = {r.rid: r.tokens for r in work}

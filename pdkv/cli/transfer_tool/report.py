@@ -50,6 +50,9 @@ def build_report(
     busy = _union_s([w for p in prefill for w in p.get("writes", [])])
     sent = sum(p.get("bytes", 0) for p in prefill)
     total_bytes = sum(t.blocks for t in ready) * inst_block
+    # every byte that landed in decode, the requests that ended badly after landing (an
+    # interrupted run aborts them) too: what was verified is a part of it
+    landed_bytes = sum(t.blocks for t in dec.tracks.values() if t.received) * inst_block
     starts = [t.reserved for t in dec.tracks.values() if t.reserved]
     ends = [max(t.received, t.ready) for t in ready]
     span = max(ends) - min(starts) if starts and ends else 0.0
@@ -73,7 +76,7 @@ def build_report(
         "requests_lost": lost,
         "bytes_verified": dec.bytes_verified,
         "verify_errors": dec.verify_errors,
-        "bytes_transferred": total_bytes,
+        "bytes_transferred": landed_bytes,
         "wall_s": wall,
         "transfer_s": span,
         "throughput_GBps": total_bytes / span / 1e9 if span > 0 else 0.0,
