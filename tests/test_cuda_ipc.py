@@ -289,7 +289,7 @@ def test_receiver_refusals(monkeypatch):
     with SharedBuffer.create(CacheSpec.buffer_bytes(lay, 8)) as buf:
         try:
             sched = DecodeScheduler(num_layers=4, gpu=BlockPool(8), options=SchedulerOptions(direct_to_gpu=True))
-            with pytest.raises(ValueError, match="direct_to_gpu=False.*or serve cuda_ipc"):
+            with pytest.raises(ValueError, match="has no buffer and shm write only into one.*or serve cuda_ipc"):
                 DecodeReceiver(sched, [lay], [buf], 8, transports=("shm",))
             with pytest.raises(ValueError, match="cuda_ipc needs gpu_caches"):
                 DecodeReceiver(sched, [lay], [buf], 8, transports=("cuda_ipc",))
