@@ -628,3 +628,28 @@ def test_piped_tables_are_not_cut_at_80_columns(tmp_path):
     # the facts line and the warnings are one line each, not wrapped at column 80
     facts = [ln for ln in p.stdout.splitlines() if ln.startswith("llama3-8b (32 layers")]
     assert len(facts) == 1 and len(facts[0]) > 80 and "GPU blocks" in facts[0], facts
+
+
+def test_help_gives_each_default_once_and_whole_sentences(capsys):
+    from pdkv.cli.shm_tool import main as shm_main
+    from pdkv.cli.transfer_tool import main as tool_main
+
+    with pytest.raises(SystemExit):
+        tool_main(["--help"])
+    raw = capsys.readouterr().out
+    text = " ".join(raw.split())
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: )" not in text
+    entries, cur = [], []
+    for line in raw.splitlines():  # one entry a flag: its line and the help lines under it
+        if line.startswith("  -") and cur:
+            entries.append(" ".join(cur))
+            cur = []
+        cur.append(line.strip())
+    entries.append(" ".join(cur))
+    assert len(entries) > 40 and all(e.count("(default") <= 1 for e in entries), [
+        e for e in entries if e.count("(default") > 1
+    ]
+    assert "nixl" in text.split("--transport", 1)[1].split("--streams", 1)[0]  # auto's offer, nixl included
+    with pytest.raises(SystemExit):
+        shm_main(["--help"])
+    assert "dead creator (clean, a dry run unless --yes)." in " ".join(capsys.readouterr().out.split())

@@ -12,7 +12,11 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pdkv-shm", description=(__doc__ or "").splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="pdkv-shm",
+        description="List pdkv's shared-memory buffers (list); remove those provably left by a dead creator "
+        "(clean, a dry run unless --yes).",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="list pdkv buffers and what is known of their creators")
     c = sub.add_parser("clean", help="remove buffers provably left by a dead creator (dry run unless --yes)")

@@ -57,6 +57,17 @@ def run_decode(a: argparse.Namespace, console: Any) -> int:
     return _finish(a, rep, console, dec, interrupted)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default once: the help's own words where it gives them, else argparse's
+    value, and none for a flag whose default is "not given" (None, False, "")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, "", argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action) or text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ... import __version__
 
@@ -64,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdkv-transfer-test",
         description="Validate and size a prefill/decode pair: a verified KV transfer through decode's CPU buffer "
         "(local, or decode and prefill on two hosts), or the capacity planner (plan).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
         allow_abbrev=False,  # a misspelt flag is an error, never another flag
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -85,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--transport",
         default="auto",
         choices=["auto", "shm", "tcp", "rdma", "cuda_ipc", "nixl"],
-        help="auto: shm on one host, else rdma where both hosts have a device, else tcp",
+        help="auto: a host cache offers shm, rdma (where the host has a device), nixl (where NIXL and a device "
+        "are there), then tcp; a GPU cache (--prefill-gpu) offers cuda_ipc, then shm; decode picks the first it "
+        "serves and can use",
     )
     g.add_argument("--streams", type=int, default=1, help="TCP data connections per prefill rank")
     g.add_argument(
@@ -169,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-gib", type=float, default=16.0, help="decode GPU memory for the KV cache, per rank")
     g.add_argument(
         "--buffer-sweep",
-        help="buffer sizes per decode rank to compare, GiB, comma-separated (default: 0 and 1/8..4 x the GPU pool)",
+        help="buffer sizes per decode rank to compare, GiB, comma-separated (default: none, then powers of two "
+        "from the largest request routed through the buffer, or 1/8 of the GPU pool, up to 4 x the GPU pool)",
     )
     g.add_argument("--prefill-instances", type=int, default=1, help="prefill servers sharing the trace")
     g.add_argument(
