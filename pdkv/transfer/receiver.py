@@ -73,11 +73,6 @@ class ReceiverCore:
                 entries.append(registry.get(t))
             except ValueError as exc:
                 raise ValueError(f"transport {t!r} is not served by DecodeReceiver: {exc}") from None
-        if scheduler.buffer is None and not any(e.receiver.writes_gpu for e in entries):
-            raise ValueError(
-                f"the scheduler has no buffer and {', '.join(opts.transports)} write only into one: nothing "
-                "could be granted (give the scheduler a buffer, or serve cuda_ipc with gpu_caches)"
-            )
         if opts.gpu_caches is not None and not any(e.receiver.writes_gpu for e in entries):
             raise ValueError("gpu_caches are served by cuda_ipc only: add it to transports")
         if len(layouts) != len(buffers) or not layouts:
@@ -86,6 +81,11 @@ class ReceiverCore:
             raise ValueError(
                 f"the scheduler counts {scheduler.num_layers} layers a request, the layout has "
                 f"{layouts[0].total_layers}: make it with DecodeScheduler(layout=...)"
+            )
+        if scheduler.buffer is None and not any(e.receiver.writes_gpu for e in entries):
+            raise ValueError(
+                f"the scheduler has no buffer and {', '.join(opts.transports)} write only into one: nothing "
+                "could be granted (give the scheduler a buffer, or serve cuda_ipc with gpu_caches)"
             )
         self.options = opts
         self.scheduler = scheduler
