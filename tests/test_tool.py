@@ -653,3 +653,37 @@ def test_help_gives_each_default_once_and_whole_sentences(capsys):
     with pytest.raises(SystemExit):
         shm_main(["--help"])
     assert "dead creator (clean, a dry run unless --yes)." in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_run_larger_than_host_memory_is_refused_before_any_allocation(monkeypatch, capsys, no_leaks):
+    """--prompt-len 100000 on a 24 GiB host was killed by the OOM killer after 33 s and left
+    a 13 GB segment: the whole run's memory (buffer, host stand-in for GPU blocks, prefill
+    caches) is checked against what the host has left first, one line, rc 2."""
+    from pdkv.cli.transfer_tool import decode_mode
+    from pdkv.cli.transfer_tool import main as tool_main
+
+    monkeypatch.setattr(decode_mode, "available_memory", lambda: (24 << 30, "MemAvailable"))
+    before = set(os.listdir("/dev/shm"))
+    assert tool_main(["--requests", "4", "--prompt-len", "100000", "--no-gpu", "--buffer-blocks", "1600"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GiB of host memory" in err[0] and "--prompt-len" in err[0], err
+    assert set(os.listdir("/dev/shm")) == before
+    # what fits is not refused (tiny: well within the host)
+    assert tool_main(["--model", "tiny", "--requests", "2", "-q"]) == 0
+
+
+def test_a_killed_runs_buffer_is_named_at_the_next_start(capsys, no_leaks):
+    from pdkv.buffer.sweeper import clean_segments
+    from pdkv.cli.transfer_tool import main as tool_main
+
+    code = (
+        "from pdkv import SharedBuffer; b = SharedBuffer.create(65536); print(b.name, flush=True); "
+        "import os; os._exit(0)"
+    )
+    name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+    try:
+        assert tool_main(["--model", "tiny", "--requests", "2", "-q"]) == 0
+        err = capsys.readouterr().err
+        assert "left by dead processes" in err and name in err and "pdkv-shm clean --yes" in err, err
+    finally:
+        assert name in clean_segments(dry_run=False, tag=os.environ["PDKV_SHM_TAG"])

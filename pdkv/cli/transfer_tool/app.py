@@ -33,6 +33,9 @@ _FAILURES_SHOWN = 5  # failed requests prefill mode names one by one; the rest a
 def run_decode(a: argparse.Namespace, console: Any) -> int:
     lay_kw = layout_kw(a)
     dec = DecodeSide(a, lay_kw)
+    note = dec.stale_segments_note()  # a killed earlier run's buffers: said before this one starts
+    if note:
+        print(f"pdkv-transfer-test: note: {note}", file=sys.stderr)
     dec.start(a.listen)
     served = ", ".join(dec.rx.options.transports)
     data = f"; tcp data {dec.rx.data_address}" if "tcp" in dec.rx.options.transports else ""

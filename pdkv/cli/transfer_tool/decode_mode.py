@@ -24,6 +24,7 @@ from ...scheduling.blocks import BlockPool
 from ...scheduling.scheduler import DecodeScheduler, Event, SchedulerOptions
 from ...swap import SwapEngine, SwapGroup
 from ...transfer import DecodeReceiver
+from .prefill_mode import prefill_on_gpu
 from .workload import (
     UsageError,
     make_workload,
@@ -101,8 +102,10 @@ class DecodeSide:
                 f"({free / (1 << 30):.2f} GiB free): size it with --buffer-gib or --buffer-blocks (the largest "
                 f"request needs {need} blocks, {need * lay.block_bytes / (1 << 30):.2f} GiB a rank)"
             )
-        self.nb, self.gpu_blocks = nb, gpu_blocks
         self.cuda = _ffi.cuda.device_count() > 0 and not a.no_gpu
+        if a.mode == "local":
+            self._check_host_memory(nb, gpu_blocks, need, total)
+        self.nb, self.gpu_blocks = nb, gpu_blocks
         self.devices = parse_devices(a.decode_devices, "--decode-devices")  # decode rank r on devices[r % n]
         # cuda_ipc asked for (_check_args made sure of a GPU and no --no-gpu), or under auto
         # with GPU blocks: served beside the others, as a decode engine with GPU caches
@@ -198,6 +201,44 @@ class DecodeSide:
         self._stop = threading.Event()
         self._engine = threading.Thread(target=self._engine_loop, name="decode-engine", daemon=True)
         self._engine.start()
+
+    def stale_segments_note(self) -> str | None:
+        """A line naming the buffers that dead processes left in /dev/shm (a killed run's),
+        and how to remove them; None when there are none."""
+        from ...buffer.sweeper import has_tag, scan_segments
+
+        tag = os.environ.get("PDKV_SHM_TAG")  # a deployment's (or a test run's) own buffers only
+        stale = [seg for seg in scan_segments() if seg.stale and (not tag or has_tag(seg.name, tag))]
+        if not stale:
+            return None
+        gib = sum(seg.size for seg in stale) / (1 << 30)
+        return (
+            f"{len(stale)} pdkv buffer(s) left by dead processes hold {gib:.2f} GiB of /dev/shm "
+            f"({', '.join(seg.name for seg in stale[:3])}{', ...' if len(stale) > 3 else ''}): "
+            f"`pdkv-shm clean --yes{' --tag ' + tag if tag else ''}` removes them"
+        )
+
+    def _check_host_memory(self, nb: int, gpu_blocks: int, need: int, buffer_total: int) -> None:
+        """Local mode holds the whole run in this host's memory: the buffers, the host
+        stand-in for decode's GPU blocks (without a GPU) and the prefill ranks' caches.
+        Refused before anything is allocated when that passes what the host (or this
+        process's memory cgroup) has left: the kernel's OOM killer would end the run, and
+        a killed process cannot remove its buffer."""
+        a = self.a
+        lay = self.lays[0]
+        stand_in = 0 if self.cuda else lay.block_bytes * gpu_blocks * a.decode_tp
+        plin = KVLayout(**self.lay_kw, tp_size=a.prefill_tp)
+        prefill = 0 if prefill_on_gpu(a) else plin.block_bytes * max(a.prefill_blocks, need) * a.prefill_tp
+        total = buffer_total + stand_in + prefill
+        avail, where = available_memory()
+        if total > avail:
+            gib = 1 << 30
+            raise UsageError(
+                f"this run needs {total / gib:.1f} GiB of host memory (decode buffer {buffer_total / gib:.1f}, "
+                f"host stand-in for {gpu_blocks} GPU blocks {stand_in / gib:.1f}, prefill caches {prefill / gib:.1f}), "
+                f"more than the {avail / gib:.1f} GiB {where} has left: lower --prompt-len or --trace-limit, "
+                "or set --buffer-blocks and --gpu-blocks"
+            )
 
     def _on_event(self, ev: Event) -> None:
         tr = self.tracks.setdefault(ev.request_id, Track())

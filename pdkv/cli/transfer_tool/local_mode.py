@@ -103,6 +103,9 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
     KVLayout(**lay_kw, tp_size=a.prefill_tp).check_compatible(KVLayout(**lay_kw, tp_size=a.decode_tp))
     work = make_workload(a)  # validated before anything starts
     dec = DecodeSide(a, lay_kw)
+    note = dec.stale_segments_note()  # a killed earlier run's buffers: said before this one starts
+    if note:
+        print(f"pdkv-transfer-test: note: {note}", file=sys.stderr)
     dec.start(a.listen or "tcp://127.0.0.1:0")
     procs: list[subprocess.Popen[str]] = []
     outcomes: dict[str, str] = {}
