@@ -287,3 +287,24 @@ def test_a_measured_rate_of_zero_is_a_usage_error(link, swap, monkeypatch):
     console = types.SimpleNamespace(print=lambda *x, **k: None)
     with pytest.raises(UsageError, match=r"gave no rate .*give --bandwidth-gbps and --swap-gbps"):
         measure_rates(a, console)
+
+
+def test_an_interrupted_plan_reports_the_sizes_done(monkeypatch, capsys):
+    """Ctrl-C during the sweep (the README: Ctrl-C prints what was done): the sizes simulated
+    so far are reported, rc 130."""
+    from pdkv.cli.transfer_tool import plan_mode
+
+    real, calls = plan_mode.simulate, []
+
+    def simulate(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(plan_mode, "simulate", simulate)
+    argv = ["plan", "--trace", TRACE, "--bandwidth-gbps", "25", "--swap-gbps", "50", "--gpu-gib", "24"]
+    assert tool_main(argv) == 130
+    out = capsys.readouterr().out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["interrupted"] and len(last["sweep"]) == 2 and "interrupted" in out

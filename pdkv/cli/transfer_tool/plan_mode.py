@@ -206,11 +206,17 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
         )
     t0 = time.monotonic()
     rows: list[dict[str, Any] | None] = []
-    for nb in sizes:
-        if nb and not a.direct_to_gpu and nb < need:
-            rows.append(None)  # every request passes through the buffer: it must hold the largest
-            continue
-        rows.append(simulate(trace, cfg, nb).figures())
+    interrupted = False
+    try:
+        for nb in sizes:
+            if nb and not a.direct_to_gpu and nb < need:
+                rows.append(None)  # every request passes through the buffer: it must hold the largest
+                continue
+            rows.append(simulate(trace, cfg, nb).figures())
+    except KeyboardInterrupt:  # Ctrl-C: the sizes simulated so far are reported, then rc 130
+        if not any(r is not None for r in rows):
+            raise
+        interrupted, sizes = True, sizes[: len(rows)]
     skipped = [sizes[i] for i, r in enumerate(rows) if r is None]
     rows_ok = [r for r in rows if r is not None]
     elapsed = time.monotonic() - t0
@@ -287,7 +293,10 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
         "recommended_buffer_gib": best["buffer_gib"] if best else None,
         "prefix_reuse": pre,
         "simulation_s": elapsed,
+        "interrupted": interrupted,
     }
+    if interrupted:
+        console.print(f"[yellow]interrupted[/yellow]: {len(rows)} buffer sizes simulated, the others not")
     if a.plot:
         write_plan_plot(a.plot, rows_ok, "\n".join(textwrap.wrap(head, 160)))
         console.print(f"plot written to {a.plot}")
@@ -296,7 +305,7 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
         with open(a.json, "w") as f:
             f.write(text + "\n")
     print(text)  # the JSON line is the last thing printed
-    return 0
+    return 130 if interrupted else 0
 
 
 def _finite(x: Any) -> Any:
