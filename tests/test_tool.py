@@ -187,18 +187,24 @@ def test_ctrl_c_is_interrupted_rc_130(mode, tmp_path, no_leaks):
         assert rep["bytes_verified"] <= rep["bytes_transferred"], rep
 
 
-@pytest.mark.multiproc
-def test_prefill_mode_by_hand_prints_a_summary(tmp_path, no_leaks):
-    tool = [sys.executable, "-m", "pdkv.cli.transfer_tool"]
+def _decode_mode(*extra):
+    """The tool's decode mode on loopback (tiny, 32 buffer blocks, at most 60 s): the process
+    and the address it listens on."""
     d = subprocess.Popen(
-        [*tool, "decode", "--listen", "tcp://127.0.0.1:0", "--model", "tiny", "--buffer-blocks", "32"]
-        + ["--expect-requests", "3", "--duration", "60"],
+        [sys.executable, "-m", "pdkv.cli.transfer_tool", "decode", "--listen", "tcp://127.0.0.1:0", "--model", "tiny"]
+        + ["--buffer-blocks", "32", "--duration", "60", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    return d, d.stdout.readline().split("listening on ")[1].split(" ")[0]
+
+
+@pytest.mark.multiproc
+def test_prefill_mode_by_hand_prints_a_summary(tmp_path, no_leaks):
+    tool = [sys.executable, "-m", "pdkv.cli.transfer_tool"]
+    d, addr = _decode_mode("--expect-requests", "3")
     try:
-        addr = d.stdout.readline().split("listening on ")[1].split(" ")[0]
         p = subprocess.run(
             [*tool, "prefill", "--connect", addr, "--model", "tiny", "--requests", "3", "-q"],
             capture_output=True,
@@ -220,15 +226,8 @@ def test_prefill_mode_sums_up_when_decode_dies(tmp_path, no_leaks):
     """Decode killed mid-run: prefill names the first few failed requests, then counts the
     rest by reason (it printed one line per request)."""
     tool = [sys.executable, "-m", "pdkv.cli.transfer_tool"]
-    d = subprocess.Popen(
-        [*tool, "decode", "--listen", "tcp://127.0.0.1:0", "--model", "tiny", "--buffer-blocks", "32"]
-        + ["--duration", "60"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    d, addr = _decode_mode()
     try:
-        addr = d.stdout.readline().split("listening on ")[1].split(" ")[0]
         p = subprocess.Popen(
             [*tool, "prefill", "--connect", addr, "--model", "tiny", "--requests", "60", "--rate", "20"]
             + ["--timeout", "2", "--concurrency", "40"],
