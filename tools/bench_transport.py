@@ -16,7 +16,7 @@ to the definite outcome) and of the whole cycle including the reservation round 
 
 The prefill cache is page-aligned, as engines allocate theirs; ``--src-offset 16`` puts it
 where a large ``np.empty`` would start (16 bytes into its page), which costs block copies
-on some CPUs (docs/PERF.md).
+on some CPUs.
 
     python tools/bench_transport.py [--gib 1] [--sizes-kib 32,128,1024] [--streams 2] [--src-offset 0]
 """
