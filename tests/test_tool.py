@@ -686,3 +686,23 @@ def test_a_killed_runs_buffer_is_named_at_the_next_start(capsys, no_leaks):
         assert "left by dead processes" in err and name in err and "pdkv-shm clean --yes" in err, err
     finally:
         assert name in clean_segments(dry_run=False, tag=os.environ["PDKV_SHM_TAG"])
+
+
+@pytest.mark.parametrize(
+    "mode, shown, hidden",
+    [
+        ("plan", ["--gpu-gib", "--trace", "--buffer-sweep"], ["--listen", "--sweep-reps", "--rank"]),
+        ("decode", ["--listen", "--buffer-gib", "--metrics-port"], ["--gpu-gib", "--sweep-reps", "--rank"]),
+        ("prefill", ["--connect", "--rank", "--requests"], ["--gpu-gib", "--sweep-reps", "--buffer-gib"]),
+        ("sweep", ["--sweep-reps", "--sweep-transports"], ["--gpu-gib", "--buffer-sweep"]),
+    ],
+)
+def test_each_mode_has_its_own_help(mode, shown, hidden, capsys):
+    from pdkv.cli.transfer_tool import main as tool_main
+
+    with pytest.raises(SystemExit) as e:
+        tool_main([mode, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: pdkv-transfer-test {mode}")
+    assert all(f in out for f in shown) and not any(f in out for f in hidden), out

@@ -346,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
         parser = build_parser()
+        mode = next((t for t in argv if t in MODES), None)
+        if mode is not None and any(t in ("-h", "--help") for t in argv):
+            _help_for(parser, mode)  # exits
         _check_flags(parser, argv)
         a = parser.parse_args(argv)
         a.argv = argv
@@ -390,6 +393,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("pdkv-transfer-test: interrupted", file=sys.stderr)
         return 130
+
+
+# the flag groups each mode reads (the rest are another mode's)
+_MODE_GROUPS = {
+    "local": ("endpoints", "layout", "workload", "decode", "prefill", "output"),
+    "decode": ("endpoints", "layout", "decode", "output"),
+    "prefill": ("endpoints", "layout", "workload", "prefill", "output"),
+    "plan": ("layout", "workload", "decode", "plan (capacity planner)", "output"),
+    "sweep": ("endpoints", "layout", "workload", "decode", "prefill", "sweep", "output"),
+}
+
+
+def _help_for(parser: argparse.ArgumentParser, mode: str) -> None:
+    """``pdkv-transfer-test MODE --help``: that mode's flags only."""
+    keep = set(_MODE_GROUPS[mode]) | {"options", "optional arguments"}
+    parser._action_groups = [g for g in parser._action_groups if g.title in keep]
+    parser.usage = f"%(prog)s {mode} [flags]"
+    parser.description = (parser.description or "") + f" This help: the flags of {mode} mode."
+    parser.print_help()
+    raise SystemExit(0)
 
 
 def _configure_logging(verbose: int) -> None:
