@@ -201,6 +201,10 @@ class BlockPool:
                 ends[e] = s
                 heapq.heappush(self._heap, s)
             self._free += total
+            # stale and repeated starts are dropped lazily; a pool that only ever takes its
+            # lowest run (the fast path) would otherwise grow its heap by one a free, forever
+            if len(self._heap) > 4 * len(starts) + 64:
+                self._heap = sorted(starts)
 
     def check(self) -> None:
         """Verify internal consistency (tests): runs cover exactly the free blocks, each run
