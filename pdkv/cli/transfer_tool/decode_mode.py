@@ -237,7 +237,7 @@ class DecodeSide:
                 f"this run needs {total / gib:.1f} GiB of host memory (decode buffer {buffer_total / gib:.1f}, "
                 f"host stand-in for {gpu_blocks} GPU blocks {stand_in / gib:.1f}, prefill caches {prefill / gib:.1f}), "
                 f"more than the {avail / gib:.1f} GiB {where} has left: lower --prompt-len or --trace-limit, "
-                "or set --buffer-blocks and --gpu-blocks"
+                "or set --buffer-gib (or --buffer-blocks) and --gpu-blocks"
             )
 
     def _on_event(self, ev: Event) -> None:
