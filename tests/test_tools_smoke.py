@@ -27,6 +27,13 @@ def test_bench_scheduler_smoke():
 
 
 @pytest.mark.multiproc
+def test_soak_memory_smoke():
+    p = run("soak_memory.py", "--requests", "3000", "--samples", "3")
+    assert p.returncode == 0, p.stderr
+    last = json.loads(p.stdout.strip().splitlines()[-1])
+    assert last["requests"] == 3000 and last["rss_mib_end"] > 0 and "live requests at the end: 0" in p.stdout
+
+
 def test_bench_transport_smoke(no_leaks):
     p = run("bench_transport.py", "--gib", "0.02", "--sizes-kib", "32", "--reps", "1", "--control-requests", "5")
     assert p.returncode == 0, p.stderr

@@ -21,6 +21,11 @@ __all__ = ["expire_due", "release_quarantine", "grant_queued", "admit_swaps", "s
 
 def expire_due(s: SchedulerCore, now: float) -> None:
     heap = s._expiry
+    if len(heap) > 4 * len(s._reqs) + 1024:
+        # entries of ended requests wait here until their lease would have run out: at a high
+        # rate that is rate x lease_s of them; drop them (the pops below would skip them)
+        heap[:] = [e for e in heap if (r := s._reqs.get(e[2])) is not None and r.state in _WRITABLE]
+        heapq.heapify(heap)
     while heap and heap[0][0] <= now:
         t, _, rid = heapq.heappop(heap)
         req = s._reqs.get(rid)

@@ -191,8 +191,10 @@ class DecodeReceiver(ReceiverCore):
         if isinstance(msg, Heartbeat):
             self._send(peer.ident, Heartbeat(time.time()))
         elif isinstance(msg, Bye):
-            self._send(peer.ident, Bye("session ended"))
+            # the session's state goes first: once prefill has the answer, its name and rank are free
             self._end_session(peer, f"prefill {peer.instance} rank {peer.tp_rank} ended its session", dead=False)
+            answer = Bye("session ended")
+            self._ch.send(lambda: [peer.ident, *peer.codec.encode(answer)])
         elif isinstance(msg, ReserveReq):
             self._on_reserve(peer, msg.request_id, msg.num_tokens)
         elif isinstance(msg, ReserveBatch):
