@@ -1019,6 +1019,7 @@ def test_silent_data_connections_held_open_keep_no_session_out(no_leaks):
     dec = Decode(max_pending_connections=8, auth_timeout_s=5)
     stop = threading.Event()
     held: list[socket.socket] = []
+    t: threading.Thread | None = None
     try:
         host, port = dec.rx.data_address.split(":")
 
@@ -1049,7 +1050,8 @@ def test_silent_data_connections_held_open_keep_no_session_out(no_leaks):
         assert dec.rx.stats["connections_refused"] > 0  # the attacker's connections gave way
     finally:
         stop.set()
-        t.join(5)
+        if t is not None:
+            t.join(5)
         for s in held:
             s.close()
         dec.close()

@@ -225,8 +225,11 @@ def test_prefill_mode_by_hand_prints_a_summary(tmp_path, no_leaks):
 def test_prefill_mode_sums_up_when_decode_dies(tmp_path, no_leaks):
     """Decode killed mid-run: prefill names the first few failed requests, then counts the
     rest by reason (it printed one line per request)."""
+    from pdkv.buffer.sweeper import clean_segments
+
     tool = [sys.executable, "-m", "pdkv.cli.transfer_tool"]
     d, addr = _decode_mode()
+    procs = [d]
     try:
         p = subprocess.Popen(
             [*tool, "prefill", "--connect", addr, "--model", "tiny", "--requests", "60", "--rate", "20"]
@@ -235,22 +238,21 @@ def test_prefill_mode_sums_up_when_decode_dies(tmp_path, no_leaks):
             stderr=subprocess.PIPE,
             text=True,
         )
+        procs.append(p)
         time.sleep(1.0)
         d.kill()
         out, err = p.communicate(timeout=120)
     finally:
-        for q in (d, p):
+        for q in procs:
             if q.poll() is None:
                 q.kill()
             q.communicate()
-    from pdkv.buffer.sweeper import clean_segments
-
-    # the killed decode's segment: removed by the sweeper once its creator is provably gone
-    deadline = time.monotonic() + 10
-    while [n for n in os.listdir("/dev/shm") if n.startswith(f"pdkv-{d.pid}-")]:
-        assert time.monotonic() < deadline, "the killed decode's segment was not cleaned"
-        clean_segments(dry_run=False, tag=os.environ["PDKV_SHM_TAG"])
-        time.sleep(0.05)
+        # the killed decode's segment, on every path: removed once its creator is provably gone
+        deadline = time.monotonic() + 10
+        while [n for n in os.listdir("/dev/shm") if n.startswith(f"pdkv-{d.pid}-")]:
+            assert time.monotonic() < deadline, "the killed decode's segment was not cleaned"
+            clean_segments(dry_run=False, tag=os.environ["PDKV_SHM_TAG"])
+            time.sleep(0.05)
     assert p.returncode != 0
     named = [ln for ln in out.splitlines() if ln.startswith("r") and ": failed" in ln]
     assert 0 < len(named) <= 5, out

@@ -25,7 +25,6 @@ __all__ = [
     "new_nonce",
     "data_auth_mac",
     "mask_instance_key",
-    "printable",
 ]
 
 
@@ -51,12 +50,6 @@ def mask_instance_key(key: bytes, session_key: bytes | None, prefill_nonce: byte
     pad_key = session_key if session_key is not None else b"pdkv-no-secret"
     pad = hmac.new(pad_key, b"pdkv-instance-pad" + prefill_nonce + decode_nonce, hashlib.sha256).digest()
     return bytes(a ^ b for a, b in zip(key, pad, strict=True))
-
-
-def printable(text: str) -> bool:
-    """Whether a name from the wire may reach a log line as it is (no control characters,
-    no line breaks)."""
-    return text.isprintable()
 
 
 def data_auth_mac(session_key: bytes | None, session_id: bytes, nonce: bytes) -> bytes:

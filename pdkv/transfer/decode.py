@@ -87,7 +87,7 @@ class DecodeReceiver(ReceiverCore):
         last_check = time.monotonic()
         while not self.stopping.is_set():
             self._guard.poll(time.monotonic())  # connections accepted and gone, before their messages
-            room = _QUEUED_BYTES - sum(self._queued.values())
+            room = _QUEUED_BYTES - self._queued_total
             got = self._ch.wait(0 if self._queues else 2 if self.options.auto_tick else 50, max(room, 1))
             if got is None:
                 break
@@ -104,6 +104,7 @@ class DecodeReceiver(ReceiverCore):
                     continue
                 q.append((fd, frames))
                 self._queued[ident] += n
+                self._queued_total += n
             # one message of each connection in turn, for at most _ROUND_S (then the socket is
             # read again, so a connection that spoke since waits for at most that)
             served, until = 0, time.monotonic() + _ROUND_S
@@ -111,7 +112,9 @@ class DecodeReceiver(ReceiverCore):
                 for ident in list(self._queues):
                     q = self._queues[ident]
                     fd, frames = q.popleft()
-                    self._queued[ident] -= sum(map(len, frames))
+                    n = sum(map(len, frames))
+                    self._queued[ident] -= n
+                    self._queued_total -= n
                     if not q:
                         del self._queues[ident]
                         del self._queued[ident]

@@ -141,6 +141,7 @@ class ReceiverCore:
         # of batches delays another's reservation by one message, not by the flood
         self._queues: dict[bytes, collections.deque[tuple[int, list[bytes]]]] = {}
         self._queued: dict[bytes, int] = {}  # bytes queued, by connection
+        self._queued_total = 0  # their sum
         self._threads: list[threading.Thread] = []
         self._transports: dict[str, ReceiverTransport] = {}
         self._ctx = zmq.Context()

@@ -23,7 +23,7 @@ from ...layout import KVLayout
 from .decode_mode import DecodeSide
 from .local_mode import _finish, run_local
 from .prefill_mode import prefill_on_gpu, run_prefill
-from .report import build_report
+from .report import build_report, progress_bar
 from .workload import PRESETS, Parser, UsageError, layout_kw, make_workload, parse_devices
 
 MODES = ["local", "decode", "prefill", "plan", "sweep"]
@@ -449,14 +449,6 @@ def _check_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
 
 def run_prefill_console(a: argparse.Namespace, console: Any) -> int:
     """Prefill mode run by hand: a progress bar and a summary, not event lines."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     n = len(make_workload(a))
     outcomes: dict[str, str] = {}
@@ -464,16 +456,7 @@ def run_prefill_console(a: argparse.Namespace, console: Any) -> int:
     summary: dict[str, Any] = {}
     lines: list[str] = []
     failures: dict[str, int] = {}  # reason -> requests that failed for it
-    progress = Progress(
-        TextColumn(f"prefill rank {a.rank}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-        disable=a.quiet,
-    )
+    progress = progress_bar(console, f"prefill rank {a.rank}", a.quiet)
     with progress:
         task = progress.add_task("sent", total=n)
 

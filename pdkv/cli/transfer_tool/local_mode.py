@@ -21,7 +21,7 @@ from ... import _ffi
 from ...layout import KVLayout
 from .decode_mode import DecodeSide, Track
 from .prefill_mode import prefill_on_gpu
-from .report import build_report, fit_prefill, print_report, write_plot
+from .report import build_report, fit_prefill, print_report, progress_bar, write_plot
 from .workload import MiB, layout_kw, make_workload, parse_devices
 
 
@@ -90,14 +90,7 @@ def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
 
 
 def run_local(a: argparse.Namespace, console: Any) -> int:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from rich.progress import TextColumn
 
     lay_kw = layout_kw(a)
     KVLayout(**lay_kw, tp_size=a.prefill_tp).check_compatible(KVLayout(**lay_kw, tp_size=a.decode_tp))
@@ -176,17 +169,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
         readers = [threading.Thread(target=reader, args=(p,), daemon=True) for p in procs]
         for t in readers:
             t.start()
-        progress = Progress(
-            TextColumn("requests"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"),
-            console=console,
-            transient=False,  # the bar stays: what the run did
-            disable=a.quiet,
-        )
+        progress = progress_bar(console, "requests", a.quiet, TextColumn("{task.fields[info]}"))
 
         def info() -> str:
             m = dec.sched.metrics()

@@ -235,3 +235,19 @@ def write_plot(path: str, dec: DecodeSide) -> None:
     fig.legend(handles=[a1, a2, a3], loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     save_figure(fig, path, "pdkv transfer test")
+
+
+def progress_bar(console: Any, label: str, quiet: bool, *extra: Any) -> Any:
+    """The tool's progress bar: ``label``, the bar, done of total, elapsed, remaining, then
+    ``extra`` columns; it stays on screen when done (what the run did)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    cols = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    return Progress(*cols, *extra, console=console, transient=False, disable=quiet)
