@@ -6,6 +6,16 @@ a block) or ``[num_blocks, tokens_per_block, kv_heads_per_rank, head_dim]`` ("NH
 ``token_major=True``). Optional per-token scales are ``[num_blocks, kv_heads_per_rank,
 tokens_per_block]`` bfloat16, one tensor per K/V, always head-major.
 
+Fused caches (``kv_fused``) keep K and V of a layer in one block, as vLLM does:
+``"row"``: each (head, token) row holds K then V (vLLM's FlashAttention view
+``[blocks, heads, tokens, 2 * head_dim]``, head- or token-major); ``"head"``: each head
+holds its tokens' K rows, then their V rows (vLLM's CPU backend, the same view read as
+``[blocks, heads, 2 * tokens, head_dim]``). A block of a fused layer is one contiguous
+``layer_block_bytes`` run; K and V are two strided tensors inside it (V's base is K's plus
+:meth:`KVLayout.tensor_offset`). Blocks of several layers may interleave (vLLM's
+cross-layer orders): that is the :class:`CacheSpec`'s business (a base and a block stride
+per layer), not the layout's.
+
 All sizes here are **per rank** unless a name says ``instance``.
 """
 
@@ -34,6 +44,7 @@ DESCRIPTOR_VERSION = 1
 DTYPE_BITS: Mapping[str, int] = {
     "bfloat16": 16,
     "float16": 16,
+    "float32": 32,
     "float8_e4m3": 8,
     "float8_e5m2": 8,
     "uint8": 8,
@@ -43,6 +54,8 @@ _ALIASES = {
     "bf16": "bfloat16",
     "fp16": "float16",
     "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
     "fp8": "float8_e4m3",
     "float8": "float8_e4m3",
     "e4m3": "float8_e4m3",
@@ -50,6 +63,7 @@ _ALIASES = {
     "int8": "uint8",
 }
 _SCALE_BYTES = 2  # bfloat16 scale per (head, token)
+KV_FUSED = ("", "row", "head")
 _MAX = {
     "num_layers": 4096,
     "extra_layers": 256,
@@ -92,6 +106,10 @@ class KVLayout:
         and are replicated when ``kv_heads < tp_size`` (``tp_size`` a multiple of ``kv_heads``).
     token_major:
         ``True`` for NHD blocks (vLLM's default), ``False`` for HND (FastDeploy).
+    kv_fused:
+        ``""``: K and V are separate tensors. ``"row"``: one block holds both, each
+        (head, token) row K then V (vLLM FlashAttention). ``"head"``: one block holds both,
+        each head's K rows then its V rows (vLLM's CPU backend; head-major only).
 
     Raises
     ------
@@ -110,6 +128,7 @@ class KVLayout:
     tp_size: int = 1
     tp_rank: int = 0
     token_major: bool = False
+    kv_fused: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "tokens_per_block", "tp_size"):
@@ -131,6 +150,12 @@ class KVLayout:
             raise LayoutError(f"kv_heads={self.kv_heads} with mla=True: an MLA cache has one latent head")
         if self.tp_rank >= self.tp_size:
             raise LayoutError(f"tp_rank={self.tp_rank} must be < tp_size={self.tp_size}")
+        if self.kv_fused not in KV_FUSED:
+            raise LayoutError(f"kv_fused={self.kv_fused!r} must be one of {KV_FUSED}")
+        if self.kv_fused and (self.mla or self.scales):
+            raise LayoutError(f"kv_fused={self.kv_fused!r} fuses K and V: not with mla=True or scales=True")
+        if self.kv_fused == "head" and self.token_major:
+            raise LayoutError("kv_fused='head' (each head's K rows, then its V rows) is head-major: token_major=False")
         h, p = self.kv_heads, self.tp_size
         if h % p and p % h:
             raise LayoutError(
@@ -189,6 +214,38 @@ class KVLayout:
     def tensor_block_bytes(self, tensor: str | int) -> int:
         """Bytes of one block of one layer of ``tensor`` on this rank."""
         return self.heads_per_rank * self.tokens_per_block * self.unit_bytes(tensor)
+
+    def tensor_offset(self, tensor: str | int) -> int:
+        """Bytes from a layer block's start to the tensor's first byte in it: 0 but for V
+        in a fused block (``unit`` bytes for ``"row"``, ``tokens * unit`` for ``"head"``)."""
+        t = self.tensor_index(tensor)
+        if not self.kv_fused or t == 0:
+            return 0
+        u = self.elem_bytes_per_head_token
+        return u if self.kv_fused == "row" else self.tokens_per_block * u
+
+    def block_span(self, tensor: str | int) -> int:
+        """Bytes from one block of ``tensor`` to the next in a packed region: the tensor's
+        block bytes, or the whole fused block (K and V) for a fused layout."""
+        return self.layer_block_bytes if self.kv_fused else self.tensor_block_bytes(tensor)
+
+    def tensor_block_extent(self, tensor: str | int) -> int:
+        """Bytes from the tensor's address in a block to the end of that block's storage:
+        every piece of the tensor in one block lies in ``[0, extent)`` of its address."""
+        return self.block_span(tensor) - self.tensor_offset(tensor)
+
+    def unit_strides(self, tensor: str | int) -> tuple[int, int]:
+        """``(head_stride, token_stride)`` in bytes of one (head, token) of ``tensor`` inside
+        a block, from the tensor's address in it."""
+        t = self.tensor_index(tensor)
+        u, T, H = self.unit_bytes(t), self.tokens_per_block, self.heads_per_rank
+        if self.is_scale(t):
+            return T * u, u
+        if self.kv_fused == "row":
+            return (2 * u, 2 * H * u) if self.token_major else (2 * T * u, 2 * u)
+        if self.kv_fused == "head":
+            return 2 * T * u, u
+        return (u, H * u) if self.token_major else (T * u, u)
 
     @property
     def layer_block_bytes(self) -> int:
@@ -325,10 +382,8 @@ def tp_segments(src: KVLayout, dst: KVLayout) -> list[Segment]:
         d0, d1 = dst.head_range(s)
         for t in range(len(dst.tensors)):
             unit = dst.unit_bytes(t)
-            scale = dst.is_scale(t)
-            src_nhd = src.token_major and not scale
-            dst_nhd = dst.token_major and not scale
-            hs, hd = src.heads_per_rank, dst.heads_per_rank
+            shs, sts = src.unit_strides(t)
+            dhs, dts = dst.unit_strides(t)
             # runs of consecutive heads coming from one source rank
             h = d0
             while h < d1:
@@ -336,23 +391,24 @@ def tp_segments(src: KVLayout, dst: KVLayout) -> list[Segment]:
                 s0, s1 = src.head_range(r)
                 stop = min(d1, s1)
                 n, ls, ld = stop - h, h - s0, h - d0
-                if not src_nhd and not dst_nhd:
-                    segs = [Segment(t, r, s, ls * T * unit, ld * T * unit, n * T * unit)]
-                elif src_nhd and dst_nhd:
-                    segs = [Segment(t, r, s, ls * unit, ld * unit, n * unit, T, hs * unit, hd * unit)]
-                else:
-                    segs = []
-                    for j in range(n):
-                        so = (ls + j) * (unit if src_nhd else T * unit)
-                        do = (ld + j) * (unit if dst_nhd else T * unit)
-                        segs.append(
-                            Segment(
-                                t, r, s, so, do, unit, T, hs * unit if src_nhd else unit, hd * unit if dst_nhd else unit
-                            )
-                        )
+                so, do = ls * shs, ld * dhs
+                if sts == dts == unit:
+                    # each head's tokens contiguous on both sides: a piece per head, or one
+                    # piece for the run where the heads follow each other on both sides too
+                    if shs == dhs == T * unit:
+                        segs = [Segment(t, r, s, so, do, n * T * unit)]
+                    else:
+                        segs = [Segment(t, r, s, so, do, T * unit, n, shs, dhs)]
+                elif shs == dhs == unit:
+                    # each token's heads contiguous on both sides: a piece per token
+                    segs = [Segment(t, r, s, so, do, n * unit, T, sts, dts)]
+                else:  # a piece per (head, token)
+                    segs = [Segment(t, r, s, so + j * shs, do + j * dhs, unit, T, sts, dts) for j in range(n)]
                 for g in segs:
                     if g.count > 1 and g.src_stride == g.dst_stride == g.length:
                         g = Segment(t, r, s, g.src_offset, g.dst_offset, g.length * g.count)
+                    elif g.count == 1:
+                        g = Segment(t, r, s, g.src_offset, g.dst_offset, g.length)
                     out.append(g)
                 h = stop
     return out
@@ -398,7 +454,7 @@ class CacheSpec:
                 raise LayoutError(f"layer {li} has {len(layer)} tensors; the layout has {nt} {layout.tensors}")
             bl, sl = [], []
             for ti, (base, stride) in enumerate(layer):
-                need = layout.tensor_block_bytes(ti)
+                need = layout.block_span(ti)
                 if not isinstance(base, int) or base <= 0:
                     raise LayoutError(
                         f"layer {li} tensor {layout.tensors[ti]}: base pointer {base!r} is not a valid address"
@@ -434,9 +490,12 @@ class CacheSpec:
 
     def region_ranges(self) -> list[tuple[int, int]]:
         """``(base, bytes)`` of every (layer, tensor) region, in layer then tensor order:
-        what a transport registers once to send from the whole cache."""
+        what a transport registers once to send from the whole cache. A fused layout has
+        one region per layer (K's: V lies inside it)."""
         n = self.num_blocks
-        return [(b, st * n) for bases, strides in zip(self._bases, self._strides) for b, st in zip(bases, strides)]
+        nt = 1 if self.layout.kv_fused else len(self.layout.tensors)
+        rows = zip(self._bases, self._strides)
+        return [(b, st * n) for bases, strides in rows for b, st in zip(bases[:nt], strides[:nt])]
 
     @property
     def alignment(self) -> int:
@@ -465,10 +524,16 @@ class CacheSpec:
 
     @classmethod
     def for_buffer(cls, layout: KVLayout, num_blocks: int, base: int, *, device: int | None = None) -> CacheSpec:
-        """pdkv's buffer layout: one contiguous region per (layer, tensor), in that order
-        (also usable for a GPU cache laid out the same way: pass ``device``)."""
+        """pdkv's buffer layout: one contiguous region per (layer, tensor), in that order;
+        for a fused layout one region per layer of fused blocks (also usable for a GPU
+        cache laid out the same way: pass ``device``)."""
         regions, off = [], 0
         for _ in range(layout.total_layers):
+            if layout.kv_fused:
+                span = layout.layer_block_bytes
+                regions.append([(base + off + layout.tensor_offset(t), span) for t in range(len(layout.tensors))])
+                off += span * num_blocks
+                continue
             row = []
             for t in range(len(layout.tensors)):
                 tb = layout.tensor_block_bytes(t)
@@ -476,6 +541,24 @@ class CacheSpec:
                 off += tb * num_blocks
             regions.append(row)
         return cls(layout, num_blocks, regions, device=device)
+
+    @classmethod
+    def vllm(
+        cls, layout: KVLayout, num_blocks: int, layers: Sequence[tuple[int, int]], *, device: int | None = None
+    ) -> CacheSpec:
+        """vLLM's fused cache (0.32+): per layer one view ``[num_blocks, heads, tokens, 2 *
+        head_dim]`` in ``layout.kv_fused``'s order, given as ``(base pointer, block stride in
+        bytes)`` per layer. The stride is the fused block's bytes for a layer-compact order
+        (LBHNC, LBNHC), ``layers x`` that for a block-outermost one (BLHNC): vLLM's
+        cross-layer orders are this spec's per-layer bases and strides."""
+        if not layout.kv_fused:
+            raise LayoutError("CacheSpec.vllm describes a fused K/V cache: give the layout kv_fused='row' or 'head'")
+        return cls(
+            layout,
+            num_blocks,
+            [[(p, st), (p + layout.tensor_offset(1), st)] for p, st in layers],
+            device=device,
+        )
 
     @classmethod
     def fastdeploy(
@@ -496,8 +579,10 @@ class CacheSpec:
         cls, layout: KVLayout, num_blocks: int, layer_ptrs: Sequence[int], *, device: int | None = None
     ) -> CacheSpec:
         """vLLM FlashAttention: one ``[2, blocks, tokens, heads, dim]`` tensor per layer."""
-        if layout.mla or layout.scales:
-            raise LayoutError("vllm_flash_attn expects a K+V cache without scale tensors")
+        if layout.mla or layout.scales or layout.kv_fused:
+            raise LayoutError(
+                "vllm_flash_attn expects a K+V cache without scale tensors, K and V apart (fused: CacheSpec.vllm)"
+            )
         bb = layout.tensor_block_bytes(0)
         return cls(layout, num_blocks, [[(p, bb), (p + num_blocks * bb, bb)] for p in layer_ptrs], device=device)
 
@@ -506,7 +591,9 @@ class CacheSpec:
         cls, layout: KVLayout, num_blocks: int, layer_ptrs: Sequence[int], *, device: int | None = None
     ) -> CacheSpec:
         """vLLM FlashInfer: one ``[blocks, 2, ...]`` tensor per layer; K and V side by side."""
-        if layout.mla or layout.scales:
-            raise LayoutError("flashinfer expects a K+V cache without scale tensors")
+        if layout.mla or layout.scales or layout.kv_fused:
+            raise LayoutError(
+                "flashinfer expects a K+V cache without scale tensors, K and V apart (fused: CacheSpec.vllm)"
+            )
         bb = layout.tensor_block_bytes(0)
         return cls(layout, num_blocks, [[(p, 2 * bb), (p + bb, 2 * bb)] for p in layer_ptrs], device=device)

@@ -177,7 +177,12 @@ def plan_copy(
     SwapError
         Different layouts, mismatched lengths, ids out of range, duplicate destinations.
     """
-    if src.layout.block_bytes != dst.layout.block_bytes or src.layout.tensors != dst.layout.tensors:
+    if (
+        src.layout.block_bytes != dst.layout.block_bytes
+        or src.layout.tensors != dst.layout.tensors
+        or src.layout.kv_fused != dst.layout.kv_fused
+        or src.layout.token_major != dst.layout.token_major
+    ):
         raise SwapError("source and destination caches have different layouts")
     sb, db = _as_ids(src_blocks), _as_ids(dst_blocks)
     if sb.size != db.size:
@@ -191,10 +196,13 @@ def plan_copy(
     if L is not None and L.size and (L.min() < 0 or L.max() >= lay.total_layers):
         raise SwapError(f"layers {L.tolist()[:8]} out of range [0, {lay.total_layers})")
     nl = lay.total_layers if L is None else L.size
-    nt = len(lay.tensors)
-    tb = np.array([lay.tensor_block_bytes(t) for t in range(nt)], dtype=np.int64)
+    # the copy units of a block: each tensor's block, or a fused layout's whole block
+    # (K's address, K and V together)
+    nt = 1 if lay.kv_fused else len(lay.tensors)
+    tb = np.array([lay.block_span(t) for t in range(nt)], dtype=np.int64)
     sbase, sstr = src.region_arrays()
     dbase, dstr = dst.region_arrays()
+    sbase, sstr, dbase, dstr = sbase[:, :nt], sstr[:, :nt], dbase[:, :nt], dstr[:, :nt]
     if L is not None:
         sbase, sstr, dbase, dstr = sbase[L], sstr[L], dbase[L], dstr[L]
     if sb.size == 0:
@@ -254,7 +262,10 @@ def plan_layer(
     for g in segs:
         sbase, sstride = src.region(layer, g.tensor)
         tb_s, tb_d = src_layout.tensor_block_bytes(g.tensor), dst_layout.tensor_block_bytes(g.tensor)
-        dbase, dstride = dsts[g.dst_rank].region(layer, g.tensor) if dsts is not None else (0, tb_d)
+        if dsts is not None:
+            dbase, dstride = dsts[g.dst_rank].region(layer, g.tensor)
+        else:
+            dbase, dstride = 0, dst_layout.block_span(g.tensor)
         # a run of blocks is one contiguous piece only if the segment is the whole block on
         # both sides and blocks are packed (stride == block bytes) on both sides
         whole = (

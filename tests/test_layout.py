@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import assume, given
@@ -468,3 +470,122 @@ def test_engine_layout_builders_exactly():
     buf = CacheSpec.for_buffer(lay, 5, 1 << 20, device=0)
     assert buf.device == 0 and CacheSpec.buffer_bytes(lay, 5) == 5 * lay.block_bytes
     assert buf.region(1, 1) == ((1 << 20) + 3 * 5 * tb, tb)
+
+
+# ------------------------------------------------------------------ fused K/V (vLLM) layouts
+
+
+def _layer_block(lay: KVLayout, rank: int) -> tuple[np.ndarray, list[int]]:
+    """A naive model of one layer's block of `rank`: every (head, token, K or V, byte) a
+    distinct code, placed by the layout's order written out with numpy axes (not through
+    the strides under test); and each tensor's base in it."""
+    u, H, T = lay.elem_bytes_per_head_token, lay.heads_per_rank, lay.tokens_per_block
+    h0, _ = lay.head_range(rank)
+    heads = np.arange(h0, h0 + H, dtype=np.int64)[:, None, None, None]
+    toks = np.arange(T, dtype=np.int64)[None, :, None, None]
+    kv = np.arange(2, dtype=np.int64)[None, None, :, None]
+    byts = np.arange(u, dtype=np.int64)[None, None, None, :]
+    code = ((heads * 7919 + toks * 104729 + byts * 31 + kv * 17) % 251 + 1).astype(np.uint8)  # [H, T, 2, u]
+    if lay.kv_fused == "row":
+        arr = code if not lay.token_major else code.transpose(1, 0, 2, 3)  # [H|T, T|H, 2, u]
+        return np.ascontiguousarray(arr).reshape(-1), [0, u]
+    if lay.kv_fused == "head":
+        return np.ascontiguousarray(code.transpose(0, 2, 1, 3)).reshape(-1), [0, T * u]  # [H, 2, T, u]
+    per = [code[:, :, i] if not lay.token_major else code[:, :, i].transpose(1, 0, 2) for i in range(2)]
+    return np.concatenate([np.ascontiguousarray(p).reshape(-1) for p in per]), [0, H * T * u]
+
+
+fused_cases = st.tuples(
+    st.sampled_from([1, 2, 4, 8]),  # heads
+    st.sampled_from([1, 2, 4, 8]),  # P
+    st.sampled_from([1, 2, 4, 8]),  # D
+    st.sampled_from([8, 16]),  # head_dim
+    st.sampled_from(["bfloat16", "float8_e4m3", "float32"]),
+    st.sampled_from([("", False), ("", True), ("row", False), ("row", True), ("head", False)]),  # src order
+    st.sampled_from([("", False), ("", True), ("row", False), ("row", True), ("head", False)]),  # dst order
+    st.sampled_from([1, 4, 16]),  # tokens per block
+)
+
+
+@given(fused_cases)
+def test_fused_layouts_map_every_byte_once_against_a_naive_model(case):
+    """K and V fused per row or per head (vLLM), to and from every other order and any TP
+    pair: each destination byte of the layer block written once, with the source's byte for
+    that (head, token, K or V), no read or write outside a block's storage."""
+    H, P, D, hd, dt, (sf, snhd), (df, dnhd), T = case
+    assume((H % P == 0 or P % H == 0) and (H % D == 0 or D % H == 0))
+
+    def mk(tp, fused, nhd):
+        return KVLayout(
+            num_layers=1,
+            kv_heads=H,
+            head_dim=hd,
+            tokens_per_block=T,
+            dtype=dt,
+            tp_size=tp,
+            token_major=nhd,
+            kv_fused=fused,
+        )
+
+    src, dst = mk(P, sf, snhd), mk(D, df, dnhd)
+    out = {s: (np.zeros(dst.layer_block_bytes, np.uint8), np.zeros(dst.layer_block_bytes, np.int32)) for s in range(D)}
+    for g in tp_segments(src, dst):
+        sbuf, sbase = _layer_block(src.with_rank(g.src_rank), g.src_rank)
+        _, dbase = _layer_block(dst.with_rank(g.dst_rank), g.dst_rank)
+        dbuf, count = out[g.dst_rank]
+        for i in range(g.count):
+            so, do = g.src_offset + i * g.src_stride, g.dst_offset + i * g.dst_stride
+            assert 0 <= so and so + g.length <= src.tensor_block_extent(g.tensor), "read outside the source block"
+            assert 0 <= do and do + g.length <= dst.tensor_block_extent(g.tensor), "write outside the destination block"
+            a, b = sbase[g.tensor] + so, dbase[g.tensor] + do
+            dbuf[b : b + g.length] = sbuf[a : a + g.length]
+            count[b : b + g.length] += 1
+    for s, (buf, count) in out.items():
+        assert (count == 1).all(), f"dst rank {s}: bytes written {sorted(set(count.tolist()))} times"
+        np.testing.assert_array_equal(buf, _layer_block(dst.with_rank(s), s)[0])
+
+
+def test_fused_layout_geometry_exactly():
+    """The fused orders' strides, offsets and spans, by hand (Llama-8B, TP 1, bf16: 256-byte
+    rows, 8 heads, 64 tokens)."""
+    u, T, H = 256, 64, 8
+    row = llama8b(kv_fused="row", token_major=True)  # vLLM FlashAttention's default (LBNHC)
+    assert row.unit_strides("k") == row.unit_strides("v") == (2 * u, 2 * H * u)
+    assert (row.tensor_offset("k"), row.tensor_offset("v")) == (0, u)
+    assert row.block_span("v") == row.layer_block_bytes == 2 * H * T * u
+    assert row.tensor_block_extent("v") == 2 * H * T * u - u
+    hrow = llama8b(kv_fused="row")
+    assert hrow.unit_strides("k") == (2 * T * u, 2 * u)
+    head = llama8b(kv_fused="head")  # vLLM's CPU backend
+    assert head.unit_strides("v") == (2 * T * u, u) and head.tensor_offset("v") == T * u
+    plain = llama8b()
+    assert plain.block_span("v") == plain.tensor_block_bytes("v") == H * T * u and plain.tensor_offset("v") == 0
+    assert row.block_bytes == plain.block_bytes  # fusing moves bytes, it adds none
+    # the buffer of a fused layout: one region per layer, V inside K's
+    spec = CacheSpec.for_buffer(llama8b(num_layers=2, kv_fused="head"), 3, 0x1000)
+    span = 2 * H * T * u
+    assert spec.region(0, 0) == (0x1000, span) and spec.region(0, 1) == (0x1000 + T * u, span)
+    assert spec.region(1, 0) == (0x1000 + 3 * span, span)
+    assert spec.region_ranges() == [(0x1000, 3 * span), (0x1000 + 3 * span, 3 * span)]
+    # vLLM's cross-layer order BLHNC: layer l at base + l x span, block stride layers x span
+    lay = llama8b(num_layers=2, kv_fused="row")
+    x = CacheSpec.vllm(lay, 4, [(0x10000 + li * span, 2 * span) for li in range(2)])
+    assert x.address(1, "v", 3) == 0x10000 + span + 3 * 2 * span + u
+    with pytest.raises(LayoutError, match="block stride 100 is smaller"):
+        CacheSpec.vllm(lay, 4, [(0x10000, 100), (0x20000, 100)])
+    with pytest.raises(LayoutError, match="fused K/V cache"):
+        CacheSpec.vllm(llama8b(num_layers=2), 4, [(0x10000, span), (0x20000, span)])
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(kv_fused="both"), "kv_fused='both' must be one of"),
+        (dict(kv_fused="row", mla=True, kv_heads=1), "not with mla=True or scales=True"),
+        (dict(kv_fused="head", scales=True), "not with mla=True or scales=True"),
+        (dict(kv_fused="head", token_major=True), "is head-major: token_major=False"),
+    ],
+)
+def test_fused_layout_rules(kw, msg):
+    with pytest.raises(LayoutError, match=re.escape(msg)):
+        llama8b(**kw)

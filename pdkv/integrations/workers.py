@@ -123,7 +123,7 @@ def export_cache(layout: KVLayout, spec: CacheSpec, buffer: SharedBuffer | None 
         for t in range(len(layout.tensors)):
             base, stride = spec.region(layer, t)
             off = base - buffer.address
-            end = _region_end(off, stride, spec.num_blocks, layout.tensor_block_bytes(t))
+            end = _region_end(off, stride, spec.num_blocks, layout.tensor_block_extent(t))
             if off < 0 or end > buffer.size:
                 raise LayoutError(
                     f"rank {layout.tp_rank}, layer {layer}, tensor {t}: the region is not inside "
@@ -162,9 +162,9 @@ def parse_export(data: bytes, layout: KVLayout | None = None) -> CacheExport:
     if ex.kind == "shm":
         for i, (a, off, stride) in enumerate(ex.regions):
             t = i % len(lay.tensors)
-            if a != 0 or off < 0 or stride < lay.tensor_block_bytes(t):
+            if a != 0 or off < 0 or stride < lay.block_span(t):
                 raise ProtocolError(f"cache export region {i} ({a}, {off}, {stride}) is malformed")
-            if _region_end(off, stride, ex.num_blocks, lay.tensor_block_bytes(t)) > ex.shm_size:
+            if _region_end(off, stride, ex.num_blocks, lay.tensor_block_extent(t)) > ex.shm_size:
                 raise ProtocolError(f"cache export region {i} ends past the {ex.shm_size}-byte segment")
     return ex
 

@@ -113,6 +113,7 @@ class LayoutDesc(_Rec, kw_only=True, frozen=True):
     tp_size: _U32 = 1
     tp_rank: _U32 = 0
     token_major: bool = False
+    kv_fused: _Short = ""
     block_bytes: _U64 = 0
 
 

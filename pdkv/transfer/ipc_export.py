@@ -93,7 +93,7 @@ def _export_rank(lay: KVLayout, spec: CacheSpec) -> dict[str, Any]:
         for t in range(len(lay.tensors)):
             base, stride = spec.region(layer, t)
             abase, asize = _ffi.cuda.address_range(base)
-            if _region_end(base, stride, spec.num_blocks, lay.tensor_block_bytes(t)) > abase + asize:
+            if _region_end(base, stride, spec.num_blocks, lay.tensor_block_extent(t)) > abase + asize:
                 raise LayoutError(
                     f"rank {lay.tp_rank}, layer {layer}, tensor {t}: the region spans more "
                     "than one allocation (one IPC handle per allocation)"
@@ -182,12 +182,12 @@ def parse_ipc_section(section: Any, ranks: Sequence[int], layouts: Sequence[KVLa
             if not isinstance(r, list) or len(r) != 3:
                 raise ProtocolError("cuda_ipc: a region is [allocation, offset, stride]")
             ai, off, stride = (_int(r[0], "allocation index"), _int(r[1], "offset"), _int(r[2], "stride"))
-            tb = lay.tensor_block_bytes(i % nt)
+            tb = lay.block_span(i % nt)
             if ai >= len(parsed_allocs):
                 raise ProtocolError(f"cuda_ipc: region {i} names allocation {ai} of {len(parsed_allocs)}")
             if stride < tb:
                 raise ProtocolError(f"cuda_ipc: region {i} has stride {stride} below the block's {tb} bytes")
-            if _region_end(off, stride, nb, tb) > parsed_allocs[ai][1]:
+            if _region_end(off, stride, nb, lay.tensor_block_extent(i % nt)) > parsed_allocs[ai][1]:
                 raise ProtocolError(f"cuda_ipc: region {i} ends past its allocation of {parsed_allocs[ai][1]} bytes")
             parsed_regions.append((ai, off, stride))
         out[rank] = RankCache(rank, e["device_uuid"], nb, tuple(parsed_allocs), tuple(parsed_regions))

@@ -414,7 +414,9 @@ class TcpReceiver(ReceiverTransport):
             if not (layer < lay.total_layers and tensor < len(lay.tensors)):
                 raise GrantViolation("layer or tensor out of range")
             tb = lay.tensor_block_bytes(tensor)
-            if off + (count - 1) * dstride + length > tb or (count > 1 and dstride < length):
+            if off + (count - 1) * dstride + length > lay.tensor_block_extent(tensor) or (
+                count > 1 and dstride < length
+            ):
                 raise GrantViolation("write outside the granted blocks")
             si = self._frame_segment(peer, rank, tensor, off, length, count, dstride)
             rbase, stride = spec.region(layer, tensor)
@@ -426,7 +428,7 @@ class TcpReceiver(ReceiverTransport):
                     raise GrantViolation("write outside the granted blocks")
                 base = rbase + blocks[gi] * stride
                 if nb > 1:
-                    if count != 1 or off != 0 or length != tb or run_len[gi] < nb:
+                    if count != 1 or off != 0 or length != tb or stride != tb or run_len[gi] < nb:
                         raise GrantViolation("multi-block item over non-contiguous destination blocks")
                     views.append(view[base : base + nb * tb])
                 elif count == 1:
