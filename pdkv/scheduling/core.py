@@ -12,7 +12,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import GrantViolation, LeaseExpiredError, RequestError
 from ..layout import KVLayout
@@ -41,6 +41,20 @@ __all__ = ["SchedulerCore", "Release"]
 Release = Callable[[str, tuple[int, ...]], None]  # a held prefix's release (DecodeScheduler.hold_prefix)
 
 
+class _EngineBlocks:
+    """The ``gpu`` allocator of an engine-bound scheduler: the engine allocates GPU blocks
+    itself, so pdkv has none to give (and never frees one)."""
+
+    num_free = 0
+    num_total = 0
+
+    def try_allocate(self, n: int) -> list[int] | None:
+        return None
+
+    def free(self, blocks: Sequence[int]) -> None:
+        raise AssertionError("pdkv frees no GPU block of an engine-bound scheduler")
+
+
 class SchedulerCore:
     """The state of a :class:`~pdkv.scheduling.scheduler.DecodeScheduler` (its parameters are
     documented there) and the transitions the public methods and the tick share."""
@@ -49,7 +63,7 @@ class SchedulerCore:
         self,
         *,
         num_layers: int | None = None,
-        gpu: BlockAllocator,
+        gpu: BlockAllocator | None,
         layout: KVLayout | None = None,
         buffer: BlockPool | None = None,
         swap: SwapBackend | None = None,
@@ -76,12 +90,16 @@ class SchedulerCore:
             raise ValueError("a buffer needs a swap backend (swap=...) to move blocks to the GPU")
         self.num_layers = num_layers
         self._all_layers = (1 << num_layers) - 1
+        self.options = options or SchedulerOptions()
+        if gpu is None:
+            if self.options.bind != "engine":
+                raise ValueError("gpu=None needs SchedulerOptions(bind='engine'): the engine binds GPU blocks itself")
+            gpu = _EngineBlocks()
         self.gpu = gpu
         self.buffer = buffer
         self.swap = swap
         self.tokens_per_block = tokens_per_block
         self.block_bytes = block_bytes
-        self.options = options or SchedulerOptions()
         self.clock = clock
         self.listener = listener
         self._listeners: tuple[Callable[[Event], None], ...] = ()  # add_listener's, after ``listener``
@@ -192,7 +210,7 @@ class SchedulerCore:
         """Try to give ``req`` destination blocks; return the grant or None."""
         n, o = req.n, self.options
         blocks = None
-        if o.direct_to_gpu and req.gpu_ok and self.gpu.num_free - n >= o.gpu_reserve_blocks:
+        if o.direct_to_gpu and o.bind == "pdkv" and req.gpu_ok and self.gpu.num_free - n >= o.gpu_reserve_blocks:
             blocks = self.gpu.try_allocate(n)
             if blocks is not None:
                 req.location, req.gpu_blocks = "gpu", blocks
@@ -217,6 +235,9 @@ class SchedulerCore:
         w = req.writers
         for pool, attr in ((self.buffer, "buffer_blocks"), (self.gpu, "gpu_blocks")):
             blocks = getattr(req, attr)
+            if blocks and attr == "gpu_blocks" and req.bound:
+                req.gpu_blocks = None  # the engine's own blocks: it frees them
+                continue
             if blocks:
                 assert pool is not None  # a request holds buffer blocks only where there is a buffer
                 setattr(req, attr, None)

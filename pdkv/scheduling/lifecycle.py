@@ -96,6 +96,13 @@ class SchedulerOptions:
         How long blocks a peer may still write stay quarantined after expiry or abort.
     max_tombstones:
         Terminal requests remembered so that late messages get a precise answer.
+    bind:
+        ``pdkv``: pdkv takes GPU blocks from the scheduler's ``gpu`` allocator (grants
+        straight into them with ``direct_to_gpu``, swaps as they free up). ``engine``: the
+        engine chooses each request's GPU blocks itself, late: every grant is a buffer
+        grant (``direct_to_gpu`` does not apply), a received request waits until the
+        engine calls :meth:`~DecodeScheduler.bind` with its blocks, and those blocks stay
+        the engine's (pdkv never frees them). vLLM's connector runs in this mode.
     """
 
     lease_s: float = 30.0
@@ -108,6 +115,7 @@ class SchedulerOptions:
     starvation_s: float = 5.0
     fence_grace_s: float = 2.0
     max_tombstones: int = 65536
+    bind: Literal["pdkv", "engine"] = "pdkv"
 
     def __post_init__(self) -> None:
         for f in ("lease_s", "queue_timeout_s", "starvation_s"):
@@ -122,6 +130,8 @@ class SchedulerOptions:
                 raise ValueError(f"{f}={v!r} must be a non-negative integer")
         if self.on_full not in ("reject", "queue"):
             raise ValueError(f"on_full={self.on_full!r} must be 'reject' or 'queue'")
+        if self.bind not in ("pdkv", "engine"):
+            raise ValueError(f"bind={self.bind!r} must be 'pdkv' or 'engine'")
         if self.swap_order not in ("fifo", "shortest"):
             raise ValueError(f"swap_order={self.swap_order!r} must be 'fifo' or 'shortest'")
 
@@ -213,6 +223,7 @@ class RequestInfo:
     gpu_blocks: tuple[int, ...]
     reason: str
     peer: str = ""  # the prefill instance that reserved it (empty once ended)
+    num_tokens: int | None = None  # the tokens prefill reserved for (None: reserved by blocks, or ended)
 
 
 class EventKind(str, enum.Enum):
@@ -280,6 +291,7 @@ class _Req:
     reason: str = ""
     in_ready: bool = False
     gpu_ok: bool = True  # may take GPU blocks directly (with options.direct_to_gpu)
+    bound: bool = False  # its GPU blocks are the engine's, bound late (options.bind == "engine")
     prefix: tuple[int, ...] = ()  # decode's own blocks for the prompt's start (DecodeScheduler.hold_prefix)
     release: Any = None  # called once with (rid, prefix) when the prefix is no longer needed
     writers: _Writers = field(default_factory=_Writers)

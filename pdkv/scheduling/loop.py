@@ -73,6 +73,8 @@ def grant_queued(s: SchedulerCore, now: float) -> None:
 def admit_swaps(s: SchedulerCore, now: float) -> list[_Req]:
     out: list[_Req] = []
     o = s.options
+    if o.bind == "engine":  # the engine binds each received request itself (DecodeScheduler.bind)
+        return out
     while s._swapq:
         rid = next(iter(s._swapq))
         if o.swap_order == "shortest":

@@ -76,7 +76,8 @@ class DecodeScheduler(SchedulerCore):
     num_layers:
         Cache layers per request (``KVLayout.total_layers``).
     gpu:
-        The engine's GPU block allocator (or a :class:`BlockPool`).
+        The engine's GPU block allocator (or a :class:`BlockPool`); ``None`` with
+        ``SchedulerOptions(bind="engine")``, where the engine binds blocks itself (:meth:`bind`).
     buffer:
         The CPU buffer's pool; ``None`` disables the buffer path.
     swap:
@@ -135,7 +136,8 @@ class DecodeScheduler(SchedulerCore):
             raise RequestError(f"num_blocks={num_blocks!r} must be a positive integer")
         if not isinstance(gpu_ok, bool):
             raise RequestError(f"gpu_ok={gpu_ok!r} must be a bool")
-        direct = self.options.direct_to_gpu and gpu_ok
+        engine = self.options.bind == "engine"
+        direct = self.options.direct_to_gpu and gpu_ok and not engine
         gpu_cap = self.gpu.num_total - self.options.gpu_reserve_blocks
         buf_cap = self.buffer.num_total if self.buffer is not None else 0
         now = self.clock()
@@ -150,7 +152,9 @@ class DecodeScheduler(SchedulerCore):
                     "of the prompt; nothing would be received"
                 )
             n = num_blocks - p  # only the suffix is granted and received
-            if n > gpu_cap or (not direct and n > buf_cap):
+            if engine and n > buf_cap:
+                raise RequestError(f"request {request_id!r} needs {n} blocks: more than the buffer holds ({buf_cap})")
+            if not engine and (n > gpu_cap or (not direct and n > buf_cap)):
                 raise RequestError(
                     f"request {request_id!r} needs {n} blocks: more than the GPU pool can ever give "
                     f"({gpu_cap} above the reserve)" + ("" if direct else f" or the buffer holds ({buf_cap})")
@@ -448,7 +452,7 @@ class DecodeScheduler(SchedulerCore):
                 raise RequestError(f"request {request_id!r} is {req.state.value}, not ready; cannot finish it")
             # the common path, inlined: a READY request holds GPU blocks only
             blocks, req.gpu_blocks = req.gpu_blocks, None
-            if blocks and free_gpu_blocks:
+            if blocks and free_gpu_blocks and not req.bound:
                 self.gpu.free(blocks)
             if req.in_ready:
                 self._ready.remove(req)
@@ -464,6 +468,53 @@ class DecodeScheduler(SchedulerCore):
             ev = self._emit() if self._events else None
         if ev:
             self._deliver(ev)
+
+    def bind(self, request_id: str, gpu_blocks: Sequence[int], *, first_block: int = 0) -> tuple[int, ...]:
+        """``SchedulerOptions(bind="engine")``: the engine bound a RECEIVED request to GPU
+        blocks of its own allocator. ``gpu_blocks`` take the received blocks
+        ``first_block..`` in order; blocks before ``first_block`` (the engine holds them
+        already: a local prefix hit) go back to the buffer at once. The swap into them is
+        submitted now (the request is SWAPPING; READY once the swap backend says done, and
+        :meth:`take_ready` hands it out as usual). Returns the buffer blocks being swapped,
+        in order. The GPU blocks stay the engine's: neither :meth:`finish` nor a failure
+        frees them.
+
+        Raises
+        ------
+        RequestError
+            Not in engine mode, a request that is not RECEIVED, or blocks that are not one
+            distinct non-negative id per block to swap.
+        """
+        if self.options.bind != "engine":
+            raise RequestError("bind() is for SchedulerOptions(bind='engine'); pdkv allocates GPU blocks here")
+        ids = list(gpu_blocks)
+        now = self.clock()
+        with self._lock:
+            req = self._get_live(request_id)
+            if req.state is not State.RECEIVED:
+                raise RequestError(f"request {request_id!r} is {req.state.value}, not received; it cannot be bound")
+            if not isinstance(first_block, int) or isinstance(first_block, bool) or not 0 <= first_block < req.n:
+                raise RequestError(f"request {request_id!r}: first_block={first_block!r} must be in [0, {req.n})")
+            if len(ids) != req.n - first_block:
+                raise RequestError(
+                    f"request {request_id!r}: {len(ids)} GPU blocks for {req.n - first_block} received blocks"
+                )
+            if len(set(ids)) != len(ids) or not all(isinstance(b, int) and b >= 0 for b in ids):
+                raise RequestError(f"request {request_id!r}: GPU blocks must be distinct non-negative ids")
+            assert self.buffer is not None and req.buffer_blocks is not None
+            if first_block:
+                self.buffer.free(req.buffer_blocks[:first_block])
+                req.buffer_blocks = req.buffer_blocks[first_block:]
+                req.n -= first_block
+            del self._swapq[request_id]
+            req.gpu_blocks, req.bound, req.state, req.swap_started = ids, True, State.SWAPPING, now
+            if not self._swapping:
+                self._busy_since = now
+            self._swapping[request_id] = req
+            self._m["prefill_wait_avoided_seconds_sum"] += now - req.reserved_at
+            swapped = tuple(req.buffer_blocks)
+        self._deliver(schedloop.submit(self, [req]))
+        return swapped
 
     # ------------------------------------------------------------------ the loop
     def tick(self) -> list[Event]:
@@ -510,6 +561,7 @@ class DecodeScheduler(SchedulerCore):
                 tuple(req.gpu_blocks or ()),
                 req.reason,
                 req.peer,
+                req.tokens,
             )
 
     def live_requests(self) -> list[str]:

@@ -53,7 +53,7 @@ def check_invariants(s: SchedulerCore, engine_blocks: Iterable[int] = ()) -> Non
     with s._lock:
         owned: dict[int, dict[int, str]] = {id(s.gpu): {}, id(s.buffer): {}}
         for r in s._reqs.values():
-            for pool, blocks in ((s.gpu, r.gpu_blocks), (s.buffer, r.buffer_blocks)):
+            for pool, blocks in ((s.gpu, None if r.bound else r.gpu_blocks), (s.buffer, r.buffer_blocks)):
                 for b in blocks or ():
                     assert b not in owned[id(pool)], f"block {b} held by {owned[id(pool)][b]} and {r.rid}"
                     owned[id(pool)][b] = r.rid

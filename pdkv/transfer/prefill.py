@@ -23,7 +23,6 @@ from .. import _ffi
 from ..errors import (
     ClosedError,
     LayoutError,
-    PdkvError,
     PdkvTimeoutError,
     PeerError,
     ProtocolError,
@@ -32,8 +31,6 @@ from ..errors import (
 )
 from ..layout import CacheSpec, KVLayout, Segment
 from ..protocol import (
-    MAX_ID,
-    MAX_NUM_TOKENS,
     Abort,
     Bye,
     Codec,
@@ -46,21 +43,20 @@ from ..protocol import (
     Message,
     Outcome,
     OutcomeBatch,
-    ReserveBatch,
-    ReserveReq,
 )
 from . import base as registry
 from . import handshake
 from .base import FinishJob, LayerJob, RequestOutcome, SenderTransport, SendGrant, Waiter, WriteItem
 from .channel import SEND_BATCH, Channel, clip
 from .options import SenderOptions, merge_options
+from .reservations import Reservations
 
 __all__ = ["PrefillSender", "RequestOutcome"]
 
 _log = logging.getLogger(__name__)
 
 
-class PrefillSender:
+class PrefillSender(Reservations):
     """Prefill side of the transfer path, one per prefill TP rank.
 
     Parameters
@@ -125,6 +121,7 @@ class PrefillSender:
         self._grants: dict[str, SendGrant] = {}
         self._grant_arrays: dict[int, Any] = {}  # grant token -> its block ids as an array
         self._reserve_waiters: dict[str, Waiter] = {}
+        self._polled: dict[str, tuple[Waiter, float, float]] = {}  # reserve_nowait's: waiter, deadline, limit
         self._outcomes: dict[str, Waiter] = {}
         self._failed: dict[str, str] = {}
         self._closed = threading.Event()
@@ -196,67 +193,6 @@ class PrefillSender:
         self._fail_all(why)
 
     # ------------------------------------------------------------------ API
-    def reserve(self, request_id: str, num_tokens: int, timeout: float | None = None) -> SendGrant:
-        """Ask decode for destination blocks. Returns the grant; raises TransferError if
-        decode rejected the request, PdkvTimeoutError if no grant came in time."""
-        res = self.reserve_many([(request_id, num_tokens)], timeout)[0]
-        if isinstance(res, BaseException):
-            raise res
-        return res
-
-    def reserve_many(
-        self, requests: Sequence[tuple[str, int]], timeout: float | None = None
-    ) -> list[SendGrant | PdkvError]:
-        """Reserve several requests at once: every request is sent before any answer is
-        awaited, so their round trips overlap (one at a time costs a round trip each).
-        Returns one result per request, in order: its grant, or the error :meth:`reserve`
-        would have raised for it. Bad input (a duplicate id, an id that is not a string of
-        1-``MAX_ID`` characters, a token count outside 1..``MAX_NUM_TOKENS``: what decode
-        would refuse) raises before anything is sent;
-        ``timeout`` bounds the whole call."""
-        self._check()
-        ids = [r for r, _ in requests]
-        if len(set(ids)) != len(ids):
-            raise RequestError("reserve_many: a request id appears twice")
-        for rid, n in requests:
-            if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID:
-                raise RequestError(f"request id {rid!r:.80} must be a string of 1-{MAX_ID} characters")
-            if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_NUM_TOKENS:
-                raise RequestError(f"request {rid!r}: num_tokens={n!r} must be an integer in 1..{MAX_NUM_TOKENS}")
-        waiters = []
-        with self._lock:
-            for rid in ids:
-                if rid in self._reserve_waiters or rid in self._grants:
-                    raise RequestError(f"request {rid!r} is already reserved or being reserved")
-            for rid in ids:
-                w = Waiter()
-                self._reserve_waiters[rid] = w
-                self._outcomes[rid] = Waiter()
-                waiters.append(w)
-        if len(requests) == 1:
-            self.post(ReserveReq(*requests[0]))
-        else:  # one message per SEND_BATCH requests; decode answers each with one GrantBatch
-            items = [(rid, n) for rid, n in requests]
-            for i in range(0, len(items), SEND_BATCH):
-                self.post(ReserveBatch(items[i : i + SEND_BATCH]))
-        limit = self.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        out: list[SendGrant | PdkvError] = []
-        for rid, w in zip(ids, waiters):
-            if not w.event.wait(max(0.0, deadline - time.monotonic())):
-                with self._lock:
-                    self._reserve_waiters.pop(rid, None)
-                    self._outcomes.pop(rid, None)
-                self.post(Abort(rid, "prefill gave up waiting for a grant"))
-                out.append(PdkvTimeoutError(f"no grant for {rid!r} within {limit}s"))
-                continue
-            g = w.value
-            if isinstance(g, BaseException):
-                with self._lock:
-                    self._outcomes.pop(rid, None)
-            out.append(g)
-        return out
-
     def send_layer(self, layer: int, items: Sequence[tuple[str, Sequence[int]]], event: int | None = None) -> None:
         """Layer ``layer`` of these requests is in the cache: write it to decode.
 
@@ -347,19 +283,6 @@ class PrefillSender:
             self._run_job(job)
         else:
             self._submit(job)
-
-    def wait_outcome(self, request_id: str, timeout: float | None = None) -> RequestOutcome:
-        """Block until the request's definite outcome (bounded by ``timeout``)."""
-        with self._lock:
-            w = self._outcomes.get(request_id)
-        if w is None:
-            raise RequestError(f"unknown request {request_id!r}")
-        if not w.event.wait(timeout if timeout is not None else self.timeout_s * 3):
-            raise PdkvTimeoutError(f"no outcome for {request_id!r} yet")
-        with self._lock:
-            self._outcomes.pop(request_id, None)
-        out: RequestOutcome = w.value
-        return out
 
     def close(self) -> None:
         """Stop threads, close sockets and shm mappings. Pending requests fail. Idempotent."""
