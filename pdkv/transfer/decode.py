@@ -320,7 +320,11 @@ class DecodeReceiver(ReceiverCore):
                 )
                 return
         res = self.scheduler.reserve(
-            rid, num_blocks=nblk, peer=peer.instance, gpu_ok=self._transports[peer.transport].writes_gpu
+            rid,
+            num_blocks=nblk,
+            num_tokens=num_tokens,
+            peer=peer.instance,
+            gpu_ok=self._transports[peer.transport].writes_gpu,
         )
         if res.grant is None:
             _log.debug("reservation %r of %d blocks %s: %s", rid, nblk, res.outcome, res.reason)

@@ -1,0 +1,356 @@
+"""vLLM's decode engine (``kv_consumer``) through pdkv: the scheduler half
+(:class:`DecodeSide`, in vLLM's EngineCore) and the worker half (:class:`LoadWorker`, in
+each worker, where the cache tensors live).
+
+The scheduler half owns decode's CPU buffers (one per TP rank), the
+:class:`~pdkv.DecodeReceiver` prefill reserves and writes through, and a
+:class:`~pdkv.DecodeScheduler` in engine-bound mode: prefill's KV lands in the buffer
+whatever vLLM's GPU blocks are doing. vLLM asks :meth:`DecodeSide.matched` whether a
+request's KV is there (``None``: ask later); once vLLM allocated blocks,
+:meth:`DecodeSide.allocated` binds the pdkv request to them and the next step's metadata
+tells each worker to copy its buffer blocks into them (:meth:`LoadWorker.start`, pdkv's
+swap engine: a kernel on a GPU, host threads on a CPU). The workers report the copy done
+(``finished_recving``) and :meth:`DecodeSide.loaded` frees the buffer blocks. No call
+from vLLM's loop waits on the network or on prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...buffer.shared import SharedBuffer
+from ...errors import PdkvError, RequestError
+from ...layout import CacheSpec, KVLayout
+from ...scheduling.blocks import BlockPool
+from ...scheduling.scheduler import DecodeScheduler, SchedulerOptions, State
+from ...swap.engine import SwapEngine
+from ...transfer import DecodeReceiver
+from .settings import PARAM_ID, Load, Settings, StepMeta
+
+__all__ = ["DecodeSide", "LoadWorker", "WorkerSwaps"]
+
+_log = logging.getLogger(__name__)
+_WAITING = (State.QUEUED, State.RESERVED, State.RECEIVING)
+RECENT = 256  # loads each worker remembers (vLLM request -> its blocks), for inspection
+
+
+class _Done:
+    """A swap the workers run: done once vLLM reports the request's load finished."""
+
+    __slots__ = ("finished", "error")
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self.finished
+
+
+class WorkerSwaps:
+    """The scheduler's swap backend when vLLM's workers copy: :meth:`submit` only records
+    the swap (the connector ships it in the next step's metadata); :meth:`done` is called
+    when the workers reported it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._h: dict[str, _Done] = {}
+
+    def submit(self, request_id: str, buffer_blocks: Any, gpu_blocks: Any) -> _Done:
+        h = _Done()
+        with self._lock:
+            self._h[request_id] = h
+        return h
+
+    def done(self, request_id: str, error: BaseException | None = None) -> None:
+        with self._lock:
+            h = self._h.pop(request_id, None)
+        if h is not None:
+            h.error, h.finished = error, True
+
+
+@dataclass
+class _Want:
+    """A vLLM request that asked for prefill's KV."""
+
+    pid: str  # its pdkv id
+    since: float  # when vLLM first asked
+    local: int = 0  # tokens vLLM computed itself (a local prefix hit, block-aligned)
+    bound: tuple[int, ...] | None = None  # vLLM's blocks the load writes, once bound
+    fail: bool = False  # the KV will not come: the load reports failure (kv_load_failure_policy='fail')
+
+
+class DecodeSide:
+    """The scheduler half of a decode engine. ``layouts``: one per decode TP rank;
+    ``recompute``: vLLM's ``kv_load_failure_policy`` is ``recompute`` (a request whose KV
+    never came is computed locally; else its load fails and vLLM fails the request).
+    Ownership: the buffers, the receiver and the scheduler are this object's
+    (:meth:`close`)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        layouts: list[KVLayout],
+        *,
+        recompute: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        lay = layouts[0]
+        n = settings.buffer_blocks or settings.buffer_bytes // lay.block_bytes
+        if n <= 0:
+            raise ValueError(
+                f"a buffer of {settings.buffer_bytes} bytes holds no block of {lay.block_bytes} bytes: "
+                "raise kv_connector_extra_config['buffer_gib']"
+            )
+        self.settings, self.layouts, self.num_blocks = settings, layouts, n
+        self.recompute, self.clock = recompute, clock
+        self.buffers: list[SharedBuffer] = []
+        self.receiver: DecodeReceiver | None = None
+        try:
+            for layout in layouts:
+                self.buffers.append(SharedBuffer.create(CacheSpec.buffer_bytes(layout, n)))
+            self.swaps = WorkerSwaps()
+            self.sched = DecodeScheduler(
+                layout=lay,
+                gpu=None,
+                buffer=BlockPool(n, name="buffer"),
+                swap=self.swaps,
+                options=SchedulerOptions(bind="engine", direct_to_gpu=False, lease_s=settings.lease_s),
+            )
+            self.receiver = DecodeReceiver(
+                self.sched,
+                layouts,
+                self.buffers,
+                n,
+                control=settings.control,
+                transports=settings.transports,
+                secret=settings.secret,
+                data_host=settings.data_host,
+                auto_tick=True,
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.control_address = self.receiver.control_address
+        self._wants: dict[str, _Want] = {}
+        self._loads: list[Load] = []
+        _log.info(
+            "pdkv decode: %d buffer blocks of %d bytes per rank x %d ranks, control %s",
+            n,
+            lay.block_bytes,
+            len(layouts),
+            self.control_address,
+        )
+
+    # ------------------------------------------------------------------ vLLM's scheduler
+    def matched(
+        self, req_id: str, params: Mapping[str, Any] | None, prompt_len: int, num_computed: int
+    ) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: ``(tokens, True)`` once prefill's KV is in the
+        buffer, ``(None, False)`` while it is on its way, ``(0, False)`` for a request
+        without pdkv's parameters (or, with ``recompute``, whose KV will not come)."""
+        pid = params.get(PARAM_ID) if params and params.get("do_remote_prefill") else None
+        if not isinstance(pid, str) or not pid:
+            return 0, False
+        now = self.clock()
+        w = self._wants.get(req_id)
+        if w is None:
+            w = self._wants[req_id] = _Want(pid, now)
+        if w.fail:
+            return prompt_len - num_computed, True
+        try:
+            info = self.sched.request(pid)
+        except RequestError:
+            info = None  # prefill has not reserved yet
+        if info is None or info.state in _WAITING:
+            if now - w.since <= self.settings.load_timeout_s:
+                return None, False
+            return self._give_up(
+                req_id, w, f"no KV within load_timeout_s={self.settings.load_timeout_s}s", prompt_len - num_computed
+            )
+        if info.state is not State.RECEIVED:
+            return self._give_up(req_id, w, f"its KV is {info.state.value}: {info.reason}", prompt_len - num_computed)
+        if info.num_tokens != prompt_len:
+            return self._give_up(
+                req_id,
+                w,
+                f"prefill sent {info.num_tokens} tokens for a prompt of {prompt_len}",
+                prompt_len - num_computed,
+            )
+        if num_computed >= prompt_len:
+            self._abort(w.pid, "decode holds the whole prompt already")
+            del self._wants[req_id]
+            return 0, False
+        w.local = num_computed
+        return prompt_len - num_computed, True
+
+    def _give_up(self, req_id: str, w: _Want, why: str, tokens: int) -> tuple[int | None, bool]:
+        _log.warning("pdkv decode: request %s (pdkv %s): %s", req_id, w.pid, why)
+        self._abort(w.pid, why)
+        if self.recompute or tokens <= 0:
+            del self._wants[req_id]
+            return 0, False
+        w.fail = True  # vLLM waits for a load; it fails, and vLLM applies its policy
+        return tokens, True
+
+    def _abort(self, pid: str, why: str) -> None:
+        try:
+            self.sched.abort(pid, why)
+        except RequestError:
+            pass  # unknown or already ended
+
+    def allocated(self, req_id: str, block_ids: list[int], num_external: int) -> None:
+        """``update_state_after_alloc``: bind the request to vLLM's blocks; the load goes
+        out in the next step's metadata."""
+        w = self._wants.get(req_id)
+        if w is None or num_external <= 0 or w.bound is not None:
+            return
+        tpb = self.layouts[0].tokens_per_block
+        first = w.local // tpb
+        need = -(-(w.local + num_external) // tpb)
+        if len(block_ids) < need:
+            w.fail = True
+        blocks = tuple(block_ids[first:need])
+        w.bound = blocks
+        if w.fail:
+            self._loads.append(Load(req_id, (), blocks))
+            return
+        try:
+            bufs = self.sched.bind(w.pid, blocks, first_block=first)
+        except PdkvError as exc:  # it expired or was aborted since matched(): the load fails
+            _log.warning("pdkv decode: request %s (pdkv %s) could not be bound: %s", req_id, w.pid, exc)
+            self._loads.append(Load(req_id, (), blocks))
+            return
+        self._loads.append(Load(req_id, bufs, blocks))
+
+    def step_meta(self) -> StepMeta:
+        """``build_connector_meta``: the loads bound since the last step."""
+        loads, self._loads = self._loads, []
+        self._drain()
+        return StepMeta(buffers=[b.name for b in self.buffers], buffer_blocks=self.num_blocks, loads=loads)
+
+    def loaded(self, finished: Iterable[str], invalid_blocks: Iterable[int] = ()) -> None:
+        """``update_connector_output``: the workers finished these loads (a load whose
+        blocks are among ``invalid_blocks`` failed); their buffer blocks go back."""
+        bad = set(invalid_blocks)
+        for req_id in finished:
+            w = self._wants.pop(req_id, None)
+            if w is None or w.bound is None or w.fail:
+                continue
+            err = RuntimeError("a worker failed to copy the request's blocks") if bad & set(w.bound) else None
+            self.swaps.done(w.pid, err)
+        self._drain()
+
+    def _drain(self) -> None:
+        self.sched.tick()
+        for r in self.sched.take_ready():
+            self.sched.finish(r.request_id, free_gpu_blocks=False)
+
+    def finished(self, req_id: str) -> bool:
+        """``request_finished``: True while a worker may still write the request's blocks
+        (vLLM frees them when the load is reported); else any pdkv state is dropped."""
+        w = self._wants.get(req_id)
+        if w is None:
+            return False
+        if w.bound is not None:
+            return True
+        del self._wants[req_id]
+        self._abort(w.pid, "vLLM finished the request before its KV was loaded")
+        return False
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        for b in self.buffers:
+            try:
+                b.close()
+            except PdkvError as exc:  # a view still exported: the name still goes
+                _log.warning("pdkv decode: buffer %s: %s", b.name, exc)
+            try:
+                b.unlink()
+            except FileNotFoundError:
+                pass
+
+
+class LoadWorker:
+    """The worker half of a decode engine, one per TP rank: copies buffer blocks into the
+    rank's vLLM cache (``cache``, :class:`~pdkv.CacheSpec` of vLLM's tensors) and reports
+    each request once its copy is done (or failed: its blocks are then load errors).
+    Ownership: the buffer mapping and the swap engine are this object's (:meth:`close`)."""
+
+    def __init__(self, layout: KVLayout, cache: CacheSpec) -> None:
+        self.layout, self.cache = layout, cache
+        self._buffer: SharedBuffer | None = None
+        self._engine: SwapEngine | None = None
+        self._pending: list[tuple[Load, Any]] = []
+        self._finished: set[str] = set()
+        self._errors: set[int] = set()
+        self.recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def _swap(self, meta: StepMeta) -> SwapEngine:
+        name = meta.buffers[self.layout.tp_rank]
+        if self._buffer is not None and self._buffer.name != name:
+            raise PdkvError(f"decode's buffer changed name ({self._buffer.name} -> {name})")
+        if self._engine is None:
+            size = CacheSpec.buffer_bytes(self.layout, meta.buffer_blocks)
+            self._buffer = SharedBuffer.open(name, expect_size=size)
+            spec = CacheSpec.for_buffer(self.layout, meta.buffer_blocks, self._buffer.address)
+            self._engine = SwapEngine(spec, self.cache, buffer_pinned=self._buffer.pinned)
+        return self._engine
+
+    def start(self, meta: StepMeta) -> None:
+        """``start_load_kv``: submit this step's loads (asynchronous)."""
+        for ld in meta.loads:
+            self.recent[ld.req_id] = ld.blocks
+            while len(self.recent) > RECENT:
+                self.recent.popitem(last=False)
+            if not ld.buffer_blocks:
+                self._fail(ld, "its KV did not arrive")
+                continue
+            try:
+                h = self._swap(meta).submit(ld.req_id, ld.buffer_blocks, ld.blocks)
+            except (PdkvError, OSError) as exc:
+                self._fail(ld, str(exc))
+                continue
+            self._pending.append((ld, h))
+
+    def _fail(self, ld: Load, why: str) -> None:
+        _log.warning("pdkv decode: load of %s failed: %s", ld.req_id, why)
+        self._errors.update(ld.blocks)
+        self._finished.add(ld.req_id)
+
+    def finished(self) -> set[str]:
+        """``get_finished``'s receiving half: the loads done since the last call."""
+        keep = []
+        for ld, h in self._pending:
+            if not h.done():
+                keep.append((ld, h))
+            elif h.error is not None:
+                self._fail(ld, str(h.error))
+            else:
+                self._finished.add(ld.req_id)
+        self._pending = keep
+        out, self._finished = self._finished, set()
+        return out
+
+    def load_errors(self) -> set[int]:
+        """``get_block_ids_with_load_errors``: blocks whose load failed since the last call."""
+        out, self._errors = self._errors, set()
+        return out
+
+    def close(self) -> None:
+        for _, h in self._pending:  # a copy still running writes vLLM's blocks: let it end
+            deadline = time.monotonic() + 10
+            while not h.done() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        self._pending = []
+        if self._engine is not None:
+            self._engine.close()
+        if self._buffer is not None:
+            self._buffer.close()

@@ -1,0 +1,349 @@
+"""vLLM's prefill engine (``kv_producer``) through pdkv: the scheduler half
+(:class:`PrefillSide`, in vLLM's EngineCore) and the worker half (:class:`SendWorker`, in
+each worker, where the cache tensors live).
+
+A request whose ``kv_transfer_params`` ask for remote decode (``do_remote_decode`` with
+pdkv's request id and, unless configured, decode's control address) is reserved in
+decode's CPU buffer as soon as a worker first sees it (:meth:`PrefillSender.reserve_nowait`,
+from a background thread: vLLM's loop never waits), and each layer goes out from
+``save_kv_layer`` while the next one computes, chunk by chunk under chunked prefill. When
+the grant has not come by the time a layer is saved, the request's blocks are sent whole
+from the background thread once it comes (vLLM keeps them: ``request_finished`` delays
+their free). The worker reports a request finished sending as soon as decode's outcome
+arrives, so prefill frees its blocks when decode's buffer holds the KV, whether or not
+decode has room for it in its own cache. Every sender (one per decode instance, per rank)
+belongs to the worker half (:meth:`SendWorker.close`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import PdkvError, RequestError
+from ...layout import CacheSpec, KVLayout
+from ...transfer import PrefillSender, RequestOutcome, SendGrant
+from .settings import PARAM_DECODE, PARAM_ID, PARAM_TOKENS, Save, Settings, StepMeta
+
+__all__ = ["PrefillSide", "SendWorker"]
+
+_log = logging.getLogger(__name__)
+RECENT = 256  # requests each worker remembers (vLLM request -> its blocks), for inspection
+
+
+@dataclass
+class _Track:
+    pid: str
+    decode: str
+    prompt_len: int
+    blocks: list[int]
+    computed: int
+    shipped: bool = False  # a worker saw it in a step's metadata
+
+
+class PrefillSide:
+    """The scheduler half of a prefill engine: which requests go to decode, their blocks
+    and the tokens each step computes, for the workers' :class:`SendWorker`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._reqs: dict[str, _Track] = {}
+
+    def params_of(self, params: Mapping[str, Any] | None) -> tuple[str, str] | None:
+        """``(pdkv id, decode address)`` of a request that asks for remote decode."""
+        if not params or not params.get("do_remote_decode"):
+            return None
+        pid, decode = params.get(PARAM_ID), params.get(PARAM_DECODE) or self.settings.decode
+        if not isinstance(pid, str) or not pid or not isinstance(decode, str) or not decode:
+            _log.warning(
+                "pdkv prefill: do_remote_decode without %s and a decode address (%s or extra config 'decode'): "
+                "the request is computed here only",
+                PARAM_ID,
+                PARAM_DECODE,
+            )
+            return None
+        return pid, decode
+
+    def step(
+        self,
+        new: Iterable[tuple[str, Mapping[str, Any] | None, int, list[int], int]],
+        cached: Iterable[tuple[str, list[int] | None, int, bool]],
+        scheduled: Mapping[str, int],
+    ) -> StepMeta:
+        """``build_connector_meta``: ``new`` requests ``(id, kv_transfer_params, prompt
+        length, block ids, computed tokens)``, ``cached`` ones ``(id, new block ids,
+        computed tokens, resumed)`` (a resumed request's block ids replace its old ones),
+        ``scheduled`` tokens per request this step."""
+        for rid, params, plen, blocks, computed in new:
+            got = self.params_of(params)
+            if got is not None:
+                self._reqs[rid] = _Track(got[0], got[1], plen, list(blocks), computed)
+        for rid, more, computed, resumed in cached:
+            t = self._reqs.get(rid)
+            if t is not None:
+                t.blocks = list(more or ()) if resumed else t.blocks + list(more or ())
+                t.computed = computed
+        saves = []
+        for rid, t in self._reqs.items():
+            n = scheduled.get(rid, 0)
+            if n and t.computed < t.prompt_len:
+                end = min(t.computed + n, t.prompt_len)
+                saves.append(Save(rid, t.pid, t.decode, t.prompt_len, tuple(t.blocks), t.computed, end))
+                t.shipped = True
+                t.computed = end
+        return StepMeta(saves=saves)
+
+    def finished(self, rid: str) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished``: keep the blocks while a worker sends them, and the
+        parameters decode's request needs."""
+        t = self._reqs.pop(rid, None)
+        if t is None:
+            return False, None
+        return t.shipped, {"do_remote_prefill": True, PARAM_ID: t.pid, PARAM_TOKENS: t.prompt_len}
+
+
+@dataclass(eq=False)
+class _Out:
+    """One request on a worker."""
+
+    save: Save
+    tx: PrefillSender | None = None
+    grant: SendGrant | None = None
+    error: str = ""  # it will not be received (reservation or sending failed)
+    deferred: bool = False  # layers are sent whole from the background thread
+    handed: bool = False  # every block of every layer was handed to the sender, and finish()
+    vllm_done: bool = False  # vLLM finished the request (its blocks wait for us)
+    outcome: RequestOutcome | None = None
+    since: float = field(default_factory=time.monotonic)
+
+
+class SendWorker:
+    """The worker half of a prefill engine, one per TP rank: this rank's cache (``cache``)
+    sent to decode instances through one :class:`PrefillSender` each. ``sender`` makes a
+    sender (tests pass a stand-in that fails)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        layout: KVLayout,
+        cache: CacheSpec,
+        *,
+        sender: Callable[[str], PrefillSender] | None = None,
+    ) -> None:
+        self.settings, self.layout, self.cache = settings, layout, cache
+        self._make = sender or self._open
+        self._senders: dict[str, PrefillSender] = {}
+        self._lock = threading.Lock()
+        self._reqs: dict[str, _Out] = {}
+        self._step: list[_Out] = []
+        self._jobs: queue.Queue[_Out | None] = queue.Queue()
+        self._stop = threading.Event()
+        self.recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self.stats = {"direct": 0, "deferred": 0, "received": 0, "failed": 0}
+        self._thread = threading.Thread(target=self._run, name="pdkv-vllm-send", daemon=True)
+        self._thread.start()
+
+    def _open(self, decode: str) -> PrefillSender:
+        s = self.settings
+        return PrefillSender(
+            self.layout,
+            self.cache,
+            decode,
+            instance=s.instance,
+            instance_key=s.instance_key,
+            secret=s.secret,
+            transport=s.transport,
+        )
+
+    # ------------------------------------------------------------------ vLLM's worker loop
+    def start(self, meta: StepMeta) -> None:
+        """``bind_connector_metadata`` (before the forward): this step's saves; a new
+        request is reserved at once where its decode's session is open (a message posted),
+        else from the background thread, which opens the session first."""
+        step = []
+        with self._lock:
+            for s in meta.saves:
+                r = self._reqs.get(s.req_id)
+                if r is None:
+                    r = self._reqs[s.req_id] = _Out(s)
+                    self.recent[s.req_id] = s.blocks
+                    while len(self.recent) > RECENT:
+                        self.recent.popitem(last=False)
+                    tx = self._senders.get(s.decode)
+                    if tx is not None and self._reserve(r, tx) is None:
+                        pass  # posted; save_layer polls the grant
+                    else:
+                        self._jobs.put(r)
+                r.save = s
+                step.append(r)
+        self._step = step
+
+    def _reserve(self, r: _Out, tx: PrefillSender) -> str | None:
+        """Post the request's reservation (never waits); the error, if it could not be."""
+        try:
+            tx.reserve_nowait([(r.save.pid, r.save.prompt_len)], timeout=self.settings.reserve_timeout_s)
+        except PdkvError as exc:
+            r.error = f"reservation refused: {exc}"
+            _log.warning("pdkv prefill: request %s: %s", r.save.req_id, r.error)
+            return r.error
+        r.tx = tx
+        return None
+
+    def _granted(self, r: _Out) -> SendGrant | None:
+        """The request's grant once it came (polled, never waited for); sets ``error``."""
+        with self._lock:
+            if r.grant is not None or r.error or r.tx is None:
+                return r.grant
+            got = r.tx.poll_grant(r.save.pid)
+            if isinstance(got, SendGrant):
+                r.grant = got
+            elif got is not None:
+                r.error = f"reservation failed: {got}"
+            return r.grant
+
+    def save_layer(self, layer: int, event: int | None = None) -> None:
+        """``save_kv_layer``: the layer is in vLLM's blocks (``event``: the CUDA event after
+        its writes); send this step's complete blocks of every granted request."""
+        N = self.layout.tokens_per_block
+        for r in self._step:
+            s = r.save
+            if r.deferred or r.error or r.handed:
+                continue
+            if self._granted(r) is None:
+                r.deferred = True  # sent whole once granted (vLLM keeps the blocks)
+                continue
+            b0 = s.start // N
+            b1 = -(-s.prompt_len // N) if s.complete else s.end // N
+            if b1 > b0:
+                try:
+                    assert r.tx is not None
+                    r.tx.send_chunk(layer, s.pid, list(s.blocks[b0:b1]), b0, event)
+                except PdkvError as exc:
+                    r.error = f"sending layer {layer} failed: {exc}"
+
+    def end_step(self) -> None:
+        """``wait_for_save``: requests whose prompt this step completed are confirmed to
+        decode (or handed whole to the background thread)."""
+        for r in self._step:
+            if not r.save.complete or r.handed or r.error:
+                continue
+            if r.deferred:
+                self._jobs.put(r)
+                continue
+            try:
+                assert r.tx is not None
+                r.tx.finish(r.save.pid)
+                r.handed = True
+                self.stats["direct"] += 1
+            except PdkvError as exc:
+                r.error = f"confirming failed: {exc}"
+        self._step = []
+
+    def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """``get_finished``'s sending half: requests vLLM finished whose outcome is known
+        (received or failed), so vLLM may free their blocks."""
+        for rid in finished_req_ids:
+            r = self._reqs.get(rid)
+            if r is not None:
+                r.vllm_done = True
+                if not r.handed and not r.error:
+                    self._jobs.put(r)  # cut short: the background thread ends it at decode
+        out = set()
+        with self._lock:
+            items = list(self._reqs.items())
+        for rid, r in items:
+            if not r.vllm_done or not self._settled(r):
+                continue
+            out.add(rid)
+            with self._lock:
+                del self._reqs[rid]
+            ok = r.outcome is not None and r.outcome.state == "received"
+            self.stats["received" if ok else "failed"] += 1
+            if not ok:
+                why = r.error or (r.outcome.reason if r.outcome else "")
+                _log.warning("pdkv prefill: request %s (pdkv %s) not received: %s", rid, r.save.pid, why)
+        return out
+
+    def _settled(self, r: _Out) -> bool:
+        if r.outcome is not None:
+            return True
+        if r.tx is None:
+            return bool(r.error)
+        if r.grant is None:
+            self._granted(r)
+            if r.grant is None:
+                return bool(r.error)  # a failed reservation has no outcome to wait for
+        try:
+            r.outcome = r.tx.poll_outcome(r.save.pid)
+        except RequestError as exc:
+            r.error = r.error or str(exc)
+            return True
+        return r.outcome is not None
+
+    # ------------------------------------------------------------------ background thread
+    def _run(self) -> None:
+        """Opens senders, posts reservations, sends deferred requests whole, ends requests
+        vLLM cut short: everything that may wait, away from vLLM's loop."""
+        waiting: list[_Out] = []
+        while not self._stop.is_set():
+            try:
+                r = self._jobs.get(timeout=0.002 if waiting else 0.1)
+                if r is None:
+                    break
+                if r not in waiting:
+                    waiting.append(r)
+            except queue.Empty:
+                pass
+            waiting = [r for r in waiting if not self._advance(r)]
+
+    def _advance(self, r: _Out) -> bool:
+        """One step of a request's background work; True once nothing is left to do."""
+        s = r.save
+        if r.tx is None and not r.error:
+            try:
+                tx = self._senders.get(s.decode)
+                if tx is None:
+                    tx = self._make(s.decode)
+                    with self._lock:
+                        self._senders[s.decode] = tx
+            except (PdkvError, OSError, ValueError) as exc:
+                r.error = f"no session with decode {s.decode}: {exc}"
+                _log.warning("pdkv prefill: request %s: %s", s.req_id, r.error)
+                return True
+            if self._reserve(r, tx) is not None:
+                return True
+        if r.error or r.handed:
+            return True
+        cut = r.vllm_done and not s.complete
+        if not (r.deferred and s.complete) and not cut:
+            return False if r.deferred else True  # a deferred request waits for its last chunk
+        if self._granted(r) is None:
+            return bool(r.error)
+        assert r.tx is not None
+        try:
+            if cut:
+                r.tx.finish(s.pid, ok=False, error="vLLM finished the request before its prompt was computed")
+            else:
+                nb = -(-s.prompt_len // self.layout.tokens_per_block)
+                for layer in range(self.layout.total_layers):
+                    r.tx.send_layer(layer, [(s.pid, list(s.blocks[:nb]))])
+                r.tx.finish(s.pid)
+                self.stats["deferred"] += 1
+            r.handed = True
+        except PdkvError as exc:
+            r.error = f"sending failed: {exc}"
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+        for tx in self._senders.values():
+            tx.close()
+        self._senders.clear()

@@ -1,0 +1,267 @@
+"""What the vLLM connector reads from vLLM's configuration, checked once: the tested
+versions, ``kv_connector_extra_config``'s keys, each rank's :class:`~pdkv.KVLayout`, and the
+per-step metadata the scheduler half hands the worker half. Pure Python: vLLM's objects
+come in as plain attributes, so every rule here runs (and is tested) without vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import LayoutError
+from ...layout import GIB, KVLayout
+
+__all__ = [
+    "TESTED",
+    "check_version",
+    "Settings",
+    "parse_settings",
+    "layout_for",
+    "order_of",
+    "Load",
+    "Save",
+    "StepMeta",
+    "PARAM_ID",
+    "PARAM_DECODE",
+    "PARAM_TOKENS",
+]
+
+# vLLM releases whose connector API and cache views this module follows: 0.32 runs in the
+# tests (the CPU build); 0.33 and 0.34 were read from their wheels (the same base class,
+# hooks and KVCacheLayout names)
+TESTED = ((0, 32), (0, 34))
+
+# the keys a request's kv_transfer_params carry (besides vLLM's own do_remote_* flags)
+PARAM_ID = "pdkv_request_id"  # the request's id at pdkv (the proxy's choice; one per prompt)
+PARAM_DECODE = "pdkv_decode"  # decode's control address (prefill reserves there)
+PARAM_TOKENS = "pdkv_tokens"  # the prompt tokens prefill sent (decode checks them)
+
+# vLLM's KVCacheLayout names: the order of [L, B, H, N, C] in memory. Block-contiguous
+# orders only (B outside H and N); H before N is head-major
+_ORDERS = {"LBHNC": False, "LBNHC": True, "BLHNC": False, "BLNHC": True, "HND": False, "NHD": True}
+_DTYPES = {
+    "torch.float32": "float32",
+    "torch.bfloat16": "bfloat16",
+    "torch.float16": "float16",
+    "fp8": "float8_e4m3",
+    "fp8_e4m3": "float8_e4m3",
+    "fp8_e5m2": "float8_e5m2",
+}
+_KEYS = {
+    "control",
+    "decode",
+    "buffer_gib",
+    "buffer_blocks",
+    "transports",
+    "transport",
+    "secret",
+    "instance",
+    "instance_key",
+    "reserve_timeout_s",
+    "load_timeout_s",
+    "lease_s",
+    "kv_fused",
+    "data_host",
+}
+
+
+def check_version(version: str) -> None:
+    """Refuse a vLLM outside :data:`TESTED` with one line naming the range."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    lo, hi = TESTED
+    if m is None or not lo <= (int(m[1]), int(m[2])) <= hi:
+        raise RuntimeError(
+            f"pdkv's vLLM connector supports vLLM {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}.x; this is vLLM {version}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """``kv_connector_extra_config`` of one engine, checked.
+
+    Both roles: ``secret`` (the HMAC secret of decode's control plane; default
+    ``$PDKV_SECRET``, else none, which is for loopback only). Decode (``kv_consumer``):
+    ``control`` (the endpoint decode binds, ``tcp://host:port``), ``buffer_gib`` or
+    ``buffer_blocks`` (the CPU buffer per TP rank), ``transports`` (served, default shm and
+    tcp), ``data_host``, ``lease_s``, ``load_timeout_s`` (how long a request may wait for
+    its KV before decode computes the prompt itself). Prefill (``kv_producer``): ``decode``
+    (decode's control address when a request's ``kv_transfer_params`` name none),
+    ``transport`` (default auto), ``instance`` and ``instance_key`` (default derived from
+    vLLM's engine id, and from the secret), ``reserve_timeout_s``. ``kv_fused`` overrides
+    the cache order pdkv reads from vLLM (``head``: the CPU backend, ``row``: the GPU
+    backends).
+    """
+
+    role: str
+    engine_id: str
+    control: str = "tcp://127.0.0.1:0"
+    decode: str = ""
+    buffer_bytes: int = GIB
+    buffer_blocks: int = 0
+    transports: tuple[str, ...] = ("shm", "tcp")
+    transport: str = "auto"
+    secret: bytes | None = field(default=None, repr=False)
+    instance: str = ""
+    instance_key: bytes = field(default=b"", repr=False)
+    reserve_timeout_s: float = 30.0
+    load_timeout_s: float = 60.0
+    lease_s: float = 30.0
+    kv_fused: str = ""
+    data_host: str = "127.0.0.1"
+
+
+def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:
+    v = extra.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ValueError(f"kv_connector_extra_config[{key!r}]={v!r} must be a positive number")
+    return float(v)
+
+
+def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -> Settings:
+    """Check ``kv_connector_extra_config`` for ``role`` (vLLM's ``kv_producer`` or
+    ``kv_consumer``); a ValueError names the key and the rule."""
+    if role not in ("kv_producer", "kv_consumer"):
+        raise ValueError(f"kv_role={role!r}: pdkv's connector is kv_producer (prefill) or kv_consumer (decode)")
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - _KEYS)
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; pdkv reads {sorted(_KEYS)}")
+    secret_s = extra.get("secret", os.environ.get("PDKV_SECRET"))
+    if secret_s is not None and (not isinstance(secret_s, str) or not secret_s):
+        raise ValueError("kv_connector_extra_config['secret'] must be a non-empty string")
+    secret = secret_s.encode() if secret_s else None
+    instance = extra.get("instance", f"vllm-{engine_id}"[:64])
+    if not isinstance(instance, str) or not instance.isprintable() or not 0 < len(instance) <= 64:
+        raise ValueError(f"kv_connector_extra_config['instance']={instance!r} must be 1-64 printable characters")
+    key_s = extra.get("instance_key")
+    if key_s is not None:
+        if not isinstance(key_s, str) or len(key_s) < 16:
+            raise ValueError("kv_connector_extra_config['instance_key'] must be a string of at least 16 characters")
+        key = hashlib.sha256(key_s.encode()).digest()
+    else:
+        # the same key in every TP rank of this engine (vLLM hands each worker the same engine
+        # id); unguessable from the engine id alone when there is a secret
+        key = hmac.new(secret or b"pdkv-vllm", f"instance-key:{engine_id}".encode(), hashlib.sha256).digest()
+    transports = extra.get("transports", ("shm", "tcp"))
+    if isinstance(transports, str):
+        transports = tuple(t.strip() for t in transports.split(",") if t.strip())
+    if not isinstance(transports, (list, tuple)) or not transports or not all(isinstance(t, str) for t in transports):
+        raise ValueError(f"kv_connector_extra_config['transports']={transports!r} must name one or more transports")
+    blocks = extra.get("buffer_blocks", 0)
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+        raise ValueError(f"kv_connector_extra_config['buffer_blocks']={blocks!r} must be a positive integer")
+    fused = extra.get("kv_fused", "")
+    if fused not in ("", "row", "head"):
+        raise ValueError(f"kv_connector_extra_config['kv_fused']={fused!r} must be 'row' or 'head'")
+    for k in ("control", "decode", "transport", "data_host"):
+        if k in extra and not isinstance(extra[k], str):
+            raise ValueError(f"kv_connector_extra_config[{k!r}]={extra[k]!r} must be a string")
+    return Settings(
+        role=role,
+        engine_id=engine_id,
+        control=extra.get("control", "tcp://127.0.0.1:0"),
+        decode=extra.get("decode", ""),
+        buffer_bytes=int(_positive(extra, "buffer_gib", 1.0) * GIB),
+        buffer_blocks=blocks,
+        transports=tuple(transports),
+        transport=extra.get("transport", "auto"),
+        secret=secret,
+        instance=instance,
+        instance_key=key,
+        reserve_timeout_s=_positive(extra, "reserve_timeout_s", 30.0),
+        load_timeout_s=_positive(extra, "load_timeout_s", 60.0),
+        lease_s=_positive(extra, "lease_s", 30.0),
+        kv_fused=fused,
+        data_host=extra.get("data_host", "127.0.0.1"),
+    )
+
+
+def order_of(kv_cache_layout: str | None, cpu: bool, kv_fused: str = "") -> tuple[str, bool]:
+    """``(kv_fused, token_major)`` of vLLM's cache: its KVCacheLayout name (``LBHNC``, ...,
+    None for the default), on the CPU backend or a GPU one. The CPU backend reads each
+    head's K rows then its V rows; the GPU backends each row's K then V."""
+    name = kv_cache_layout or ("LBHNC" if cpu else "LBNHC")
+    if name not in _ORDERS:
+        raise LayoutError(
+            f"vLLM's KV cache layout {name} puts heads or tokens outside the block; pdkv's connector reads "
+            f"block-contiguous layouts ({', '.join(sorted(_ORDERS))})"
+        )
+    fused = kv_fused or ("head" if cpu else "row")
+    if fused == "head" and _ORDERS[name]:
+        raise LayoutError(f"vLLM's CPU cache order (kv_fused='head') is head-major; {name} is token-major")
+    return fused, _ORDERS[name]
+
+
+def layout_for(
+    *,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: str,
+    tp_size: int,
+    tp_rank: int,
+    order: tuple[str, bool],
+) -> KVLayout:
+    """One TP rank's layout of a vLLM cache; ``dtype`` as vLLM names it (``torch.bfloat16``,
+    ``fp8``)."""
+    dt = _DTYPES.get(str(dtype))
+    if dt is None:
+        raise LayoutError(f"vLLM's KV cache dtype {dtype} is not one pdkv carries ({', '.join(sorted(_DTYPES))})")
+    return KVLayout(
+        num_layers=num_layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        tokens_per_block=block_size,
+        dtype=dt,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        kv_fused=order[0],
+        token_major=order[1],
+    )
+
+
+@dataclass(frozen=True)
+class Load:
+    """Decode: copy ``buffer_blocks`` of the buffer named ``buffers[rank]`` into vLLM's
+    ``blocks`` (one each, in order), for vLLM request ``req_id``."""
+
+    req_id: str
+    buffer_blocks: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Save:
+    """Prefill: request ``req_id`` (``pid`` at decode ``decode``) of ``prompt_len``
+    tokens has vLLM blocks ``blocks``; this step computes tokens ``[start, end)``."""
+
+    req_id: str
+    pid: str
+    decode: str
+    prompt_len: int
+    blocks: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def complete(self) -> bool:
+        """This step computes the prompt's last token."""
+        return self.end >= self.prompt_len
+
+
+@dataclass
+class StepMeta:
+    """What one engine step hands the workers: decode's loads (and the buffers' names, one
+    per decode TP rank), prefill's saves."""
+
+    buffers: Sequence[str] = ()
+    buffer_blocks: int = 0
+    loads: list[Load] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)
