@@ -9,8 +9,10 @@ tokens_per_block]`` bfloat16, one tensor per K/V, always head-major.
 Fused caches (``kv_fused``) keep K and V of a layer in one block, as vLLM does:
 ``"row"``: each (head, token) row holds K then V (vLLM's FlashAttention view
 ``[blocks, heads, tokens, 2 * head_dim]``, head- or token-major); ``"head"``: each head
-holds its tokens' K rows, then their V rows (vLLM's CPU backend, the same view read as
-``[blocks, heads, 2 * tokens, head_dim]``). A block of a fused layer is one contiguous
+holds a K region of ``tokens x head_dim`` elements, then a V region (vLLM's CPU backend,
+the same view read as ``[blocks, heads, 2 * tokens, head_dim]``), the order of tokens inside
+each region being the backend's own (it packs K for its kernels): pdkv moves such regions
+whole, so a ``"head"`` cache pairs only with another ``"head"`` cache. A block of a fused layer is one contiguous
 ``layer_block_bytes`` run; K and V are two strided tensors inside it (V's base is K's plus
 :meth:`KVLayout.tensor_offset`). Blocks of several layers may interleave (vLLM's
 cross-layer orders): that is the :class:`CacheSpec`'s business (a base and a block stride
@@ -109,7 +111,8 @@ class KVLayout:
     kv_fused:
         ``""``: K and V are separate tensors. ``"row"``: one block holds both, each
         (head, token) row K then V (vLLM FlashAttention). ``"head"``: one block holds both,
-        each head's K rows then its V rows (vLLM's CPU backend; head-major only).
+        each head's K region then its V region, their interiors the engine's (vLLM's CPU
+        backend; head-major only; pairs only with another ``"head"`` layout).
 
     Raises
     ------
@@ -324,13 +327,19 @@ class KVLayout:
     def check_compatible(self, other: KVLayout) -> None:
         """Raise LayoutMismatchError naming the first field that makes a transfer impossible.
 
-        TP size and rank and the in-block order (``token_major``) may differ: the TP
-        mapping handles those.
+        TP size and rank and the in-block order (``token_major``, ``kv_fused``) may differ:
+        the TP mapping handles those, except a ``"head"`` cache (opaque regions per head),
+        which pairs only with another.
         """
         for f in ("num_layers", "extra_layers", "kv_heads", "head_dim", "tokens_per_block", "dtype", "mla", "scales"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
                 raise LayoutMismatchError(f"layout mismatch: {f} is {a!r} here and {b!r} at the peer")
+        if (self.kv_fused == "head") != (other.kv_fused == "head"):
+            raise LayoutMismatchError(
+                f"layout mismatch: kv_fused is {self.kv_fused!r} here and {other.kv_fused!r} at the peer; a 'head' "
+                "cache (vLLM's CPU backend) keeps each head's tokens in its own order and pairs only with another"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -514,6 +514,7 @@ def test_fused_layouts_map_every_byte_once_against_a_naive_model(case):
     that (head, token, K or V), no read or write outside a block's storage."""
     H, P, D, hd, dt, (sf, snhd), (df, dnhd), T = case
     assume((H % P == 0 or P % H == 0) and (H % D == 0 or D % H == 0))
+    assume((sf == "head") == (df == "head"))  # a 'head' cache pairs only with another (refused below)
 
     def mk(tp, fused, nhd):
         return KVLayout(
@@ -575,6 +576,23 @@ def test_fused_layout_geometry_exactly():
         CacheSpec.vllm(lay, 4, [(0x10000, 100), (0x20000, 100)])
     with pytest.raises(LayoutError, match="fused K/V cache"):
         CacheSpec.vllm(llama8b(num_layers=2), 4, [(0x10000, span), (0x20000, span)])
+
+
+def test_head_fused_pairs_only_with_head_fused():
+    """vLLM's CPU backend packs each head's K its own way: moved whole, between two such
+    caches only; any other pairing is refused by name."""
+    for other in (
+        llama8b(),
+        llama8b(token_major=True),
+        llama8b(kv_fused="row"),
+        llama8b(kv_fused="row", token_major=True),
+    ):
+        for a, b in ((llama8b(kv_fused="head"), other), (other, llama8b(kv_fused="head"))):
+            with pytest.raises(LayoutMismatchError, match="pairs only with another"):
+                tp_segments(a, b)
+    segs = tp_segments(llama8b(kv_fused="head", tp_size=2), llama8b(kv_fused="head"))
+    # each head's K (and V) region, 64 tokens x 256 bytes, is one piece per head
+    assert {(g.length, g.count) for g in segs} == {(64 * 256, 4)}
 
 
 @pytest.mark.parametrize(

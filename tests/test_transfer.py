@@ -1070,3 +1070,88 @@ def test_the_default_scheduler_options_work_with_the_default_receiver(no_leaks):
     finally:
         buf.close()
         buf.unlink()
+
+
+def _fused(P, r, order, nb=64, seed=0):
+    fused, nhd = order
+    lay = KVLayout(**BASE, tp_size=P, tp_rank=r, token_major=nhd, kv_fused=fused)
+    arr = np.random.default_rng(seed + r).integers(0, 256, lay.block_bytes * nb, dtype=np.uint8)
+    return lay, arr, CacheSpec.for_buffer(lay, nb, arr.ctypes.data)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize(
+    "P,D,src,dst",
+    [
+        (1, 1, ("head", False), ("head", False)),  # vLLM's CPU backend, both sides
+        (2, 1, ("head", False), ("head", False)),
+        (1, 2, ("row", True), ("row", True)),  # vLLM FlashAttention's default (NHD), TP 1 -> 2
+        (2, 4, ("row", False), ("row", True)),
+        (2, 1, ("", False), ("row", True)),  # separate K and V tensors into a fused cache
+    ],
+)
+def test_fused_layouts_every_byte(transport, P, D, src, dst, no_leaks):
+    """vLLM's fused K/V caches on both sides of a transfer: decode's buffer (filled with
+    junk first) ends up holding exactly the bytes the TP mapping gives, every byte of every
+    block, so no piece of a fused block is left unwritten."""
+    fused, nhd = dst
+    lays = [KVLayout(**BASE, tp_size=D, tp_rank=r, token_major=nhd, kv_fused=fused) for r in range(D)]
+    nb = 64
+    bufs = [SharedBuffer.create(CacheSpec.buffer_bytes(lay, nb)) for lay in lays]
+    txs = []
+    try:
+        for b in bufs:
+            b.buf[:] = b"\xab" * len(b.buf)
+        sched = DecodeScheduler(
+            layout=lays[0],
+            gpu=None,
+            buffer=BlockPool(nb),
+            swap=SwapEngine(
+                CacheSpec.for_buffer(lays[0], nb, bufs[0].address),
+                CacheSpec.for_buffer(lays[0], nb, bufs[0].address),
+                strategy="host",
+                buffer_pinned=False,
+            ),
+            options=SchedulerOptions(bind="engine"),
+        )
+        rx = DecodeReceiver(sched, lays, bufs, nb, transports=(transport,), auto_tick=True)
+        caches = [_fused(P, r, src) for r in range(P)]
+        txs = [PrefillSender(lay, spec, rx.control_address, transport=transport, instance="pf") for lay, _, spec in caches]
+        sb = [3, 4, 5, 9, 10, 40]
+        g = [tx.reserve("a", len(sb) * 8 - 3) for tx in txs][0]
+        for layer in range(4):
+            for tx in txs:
+                tx.send_layer(layer, [("a", sb)])
+        for tx in txs:
+            tx.finish("a")
+        for tx in txs:
+            assert tx.wait_outcome("a", 10).state == "received"
+        span = lays[0].layer_block_bytes
+        for dl in lays:
+            dspec = CacheSpec.for_buffer(dl, nb, bufs[dl.tp_rank].address)
+            for layer in range(4):
+                for gi, b in enumerate(g.blocks):
+                    want = bytearray(b"\xcd" * span)
+                    for seg in tp_segments(caches[0][0], dl):
+                        if seg.dst_rank != dl.tp_rank:
+                            continue
+                        sl, sarr, sspec = caches[seg.src_rank]
+                        s0 = sspec.address(layer, seg.tensor, sb[gi]) - sarr.ctypes.data
+                        d0 = dl.tensor_offset(seg.tensor)
+                        for c in range(seg.count):
+                            s, d = s0 + seg.src_offset + c * seg.src_stride, d0 + seg.dst_offset + c * seg.dst_stride
+                            want[d : d + seg.length] = sarr[s : s + seg.length].tobytes()
+                    a = dspec.address(layer, 0, b) - bufs[dl.tp_rank].address
+                    assert bytes(bufs[dl.tp_rank].buf[a : a + span]) == bytes(want), (dl.tp_rank, layer, gi)
+        for tx in txs:
+            tx.close()
+        txs = []
+        rx.close()
+        sched.swap.close()
+    finally:
+        for tx in txs:
+            tx.close()
+        for b in bufs:
+            b.close()
+            b.unlink()

@@ -6,8 +6,9 @@ each with pdkv's connector loaded by module path).
 
 Prints ``{"ready": ...}`` once the engine is up, then answers each command with one line:
 ``generate`` (prompts as token ids, greedy; optional kv_transfer_params per prompt; the
-engine stepped by hand, with ``abort_after`` steps for cancel tests), ``kv`` (the K/V a
-request's blocks hold, per layer, tokens first), ``state`` (free blocks: vLLM's pool, and
+engine stepped by hand, with ``abort_after`` steps for cancel tests), ``kv`` (the bytes of
+the blocks a request's prompt took, as they are in vLLM's cache), ``buffer`` (decode: a
+received request's blocks in pdkv's CPU buffer), ``state`` (free blocks: vLLM's pool, and
 pdkv's buffer on decode), ``damage`` and ``abort_pdkv`` (decode: break a received request's
 buffer blocks, or end it at pdkv, before vLLM loads it), ``quit``.
 
@@ -142,17 +143,23 @@ def main() -> int:
             if key is None:
                 answer({"error": f"no blocks recorded for {cmd['req']}", "known": list(part.recent)})
                 continue
-            blocks = list(part.recent[key])
-            n = cmd["tokens"]
-            layers = []
-            for t in c._kv_caches:  # [blocks, heads, N, 2D] read as the CPU backend does: [.., 2N, D]
-                b, h, N, d2 = t.shape
-                v = t.view(b, h, 2 * N, d2 // 2)[blocks]  # [nb, H, 2N, D]
-                k_, v_ = v[:, :, :N], v[:, :, N:]
-                kv = torch.stack([x.permute(1, 0, 2, 3).reshape(h, -1, d2 // 2)[:, :n] for x in (k_, v_)])
-                layers.append(kv.contiguous().numpy())
-            arr = np.stack(layers)  # [layers, 2, heads, tokens, D]
-            answer({"shape": list(arr.shape), "dtype": str(arr.dtype), "data": base64.b64encode(arr.tobytes()).decode()})
+            blocks = list(part.recent[key])[: -(-cmd["tokens"] // 32)]
+            # each block as it is in memory: [layers, blocks, heads, tokens, 2 x head_dim]
+            arr = np.stack([t[blocks].contiguous().numpy() for t in c._kv_caches])
+            answer(
+                {"shape": list(arr.shape), "dtype": str(arr.dtype), "data": base64.b64encode(arr.tobytes()).decode()}
+            )
+        elif op == "buffer":  # decode: a received request's blocks in pdkv's buffer, laid out as vLLM's
+            info = side.sched.request(cmd["pid"])
+            lay, n = side.layouts[0], side.num_blocks
+            span = lay.layer_block_bytes
+            raw = np.frombuffer(side.buffers[0].buf, dtype=np.uint8).reshape(lay.total_layers, n, span)
+            arr = raw[:, list(info.buffer_blocks)].copy().view(np.float32)
+            arr = arr.reshape(lay.total_layers, len(info.buffer_blocks), lay.heads_per_rank, lay.tokens_per_block, -1)
+            answer(
+                {"shape": list(arr.shape), "dtype": str(arr.dtype), "data": base64.b64encode(arr.tobytes()).decode()}
+            )
+            del raw
         elif op == "state":
             answer(free_blocks())
         elif op in ("damage", "abort_pdkv"):

@@ -28,7 +28,7 @@ from ...buffer.shared import SharedBuffer
 from ...errors import PdkvError, RequestError
 from ...layout import CacheSpec, KVLayout
 from ...scheduling.blocks import BlockPool
-from ...scheduling.scheduler import DecodeScheduler, SchedulerOptions, State
+from ...scheduling.scheduler import DecodeScheduler, Event, EventKind, SchedulerOptions, State
 from ...swap.engine import SwapEngine
 from ...transfer import DecodeReceiver
 from .settings import PARAM_ID, Load, Settings, StepMeta
@@ -140,6 +140,15 @@ class DecodeSide:
         self.control_address = self.receiver.control_address
         self._wants: dict[str, _Want] = {}
         self._loads: list[Load] = []
+        # received requests by pdkv id -> when: one that no vLLM request asks for within
+        # load_timeout_s (decode's client went away first) is dropped from the buffer
+        self._received: OrderedDict[str, float] = OrderedDict()
+        self._rlock = threading.Lock()  # the listener runs on the receiver's thread
+        self._wlock = threading.Lock()  # _wants: vLLM's thread and the sweeper
+        self.sched.add_listener(self._on_event)
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="pdkv-vllm-sweep", daemon=True)
+        self._sweeper.start()
         _log.info(
             "pdkv decode: %d buffer blocks of %d bytes per rank x %d ranks, control %s",
             n,
@@ -159,9 +168,10 @@ class DecodeSide:
         if not isinstance(pid, str) or not pid:
             return 0, False
         now = self.clock()
-        w = self._wants.get(req_id)
-        if w is None:
-            w = self._wants[req_id] = _Want(pid, now)
+        with self._wlock:
+            w = self._wants.get(req_id)
+            if w is None:
+                w = self._wants[req_id] = _Want(pid, now)
         if w.fail:
             return prompt_len - num_computed, True
         try:
@@ -185,7 +195,8 @@ class DecodeSide:
             )
         if num_computed >= prompt_len:
             self._abort(w.pid, "decode holds the whole prompt already")
-            del self._wants[req_id]
+            with self._wlock:
+                del self._wants[req_id]
             return 0, False
         w.local = num_computed
         return prompt_len - num_computed, True
@@ -194,7 +205,8 @@ class DecodeSide:
         _log.warning("pdkv decode: request %s (pdkv %s): %s", req_id, w.pid, why)
         self._abort(w.pid, why)
         if self.recompute or tokens <= 0:
-            del self._wants[req_id]
+            with self._wlock:
+                del self._wants[req_id]
             return 0, False
         w.fail = True  # vLLM waits for a load; it fails, and vLLM applies its policy
         return tokens, True
@@ -240,17 +252,47 @@ class DecodeSide:
         blocks are among ``invalid_blocks`` failed); their buffer blocks go back."""
         bad = set(invalid_blocks)
         for req_id in finished:
-            w = self._wants.pop(req_id, None)
+            with self._wlock:
+                w = self._wants.pop(req_id, None)
             if w is None or w.bound is None or w.fail:
                 continue
             err = RuntimeError("a worker failed to copy the request's blocks") if bad & set(w.bound) else None
             self.swaps.done(w.pid, err)
         self._drain()
 
+    def _on_event(self, ev: Event) -> None:
+        if ev.kind is EventKind.RECEIVED:
+            with self._rlock:
+                self._received[ev.request_id] = self.clock()
+
     def _drain(self) -> None:
         self.sched.tick()
         for r in self.sched.take_ready():
             self.sched.finish(r.request_id, free_gpu_blocks=False)
+
+    def _sweep_loop(self) -> None:
+        # an idle vLLM does not step: received requests nobody claims are dropped from here
+        while not self._stop.wait(min(1.0, self.settings.load_timeout_s / 4)):
+            try:
+                self._sweep()
+            except Exception:  # the sweep must outlive any one failure
+                _log.exception("pdkv decode: sweeping unclaimed requests failed")
+
+    def _sweep(self) -> None:
+        now, limit = self.clock(), self.settings.load_timeout_s
+        stale = []
+        with self._rlock:
+            while self._received:
+                pid, t = next(iter(self._received.items()))
+                if now - t <= limit:
+                    break
+                del self._received[pid]
+                stale.append(pid)
+        with self._wlock:
+            claimed = {w.pid for w in self._wants.values()}
+        for pid in stale:
+            if pid not in claimed:
+                self._abort(pid, f"no vLLM request asked for it within load_timeout_s={limit}s")
 
     def finished(self, req_id: str) -> bool:
         """``request_finished``: True while a worker may still write the request's blocks
@@ -260,11 +302,16 @@ class DecodeSide:
             return False
         if w.bound is not None:
             return True
-        del self._wants[req_id]
+        with self._wlock:
+            del self._wants[req_id]
         self._abort(w.pid, "vLLM finished the request before its KV was loaded")
         return False
 
     def close(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+            self._sweeper.join(timeout=5)
         if self.receiver is not None:
             self.receiver.close()
         for b in self.buffers:

@@ -170,11 +170,11 @@ class SendWorker:
         with self._lock:
             for s in meta.saves:
                 r = self._reqs.get(s.req_id)
+                self.recent[s.req_id] = s.blocks
+                while len(self.recent) > RECENT:
+                    self.recent.popitem(last=False)
                 if r is None:
                     r = self._reqs[s.req_id] = _Out(s)
-                    self.recent[s.req_id] = s.blocks
-                    while len(self.recent) > RECENT:
-                        self.recent.popitem(last=False)
                     tx = self._senders.get(s.decode)
                     if tx is not None and self._reserve(r, tx) is None:
                         pass  # posted; save_layer polls the grant

@@ -1,0 +1,302 @@
+"""Two real vLLM engines disaggregated through pdkv's connector (``pdkv.integrations.vllm``,
+loaded by vLLM from its module path), beside a colocated engine without a connector.
+
+Each engine is a process of its own (``tests/vllm_engine.py``): vLLM 0.32's CPU build, a
+tiny Llama saved with random weights (head_dim 64, block size 32, float32), greedy
+decoding. Decode has few blocks of its own (24 of 32 tokens) and a 64-block pdkv buffer;
+one prefill engine sends over shm, one over tcp, and the prefill engines run chunked
+prefill (64 tokens a step), so long prompts go out chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from extras import need
+
+need("vllm", "vllm")
+torch = need("torch", "vllm")
+transformers = need("transformers", "vllm")
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
+
+HERE = Path(__file__).resolve().parent
+BLOCK = 32
+DECODE_BLOCKS = 24  # vLLM blocks of the decode engine: fewer than the prompts below need together
+PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((70, 96, 131, 33))]  # 3, 3, 5, 2 blocks
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+class Engine:
+    """A vLLM engine process answering JSON lines (see tests/vllm_engine.py)."""
+
+    def __init__(self, model: Path, role: str, log: Path, extra: dict | None = None, **kw: object) -> None:
+        args = [sys.executable, str(HERE / "vllm_engine.py"), "--model", str(model), "--role", role]
+        args += ["--extra", json.dumps(extra or {})]
+        for k, v in kw.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        self.log = log
+        self._err = log.open("w")
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
+        try:
+            self.ready = self._read()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text()[-4000:]
+            raise AssertionError(f"the vLLM engine exited (rc {self.proc.poll()}):\n{tail}")
+        return json.loads(line)
+
+    def ask(self, **cmd: object) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def generate(self, prompts, max_tokens, params=None, **kw) -> dict:
+        return self.ask(op="generate", prompts=prompts, max_tokens=max_tokens, params=params, **kw)
+
+    def kv(self, req: str, tokens: int) -> np.ndarray:
+        """The prompt's blocks in vLLM's cache, ``[layers, blocks, heads, tokens, 2 x dim]``."""
+        return self._array(self.ask(op="kv", req=req, tokens=tokens))
+
+    def buffer(self, pid: str) -> np.ndarray:
+        """Decode: a received request's blocks in pdkv's buffer, in the same shape."""
+        return self._array(self.ask(op="buffer", pid=pid))
+
+    @staticmethod
+    def _array(r: dict) -> np.ndarray:
+        assert "error" not in r, r
+        return np.frombuffer(base64.b64decode(r["data"]), dtype=r["dtype"]).reshape(r["shape"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self._err):
+            f.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """A 2-layer Llama, 4 query and 2 KV heads of 64, random weights from a fixed seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def engines(model, tmp_path_factory):
+    """Decode (kv_consumer), prefill over shm and over tcp (kv_producer), and a colocated
+    engine: started together (each takes ~20 s to start on two cores)."""
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    control = f"tcp://127.0.0.1:{_port()}"
+    kv_bytes = DECODE_BLOCKS * 2 * 2 * 2 * BLOCK * 64 * 4  # blocks x layers x (K, V) x heads x tokens x dim x 4
+    specs = {
+        "decode": ("consumer", {"control": control, "buffer_blocks": 64, "load_timeout_s": 20}, {"kv_bytes": kv_bytes}),
+        "shm": ("producer", {"decode": control, "transport": "shm"}, {"max_batched": 64}),
+        "tcp": ("producer", {"decode": control, "transport": "tcp"}, {"max_batched": 64}),
+        "colocated": ("none", {}, {"max_batched": 64}),  # the same chunks as prefill: the same numerics
+    }
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futs = {
+            k: pool.submit(Engine, model, role, logs / f"{k}.log", extra, **kw)
+            for k, (role, extra, kw) in specs.items()
+        }
+        out = {}
+        try:
+            for k, f in futs.items():
+                out[k] = f.result()
+        except BaseException:
+            for f in futs.values():
+                if f.done() and f.exception() is None:
+                    f.result().close()
+            raise
+    yield out
+    for e in out.values():
+        e.close()
+
+
+def _remote(pids):
+    return [{"do_remote_decode": True, "pdkv_request_id": p} for p in pids]
+
+
+def _settled(decode: Engine, *prefills: Engine, timeout: float = 10.0) -> dict:
+    """Every side's blocks free again (quarantined buffer blocks wait fence_grace_s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = decode.ask(op="state")
+        pre = [p.ask(op="state") for p in prefills]
+        done = (
+            st["buffer_free"] == st["buffer_total"]
+            and st["pdkv_live"] == 0
+            and st["vllm_free"] == st["vllm_total"]
+            and all(p["vllm_free"] == p["vllm_total"] for p in pre)
+        )
+        if done or time.monotonic() > deadline:
+            return {"decode": st, "prefill": pre}
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def colocated(engines):
+    r = engines["colocated"].generate(PROMPTS, 8)
+    assert all(t is not None and len(t) == 8 for t in r["tokens"])
+    return r["tokens"]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_vllm_disaggregated_tokens_and_kv_equal_colocated(engines, colocated, transport):
+    """Prefill's vLLM computes each prompt and sends its KV through pdkv; decode's vLLM
+    loads it and generates: the tokens are the colocated engine's; decode's buffer holds
+    prefill's blocks byte for byte, and so do decode's own blocks once loaded. The prompt's
+    last block is compared through the tokens only: vLLM computes the last token again on
+    decode and writes it there, and the slots past the prompt hold whatever the engine left
+    (its CPU kernels pack each head's K, so a slot's bytes cannot be picked out)."""
+    assert any(len(set(t)) > 1 for t in colocated), f"the model's greedy tokens are constant: {colocated}"
+    assert len({tuple(t) for t in colocated}) > 1, "every prompt gives the same tokens"
+    prefill, decode = engines[transport], engines["decode"]
+    pids = [f"{transport}-{i}" for i in range(len(PROMPTS))]
+    # one prompt at a time, each one's blocks read before another prompt reuses them
+    pre = {"tokens": [], "kv_params": []}
+    sent = []
+    for prompt, pid in zip(PROMPTS, pids):
+        r = prefill.generate([prompt], 1, _remote([pid]))
+        sent.append(prefill.kv(r["ids"][0], len(prompt)))
+        pre["tokens"] += r["tokens"]
+        pre["kv_params"] += r["kv_params"]
+    assert [t[0] for t in pre["tokens"]] == [t[0] for t in colocated]
+    # prefill's blocks are free: decode's CPU buffer holds the prompts (decode has not asked yet)
+    st = decode.ask(op="state")
+    need_blocks = sum(-(-len(p) // BLOCK) for p in PROMPTS)
+    assert prefill.ask(op="state")["vllm_free"] == prefill.ready["vllm_total"]
+    assert st["buffer_total"] - st["buffer_free"] == need_blocks and st["pdkv_live"] == len(PROMPTS)
+    for i, p in enumerate(pre["kv_params"]):
+        assert p["do_remote_prefill"] and p["pdkv_request_id"] == pids[i] and p["pdkv_tokens"] == len(PROMPTS[i])
+        buf = decode.buffer(pids[i])
+        assert buf.shape == sent[i].shape
+        np.testing.assert_array_equal(buf[:, :-1], sent[i][:, :-1], err_msg=f"prompt {i}")
+    # decode: one request at a time (so that each one's blocks are read before another reuses them)
+    for i, prompt in enumerate(PROMPTS):
+        dec = decode.generate([prompt], 8, [pre["kv_params"][i]])
+        assert dec["tokens"] == [colocated[i]], f"prompt {i}: decode {dec['tokens']} colocated {colocated[i]}"
+        got = decode.kv(dec["ids"][0], len(prompt))
+        assert got.shape == sent[i].shape
+        np.testing.assert_array_equal(got[:, :-1], sent[i][:, :-1])
+    st = _settled(decode, prefill)
+    assert st["decode"]["buffer_free"] == st["decode"]["buffer_total"] and st["decode"]["pdkv_live"] == 0, st
+
+
+def test_vllm_prefill_frees_blocks_while_decode_waits_for_its_own(engines, colocated):
+    """Four prompts need 13 blocks, decode's vLLM has 24 and keeps 8 generated tokens each:
+    decode cannot hold them all at once. Prefill runs them all and frees every block as soon
+    as decode's buffer holds the KV, before decode has any block for them; decode then takes
+    them as its blocks free up, and every answer is the colocated one."""
+    prefill, decode = engines["shm"], engines["decode"]
+    prompts = PROMPTS * 2  # 26 blocks of prompt, more than decode's 24
+    pids = [f"scarce-{i}" for i in range(len(prompts))]
+    pre = prefill.generate(prompts, 1, _remote(pids))
+    assert prefill.ask(op="state")["vllm_free"] == prefill.ready["vllm_total"]
+    st = decode.ask(op="state")
+    held = st["buffer_total"] - st["buffer_free"]
+    assert held == 2 * sum(-(-len(p) // BLOCK) for p in PROMPTS) > DECODE_BLOCKS, st
+    dec = decode.generate(prompts, 8, pre["kv_params"])
+    assert dec["tokens"] == colocated * 2
+    st = _settled(decode, prefill)
+    assert st["decode"]["buffer_free"] == st["decode"]["buffer_total"], st
+
+
+def test_vllm_damaged_buffer_block_changes_the_result(engines, colocated):
+    """The control: the same run with prefill's KV overwritten in decode's buffer before
+    vLLM loads it gives other K/V (and tokens): the equality above is the transfer's."""
+    prefill, decode = engines["tcp"], engines["decode"]
+    pre = prefill.generate([PROMPTS[0]], 1, _remote(["damaged"]))
+    sent = prefill.kv(pre["ids"][0], len(PROMPTS[0]))
+    assert decode.ask(op="damage", pid="damaged")["state"] == "received"
+    dec = decode.generate([PROMPTS[0]], 8, pre["kv_params"])
+    got = decode.kv(dec["ids"][0], len(PROMPTS[0]))
+    assert not np.array_equal(got[0, :-1], sent[0, :-1]), "layer 0 was damaged in the buffer but loaded intact"
+    np.testing.assert_array_equal(got[1, :-1], sent[1, :-1])  # only layer 0 was touched
+    assert dec["tokens"] != [colocated[0]]
+    _settled(decode, prefill)
+
+
+def test_vllm_failed_load_fails_the_request_and_frees_everything(engines):
+    """A request whose KV decode's pdkv dropped (here: ended at pdkv before vLLM asked) is
+    a load failure: with kv_load_failure_policy='fail' vLLM fails it, and no block stays
+    held on either side."""
+    prefill, decode = engines["shm"], engines["decode"]
+    pre = prefill.generate([PROMPTS[1]], 1, _remote(["dropped"]))
+    assert decode.ask(op="abort_pdkv", pid="dropped")["state"] == "received"
+    dec = decode.generate([PROMPTS[1]], 8, pre["kv_params"])
+    assert dec["finish"] == ["error"] and dec["tokens"] == [[]]
+    st = _settled(decode, prefill)
+    assert st["decode"]["vllm_free"] == st["decode"]["vllm_total"] and st["decode"]["pdkv_live"] == 0, st
+
+
+def test_vllm_cancel_on_decode_before_the_kv_came(engines, colocated):
+    """Decode's client goes away while vLLM still waits for the KV (the connector answered
+    None: ask later); the KV arrives afterwards and nobody asks for it: pdkv drops it from
+    the buffer after load_timeout_s. A later request with the same prompt is unaffected."""
+    prefill, decode = engines["tcp"], engines["decode"]
+    dec = decode.generate([PROMPTS[2]], 8, [{"do_remote_prefill": True, "pdkv_request_id": "late"}], abort_after=5)
+    assert dec["tokens"] == [None] or dec["finish"] == ["abort"], dec
+    assert decode.ask(op="state")["pdkv_live"] == 0
+    pre = prefill.generate([PROMPTS[2]], 1, _remote(["late"]))
+    st = decode.ask(op="state")
+    assert st["pdkv_live"] == 1  # arrived, unclaimed
+    # load_timeout_s is 20 here; the engine is idle (vLLM does not step): pdkv's own sweep
+    st = _settled(decode, prefill, timeout=40)
+    assert st["decode"]["pdkv_live"] == 0 and st["decode"]["buffer_free"] == st["decode"]["buffer_total"], st
+    del pre
+
+
+def test_vllm_cancel_on_prefill_mid_prompt(engines):
+    """Prefill's client goes away after the first chunk of a long prompt (64 tokens a
+    step): the request ends at decode as failed, and both sides' blocks go back."""
+    prefill, decode = engines["shm"], engines["decode"]
+    long = list(range(7, 7 + 250))
+    pre = prefill.generate([long], 1, _remote(["cut"]), abort_after=1)
+    assert pre["finish"] in (["abort"], [None]), pre
+    st = _settled(decode, prefill)
+    assert st["decode"]["pdkv_live"] == 0 and st["decode"]["buffer_free"] == st["decode"]["buffer_total"], st
+    assert all(p["vllm_free"] == p["vllm_total"] for p in st["prefill"]), st
