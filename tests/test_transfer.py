@@ -1117,7 +1117,8 @@ def test_fused_layouts_every_byte(transport, P, D, src, dst, no_leaks):
         )
         rx = DecodeReceiver(sched, lays, bufs, nb, transports=(transport,), auto_tick=True)
         caches = [_fused(P, r, src) for r in range(P)]
-        txs = [PrefillSender(lay, spec, rx.control_address, transport=transport, instance="pf") for lay, _, spec in caches]
+        ctl = rx.control_address
+        txs = [PrefillSender(lay, spec, ctl, transport=transport, instance="pf") for lay, _, spec in caches]
         sb = [3, 4, 5, 9, 10, 40]
         g = [tx.reserve("a", len(sb) * 8 - 3) for tx in txs][0]
         for layer in range(4):

@@ -42,7 +42,6 @@ def main() -> int:
     sys.stdout = sys.stderr  # vLLM's prints stay off the answer channel
 
     import numpy as np
-    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
