@@ -6,13 +6,10 @@ a block) or ``[num_blocks, tokens_per_block, kv_heads_per_rank, head_dim]`` ("NH
 ``token_major=True``). Optional per-token scales are ``[num_blocks, kv_heads_per_rank,
 tokens_per_block]`` bfloat16, one tensor per K/V, always head-major.
 
-Fused caches (``kv_fused``) keep K and V of a layer in one block, as vLLM does:
-``"row"``: each (head, token) row holds K then V (vLLM's FlashAttention view
-``[blocks, heads, tokens, 2 * head_dim]``, head- or token-major); ``"head"``: each head
-holds a K region of ``tokens x head_dim`` elements, then a V region (vLLM's CPU backend,
-the same view read as ``[blocks, heads, 2 * tokens, head_dim]``), the order of tokens inside
-each region being the backend's own (it packs K for its kernels): pdkv moves such regions
-whole, so a ``"head"`` cache pairs only with another ``"head"`` cache. A block of a fused layer is one contiguous
+Fused caches (``kv_fused``, vLLM's ``[blocks, heads, tokens, 2 * head_dim]`` view) keep a
+layer's K and V in one block: ``"row"``, each (head, token) row K then V (FlashAttention);
+``"head"``, each head a K region then a V region, their insides the engine's own order
+(vLLM's CPU backend packs K): moved whole, so a ``"head"`` cache pairs only with another. A block of a fused layer is one contiguous
 ``layer_block_bytes`` run; K and V are two strided tensors inside it (V's base is K's plus
 :meth:`KVLayout.tensor_offset`). Blocks of several layers may interleave (vLLM's
 cross-layer orders): that is the :class:`CacheSpec`'s business (a base and a block stride
@@ -219,8 +216,7 @@ class KVLayout:
         return self.heads_per_rank * self.tokens_per_block * self.unit_bytes(tensor)
 
     def tensor_offset(self, tensor: str | int) -> int:
-        """Bytes from a layer block's start to the tensor's first byte in it: 0 but for V
-        in a fused block (``unit`` bytes for ``"row"``, ``tokens * unit`` for ``"head"``)."""
+        """Bytes from a layer block's start to the tensor's first byte: 0 but for fused V."""
         t = self.tensor_index(tensor)
         if not self.kv_fused or t == 0:
             return 0
@@ -228,8 +224,7 @@ class KVLayout:
         return u if self.kv_fused == "row" else self.tokens_per_block * u
 
     def block_span(self, tensor: str | int) -> int:
-        """Bytes from one block of ``tensor`` to the next in a packed region: the tensor's
-        block bytes, or the whole fused block (K and V) for a fused layout."""
+        """Bytes from one block of ``tensor`` to the next in a packed region (fused: K and V)."""
         return self.layer_block_bytes if self.kv_fused else self.tensor_block_bytes(tensor)
 
     def tensor_block_extent(self, tensor: str | int) -> int:
@@ -423,6 +418,11 @@ def tp_segments(src: KVLayout, dst: KVLayout) -> list[Segment]:
     return out
 
 
+def _kv_apart(layout: KVLayout, builder: str) -> None:
+    if layout.mla or layout.scales or layout.kv_fused:
+        raise LayoutError(f"{builder} expects a K+V cache without scale tensors, K and V apart (fused: CacheSpec.vllm)")
+
+
 class CacheSpec:
     """Where each (layer, tensor, block) of one rank lives: a base pointer and a block
     stride per layer and tensor. Describes an engine's GPU cache and pdkv's CPU buffer
@@ -555,11 +555,9 @@ class CacheSpec:
     def vllm(
         cls, layout: KVLayout, num_blocks: int, layers: Sequence[tuple[int, int]], *, device: int | None = None
     ) -> CacheSpec:
-        """vLLM's fused cache (0.32+): per layer one view ``[num_blocks, heads, tokens, 2 *
-        head_dim]`` in ``layout.kv_fused``'s order, given as ``(base pointer, block stride in
-        bytes)`` per layer. The stride is the fused block's bytes for a layer-compact order
-        (LBHNC, LBNHC), ``layers x`` that for a block-outermost one (BLHNC): vLLM's
-        cross-layer orders are this spec's per-layer bases and strides."""
+        """vLLM's fused cache (0.32+): ``(base pointer, block stride in bytes)`` of each
+        layer's view; the stride is ``layers x`` the fused block for a cross-layer order
+        (BLHNC), the fused block for a layer-compact one (LBHNC, LBNHC)."""
         if not layout.kv_fused:
             raise LayoutError("CacheSpec.vllm describes a fused K/V cache: give the layout kv_fused='row' or 'head'")
         return cls(
@@ -588,10 +586,7 @@ class CacheSpec:
         cls, layout: KVLayout, num_blocks: int, layer_ptrs: Sequence[int], *, device: int | None = None
     ) -> CacheSpec:
         """vLLM FlashAttention: one ``[2, blocks, tokens, heads, dim]`` tensor per layer."""
-        if layout.mla or layout.scales or layout.kv_fused:
-            raise LayoutError(
-                "vllm_flash_attn expects a K+V cache without scale tensors, K and V apart (fused: CacheSpec.vllm)"
-            )
+        _kv_apart(layout, "vllm_flash_attn")
         bb = layout.tensor_block_bytes(0)
         return cls(layout, num_blocks, [[(p, bb), (p + num_blocks * bb, bb)] for p in layer_ptrs], device=device)
 
@@ -600,9 +595,6 @@ class CacheSpec:
         cls, layout: KVLayout, num_blocks: int, layer_ptrs: Sequence[int], *, device: int | None = None
     ) -> CacheSpec:
         """vLLM FlashInfer: one ``[blocks, 2, ...]`` tensor per layer; K and V side by side."""
-        if layout.mla or layout.scales or layout.kv_fused:
-            raise LayoutError(
-                "flashinfer expects a K+V cache without scale tensors, K and V apart (fused: CacheSpec.vllm)"
-            )
+        _kv_apart(layout, "flashinfer")
         bb = layout.tensor_block_bytes(0)
         return cls(layout, num_blocks, [[(p, 2 * bb), (p + bb, 2 * bb)] for p in layer_ptrs], device=device)

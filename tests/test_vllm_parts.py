@@ -1,0 +1,397 @@
+"""The vLLM connector's pure parts, without vLLM: its configuration rules, the prefill
+scheduler half's bookkeeping, and both halves of decode and prefill over a real receiver
+and real senders in this process (the engine's calls made by the test, in vLLM's order:
+what tests/test_vllm.py does with the real engine, here with every branch reachable)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from pdkv import CacheSpec, KVLayout, LayoutError, LayoutMismatchError
+from pdkv.integrations.vllm.consumer import DecodeSide, LoadWorker
+from pdkv.integrations.vllm.producer import PrefillSide, SendWorker
+from pdkv.integrations.vllm.settings import (
+    PARAM_DECODE,
+    PARAM_ID,
+    PARAM_TOKENS,
+    Save,
+    StepMeta,
+    check_version,
+    layout_for,
+    order_of,
+    parse_settings,
+)
+from pdkv.scheduling.lifecycle import State
+
+LAY = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=8, dtype="torch.float32", tp_size=1, tp_rank=0)
+
+
+# ------------------------------------------------------------------ configuration
+
+
+@pytest.mark.parametrize("v", ["0.32.0", "0.32.1rc1", "0.33.0", "0.34.9", "0.34.0+cpu"])
+def test_vllm_versions_in_range(v):
+    check_version(v)
+
+
+@pytest.mark.parametrize("v", ["0.31.9", "0.35.0", "1.0.0", "dev", ""])
+def test_vllm_versions_out_of_range_refused_in_one_line(v):
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32 to 0\.34\.x; this is vLLM") as e:
+        check_version(v)
+    assert "\n" not in str(e.value)
+
+
+def test_vllm_settings_defaults_and_the_shared_instance_key(monkeypatch):
+    monkeypatch.delenv("PDKV_SECRET", raising=False)
+    s = parse_settings("kv_consumer", "e1", None)
+    assert (s.control, s.transports, s.secret, s.buffer_blocks, s.load_timeout_s) == (
+        "tcp://127.0.0.1:0",
+        ("shm", "tcp"),
+        None,
+        0,
+        60.0,
+    )
+    assert s.instance == "vllm-e1" and len(s.instance_key) == 32
+    # every rank of one engine derives the same key; another engine, or a secret, another one
+    assert parse_settings("kv_producer", "e1", {}).instance_key == s.instance_key
+    assert parse_settings("kv_producer", "e2", {}).instance_key != s.instance_key
+    with_secret = parse_settings("kv_producer", "e1", {"secret": "s3"})
+    assert with_secret.secret == b"s3" and with_secret.instance_key != s.instance_key
+    monkeypatch.setenv("PDKV_SECRET", "from-env")
+    assert parse_settings("kv_producer", "e1", {}).secret == b"from-env"
+    x = parse_settings("kv_consumer", "e", {"transports": "tcp, shm", "buffer_gib": 0.5, "buffer_blocks": 7})
+    assert x.transports == ("tcp", "shm") and x.buffer_bytes == 1 << 29 and x.buffer_blocks == 7
+
+
+@pytest.mark.parametrize(
+    "role, extra, msg",
+    [
+        ("kv_both", {}, "kv_role='kv_both'"),
+        ("kv_consumer", {"buffer_size": 1}, "unknown keys ['buffer_size']"),
+        ("kv_consumer", {"buffer_gib": 0}, "['buffer_gib']=0 must be a positive number"),
+        ("kv_consumer", {"buffer_gib": True}, "['buffer_gib']=True must be a positive number"),
+        ("kv_consumer", {"buffer_blocks": -1}, "['buffer_blocks']=-1 must be a positive integer"),
+        ("kv_consumer", {"load_timeout_s": -2}, "['load_timeout_s']=-2 must be"),
+        ("kv_consumer", {"transports": []}, "must name one or more transports"),
+        ("kv_consumer", {"transports": [1]}, "must name one or more transports"),
+        ("kv_consumer", {"secret": ""}, "'secret'] must be a non-empty string"),
+        ("kv_producer", {"instance": "a\nb"}, "1-64 printable characters"),
+        ("kv_producer", {"instance": "x" * 65}, "1-64 printable characters"),
+        ("kv_producer", {"instance_key": "short"}, "at least 16 characters"),
+        ("kv_producer", {"kv_fused": "yes"}, "must be 'row' or 'head'"),
+        ("kv_producer", {"decode": 5}, "['decode']=5 must be a string"),
+    ],
+)
+def test_vllm_settings_refusals_name_the_key(role, extra, msg):
+    with pytest.raises(ValueError) as e:
+        parse_settings(role, "e", extra)
+    assert msg in str(e.value)
+
+
+def test_vllm_cache_orders():
+    assert order_of(None, cpu=True) == ("head", False)  # the CPU backend: LBHNC
+    assert order_of(None, cpu=False) == ("row", True)  # FlashAttention's default: LBNHC
+    assert order_of("LBHNC", cpu=False) == ("row", False)
+    assert order_of("BLNHC", cpu=False) == ("row", True)  # cross-layer: the spec's strides
+    assert order_of("NHD", cpu=False, kv_fused="row") == ("row", True)
+    with pytest.raises(LayoutError, match="LHBNC puts heads or tokens outside the block"):
+        order_of("LHBNC", cpu=False)
+    with pytest.raises(LayoutError, match="is head-major; LBNHC is token-major"):
+        order_of("LBNHC", cpu=True)
+
+
+def test_vllm_layouts_from_vllm_names():
+    lay = layout_for(**LAY, order=("head", False))
+    assert (lay.dtype, lay.kv_fused, lay.token_major, lay.layer_block_bytes) == ("float32", "head", False, 2048)
+    assert layout_for(**{**LAY, "dtype": "fp8"}, order=("row", True)).dtype == "float8_e4m3"
+    with pytest.raises(LayoutError, match="dtype torch.int8 is not one pdkv carries"):
+        layout_for(**{**LAY, "dtype": "torch.int8"}, order=("row", True))
+
+
+# ------------------------------------------------------------------ prefill's scheduler half
+
+
+def _remote(pid, decode="tcp://d:1"):
+    return {"do_remote_decode": True, PARAM_ID: pid, PARAM_DECODE: decode}
+
+
+def test_vllm_prefill_side_tracks_chunks_blocks_and_hands_decode_its_params():
+    side = PrefillSide(parse_settings("kv_producer", "e", {}))
+    m = side.step(
+        [("a", _remote("pa"), 20, [4, 5], 0), ("plain", None, 9, [7], 0), ("b", _remote("pb"), 5, [9], 0)],
+        [],
+        {"a": 16, "plain": 9, "b": 5},
+    )
+    assert m.saves == [Save("a", "pa", "tcp://d:1", 20, (4, 5), 0, 16), Save("b", "pb", "tcp://d:1", 5, (9,), 0, 5)]
+    assert not m.saves[0].complete and m.saves[1].complete
+    m = side.step([], [("a", [6], 16, False), ("plain", None, 9, False)], {"a": 4})
+    assert m.saves == [Save("a", "pa", "tcp://d:1", 20, (4, 5, 6), 16, 20)] and m.saves[0].complete
+    # a resumed request's blocks replace the old ones; nothing more is saved once computed
+    m = side.step([], [("a", [1, 2, 3], 20, True)], {"a": 1})
+    assert m.saves == []
+    assert side.finished("a") == (True, {"do_remote_prefill": True, PARAM_ID: "pa", PARAM_TOKENS: 20})
+    assert side.finished("a") == (False, None) and side.finished("plain") == (False, None)
+    # seen but never scheduled: vLLM frees its blocks at once
+    side.step([("c", _remote("pc"), 8, [1], 0)], [], {})
+    assert side.finished("c") == (False, {"do_remote_prefill": True, PARAM_ID: "pc", PARAM_TOKENS: 8})
+
+
+def test_vllm_prefill_side_without_an_id_or_decode_computes_locally(caplog):
+    side = PrefillSide(parse_settings("kv_producer", "e", {}))
+    for params in ({"do_remote_decode": True}, {"do_remote_decode": True, PARAM_ID: "x"}, {PARAM_ID: "x"}):
+        assert side.step([("r", params, 8, [1], 0)], [], {"r": 8}).saves == []
+    assert "computed here only" in caplog.text
+    with_default = PrefillSide(parse_settings("kv_producer", "e", {"decode": "tcp://d:2"}))
+    assert with_default.step([("r", {"do_remote_decode": True, PARAM_ID: "x"}, 8, [1], 0)], [], {"r": 8}).saves
+
+
+# ------------------------------------------------------------------ both halves, in process
+
+
+def _layout():
+    return layout_for(**LAY, order=("head", False))
+
+
+class _Pair:
+    """Decode's scheduler half and worker half (a host 'vLLM cache' of 16 blocks) and
+    prefill's worker half, with this test calling them in vLLM's order."""
+
+    def __init__(self, *, load_timeout_s=20.0, recompute=False, sender=None, extra=None):
+        lay = _layout()
+        self.lay = lay
+        self.decode = DecodeSide(
+            parse_settings("kv_consumer", "d", {"buffer_blocks": 12, "load_timeout_s": load_timeout_s}),
+            [lay],
+            recompute=recompute,
+        )
+        self.cache = np.zeros(lay.block_bytes * 16, np.uint8)
+        self.loader = LoadWorker(lay, CacheSpec.for_buffer(lay, 16, self.cache.ctypes.data))
+        self.src = np.random.default_rng(3).integers(0, 256, lay.block_bytes * 16, dtype=np.uint8)
+        cfg = {"decode": self.decode.control_address, **(extra or {})}
+        self.sender = SendWorker(
+            parse_settings("kv_producer", "p", cfg),
+            lay,
+            CacheSpec.for_buffer(lay, 16, self.src.ctypes.data),
+            sender=sender,
+        )
+
+    def prefill(self, rid, pid, blocks, tokens, chunks=None):
+        """vLLM's prefill steps for one request: bind metadata, save each layer, end the step."""
+        chunks = chunks or [tokens]
+        start = 0
+        for n in chunks:
+            end = min(start + n, tokens)
+            self.sender.start(StepMeta(saves=[Save(rid, pid, self.decode.control_address, tokens, blocks, start, end)]))
+            for layer in range(self.lay.total_layers):
+                self.sender.save_layer(layer)
+            self.sender.end_step()
+            start = end
+
+    def sent(self, rid, timeout=10.0):
+        """vLLM's get_finished until the request's send is settled (vLLM finished it)."""
+        done, first, deadline = set(), True, time.monotonic() + timeout
+        while rid not in done and time.monotonic() < deadline:
+            done |= self.sender.finished({rid} if first else set())
+            first = False
+            time.sleep(0.005)
+        return rid in done
+
+    def wait_state(self, pid, states, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.decode.sched.request(pid).state in states:
+                    return True
+            except Exception:
+                pass
+            time.sleep(0.005)
+        return False
+
+    def load(self, rid, blocks):
+        """vLLM's decode steps: build metadata, start the loads, report what finished."""
+        meta = self.decode.step_meta()
+        self.loader.start(meta)
+        deadline, done = time.monotonic() + 10, set()
+        while rid not in done and time.monotonic() < deadline:
+            done |= self.loader.finished()
+            time.sleep(0.002)
+        errors = self.loader.load_errors()
+        self.decode.loaded(done, errors)
+        return meta, errors
+
+    def close(self):
+        self.sender.close()
+        self.loader.close()
+        self.decode.close()
+
+
+def _block(arr, lay, b):
+    """Block ``b`` of a host cache in pdkv's buffer layout: every layer's fused block."""
+    span, nb = lay.layer_block_bytes, len(arr) // lay.block_bytes
+    return b"".join(
+        arr[layer * nb * span + b * span : layer * nb * span + (b + 1) * span].tobytes() for layer in range(2)
+    )
+
+
+def test_vllm_halves_carry_a_request_and_free_every_block(no_leaks):
+    """Prefill reserves without waiting and sends; vLLM's decode scheduler is told 'ask
+    later' until the KV is in the buffer, then binds its blocks; the worker copies; every
+    byte arrives where vLLM's block table says, and the buffer is empty again."""
+    p = _Pair()
+    try:
+        params = {"do_remote_prefill": True, PARAM_ID: "p1"}
+        assert p.decode.matched("v1", params, 20, 0) == (None, False)  # not reserved yet
+        p.prefill("a", "p1", (3, 7, 8), 20, chunks=[8, 8, 4])
+        assert p.sent("a")
+        assert p.sender.stats["received"] == 1
+        assert p.decode.sched.request("p1").state is State.RECEIVED
+        assert p.decode.matched("v1", params, 20, 0) == (20, True)
+        p.decode.allocated("v1", [10, 2, 5, 9], 20)  # vLLM's blocks (one more than the prompt needs)
+        meta, errors = p.load("v1", None)
+        assert [ld.blocks for ld in meta.loads] == [(10, 2, 5)] and errors == set()
+        for src_b, dst_b in zip((3, 7, 8), (10, 2, 5)):
+            assert _block(p.cache, p.lay, dst_b) == _block(p.src, p.lay, src_b)
+        assert p.decode.finished("v1") is False  # loaded: nothing for vLLM to wait for
+        assert p.decode.sched.buffer.num_free == 12 and p.decode.sched.live_requests() == []
+        assert p.loader.recent["v1"] == (10, 2, 5)
+    finally:
+        p.close()
+
+
+def test_vllm_decode_local_prefix_hit_loads_only_the_rest(no_leaks):
+    p = _Pair()
+    try:
+        p.prefill("a", "p2", (1, 2, 3), 24)
+        assert p.sent("a")
+        params = {"do_remote_prefill": True, PARAM_ID: "p2"}
+        assert p.decode.matched("v", params, 24, 8) == (16, True)  # vLLM holds the first block
+        p.decode.allocated("v", [6, 11, 12], 16)
+        meta, _ = p.load("v", None)
+        assert [(ld.blocks, len(ld.buffer_blocks)) for ld in meta.loads] == [((11, 12), 2)]
+        assert _block(p.cache, p.lay, 11) == _block(p.src, p.lay, 2)
+        assert p.decode.sched.buffer.num_free == 12
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_vllm_decode_kv_that_never_comes_follows_the_failure_policy(recompute, no_leaks):
+    """No reservation within load_timeout_s: with 'recompute' vLLM computes the prompt
+    (0 tokens matched); with 'fail' it waits for a load that then fails (every block it
+    bound reported as a load error), so vLLM fails the request by its own rule."""
+    p = _Pair(load_timeout_s=0.3, recompute=recompute)
+    try:
+        params = {"do_remote_prefill": True, PARAM_ID: "never"}
+        assert p.decode.matched("v", params, 16, 0) == (None, False)
+        time.sleep(0.35)
+        got = p.decode.matched("v", params, 16, 0)
+        if recompute:
+            assert got == (0, False)
+            return
+        assert got == (16, True)
+        p.decode.allocated("v", [4, 5], 16)
+        meta, errors = p.load("v", None)
+        assert meta.loads[0].buffer_blocks == () and errors == {4, 5}
+        assert p.decode.finished("v") is False
+    finally:
+        p.close()
+
+
+def test_vllm_decode_mismatched_prompt_and_unclaimed_kv_are_dropped(no_leaks):
+    p = _Pair(load_timeout_s=0.5, recompute=True)
+    try:
+        p.prefill("a", "p3", (1, 2), 16)
+        p.prefill("b", "p4", (4,), 8)
+        assert p.sent("a") and p.sent("b")
+        # the prompt decode got is not the one prefill sent: computed locally, KV dropped
+        assert p.decode.matched("v", {"do_remote_prefill": True, PARAM_ID: "p3"}, 17, 0) == (0, False)
+        assert p.decode.sched.request("p3").state is State.ABORTED
+        # p4: nobody asks; the sweeper drops it (vLLM may be idle: no step needed)
+        assert p.wait_state("p4", {State.ABORTED}, timeout=5)
+        assert p.decode.sched.buffer.num_free == 12
+        # a request without pdkv's parameters is none of the connector's business
+        assert p.decode.matched("w", None, 8, 0) == (0, False)
+        assert p.decode.matched("w", {"do_remote_decode": True, PARAM_ID: "x"}, 8, 0) == (0, False)
+    finally:
+        p.close()
+
+
+def test_vllm_decode_finished_before_and_after_binding(no_leaks):
+    """vLLM ends a request: before its blocks were bound, pdkv drops the KV (vLLM frees
+    its blocks at once); after, vLLM must keep them until the worker's copy is reported."""
+    p = _Pair()
+    try:
+        p.prefill("a", "p5", (1,), 8)
+        p.prefill("b", "p6", (2,), 8)
+        assert p.sent("a") and p.sent("b")
+        assert p.decode.matched("va", {"do_remote_prefill": True, PARAM_ID: "p5"}, 8, 0) == (8, True)
+        assert p.decode.finished("va") is False
+        assert p.decode.sched.request("p5").state is State.ABORTED
+        assert p.decode.matched("vb", {"do_remote_prefill": True, PARAM_ID: "p6"}, 8, 0) == (8, True)
+        p.decode.allocated("vb", [3], 8)
+        assert p.decode.finished("vb") is True
+        p.load("vb", None)
+        assert p.decode.sched.buffer.num_free == 12 and p.decode.sched.live_requests() == []
+    finally:
+        p.close()
+
+
+def test_vllm_prefill_cut_short_ends_at_decode_and_settles(no_leaks):
+    """vLLM finishes a request after its first chunk (its client went away): decode hears
+    it failed, its buffer blocks come back, and prefill reports the request settled."""
+    p = _Pair()
+    try:
+        p.sender.start(StepMeta(saves=[Save("a", "p7", p.decode.control_address, 24, (1, 2), 0, 8)]))
+        for layer in range(2):
+            p.sender.save_layer(layer)
+        p.sender.end_step()
+        assert p.sent("a")
+        assert p.wait_state("p7", {State.FAILED, State.ABORTED})
+        deadline = time.monotonic() + 5  # quarantined until the fence grace passes
+        while p.decode.sched.buffer.num_free != 12 and time.monotonic() < deadline:
+            p.decode.step_meta()
+            time.sleep(0.05)
+        assert p.decode.sched.buffer.num_free == 12
+        assert p.sender.stats["failed"] == 1
+    finally:
+        p.close()
+
+
+def test_vllm_prefill_without_a_session_settles_and_frees(no_leaks):
+    """No decode to talk to: the request is settled (failed) without a hang, and vLLM may
+    free its blocks."""
+
+    def refuse(decode):
+        raise OSError(f"connection to {decode} refused")
+
+    p = _Pair(sender=refuse)
+    try:
+        p.prefill("a", "p8", (1,), 8)
+        assert p.sent("a", timeout=5)
+        assert p.sender.stats["failed"] == 1
+    finally:
+        p.close()
+
+
+def test_vllm_prefill_grant_that_never_comes_fails_on_both_sides(no_leaks):
+    """Decode's buffer is full: prefill's reservation is rejected (decode rejects when
+    full), the request is settled as failed at once and vLLM frees prefill's blocks."""
+    p = _Pair()
+    try:
+        p.prefill("big", "p9", tuple(range(12)), 12 * 8)  # takes the whole buffer
+        assert p.sent("big")
+        p.prefill("a", "p10", (1,), 8)
+        assert p.sent("a")
+        assert p.sender.stats == {**p.sender.stats, "received": 1, "failed": 1}
+    finally:
+        p.close()
+
+
+def test_vllm_head_layout_refuses_other_orders_at_decode():
+    with pytest.raises(LayoutMismatchError, match="pairs only with another"):
+        from pdkv import tp_segments
+
+        tp_segments(_layout(), KVLayout(num_layers=2, kv_heads=2, head_dim=16, tokens_per_block=8, dtype="fp32"))
