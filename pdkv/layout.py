@@ -9,11 +9,9 @@ tokens_per_block]`` bfloat16, one tensor per K/V, always head-major.
 Fused caches (``kv_fused``, vLLM's ``[blocks, heads, tokens, 2 * head_dim]`` view) keep a
 layer's K and V in one block: ``"row"``, each (head, token) row K then V (FlashAttention);
 ``"head"``, each head a K region then a V region, their insides the engine's own order
-(vLLM's CPU backend packs K): moved whole, so a ``"head"`` cache pairs only with another. A block of a fused layer is one contiguous
-``layer_block_bytes`` run; K and V are two strided tensors inside it (V's base is K's plus
-:meth:`KVLayout.tensor_offset`). Blocks of several layers may interleave (vLLM's
-cross-layer orders): that is the :class:`CacheSpec`'s business (a base and a block stride
-per layer), not the layout's.
+(vLLM's CPU backend packs K): moved whole, so a ``"head"`` cache pairs only with another.
+A fused block is one ``layer_block_bytes`` run, K and V strided inside it; how blocks of
+several layers interleave (vLLM's cross-layer orders) is the :class:`CacheSpec`'s business.
 
 All sizes here are **per rank** unless a name says ``instance``.
 """
