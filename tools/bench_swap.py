@@ -16,7 +16,13 @@ first call's planning (0.4-0.9 ms for 4096 blocks) is not overlapped, under 1 % 
 calls at 16 KiB. The one-call column is a single call's submit-to-done time, planning
 included.
 
-Needs a CUDA GPU and torch.  python tools/bench_swap.py [--blocks 4096] [--reps 64]
+``--layout vllm`` lays the GPU cache out as vLLM 0.32+ does (per layer one
+``[blocks, heads, tokens, 2 x head_dim]`` view, K and V fused in each row, token-major: the
+FlashAttention default, two layers, a block size being one layer's fused block) and
+``--layout vllm-cross`` in vLLM's cross-layer order BLHNC (a block's layers side by side),
+with pdkv's buffer in the fused layout: the swap vLLM's connector runs in its workers.
+
+Needs a CUDA GPU and torch.  python tools/bench_swap.py [--blocks 4096] [--reps 64] [--layout mla|vllm|vllm-cross]
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=4096)
     ap.add_argument("--sizes-kib", default="16,32,64,128,512")
     ap.add_argument("--reps", type=int, default=64, help="calls submitted back to back per timing")
+    ap.add_argument("--layout", choices=["mla", "vllm", "vllm-cross"], default="mla", help="the GPU cache's layout")
     a = ap.parse_args()
     torch = torch_with_cuda("bench_swap", " (for the torch-loop alternative and the ceiling)")
     if torch is None:
@@ -85,7 +92,11 @@ def main() -> int:
             cs.append(time.perf_counter() - t0)
         return statistics.median(ps), statistics.median(cs)
 
-    print(f"{N} scattered blocks per call, {a.reps} calls back to back, GB/s (ratio to the one-large-copy ceiling)")
+    what = {"mla": "one layer", "vllm": "vLLM's fused layout, 2 layers", "vllm-cross": "vLLM's BLHNC, 2 layers"}
+    print(
+        f"{N} scattered blocks per call ({what[a.layout]}; KiB per layer), {a.reps} calls back to back, "
+        "GB/s (ratio to the one-large-copy ceiling)"
+    )
     print(
         f"{'KiB':>5} {'dir':>4} {'pdkv':>14} {'1 batch call':>14} "
         f"{'torch loop':>14} {'ceiling':>8} {'pdkv 1 call ms':>15}",
@@ -95,23 +106,38 @@ def main() -> int:
     def one_size(kib: int) -> int:
         """Measure one block size into ``rows`` and ``out``; 1 if a copy was wrong."""
         size = kib << 10
-        T = size // (2 * 512)
-        lay = pdkv.KVLayout(num_layers=1, kv_heads=1, head_dim=512, tokens_per_block=T, dtype="bf16", mla=True)
-        assert lay.block_bytes == size
+        if a.layout == "mla":
+            L, T = 1, size // (2 * 512)
+            lay = pdkv.KVLayout(num_layers=1, kv_heads=1, head_dim=512, tokens_per_block=T, dtype="bf16", mla=True)
+        else:  # a layer's fused block of 8 heads of 128 (bf16): K and V of size / 4 KiB tokens
+            L, T = 2, size // (8 * 2 * 128 * 2)
+            lay = pdkv.KVLayout(
+                num_layers=L,
+                kv_heads=8,
+                head_dim=128,
+                tokens_per_block=T,
+                dtype="bf16",
+                kv_fused="row",
+                token_major=True,
+            )
+        assert lay.block_bytes == L * size
         nb = 2 * N
-        total = N * size
-        buf = pdkv.SharedBuffer.create(nb * size, require_pinned=True)
-        gpu = torch.empty(nb * size, dtype=torch.uint8, device="cuda")
+        total = N * size * L
+        buf = pdkv.SharedBuffer.create(nb * size * L, require_pinned=True)
+        gpu = torch.empty(nb * size * L, dtype=torch.uint8, device="cuda")
         bspec = pdkv.CacheSpec.for_buffer(lay, nb, buf.address)
-        gspec = pdkv.CacheSpec.for_buffer(lay, nb, gpu.data_ptr())
+        if a.layout == "vllm-cross":  # BLHNC: block b's layer l at (b x L + l) x size
+            gspec = pdkv.CacheSpec.vllm(lay, nb, [(gpu.data_ptr() + li * size, L * size) for li in range(L)])
+        else:
+            gspec = pdkv.CacheSpec.for_buffer(lay, nb, gpu.data_ptr())
         host = torch.frombuffer(buf.buf, dtype=torch.uint8)
-        host.copy_(torch.randint(0, 256, (nb * size,), dtype=torch.uint8))
+        host.copy_(torch.randint(0, 256, (nb * size * L,), dtype=torch.uint8))
         src = rng.permutation(nb)[:N].tolist()
         dst = rng.permutation(nb)[:N].tolist()
         res = {}
         # pinned torch tensor: the torch loop's source and the ceiling's
-        pinned = torch.empty((nb, size), dtype=torch.uint8, pin_memory=True)
-        pinned.copy_(host.view(nb, size))
+        pinned = torch.empty((nb, size * L), dtype=torch.uint8, pin_memory=True)
+        pinned.copy_(host.view(nb, size * L))
         flat = pinned.view(-1)[:total]
 
         def ceiling(direction):
@@ -149,9 +175,11 @@ def main() -> int:
                 s_, d_ = (src, dst) if direction == "h2d" else (dst, src)
                 submit(s_, d_, direction).wait(60)
                 torch.cuda.synchronize()
-                hv, gv = host.view(nb, size), gpu.view(nb, size)
+                # [layer, block, bytes] on both sides, whatever the GPU cache's order
+                hv = host.view(L, nb, size)
+                gv = gpu.view(nb, L, size).transpose(0, 1) if a.layout == "vllm-cross" else gpu.view(L, nb, size)
                 ok = torch.equal(
-                    gv.index_select(0, torch.tensor(dst, device="cuda")).cpu(), hv.index_select(0, torch.tensor(src))
+                    gv.index_select(1, torch.tensor(dst, device="cuda")).cpu(), hv.index_select(1, torch.tensor(src))
                 )
                 if not ok:
                     print(f"VERIFY FAILED: {strat} {direction} {kib} KiB", file=sys.stderr)
@@ -177,8 +205,9 @@ def main() -> int:
                 res[(strat, direction, "latency_ms")] = lat * 1e3
         eng.close()
         _cuda.stream_destroy(bare_stream)
-        # torch per-block copy_ loop from a pinned tensor (what users write today)
-        gv = gpu.view(nb, size)
+        # torch per-block copy_ loop from a pinned tensor (what users write today), each block
+        # whole (all its layers: the same bytes)
+        gv = gpu.view(nb, size * L)
 
         def torch_loop_h2d():
             for s_, d_ in zip(src, dst):
@@ -236,6 +265,7 @@ def main() -> int:
                 "speedup_vs_torch_128k": round(one, 2) if s128 else None,
                 "speedup_vs_torch_128k_back_to_back": round(burst, 2) if s128 else None,
                 "blocks": N,
+                "layout": a.layout,
                 "reps": a.reps,
             }
         )

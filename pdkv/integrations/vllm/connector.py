@@ -18,10 +18,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...errors import LayoutError
-from ...layout import CacheSpec, KVLayout
+from ...layout import KVLayout
 from .consumer import DecodeSide, LoadWorker
 from .producer import PrefillSide, SendWorker
 from .settings import StepMeta, check_version, layout_for, order_of, parse_settings
+from .views import cache_spec
 
 __all__ = ["PdkvConnector", "PdkvMeta"]
 
@@ -225,30 +226,3 @@ class PdkvConnector(KVConnectorBase_V1):
             if part is not None:
                 part.close()
         self._sender = self._loader = self._decode = None
-
-
-def cache_spec(layout: KVLayout, tensors: list[torch.Tensor]) -> CacheSpec:
-    """vLLM's per-layer views ``[blocks, heads, tokens, 2 * head_dim]`` as a
-    :class:`~pdkv.CacheSpec` of ``layout`` (fused, in vLLM's order), after checking each
-    view's shape, dtype and strides: a block's heads, tokens and K/V must be where the layout
-    says, whatever the order of blocks and layers around them."""
-    H, N, D = layout.heads_per_rank, layout.tokens_per_block, layout.head_dim
-    want = (H, N, 2 * D)
-    strides = (2 * D, H * 2 * D, 1) if layout.token_major else (N * 2 * D, 2 * D, 1)
-    rows = []
-    for i, t in enumerate(tensors):
-        if t.dim() != 4 or tuple(t.shape[1:]) != want:
-            raise LayoutError(
-                f"vLLM's KV cache of layer {i} is {tuple(t.shape)}; pdkv expects [blocks, {H}, {N}, {2 * D}]"
-            )
-        if t.element_size() * 8 != layout.elem_bytes_per_head_token * 8 // D:
-            raise LayoutError(f"vLLM's KV cache of layer {i} is {t.dtype}; the layout says {layout.dtype}")
-        if tuple(t.stride()[1:]) != strides:
-            raise LayoutError(
-                f"vLLM's KV cache of layer {i} has strides {tuple(t.stride())}; pdkv's "
-                f"{'token' if layout.token_major else 'head'}-major order expects (.., {', '.join(map(str, strides))})"
-            )
-        rows.append((t.data_ptr(), t.stride(0) * t.element_size()))
-    nb = int(tensors[0].shape[0])
-    device = tensors[0].device.index if tensors[0].is_cuda else None
-    return CacheSpec.vllm(layout, nb, rows, device=device)
