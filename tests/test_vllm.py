@@ -177,6 +177,14 @@ def _settled(decode: Engine, *prefills: Engine, timeout: float = 10.0) -> dict:
         time.sleep(0.2)
 
 
+def _idle(engines) -> None:
+    """Wait until no earlier test's request holds anything (tests share the engines, in any
+    order: another test's unclaimed KV waits for decode's sweep, load_timeout_s)."""
+    st = _settled(engines["decode"], engines["shm"], engines["tcp"], timeout=60)
+    assert st["decode"]["pdkv_live"] == 0 and st["decode"]["buffer_free"] == st["decode"]["buffer_total"], st
+    assert st["decode"]["vllm_free"] == st["decode"]["vllm_total"], st
+
+
 @pytest.fixture(scope="module")
 def colocated(engines):
     r = engines["colocated"].generate(PROMPTS, 8)
@@ -195,6 +203,7 @@ def test_vllm_disaggregated_tokens_and_kv_equal_colocated(engines, colocated, tr
     assert any(len(set(t)) > 1 for t in colocated), f"the model's greedy tokens are constant: {colocated}"
     assert len({tuple(t) for t in colocated}) > 1, "every prompt gives the same tokens"
     prefill, decode = engines[transport], engines["decode"]
+    _idle(engines)
     pids = [f"{transport}-{i}" for i in range(len(PROMPTS))]
     # one prompt at a time, each one's blocks read before another prompt reuses them
     pre = {"tokens": [], "kv_params": []}
@@ -232,6 +241,7 @@ def test_vllm_prefill_frees_blocks_while_decode_waits_for_its_own(engines, coloc
     as decode's buffer holds the KV, before decode has any block for them; decode then takes
     them as its blocks free up, and every answer is the colocated one."""
     prefill, decode = engines["shm"], engines["decode"]
+    _idle(engines)
     prompts = PROMPTS * 2  # 26 blocks of prompt, more than decode's 24
     pids = [f"scarce-{i}" for i in range(len(prompts))]
     pre = prefill.generate(prompts, 1, _remote(pids))
@@ -249,6 +259,7 @@ def test_vllm_damaged_buffer_block_changes_the_result(engines, colocated):
     """The control: the same run with prefill's KV overwritten in decode's buffer before
     vLLM loads it gives other K/V (and tokens): the equality above is the transfer's."""
     prefill, decode = engines["tcp"], engines["decode"]
+    _idle(engines)
     pre = prefill.generate([PROMPTS[0]], 1, _remote(["damaged"]))
     sent = prefill.kv(pre["ids"][0], len(PROMPTS[0]))
     assert decode.ask(op="damage", pid="damaged")["state"] == "received"
@@ -265,6 +276,7 @@ def test_vllm_failed_load_fails_the_request_and_frees_everything(engines):
     a load failure: with kv_load_failure_policy='fail' vLLM fails it, and no block stays
     held on either side."""
     prefill, decode = engines["shm"], engines["decode"]
+    _idle(engines)
     pre = prefill.generate([PROMPTS[1]], 1, _remote(["dropped"]))
     assert decode.ask(op="abort_pdkv", pid="dropped")["state"] == "received"
     dec = decode.generate([PROMPTS[1]], 8, pre["kv_params"])
@@ -278,6 +290,7 @@ def test_vllm_cancel_on_decode_before_the_kv_came(engines, colocated):
     None: ask later); the KV arrives afterwards and nobody asks for it: pdkv drops it from
     the buffer after load_timeout_s. A later request with the same prompt is unaffected."""
     prefill, decode = engines["tcp"], engines["decode"]
+    _idle(engines)
     dec = decode.generate([PROMPTS[2]], 8, [{"do_remote_prefill": True, "pdkv_request_id": "late"}], abort_after=5)
     assert dec["tokens"] == [None] or dec["finish"] == ["abort"], dec
     assert decode.ask(op="state")["pdkv_live"] == 0
@@ -294,6 +307,7 @@ def test_vllm_cancel_on_prefill_mid_prompt(engines):
     """Prefill's client goes away after the first chunk of a long prompt (64 tokens a
     step): the request ends at decode as failed, and both sides' blocks go back."""
     prefill, decode = engines["shm"], engines["decode"]
+    _idle(engines)
     long = list(range(7, 7 + 250))
     pre = prefill.generate([long], 1, _remote(["cut"]), abort_after=1)
     assert pre["finish"] in (["abort"], [None]), pre

@@ -36,11 +36,19 @@ def _vllm_cache(torch, order):
     return [r.permute(0, 2, 1, 3) for r in raws], raws
 
 
-@pytest.mark.parametrize("P", [1, 2])
-@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BLHNC"])
-def test_vllm_swap_into_cuda_caches_every_byte(cuda_device, order, P, no_leaks):
+@pytest.fixture(scope="module")
+def torch_cuda(cuda_device):
+    """torch's CUDA state made before any test's descriptor count (its first use opens files)."""
     import torch
 
+    torch.zeros(1, device="cuda")
+    return torch
+
+
+@pytest.mark.parametrize("P", [1, 2])
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BLHNC"])
+def test_vllm_swap_into_cuda_caches_every_byte(torch_cuda, order, P, no_leaks):
+    torch = torch_cuda
     token_major = order == "LBNHC"
     fused = dict(kv_fused="row", token_major=token_major)
     lay = KVLayout(num_layers=L, kv_heads=H, head_dim=D, tokens_per_block=N, dtype="bf16", **fused)
@@ -108,9 +116,8 @@ def test_vllm_swap_into_cuda_caches_every_byte(cuda_device, order, P, no_leaks):
         decode.close()
 
 
-def test_vllm_views_with_other_strides_are_refused(cuda_device):
-    import torch
-
+def test_vllm_views_with_other_strides_are_refused(torch_cuda):
+    torch = torch_cuda
     from pdkv import LayoutError
 
     lay = KVLayout(num_layers=1, kv_heads=H, head_dim=D, tokens_per_block=N, dtype="bf16", kv_fused="row")
