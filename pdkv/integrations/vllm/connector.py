@@ -94,6 +94,19 @@ class PdkvConnector(KVConnectorBase_V1):
                     recompute=getattr(kt, "kv_load_failure_policy", "fail") == "recompute",
                 )
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: how the workers reach the cache (0.32 and 0.33 do not ask). Decode
+        copies into it in process; a prefill whose transport may register it with UCX or
+        RDMA (nixl, rdma, or auto) needs one physical allocation per segment."""
+        from vllm.config import kv_transfer
+
+        access = vars(kv_transfer)["KVCacheAccess"]  # 0.34's (this method is not called before)
+        extra = kv_transfer_config.kv_connector_extra_config or {}
+        if kv_transfer_config.kv_role == "kv_producer" and extra.get("transport", "auto") in ("auto", "nixl", "rdma"):
+            return access.REGISTERS
+        return access.IN_PROCESS
+
     def _layout(self, rank: int) -> KVLayout:
         c = self._config
         mc, cc, pc = c.model_config, c.cache_config, c.parallel_config

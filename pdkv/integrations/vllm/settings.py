@@ -33,8 +33,10 @@ __all__ = [
 ]
 
 # vLLM releases whose connector API and cache views this module follows: 0.32 runs in the
-# tests (the CPU build); 0.33 and 0.34 were read from their wheels (the same base class,
-# hooks and KVCacheLayout names)
+# tests (the CPU build); 0.33 and 0.34 were read from their wheels: the same hooks (0.33
+# adds sleep-mode hooks, 0.34 kv_cache_access, may_load_async and lookahead hashes, all with
+# defaults that fit but kv_cache_access, which the connector answers), the same metadata
+# binding before the forward, the same KVCacheLayout names and FlashAttention view
 TESTED = ((0, 32), (0, 34))
 
 # the keys a request's kv_transfer_params carry (besides vLLM's own do_remote_* flags)
