@@ -193,3 +193,19 @@ def has_tag(name: str, tag: str) -> bool:
     """Whether buffer ``name`` (``pdkv-<pid>-<tag><random>``) was made under ``tag``."""
     parts = name.split("-", 2)
     return len(parts) == 3 and parts[0] == NAME_PREFIX and parts[1].isdigit() and parts[2].startswith(tag)
+
+
+def stale_note() -> str | None:
+    """A line naming the buffers that dead processes left in /dev/shm (a killed run's, of
+    this deployment's ``$PDKV_SHM_TAG`` where set), and how to remove them; None when
+    there are none. What a decode says as it starts."""
+    tag = os.environ.get("PDKV_SHM_TAG")
+    stale = [seg for seg in scan_segments() if seg.stale and (not tag or has_tag(seg.name, tag))]
+    if not stale:
+        return None
+    gib = sum(seg.size for seg in stale) / (1 << 30)
+    return (
+        f"{len(stale)} pdkv buffer(s) left by dead processes hold {gib:.2f} GiB of /dev/shm "
+        f"({', '.join(seg.name for seg in stale[:3])}{', ...' if len(stale) > 3 else ''}): "
+        f"`pdkv-shm clean --yes{' --tag ' + tag if tag else ''}` removes them"
+    )

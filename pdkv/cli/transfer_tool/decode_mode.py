@@ -205,18 +205,9 @@ class DecodeSide:
     def stale_segments_note(self) -> str | None:
         """A line naming the buffers that dead processes left in /dev/shm (a killed run's),
         and how to remove them; None when there are none."""
-        from ...buffer.sweeper import has_tag, scan_segments
+        from ...buffer.sweeper import stale_note
 
-        tag = os.environ.get("PDKV_SHM_TAG")  # a deployment's (or a test run's) own buffers only
-        stale = [seg for seg in scan_segments() if seg.stale and (not tag or has_tag(seg.name, tag))]
-        if not stale:
-            return None
-        gib = sum(seg.size for seg in stale) / (1 << 30)
-        return (
-            f"{len(stale)} pdkv buffer(s) left by dead processes hold {gib:.2f} GiB of /dev/shm "
-            f"({', '.join(seg.name for seg in stale[:3])}{', ...' if len(stale) > 3 else ''}): "
-            f"`pdkv-shm clean --yes{' --tag ' + tag if tag else ''}` removes them"
-        )
+        return stale_note()
 
     def _check_host_memory(self, nb: int, gpu_blocks: int, need: int, buffer_total: int) -> None:
         """Local mode holds the whole run in this host's memory: the buffers, the host

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...buffer.shared import SharedBuffer
+from ...buffer.sweeper import stale_note
 from ...errors import PdkvError, RequestError
 from ...layout import CacheSpec, KVLayout
 from ...scheduling.blocks import BlockPool
@@ -102,6 +103,9 @@ class DecodeSide:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         lay = layouts[0]
+        note = stale_note()  # a killed engine's buffers (its process is gone): said at start
+        if note:
+            _log.warning("pdkv decode: %s", note)
         n = settings.buffer_blocks or settings.buffer_bytes // lay.block_bytes
         if n <= 0:
             raise ValueError(
