@@ -10,11 +10,7 @@ prefill (64 tokens a step), so long prompts go out chunk by chunk.
 
 from __future__ import annotations
 
-import base64
-import json
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from extras import need
+from vllm_engine import Engine, tiny_llama
 
 need("vllm", "vllm")
 torch = need("torch", "vllm")
@@ -29,7 +26,6 @@ transformers = need("transformers", "vllm")
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
-HERE = Path(__file__).resolve().parent
 BLOCK = 32
 DECODE_BLOCKS = 24  # vLLM blocks of the decode engine: fewer than the prompts below need together
 PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((70, 96, 131, 33))]  # 3, 3, 5, 2 blocks
@@ -43,85 +39,9 @@ def _port() -> int:
     return p
 
 
-class Engine:
-    """A vLLM engine process answering JSON lines (see tests/vllm_engine.py)."""
-
-    def __init__(self, model: Path, role: str, log: Path, extra: dict | None = None, **kw: object) -> None:
-        args = [sys.executable, str(HERE / "vllm_engine.py"), "--model", str(model), "--role", role]
-        args += ["--extra", json.dumps(extra or {})]
-        for k, v in kw.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
-        self.log = log
-        self._err = log.open("w")
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
-        try:
-            self.ready = self._read()
-        except BaseException:
-            self.close()
-            raise
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            tail = self.log.read_text()[-4000:]
-            raise AssertionError(f"the vLLM engine exited (rc {self.proc.poll()}):\n{tail}")
-        return json.loads(line)
-
-    def ask(self, **cmd: object) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def generate(self, prompts, max_tokens, params=None, **kw) -> dict:
-        return self.ask(op="generate", prompts=prompts, max_tokens=max_tokens, params=params, **kw)
-
-    def kv(self, req: str, tokens: int) -> np.ndarray:
-        """The prompt's blocks in vLLM's cache, ``[layers, blocks, heads, tokens, 2 x dim]``."""
-        return self._array(self.ask(op="kv", req=req, tokens=tokens))
-
-    def buffer(self, pid: str) -> np.ndarray:
-        """Decode: a received request's blocks in pdkv's buffer, in the same shape."""
-        return self._array(self.ask(op="buffer", pid=pid))
-
-    @staticmethod
-    def _array(r: dict) -> np.ndarray:
-        assert "error" not in r, r
-        return np.frombuffer(base64.b64decode(r["data"]), dtype=r["dtype"]).reshape(r["shape"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout, self._err):
-            f.close()
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    """A 2-layer Llama, 4 query and 2 KV heads of 64, random weights from a fixed seed."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(1234)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    return d
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

