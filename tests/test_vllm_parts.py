@@ -395,3 +395,31 @@ def test_vllm_head_layout_refuses_other_orders_at_decode():
         from pdkv import tp_segments
 
         tp_segments(_layout(), KVLayout(num_layers=2, kv_heads=2, head_dim=16, tokens_per_block=8, dtype="fp32"))
+
+
+def test_vllm_deferred_request_waits_for_the_end_of_its_step(no_leaks):
+    """A request not granted by its first layer's save is sent whole from the background
+    thread, but only once vLLM's step ended: here the grant comes while the forward is still
+    between layer 0 and layer 1, and layer 1's values are written after it; decode must get
+    the values the step ended with."""
+    p = _Pair()
+    try:
+        save = Save("a", "late-layer", p.decode.control_address, 16, (1, 2), 0, 16)
+        p.sender.start(StepMeta(saves=[save]))  # no session yet: reserved from the background thread
+        p.sender.save_layer(0)
+        assert p.wait_state("late-layer", {State.RESERVED})  # granted while the forward runs
+        time.sleep(0.2)
+        span, nb = p.lay.layer_block_bytes, 16
+        for b in (1, 2):  # the forward writes layer 1 now
+            p.src[nb * span + b * span : nb * span + (b + 1) * span] = 0x5A
+        p.sender.save_layer(1)
+        p.sender.end_step()
+        assert p.sent("a")
+        assert p.decode.matched("v", {"do_remote_prefill": True, PARAM_ID: "late-layer"}, 16, 0) == (16, True)
+        p.decode.allocated("v", [4, 5], 16)
+        p.load("v", None)
+        for src_b, dst_b in ((1, 4), (2, 5)):
+            assert _block(p.cache, p.lay, dst_b) == _block(p.src, p.lay, src_b)
+        assert p.sender.stats["deferred"] == 1
+    finally:
+        p.close()

@@ -117,6 +117,7 @@ class _Out:
     grant: SendGrant | None = None
     error: str = ""  # it will not be received (reservation or sending failed)
     deferred: bool = False  # layers are sent whole from the background thread
+    computed: bool = False  # the step that completes the prompt ended (every layer is in vLLM's blocks)
     handed: bool = False  # every block of every layer was handed to the sender, and finish()
     vllm_done: bool = False  # vLLM finished the request (its blocks wait for us)
     outcome: RequestOutcome | None = None
@@ -233,6 +234,7 @@ class SendWorker:
         for r in self._step:
             if not r.save.complete or r.handed or r.error:
                 continue
+            r.computed = True
             if r.deferred:
                 self._jobs.put(r)
                 continue
@@ -320,9 +322,11 @@ class SendWorker:
                 return True
         if r.error or r.handed:
             return True
-        cut = r.vllm_done and not s.complete
-        if not (r.deferred and s.complete) and not cut:
-            return False if r.deferred else True  # a deferred request waits for its last chunk
+        cut = r.vllm_done and not r.computed
+        if not (r.deferred and r.computed) and not cut:
+            # a deferred request waits for the end of the step that computes its last layer
+            # (end_step hands it back then), a direct one is sent from vLLM's thread
+            return True
         if self._granted(r) is None:
             return bool(r.error)
         assert r.tx is not None
