@@ -234,3 +234,21 @@ def test_vllm_cancel_on_prefill_mid_prompt(engines):
     st = _settled(decode, prefill)
     assert st["decode"]["pdkv_live"] == 0 and st["decode"]["buffer_free"] == st["decode"]["buffer_total"], st
     assert all(p["vllm_free"] == p["vllm_total"] for p in st["prefill"]), st
+
+
+def test_vllm_scheduler_asks_again_until_the_kv_is_in_the_buffer(engines, colocated):
+    """vLLM's scheduler meets a request whose KV prefill has not sent yet: the connector
+    answers None (ask later) and the request waits, holding no block and not yet waiting
+    for a load; once prefill sent it, the next steps load it and decode answers as the
+    colocated engine does."""
+    prefill, decode = engines["tcp"], engines["decode"]
+    _idle(engines)
+    early = decode.generate([PROMPTS[0]], 8, [{"do_remote_prefill": True, "pdkv_request_id": "early"}], timeout=2)
+    assert early["tokens"] == [None] and early["unfinished"], early
+    st = decode.ask(op="state")
+    assert (st["waiting"], st["waiting_for_kv"], st["pdkv_live"]) == (1, 0, 0), st
+    assert st["vllm_free"] == st["vllm_total"], st
+    prefill.generate([PROMPTS[0]], 1, _remote(["early"]))
+    done = decode.ask(op="wait", ids=early["ids"], timeout=60)
+    assert done["tokens"] == [colocated[0]], done
+    _settled(decode, prefill)

@@ -9,7 +9,8 @@ Prints ``{"ready": ...}`` once the engine is up, then answers each command with 
 engine stepped by hand, with ``abort_after`` steps for cancel tests), ``kv`` (the bytes of
 the blocks a request's prompt took, as they are in vLLM's cache), ``buffer`` (decode: a
 received request's blocks in pdkv's CPU buffer), ``state`` (free blocks: vLLM's pool, and
-pdkv's buffer on decode), ``damage`` and ``abort_pdkv`` (decode: break a received request's
+pdkv's buffer on decode), ``wait`` (step on until requests of an earlier ``generate`` finish), ``damage`` and
+``abort_pdkv`` (decode: break a received request's
 buffer blocks, or end it at pdkv, before vLLM loads it), ``quit``.
 
 The model is a tiny Llama the test saved with random weights (:func:`tiny_llama`, no
@@ -104,7 +105,12 @@ def main() -> int:
 
     def free_blocks() -> dict:
         pool = sched.kv_cache_manager.block_pool
-        st = {"vllm_free": pool.get_num_free_blocks(), "vllm_total": pool.num_gpu_blocks - 1}
+        st = {
+            "vllm_free": pool.get_num_free_blocks(),
+            "vllm_total": pool.num_gpu_blocks - 1,
+            "waiting": len(sched.waiting),
+            "waiting_for_kv": sum(r.status.name == "WAITING_FOR_REMOTE_KVS" for r in sched.requests.values()),
+        }
         if side is not None:
             st.update(
                 buffer_free=side.sched.buffer.num_free,
@@ -116,13 +122,46 @@ def main() -> int:
     answer({"ready": True, "control": side.control_address if side is not None else "", **free_blocks()})
     eng = llm.llm_engine
     seq = 0
+    finished: dict = {}  # every finished request's output, by the id given here (``wait`` reads it)
+    first, held = {}, {}  # seconds from its generate's start: a request's first token; its blocks freed
+
+    def step_until(ids, t0, deadline, abort_after=None):
+        """Step the engine until ``ids`` finished and the scheduler holds nothing more (prefill
+        keeps blocks while it sends), or the deadline."""
+        steps = 0
+        while (eng.has_unfinished_requests() or sched.has_requests()) and time.monotonic() < deadline:
+            for o in eng.step():
+                if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+                    first[o.request_id] = time.monotonic() - t0
+                if o.finished:
+                    finished[o.request_id] = o
+            live = {k.rsplit("-", 1)[0] for k in sched.requests}
+            for r in ids:
+                if r not in held and r not in live:
+                    held[r] = time.monotonic() - t0
+            steps += 1
+            if steps == abort_after:
+                eng.abort_request(ids)
+
+    def results(ids, t0):
+        return {
+            "tokens": [list(finished[r].outputs[0].token_ids) if r in finished else None for r in ids],
+            "finish": [str(finished[r].outputs[0].finish_reason) if r in finished else None for r in ids],
+            "kv_params": [finished[r].kv_transfer_params if r in finished else None for r in ids],
+            "ids": ids,
+            "first_s": [first.get(r) for r in ids],
+            "freed_s": [held.get(r) for r in ids],
+            "seconds": time.monotonic() - t0,
+            "unfinished": eng.has_unfinished_requests(),
+        }
+
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "quit":
             break
         if op == "generate":
-            ids, results = [], {}
+            ids = []
             for i, p in enumerate(cmd["prompts"]):
                 extra = {}
                 params = (cmd.get("params") or [None] * len(cmd["prompts"]))[i]
@@ -133,36 +172,13 @@ def main() -> int:
                 rid = f"r{seq}"
                 eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
                 ids.append(rid)
-            steps, t0 = 0, time.monotonic()
-            deadline = t0 + cmd.get("timeout", 120)
-            first, held = {}, {}  # seconds from the start: a request's first token; its blocks freed
-            # the scheduler has requests while any waits for its KV to be sent (prefill frees
-            # its blocks then): step until that is done too, as vLLM's engine loop does
-            while (eng.has_unfinished_requests() or sched.has_requests()) and time.monotonic() < deadline:
-                for o in eng.step():
-                    if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
-                        first[o.request_id] = time.monotonic() - t0
-                    if o.finished:
-                        results[o.request_id] = o
-                live = {k.rsplit("-", 1)[0] for k in sched.requests}
-                for r in ids:
-                    if r not in held and r not in live:
-                        held[r] = time.monotonic() - t0
-                steps += 1
-                if steps == cmd.get("abort_after"):
-                    eng.abort_request(ids)
-            answer(
-                {
-                    "tokens": [list(results[r].outputs[0].token_ids) if r in results else None for r in ids],
-                    "finish": [str(results[r].outputs[0].finish_reason) if r in results else None for r in ids],
-                    "kv_params": [results[r].kv_transfer_params if r in results else None for r in ids],
-                    "ids": ids,
-                    "first_s": [first.get(r) for r in ids],
-                    "freed_s": [held.get(r) for r in ids],
-                    "seconds": time.monotonic() - t0,
-                    "unfinished": eng.has_unfinished_requests(),
-                }
-            )
+            t0 = time.monotonic()
+            step_until(ids, t0, t0 + cmd.get("timeout", 120), cmd.get("abort_after"))
+            answer(results(ids, t0))
+        elif op == "wait":  # step on until earlier requests finish
+            t0 = time.monotonic()
+            step_until(cmd["ids"], t0, t0 + cmd.get("timeout", 120))
+            answer(results(cmd["ids"], t0))
         elif op == "kv":
             c = worker_connector()
             part = c._sender if a.role == "producer" else c._loader
