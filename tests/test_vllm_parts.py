@@ -423,3 +423,23 @@ def test_vllm_deferred_request_waits_for_the_end_of_its_step(no_leaks):
         assert p.sender.stats["deferred"] == 1
     finally:
         p.close()
+
+
+def test_vllm_prefill_reopens_a_session_that_broke(no_leaks):
+    """The session with decode broke (decode restarted, say): the next request finds the
+    pooled sender broken, which leaves the pool, and goes through a new session."""
+    p = _Pair()
+    try:
+        p.prefill("a", "s1", (1,), 8)
+        assert p.sent("a")
+        (tx,) = p.sender._senders.values()
+        tx.close()  # the session ends at both ends (as when decode ends it)
+        p.prefill("b", "s2", (2,), 8)
+        assert p.sent("b")
+        p.prefill("c", "s3", (3,), 8)
+        assert p.sent("c")
+        assert p.sender.stats["received"] == 3 and p.sender.stats["failed"] == 0
+        assert tx not in p.sender._senders.values()
+        assert p.decode.sched.request("s3").state is State.RECEIVED
+    finally:
+        p.close()

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import PdkvError, RequestError
+from ...errors import ClosedError, PdkvError, PeerError, RequestError
 from ...layout import CacheSpec, KVLayout
 from ...transfer import PrefillSender, RequestOutcome, SendGrant
 from .settings import PARAM_DECODE, PARAM_ID, PARAM_TOKENS, Save, Settings, StepMeta
@@ -140,6 +140,7 @@ class SendWorker:
         self.settings, self.layout, self.cache = settings, layout, cache
         self._make = sender or self._open
         self._senders: dict[str, PrefillSender] = {}
+        self._retired: list[PrefillSender] = []
         self._lock = threading.Lock()
         self._reqs: dict[str, _Out] = {}
         self._step: list[_Out] = []
@@ -167,7 +168,7 @@ class SendWorker:
         """``bind_connector_metadata`` (before the forward): this step's saves; a new
         request is reserved at once where its decode's session is open (a message posted),
         else from the background thread, which opens the session first."""
-        step = []
+        step, new = [], []
         with self._lock:
             for s in meta.saves:
                 r = self._reqs.get(s.req_id)
@@ -176,25 +177,34 @@ class SendWorker:
                     self.recent.popitem(last=False)
                 if r is None:
                     r = self._reqs[s.req_id] = _Out(s)
-                    tx = self._senders.get(s.decode)
-                    if tx is not None and self._reserve(r, tx) is None:
-                        pass  # posted; save_layer polls the grant
-                    else:
-                        self._jobs.put(r)
+                    new.append((r, self._senders.get(s.decode)))
                 r.save = s
                 step.append(r)
+        for r, tx in new:
+            if tx is None or not self._reserve(r, tx):
+                self._jobs.put(r)  # no session (or a broken one): the background thread opens one
         self._step = step
 
-    def _reserve(self, r: _Out, tx: PrefillSender) -> str | None:
-        """Post the request's reservation (never waits); the error, if it could not be."""
+    def _reserve(self, r: _Out, tx: PrefillSender) -> bool:
+        """Post the request's reservation (never waits); True once posted. A session that
+        broke (decode restarted, went silent) leaves the pool and False is returned with no
+        error: the background thread opens a new one for the request. Any other refusal is
+        the request's error."""
         try:
             tx.reserve_nowait([(r.save.pid, r.save.prompt_len)], timeout=self.settings.reserve_timeout_s)
+        except (PeerError, ClosedError) as exc:
+            _log.info("pdkv prefill: the session with %s ended (%s): opening another", r.save.decode, exc)
+            with self._lock:
+                if self._senders.get(r.save.decode) is tx:
+                    del self._senders[r.save.decode]
+                    self._retired.append(tx)  # closed by the background thread (close may wait)
+            return False
         except PdkvError as exc:
             r.error = f"reservation refused: {exc}"
             _log.warning("pdkv prefill: request %s: %s", r.save.req_id, r.error)
-            return r.error
+            return False
         r.tx = tx
-        return None
+        return True
 
     def _granted(self, r: _Out) -> SendGrant | None:
         """The request's grant once it came (polled, never waited for); sets ``error``."""
@@ -303,6 +313,10 @@ class SendWorker:
             except queue.Empty:
                 pass
             waiting = [r for r in waiting if not self._advance(r)]
+            with self._lock:
+                retired, self._retired = self._retired, []
+            for tx in retired:
+                tx.close()
 
     def _advance(self, r: _Out) -> bool:
         """One step of a request's background work; True once nothing is left to do."""
@@ -318,8 +332,10 @@ class SendWorker:
                 r.error = f"no session with decode {s.decode}: {exc}"
                 _log.warning("pdkv prefill: request %s: %s", s.req_id, r.error)
                 return True
-            if self._reserve(r, tx) is not None:
-                return True
+            if not self._reserve(r, tx):
+                if r.error:
+                    return True
+                return False  # the pooled session had broken: a new one next round
         if r.error or r.handed:
             return True
         cut = r.vllm_done and not r.computed
@@ -348,6 +364,7 @@ class SendWorker:
         self._stop.set()
         self._jobs.put(None)
         self._thread.join(timeout=10)
-        for tx in self._senders.values():
+        for tx in [*self._senders.values(), *self._retired]:
             tx.close()
         self._senders.clear()
+        self._retired.clear()
