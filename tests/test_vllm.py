@@ -10,7 +10,6 @@ prefill (64 tokens a step), so long prompts go out chunk by chunk.
 
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from extras import need
-from vllm_engine import Engine, tiny_llama
+from vllm_engine import Engine, free_port, tiny_llama
 
 need("vllm", "vllm")
 torch = need("torch", "vllm")
@@ -31,14 +30,6 @@ DECODE_BLOCKS = 24  # vLLM blocks of the decode engine: fewer than the prompts b
 PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((70, 96, 131, 33))]  # 3, 3, 5, 2 blocks
 
 
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
@@ -49,7 +40,7 @@ def engines(model, tmp_path_factory):
     """Decode (kv_consumer), prefill over shm and over tcp (kv_producer), and a colocated
     engine: started together (each takes ~20 s to start on two cores)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
-    control = f"tcp://127.0.0.1:{_port()}"
+    control = f"tcp://127.0.0.1:{free_port()}"
     kv_bytes = DECODE_BLOCKS * 2 * 2 * 2 * BLOCK * 64 * 4  # blocks x layers x (K, V) x heads x tokens x dim x 4
     specs = {
         "decode": ("consumer", {"control": control, "buffer_blocks": 64, "load_timeout_s": 20}, {"kv_bytes": kv_bytes}),

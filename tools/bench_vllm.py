@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -34,15 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from vllm_engine import Engine, tiny_llama  # noqa: E402
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+from vllm_engine import Engine, free_port, tiny_llama  # noqa: E402
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -65,7 +56,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     storage = Path(tempfile.mkdtemp(prefix="bench-vllm-storage-", dir="/dev/shm"))
     model = tiny_llama(work / "model")
-    control = f"tcp://127.0.0.1:{_port()}"
+    control = f"tcp://127.0.0.1:{free_port()}"
     # every prompt of a batch in one step: vLLM's ExampleConnector saves only the step's
     # tokens of a chunked prompt, and then fails to load it
     kv = {"kv_bytes": 256 << 20, "max_batched": 4096}
