@@ -69,7 +69,7 @@ def prompt(device: str = "cpu", variant: int = 0) -> Any:
     return ids.to(device)
 
 
-def layout(tp: int, rank: int, token_major: bool) -> pdkv.KVLayout:
+def layout(tp: int, rank: int, token_major: bool, kv_fused: str = "") -> pdkv.KVLayout:
     """The tiny model's cache layout for TP rank ``rank`` of ``tp``."""
     return pdkv.KVLayout(
         num_layers=2,
@@ -80,6 +80,7 @@ def layout(tp: int, rank: int, token_major: bool) -> pdkv.KVLayout:
         tp_size=tp,
         tp_rank=rank,
         token_major=token_major,
+        kv_fused=kv_fused,
     )
 
 
@@ -153,12 +154,21 @@ def run_prefill(a: argparse.Namespace) -> int:
 
 
 class Decode:
-    """Decode: per TP rank a CPU buffer and a paged cache (vLLM's layout, token-major),
-    one scheduler (its ``gpu`` pool hands out the paged cache's blocks) and receiver."""
+    """Decode: per TP rank a CPU buffer and a paged cache (vLLM's layout, token-major:
+    ``vllm_flash_attn``, K and V apart, or ``vllm``, vLLM 0.32+'s fused rows), one scheduler
+    (its ``gpu`` pool hands out the paged cache's blocks) and receiver."""
 
-    def __init__(self, tp: int, transports: tuple[str, ...], device: str = "cpu", lease_s: float = 30) -> None:
-        self.lays = [layout(tp, r, token_major=True) for r in range(tp)]
-        self.caches = [PagedKV(lay, NB, engine="vllm_flash_attn", device=device) for lay in self.lays]
+    def __init__(
+        self,
+        tp: int,
+        transports: tuple[str, ...],
+        device: str = "cpu",
+        lease_s: float = 30,
+        engine: str = "vllm_flash_attn",
+    ) -> None:
+        fused = "row" if engine == "vllm" else ""
+        self.lays = [layout(tp, r, token_major=True, kv_fused=fused) for r in range(tp)]
+        self.caches = [PagedKV(lay, NB, engine=engine, device=device) for lay in self.lays]
         gpu = device != "cpu"
         self.bufs = [
             pdkv.SharedBuffer.create(pdkv.CacheSpec.buffer_bytes(lay, NB), require_pinned=gpu) for lay in self.lays

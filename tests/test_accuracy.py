@@ -49,11 +49,12 @@ def mismatches(tokens, kv, ref_tokens, ref_kv):
     return bad
 
 
-def run(transport, P, D, device, reference, rid, scarce=False, damage=False):
-    """Prefill TP ``P`` in its own process, decode TP ``D`` here; the result's mismatches."""
+def run(transport, P, D, device, reference, rid, scarce=False, damage=False, engine="vllm_flash_attn"):
+    """Prefill TP ``P`` in its own process, decode TP ``D`` here (its cache in ``engine``'s
+    layout); the result's mismatches."""
     model, ref_tokens, ref_kv = reference[device]
     transports = ("cuda_ipc", "shm") if transport == "cuda_ipc" else (transport,)
-    dec = dg.Decode(D, transports, device)
+    dec = dg.Decode(D, transports, device, engine=engine)
     held = dec.sched.gpu.allocate(dg.NB) if scarce else None  # every GPU block taken: the request waits
     try:
         p = dg.spawn_prefill(dec.rx.control_address, transport, P, device, rid)
@@ -87,6 +88,16 @@ def run(transport, P, D, device, reference, rid, scarce=False, damage=False):
 )
 def test_accuracy_real_model_cache_through_the_buffer(transport, P, D, scarce, reference, no_leaks):
     bad, info = run(transport, P, D, "cpu", reference, f"acc-{transport}-{P}{D}", scarce=scarce)
+    assert bad == [], bad
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("transport,P,D", [("shm", 2, 1), ("tcp", 1, 2)])
+def test_accuracy_into_vllm_fused_caches(transport, P, D, reference, no_leaks):
+    """Decode's cache in vLLM 0.32+'s fused layout (each row K then V, token-major), prefill's
+    in FastDeploy's (K and V apart, head-major), heads split differently on the two sides:
+    the model's K/V and tokens come out as the colocated run's."""
+    bad, _ = run(transport, P, D, "cpu", reference, f"acc-vllm-{transport}-{P}{D}", engine="vllm")
     assert bad == [], bad
 
 

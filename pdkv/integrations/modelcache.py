@@ -6,8 +6,9 @@ HuggingFace transformers' caches hold one layer's keys (and values) as
 one of the engine layouts pdkv describes (``fastdeploy``: ``[blocks, heads, tokens,
 dim]`` per layer and tensor; ``vllm_flash_attn``: ``[2, blocks, tokens, heads, dim]`` per
 layer, or head-major; ``flashinfer``: ``[blocks, 2, tokens, heads, dim]`` per layer, or
-head-major), as torch tensors on the CPU or a GPU, with the :class:`~pdkv.CacheSpec`
-that pdkv's senders, receivers and swap engine use. :meth:`PagedKV.write` puts a
+head-major; ``vllm``: vLLM 0.32+'s fused ``[blocks, tokens, heads, 2 * dim]`` per layer, each
+row K then V, or head-major; layout ``kv_fused="row"``), as torch tensors on the CPU or a
+GPU, with the :class:`~pdkv.CacheSpec` that pdkv's senders, receivers and swap engine use. :meth:`PagedKV.write` puts a
 sequence's K/V (all the model's heads, or this rank's) into given blocks and
 :meth:`PagedKV.read` gets them back, with tensor indexing on the cache's own device (no
 host round trip). :func:`read_heads` joins the heads of several TP ranks' caches, and
@@ -20,12 +21,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import LayoutError
-from ..layout import CacheSpec, KVLayout
+from ..layout import KVLayout
 from .interop import cache_from_tensors
+from .vllm.views import cache_spec
 
 __all__ = ["ENGINES", "PagedKV", "read_heads", "hf_cache"]
 
-ENGINES = ("fastdeploy", "vllm_flash_attn", "flashinfer")
+ENGINES = ("fastdeploy", "vllm_flash_attn", "flashinfer", "vllm")
 
 
 def _torch() -> Any:
@@ -65,7 +67,11 @@ class PagedKV:
         inner = (T, H, D) if layout.token_major else (H, T, D)
         L, dev = layout.total_layers, torch.device(device)
         tensors: list[Any]
-        if engine == "fastdeploy":
+        if (engine == "vllm") != (layout.kv_fused == "row"):
+            raise LayoutError(f"engine={engine!r} with kv_fused={layout.kv_fused!r}: the vllm engine is kv_fused='row'")
+        if engine == "vllm":
+            tensors = [torch.zeros(num_blocks, *inner[:2], 2 * D, dtype=dt, device=dev) for _ in range(L)]
+        elif engine == "fastdeploy":
             if layout.token_major:
                 raise LayoutError("FastDeploy caches are head-major: use token_major=False")
             tensors = [[torch.zeros(num_blocks, H, T, D, dtype=dt, device=dev) for _ in range(2)] for _ in range(L)]
@@ -85,12 +91,16 @@ class PagedKV:
 
     def _init(self, layout: KVLayout, tensors: list[Any], engine: str) -> None:
         self.layout, self.engine, self.tensors = layout, engine, tensors
-        self.spec: CacheSpec = cache_from_tensors(layout, tensors, engine=engine)  # type: ignore[arg-type]
+        if engine == "vllm":  # vLLM's per-layer view [blocks, heads, tokens, 2 * dim]
+            views = [t.permute(0, 2, 1, 3) if layout.token_major else t for t in tensors]
+            self.spec = cache_spec(layout, views)
+        else:
+            self.spec = cache_from_tensors(layout, tensors, engine=engine)  # type: ignore[arg-type]
         self.num_blocks = self.spec.num_blocks
 
     @property
     def device(self) -> Any:
-        t = self.tensors[0][0] if self.engine == "fastdeploy" else self.tensors[0]
+        t = self.tensors[0][0] if self.engine == "fastdeploy" else self.tensors[0]  # a tensor's
         return t.device
 
     def blocks_view(self, layer: int, tensor: int) -> Any:
@@ -98,7 +108,10 @@ class PagedKV:
         in-block order (a token-major cache's view is permuted, not copied)."""
         if not 0 <= layer < self.layout.total_layers or tensor not in (0, 1):
             raise LayoutError(f"layer {layer}, tensor {tensor}: out of range")
-        if self.engine == "fastdeploy":
+        D = self.layout.head_dim
+        if self.engine == "vllm":  # K and V: the two halves of each row
+            v = self.tensors[layer][..., tensor * D : (tensor + 1) * D]
+        elif self.engine == "fastdeploy":
             v = self.tensors[layer][tensor]
         elif self.engine == "vllm_flash_attn":
             v = self.tensors[layer][tensor]
