@@ -12,7 +12,18 @@ import time
 
 import pytest
 from test_staged import _check_tp, _send_batch
-from test_transfer import Decode, _lines, _spawn, clean_killed_segment, prefill_cache, reap, send_one, wait_until
+from test_transfer import (
+    FUSED_CASES,
+    Decode,
+    _lines,
+    _spawn,
+    clean_killed_segment,
+    fused_every_byte,
+    prefill_cache,
+    reap,
+    send_one,
+    wait_until,
+)
 
 from pdkv import PrefillSender, State
 
@@ -364,3 +375,9 @@ def test_nixl_from_gpu_caches_every_byte(cuda_device, P, D, source, no_leaks):
         for p in ptrs:
             _ffi.cuda.free(p)
         dec.close()
+
+
+@pytest.mark.parametrize("P,D,src,dst", FUSED_CASES)
+def test_nixl_fused_layouts_every_byte(P, D, src, dst, no_leaks):
+    """vLLM's fused K/V caches through NIXL (one registration per layer region), every byte."""
+    fused_every_byte("nixl", P, D, src, dst)

@@ -1079,22 +1079,28 @@ def _fused(P, r, order, nb=64, seed=0):
     return lay, arr, CacheSpec.for_buffer(lay, nb, arr.ctypes.data)
 
 
+FUSED_CASES = [
+    (1, 1, ("head", False), ("head", False)),  # vLLM's CPU backend, both sides
+    (2, 1, ("head", False), ("head", False)),
+    (1, 2, ("row", True), ("row", True)),  # vLLM FlashAttention's default (NHD), TP 1 -> 2
+    (2, 4, ("row", False), ("row", True)),
+    (2, 1, ("", False), ("row", True)),  # separate K and V tensors into a fused cache
+]
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize(
-    "P,D,src,dst",
-    [
-        (1, 1, ("head", False), ("head", False)),  # vLLM's CPU backend, both sides
-        (2, 1, ("head", False), ("head", False)),
-        (1, 2, ("row", True), ("row", True)),  # vLLM FlashAttention's default (NHD), TP 1 -> 2
-        (2, 4, ("row", False), ("row", True)),
-        (2, 1, ("", False), ("row", True)),  # separate K and V tensors into a fused cache
-    ],
-)
+@pytest.mark.parametrize("P,D,src,dst", FUSED_CASES)
 def test_fused_layouts_every_byte(transport, P, D, src, dst, no_leaks):
     """vLLM's fused K/V caches on both sides of a transfer: decode's buffer (filled with
     junk first) ends up holding exactly the bytes the TP mapping gives, every byte of every
     block, so no piece of a fused block is left unwritten."""
+    fused_every_byte(transport, P, D, src, dst)
+
+
+def fused_every_byte(transport, P, D, src, dst):
+    """One request from P prefill ranks (order ``src``) into D decode ranks (order ``dst``)
+    over ``transport``; every byte of every layer block checked against the TP mapping."""
     fused, nhd = dst
     lays = [KVLayout(**BASE, tp_size=D, tp_rank=r, token_major=nhd, kv_fused=fused) for r in range(D)]
     nb = 64
