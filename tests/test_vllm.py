@@ -205,13 +205,12 @@ def test_vllm_cancel_on_decode_before_the_kv_came(engines, colocated):
     dec = decode.generate([PROMPTS[2]], 8, [{"do_remote_prefill": True, "pdkv_request_id": "late"}], abort_after=5)
     assert dec["tokens"] == [None] or dec["finish"] == ["abort"], dec
     assert decode.ask(op="state")["pdkv_live"] == 0
-    pre = prefill.generate([PROMPTS[2]], 1, _remote(["late"]))
+    prefill.generate([PROMPTS[2]], 1, _remote(["late"]))
     st = decode.ask(op="state")
     assert st["pdkv_live"] == 1  # arrived, unclaimed
     # load_timeout_s is 20 here; the engine is idle (vLLM does not step): pdkv's own sweep
     st = _settled(decode, prefill, timeout=40)
     assert st["decode"]["pdkv_live"] == 0 and st["decode"]["buffer_free"] == st["decode"]["buffer_total"], st
-    del pre
 
 
 def test_vllm_cancel_on_prefill_mid_prompt(engines):

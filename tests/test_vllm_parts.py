@@ -443,3 +443,18 @@ def test_vllm_prefill_reopens_a_session_that_broke(no_leaks):
         assert p.decode.sched.request("s3").state is State.RECEIVED
     finally:
         p.close()
+
+
+def test_vllm_decode_too_few_blocks_fails_the_load_and_frees_the_buffer_at_once(no_leaks):
+    p = _Pair()
+    try:
+        p.prefill("a", "few", (1, 2), 16)
+        assert p.sent("a")
+        assert p.decode.matched("v", {"do_remote_prefill": True, PARAM_ID: "few"}, 16, 0) == (16, True)
+        p.decode.allocated("v", [4], 16)  # one block for two
+        assert p.decode.sched.request("few").state is State.ABORTED
+        assert p.decode.sched.buffer.num_free == 12
+        _, errors = p.load("v", None)
+        assert errors == {4}
+    finally:
+        p.close()

@@ -205,8 +205,9 @@ def main() -> int:
                 res[(strat, direction, "latency_ms")] = lat * 1e3
         eng.close()
         _cuda.stream_destroy(bare_stream)
-        # torch per-block copy_ loop from a pinned tensor (what users write today), each block
-        # whole (all its layers: the same bytes)
+        # torch per-block copy_ loop from a pinned tensor (what users write today): pieces of
+        # one block's bytes over all its layers (vLLM's per-layer caches would take one copy per
+        # layer and block: this alternative copies the same bytes in fewer, larger pieces)
         gv = gpu.view(nb, size * L)
 
         def torch_loop_h2d():

@@ -230,8 +230,9 @@ class DecodeSide:
         tpb = self.layouts[0].tokens_per_block
         first = w.local // tpb
         need = -(-(w.local + num_external) // tpb)
-        if len(block_ids) < need:
+        if len(block_ids) < need and not w.fail:
             w.fail = True
+            self._abort(w.pid, f"vLLM gave {len(block_ids)} blocks for {need}")  # its buffer blocks go back now
         blocks = tuple(block_ids[first:need])
         w.bound = blocks
         if w.fail:
@@ -350,9 +351,14 @@ class LoadWorker:
             raise PdkvError(f"decode's buffer changed name ({self._buffer.name} -> {name})")
         if self._engine is None:
             size = CacheSpec.buffer_bytes(self.layout, meta.buffer_blocks)
-            self._buffer = SharedBuffer.open(name, expect_size=size)
-            spec = CacheSpec.for_buffer(self.layout, meta.buffer_blocks, self._buffer.address)
-            self._engine = SwapEngine(spec, self.cache, buffer_pinned=self._buffer.pinned)
+            buf = SharedBuffer.open(name, expect_size=size)
+            try:
+                spec = CacheSpec.for_buffer(self.layout, meta.buffer_blocks, buf.address)
+                self._engine = SwapEngine(spec, self.cache, buffer_pinned=buf.pinned)
+            except BaseException:
+                buf.close()  # the next load opens it again: no mapping left behind
+                raise
+            self._buffer = buf
         return self._engine
 
     def start(self, meta: StepMeta) -> None:
@@ -396,8 +402,8 @@ class LoadWorker:
         return out
 
     def close(self) -> None:
-        for _, h in self._pending:  # a copy still running writes vLLM's blocks: let it end
-            deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10  # a copy still running writes vLLM's blocks: let it end
+        for _, h in self._pending:
             while not h.done() and time.monotonic() < deadline:
                 time.sleep(0.001)
         self._pending = []
