@@ -243,20 +243,12 @@ class PrefillMetrics(_Exposed):
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self._last: dict[int, Any] = {}  # sender id -> the newest layer_log entry observed
+        self._seq: dict[int, int] = {}  # sender id -> layers of its layer_log observed
 
     def _feed(self, tx: Any) -> None:
-        log = list(tx.layer_log)  # a snapshot: the sender's threads append meanwhile
-        last = self._last.get(id(tx))
-        new = []
-        for entry in reversed(log):  # newest first, back to the one seen last scrape
-            if entry is last:
-                break
-            new.append(entry)
-        if log:
-            self._last[id(tx)] = log[-1]
+        new, self._seq[id(tx)] = tx.layer_log.since(self._seq.get(id(tx), 0))
         h = self.layer_seconds.labels(rank=str(tx.layout.tp_rank))
-        for entry in reversed(new):
+        for entry in new:
             h.observe(entry[1])
 
 

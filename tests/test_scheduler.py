@@ -884,6 +884,28 @@ def test_check_invariants_catches_planted_corruption():
         s.check_invariants()
 
 
+def test_tombstones_are_forgotten_after_tombstone_s():
+    """A steady rate of requests holds a steady number of tombstones: one ended more than
+    ``tombstone_s`` ago goes at the next request's end, however few ended since."""
+    s, clock, _, _ = make(tombstone_s=30.0)
+    for rid, t in (("a", 0.0), ("b", 20.0), ("c", 31.0)):
+        clock.t = t
+        s.reserve(rid, num_blocks=1)
+        s.abort(rid, "gone")
+    with pytest.raises(RequestError, match="unknown request 'a'"):
+        s.request("a")
+    assert s.request("b").state is State.ABORTED and s.request("c").reason == "gone"
+    clock.t = 100.0  # forgotten only when another ends: until then still answered
+    assert s.request("b").state is State.ABORTED
+    s.reserve("d", num_blocks=1)
+    s.abort("d")
+    for rid in ("b", "c"):
+        with pytest.raises(RequestError, match=f"unknown request '{rid}'"):
+            s.request(rid)
+    with pytest.raises(ValueError, match="tombstone_s=0 must be a positive number of seconds"):
+        SchedulerOptions(tombstone_s=0)
+
+
 def test_tombstones_are_bounded_oldest_first():
     s = DecodeScheduler(num_layers=1, gpu=BlockPool(8), options=SchedulerOptions(max_tombstones=2))
     for rid in ("a", "b", "c"):

@@ -97,7 +97,8 @@ class ModelScheduler:
         self.free = {"gpu": set(range(gpu)), "buffer": set(range(buf or 0))}
         self.has_buffer = buf is not None
         self.reqs: dict[str, MReq] = {}
-        self.tomb: dict[str, tuple[State, str]] = {}  # insertion-ordered, at most o.max_tombstones
+        self.tomb: dict[str, tuple[State, str, float]] = {}  # insertion-ordered: state, reason, t
+        self.ended_ever: set[str] = set()
         self.queue: list[str] = []
         self.swapq: list[str] = []
         self.swapping: list[str] = []
@@ -197,10 +198,13 @@ class ModelScheduler:
     def grant_fields(self, req):
         return (req.rid, req.loc, tuple(req.gpu or req.buf), req.expires, self.o.lease_s)
 
-    def entomb(self, rid, state, reason):
+    def entomb(self, rid, state, reason, now):
         self.tomb.pop(rid, None)
-        self.tomb[rid] = (state, reason)
-        if len(self.tomb) > self.o.max_tombstones:
+        self.tomb[rid] = (state, reason, now)
+        self.ended_ever.add(rid)  # forgotten or not: a late message may name it
+        while self.tomb and (
+            len(self.tomb) > self.o.max_tombstones or next(iter(self.tomb.values()))[2] < now - self.o.tombstone_s
+        ):
             del self.tomb[next(iter(self.tomb))]
 
     def terminate(self, req, state, reason, now):
@@ -219,7 +223,7 @@ class ModelScheduler:
         self.release_prefix(req.rid, req.prefix)
         req.prefix = ()
         del self.reqs[req.rid]
-        self.entomb(req.rid, state, reason)
+        self.entomb(req.rid, state, reason, now)
         key = {
             State.FAILED: "requests_failed",
             State.EXPIRED: "requests_expired",
@@ -335,7 +339,7 @@ class ModelScheduler:
         req = self.reqs.get(rid)
         if req is not None:
             return (rid, req.state, req.loc, req.n, len(req.landed), tuple(req.buf or ()), tuple(req.gpu or ()), "")
-        state, reason = self.tomb[rid]
+        state, reason, _ = self.tomb[rid]
         return (rid, state, "", 0, 0, (), (), reason)
 
     def metrics(self):
@@ -767,7 +771,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def late_message_for_a_terminal_or_unknown_request(self, data):
-        rids = sorted(self.m.tomb) + ["never-seen"]
+        rids = sorted(self.m.ended_ever) + ["never-seen"]
         rid = data.draw(st.sampled_from(rids))
         if rid in self.m.reqs:
             return
@@ -824,7 +828,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
             req.state = State.FINISHED
             self.m.release_prefix(req.rid, req.prefix)
             del self.m.reqs[req.rid]
-            self.m.entomb(req.rid, State.FINISHED, "")
+            self.m.entomb(req.rid, State.FINISHED, "", self.clock.t)
             self.m.m["requests_finished"] += 1
             self.s.finish(r.request_id, free_gpu_blocks=free_them)
         self._events()
@@ -854,7 +858,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         self.m.free["gpu"] |= set(req.gpu)
         self.m.release_prefix(rid, req.prefix)
         del self.m.reqs[rid]
-        self.m.entomb(rid, State.FINISHED, "")
+        self.m.entomb(rid, State.FINISHED, "", self.clock.t)
         self.m.m["requests_finished"] += 1
         self.s.finish(rid)
         self._events()
@@ -1059,6 +1063,17 @@ class GpuOnlyMachine(SchedulerModelMachine):
 
     BUFFER = False
     OPTS = dict(SchedulerModelMachine.OPTS, gpu_reserve_blocks=3)
+
+
+class ShortTombstonesMachine(SchedulerModelMachine):
+    """Ended requests remembered for 6 s only (the clock advances by up to 8 s a step):
+    a request ended longer ago is unknown, however few have ended since."""
+
+    OPTS = dict(SchedulerModelMachine.OPTS, tombstone_s=6.0)
+
+
+ShortTombstonesMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)
+TestShortTombstonesModel = ShortTombstonesMachine.TestCase
 
 
 GpuOnlyMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)

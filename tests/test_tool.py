@@ -544,17 +544,13 @@ def test_sweep_mode_one_row_per_size_and_transport(tmp_path, no_leaks):
     assert p.returncode == 2 and "'bogus' is not a transport" in p.stderr, p.stderr
 
 
-def test_a_request_neither_ready_nor_failed_is_reported_lost_and_failed():
-    """A request issued that never reached decode and reported no outcome (an event lost)
-    must not pass as a clean run: it counts as failed, and the report says why."""
+def _decode_side(tracks):
+    """A DecodeSide as build_report sees it after a run: ``tracks`` ended (folded into its
+    tally) and nothing in flight."""
     from types import SimpleNamespace
 
-    from pdkv.cli.transfer_tool.decode_mode import Track
-    from pdkv.cli.transfer_tool.report import build_report
-    from pdkv.layout import KVLayout
+    from pdkv.cli.transfer_tool.decode_mode import DecodeSide
 
-    lay = KVLayout(num_layers=2, kv_heads=1, head_dim=8, tokens_per_block=16, dtype="bfloat16")
-    ready = {f"r{i}": Track(reserved=1.0, received=2.0, ready=2.5, state="ready", blocks=2) for i in range(5)}
     metrics = {
         "reservations_queued": 0,
         "buffer_blocks_peak": 4,
@@ -563,39 +559,65 @@ def test_a_request_neither_ready_nor_failed_is_reported_lost_and_failed():
         "swap_busy_seconds": 0.0,
         "swap_bytes": 0,
     }
-    dec = SimpleNamespace(
-        tracks=ready,
-        sched=SimpleNamespace(metrics=lambda: metrics),
-        failures=[],
-        bytes_verified=0,
-        verify_errors=0,
-        nb=64,
-        gpu_blocks=64,
-        cuda=None,
-        timeline=[],
-    )
-    outcomes = {rid: "received" for rid in ready}
-    rep = build_report(dec, [], outcomes, 3.0, lay, 1, requests=6)  # 6 issued, 5 accounted for
+    dec = DecodeSide(a=None, lay_kw={})
+    dec.sched = SimpleNamespace(metrics=lambda: metrics)
+    dec.nb = dec.gpu_blocks = 64
+    dec.cuda = False
+    for rid, tr in tracks.items():
+        dec.tally.fold(rid, tr, 1)
+    return dec
+
+
+def test_a_request_neither_ready_nor_failed_is_reported_lost_and_failed():
+    """A request issued that never reached decode and reported no outcome (an event lost)
+    must not pass as a clean run: it counts as failed, and the report says why."""
+    from pdkv.cli.transfer_tool.decode_mode import Track
+    from pdkv.cli.transfer_tool.report import build_report
+    from pdkv.cli.transfer_tool.stats import PrefillTally
+    from pdkv.layout import KVLayout
+
+    lay = KVLayout(num_layers=2, kv_heads=1, head_dim=8, tokens_per_block=16, dtype="bfloat16")
+
+    def ready():
+        return {f"r{i}": Track(reserved=1.0, received=2.0, ready=2.5, state="ready", blocks=2) for i in range(5)}
+
+    def tally(extra=()):
+        pre = PrefillTally(1)
+        for rid in [*ready(), *extra]:
+            pre.event({"type": "outcome", "rid": rid, "state": "aborted" if rid in extra else "received"})
+        return pre
+
+    dec = _decode_side(ready())
+    rep = build_report(dec, tally(), 3.0, lay, 1, requests=6)  # 6 issued, 5 accounted for
     assert (rep["requests"], rep["requests_ready"], rep["requests_lost"], rep["requests_failed"]) == (6, 5, 1, 1)
     assert any("neither ready nor failed" in f for f in rep["failures"])
-    rep = build_report(dec, [], outcomes, 3.0, lay, 1, requests=5)
+    rep = build_report(dec, tally(), 3.0, lay, 1, requests=5)
     assert (rep["requests_lost"], rep["requests_failed"]) == (0, 0)
     # a request that landed and was verified, then ended badly (an interrupted run aborts
-    # what decode still holds): counted failed, and its bytes in both byte counts
-    dec.tracks = dict(ready, r9=Track(reserved=1.0, received=2.0, ready=2.5, state="aborted", blocks=2))
+    # what decode still holds): counted failed once (both sides say so), its bytes in both counts
+    dec = _decode_side(dict(ready(), r9=Track(reserved=1.0, received=2.0, ready=2.5, state="aborted", blocks=2)))
     dec.bytes_verified = 6 * 2 * lay.block_bytes
-    rep = build_report(dec, [], dict(outcomes, r9="aborted"), 3.0, lay, 1)
+    rep = build_report(dec, tally(["r9"]), 3.0, lay, 1)
     assert rep["requests_failed"] == 1 and rep["bytes_verified"] <= rep["bytes_transferred"], rep
-    dec.tracks = ready
-    dec.bytes_verified = 0
+    assert rep["failures"] == ["r9: aborted"], rep["failures"]
+    # a request still held by decode at the end (ready, "generating") is ready; one landed
+    # but not ready is neither: with the requests issued known, it is lost
+    dec = _decode_side(ready())
+    dec.tracks["r5"] = Track(reserved=1.0, received=2.0, ready=2.5, state="ready", blocks=2)
+    dec.tracks["r6"] = Track(reserved=1.0, received=2.0, blocks=2)
+    rep = build_report(dec, tally(), 3.0, lay, 1, requests=7)
+    assert (rep["requests_ready"], rep["requests_lost"], rep["bytes_transferred"]) == (6, 1, 7 * 2 * lay.block_bytes)
     # the link's rate: bytes the ranks sent over the time some rank was writing (overlaps once)
-    ranks = [
-        {"bytes": 2_000_000_000, "writes": [[10.0, 11.0], [10.5, 12.0]]},
-        {"bytes": 1_000_000_000, "writes": [[11.5, 12.5], [14.0, 14.5]]},
-    ]
-    rep = build_report(dec, ranks, outcomes, 3.0, lay, 1, requests=5)
+    dec = _decode_side(ready())
+    pre = tally()
+    pre.event({"type": "layers", "s": [0.1, 0.2], "w": [[10.0, 11.0], [10.5, 12.0]]})
+    pre.event({"type": "layers", "s": [0.3], "w": [[11.5, 12.5], [14.0, 14.5]]})
+    pre.event({"type": "summary", "bytes": 2_000_000_000})
+    pre.event({"type": "summary", "bytes": 1_000_000_000})
+    rep = build_report(dec, pre, 3.0, lay, 1, requests=5)
     assert rep["link_busy_s"] == pytest.approx(3.0) and rep["link_GBps"] == pytest.approx(1.0)
-    assert build_report(dec, [], outcomes, 3.0, lay, 1)["link_GBps"] == 0.0
+    assert rep["layer_latency_ms_p99"] == pytest.approx(300.0)
+    assert build_report(dec, tally(), 3.0, lay, 1)["link_GBps"] == 0.0
 
 
 @pytest.mark.parametrize(

@@ -27,11 +27,14 @@ def test_bench_scheduler_smoke():
 
 
 @pytest.mark.multiproc
-def test_soak_memory_smoke():
-    p = run("soak_memory.py", "--requests", "3000", "--samples", "3")
+@pytest.mark.parametrize("what", ["scheduler", "transfer"])
+def test_soak_memory_smoke(what, no_leaks):
+    p = run("soak_memory.py", what, "--requests", "3000", "--samples", "3")
     assert p.returncode == 0, p.stderr
     last = json.loads(p.stdout.strip().splitlines()[-1])
-    assert last["requests"] == 3000 and last["rss_mib_end"] > 0 and "live requests at the end: 0" in p.stdout
+    assert last["requests"] == 3000 and last["rss_mib_end"] > 0 and last["live_requests_at_end"] == 0
+    if what == "transfer":
+        assert last["outcomes"] == {"received": 3000}
 
 
 def test_bench_transport_smoke(no_leaks):

@@ -27,7 +27,7 @@ from pdkv import (
     SwapEngine,
     tp_segments,
 )
-from pdkv.errors import PdkvTimeoutError, PeerError, TransferError
+from pdkv.errors import PdkvTimeoutError, PeerError, RequestError, TransferError
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM, DecodeReceiver, PrefillSender
 
 TAG = os.environ["PDKV_SHM_TAG"]  # this run's segments (conftest.py): clean only those
@@ -1162,3 +1162,35 @@ def fused_every_byte(transport, P, D, src, dst):
         for b in bufs:
             b.close()
             b.unlink()
+
+
+def test_outcomes_taken_by_callback_leave_no_record_per_request(monkeypatch, no_leaks):
+    """A sender whose outcomes go to ``on_outcome`` never calls wait_outcome: it keeps the
+    newest MAX_RESOLVED outcomes for a late ask, and nothing per request beyond them."""
+    import pdkv.transfer.prefill as prefill_mod
+
+    monkeypatch.setattr(prefill_mod, "MAX_RESOLVED", 4)
+    dec = Decode()
+    lay, arr, spec = prefill_cache(1, 0)
+    seen = []
+    try:
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="shm", on_outcome=seen.append) as tx:
+            for i in range(12):
+                g = tx.reserve(f"cb{i}", 8)
+                for layer in range(lay.total_layers):
+                    tx.send_layer(layer, [(f"cb{i}", [i % 8])])
+                tx.finish(f"cb{i}")
+                wait_until(lambda i=i: len(seen) == i + 1, 10, f"outcome of cb{i}")
+                assert g.blocks
+            assert [o.state for o in seen] == ["received"] * 12
+            assert not tx._outcomes and list(tx._resolved) == ["cb8", "cb9", "cb10", "cb11"]
+            assert tx.wait_outcome("cb11", 1).state == "received"  # the newest: still there, once
+            for rid in ("cb11", "cb0"):
+                with pytest.raises(RequestError, match="already taken"):
+                    tx.poll_outcome(rid)
+            # handed to on_outcome: kept RESOLVED_S at most, however few came since
+            monkeypatch.setattr(prefill_mod, "RESOLVED_S", 0.0)
+            send_one(tx, "late", [1])  # waited for (the waiter, not the kept outcomes)
+            assert list(tx._resolved) == []
+    finally:
+        dec.close()

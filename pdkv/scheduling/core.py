@@ -105,7 +105,7 @@ class SchedulerCore:
         self._listeners: tuple[Callable[[Event], None], ...] = ()  # add_listener's, after ``listener``
         self._lock = threading.Lock()
         self._reqs: dict[str, _Req] = {}
-        self._tomb: OrderedDict[str, tuple[State, int, str]] = OrderedDict()
+        self._tomb: OrderedDict[str, tuple[State, int, str, float]] = OrderedDict()  # state, token, reason, t
         self._expiry: list[tuple[float, int, str]] = []
         self._seq = 0
         self._queue: deque[str] = deque()
@@ -159,13 +159,23 @@ class SchedulerCore:
             i = self._listeners.index(fn)
             self._listeners = self._listeners[:i] + self._listeners[i + 1 :]
 
+    def _entomb(self, rid: str, state: State, token: int, reason: str) -> None:
+        """Remember an ended request: the newest ``max_tombstones``, none ended more than
+        ``tombstone_s`` ago (a steady rate holds a steady number)."""
+        tomb = self._tomb
+        now = self.clock()
+        tomb[rid] = (state, token, reason, now)
+        cut = now - self.options.tombstone_s
+        while tomb and (len(tomb) > self.options.max_tombstones or next(iter(tomb.values()))[3] < cut):
+            tomb.popitem(last=False)
+
     def _get_live(self, rid: str) -> _Req:
         req = self._reqs.get(rid)
         if req is None:
             tomb = self._tomb.get(rid)
             self._m["late_messages_rejected"] += 1
             if tomb is not None:
-                state, _, reason = tomb
+                state, _, reason, _ = tomb
                 if state is State.EXPIRED:
                     raise LeaseExpiredError(f"request {rid!r}: its lease expired; the message is refused")
                 raise RequestError(f"request {rid!r} is already {state.value}" + (f" ({reason})" if reason else ""))
@@ -271,9 +281,7 @@ class SchedulerCore:
         prefix, req.prefix = req.prefix, ()
         self._release_prefix(req.rid, prefix, req.release)
         del self._reqs[req.rid]
-        self._tomb[req.rid] = (state, req.token, reason)
-        if len(self._tomb) > self.options.max_tombstones:
-            self._tomb.popitem(last=False)
+        self._entomb(req.rid, state, req.token, reason)
         key = _COUNTER_OF.get(state)
         if key:
             self._m[key] += 1

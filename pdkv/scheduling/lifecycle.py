@@ -94,8 +94,11 @@ class SchedulerOptions:
         (fewest blocks first; a request waiting longer than ``starvation_s`` goes first).
     fence_grace_s:
         How long blocks a peer may still write stay quarantined after expiry or abort.
-    max_tombstones:
-        Terminal requests remembered so that late messages get a precise answer.
+    max_tombstones, tombstone_s:
+        Ended requests remembered so that late messages get a precise answer: the newest
+        ``max_tombstones``, none ended more than ``tombstone_s`` ago (longer than a lease
+        and a peer's silence bound, when a late message can still come; a steady request
+        rate then holds a steady number of them).
     bind:
         ``pdkv``: pdkv takes GPU blocks from the scheduler's ``gpu`` allocator (grants
         straight into them with ``direct_to_gpu``, swaps as they free up). ``engine``: the
@@ -115,10 +118,11 @@ class SchedulerOptions:
     starvation_s: float = 5.0
     fence_grace_s: float = 2.0
     max_tombstones: int = 65536
+    tombstone_s: float = 60.0
     bind: Literal["pdkv", "engine"] = "pdkv"
 
     def __post_init__(self) -> None:
-        for f in ("lease_s", "queue_timeout_s", "starvation_s"):
+        for f in ("lease_s", "queue_timeout_s", "starvation_s", "tombstone_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{f}={v!r} must be a positive number of seconds")

@@ -460,10 +460,7 @@ class DecodeScheduler(SchedulerCore):
             prefix, req.prefix = req.prefix, ()
             self._release_prefix(request_id, prefix, req.release)
             del self._reqs[request_id]
-            tomb = self._tomb
-            tomb[request_id] = (State.FINISHED, req.token, "")
-            if len(tomb) > self.options.max_tombstones:
-                tomb.popitem(last=False)
+            self._entomb(request_id, State.FINISHED, req.token, "")
             self._m["requests_finished"] += 1  # FINISHED makes no event
             ev = self._emit() if self._events else None
         if ev:

@@ -14,7 +14,7 @@ requests) are defined here.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -416,3 +416,40 @@ class Waiter:
     def set(self, v: Any) -> None:
         self.value = v
         self.event.set()
+
+
+class LayerLog:
+    """The newest ``capacity`` layers a sender wrote, each ``(layer, seconds from
+    send_layer to its writes done, bytes, monotonic time its writes began, time they were
+    done)``: per-layer latency, and when the link was busy. Preallocated, so a sender's
+    memory is the same after its first layer as after a million; a reader keeps a sequence
+    number and takes what came since (:meth:`since`)."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        import numpy as np
+
+        self.capacity = capacity
+        self._rows = np.zeros((capacity, 5), np.float64)
+        self._n = 0  # layers logged since the start
+        self._lock = threading.Lock()
+
+    def append(self, layer: int, seconds: float, nbytes: int, began: float, done: float) -> None:
+        with self._lock:
+            self._rows[self._n % self.capacity] = (layer, seconds, nbytes, began, done)
+            self._n += 1
+
+    def since(self, seq: int) -> tuple[list[tuple[int, float, int, float, float]], int]:
+        """The layers logged after the first ``seq`` (those still held: at most the newest
+        ``capacity``), oldest first, and the sequence number to ask from next time."""
+        with self._lock:
+            n = self._n
+            first = max(seq, n - self.capacity, 0)
+            idx = [i % self.capacity for i in range(first, n)]
+            rows = self._rows[idx].tolist() if idx else []
+        return [(int(r[0]), r[1], int(r[2]), r[3], r[4]) for r in rows], n
+
+    def __len__(self) -> int:
+        return min(self._n, self.capacity)
+
+    def __iter__(self) -> Iterator[tuple[int, float, int, float, float]]:
+        return iter(self.since(0)[0])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import queue
 import threading
 import time
@@ -46,7 +47,7 @@ from ..protocol import (
 )
 from . import base as registry
 from . import handshake
-from .base import FinishJob, LayerJob, RequestOutcome, SenderTransport, SendGrant, Waiter, WriteItem
+from .base import FinishJob, LayerJob, LayerLog, RequestOutcome, SenderTransport, SendGrant, Waiter, WriteItem
 from .channel import SEND_BATCH, Channel, clip
 from .options import SenderOptions, merge_options
 from .reservations import Reservations
@@ -54,6 +55,9 @@ from .reservations import Reservations
 __all__ = ["PrefillSender", "RequestOutcome"]
 
 _log = logging.getLogger(__name__)
+
+MAX_RESOLVED = 1 << 16  # outcomes kept for wait_outcome / poll_outcome until asked for
+RESOLVED_S = 60.0  # and no longer than this when on_outcome had them
 
 
 class PrefillSender(Reservations):
@@ -115,14 +119,17 @@ class PrefillSender(Reservations):
         self.outcomes: dict[str, int] = {}  # requests by outcome state ("received", "failed", ...)
         # (layer, seconds from send_layer() to its writes done, bytes, monotonic time its writes
         # began, monotonic time they were done): per-layer latency, and when the link was busy
-        self.layer_log: collections.deque[tuple[int, float, int, float, float]] = collections.deque(maxlen=1 << 16)
+        self.layer_log = LayerLog()
         self._codec = Codec(opts.secret)
         self._lock = threading.Lock()
         self._grants: dict[str, SendGrant] = {}
         self._grant_arrays: dict[int, Any] = {}  # grant token -> its block ids as an array
         self._reserve_waiters: dict[str, Waiter] = {}
         self._polled: dict[str, tuple[Waiter, float, float]] = {}  # reserve_nowait's: waiter, deadline, limit
-        self._outcomes: dict[str, Waiter] = {}
+        self._outcomes: dict[str, Waiter] = {}  # reserved, no outcome yet
+        # outcomes given, kept for wait_outcome / poll_outcome until asked for, the newest
+        # MAX_RESOLVED of them (a sender whose outcomes go to on_outcome never asks)
+        self._resolved: collections.OrderedDict[str, tuple[RequestOutcome, float]] = collections.OrderedDict()
         self._failed: dict[str, str] = {}
         self._closed = threading.Event()
         self._bye = threading.Event()  # decode ended the session (or answered ours)
@@ -324,21 +331,33 @@ class PrefillSender(Reservations):
             raise PeerError(self._broken)
 
     def _resolve(self, rid: str, state: str, reason: str = "") -> None:
+        out = RequestOutcome(rid, state, reason)
         with self._lock:
-            w = self._outcomes.get(rid)
+            w = self._outcomes.pop(rid, None)
+            if w is not None:  # kept as the outcome alone: a waiter holds an Event, ~1 KB
+                self._keep_outcome(out)
             g = self._grants.pop(rid, None)
             if g is not None:
                 self._grant_arrays.pop(g.token, None)
             rw = self._reserve_waiters.pop(rid, None)
         if rw is not None:
             rw.set(TransferError(f"request {rid!r} {state}: {reason}"))
-        if w is not None and not w.event.is_set():
-            out = RequestOutcome(rid, state, reason)
+        if w is not None:
             with self._stats_lock:
                 self.outcomes[state] = self.outcomes.get(state, 0) + 1
             w.set(out)
             if self.on_outcome is not None:
                 self.on_outcome(out)
+
+    def _keep_outcome(self, out: RequestOutcome) -> None:
+        """Keep an outcome until asked for (under ``_lock``): the newest MAX_RESOLVED; with
+        ``on_outcome`` set (it was handed over there), for RESOLVED_S seconds at most."""
+        kept = self._resolved
+        now = time.monotonic()
+        kept[out.request_id] = (out, now)
+        cut = now - RESOLVED_S if self.on_outcome is not None else -math.inf
+        while kept and (len(kept) > MAX_RESOLVED or next(iter(kept.values()))[1] < cut):
+            kept.popitem(last=False)
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
@@ -471,7 +490,7 @@ class PrefillSender(Reservations):
 
             def log() -> None:
                 done = time.monotonic()
-                self.layer_log.append((layer, done - job.queued_at, int(self.stats["bytes"] - mark[0]), mark[1], done))
+                self.layer_log.append(layer, done - job.queued_at, int(self.stats["bytes"] - mark[0]), mark[1], done)
 
             tr.after_writes(begin)
             self._write_layer(layer, job.items)

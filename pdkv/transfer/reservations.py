@@ -6,6 +6,7 @@ and control channel."""
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ class Reservations:
     _grants: dict[str, SendGrant]
     _reserve_waiters: dict[str, Waiter]
     _outcomes: dict[str, Waiter]
+    _resolved: collections.OrderedDict[str, tuple[RequestOutcome, float]]  # outcome, when kept
     _polled: dict[str, tuple[Waiter, float, float]]
 
     def _check(self) -> None:
@@ -98,19 +100,16 @@ class Reservations:
         """The request's definite outcome once decode (or a failure here) gave it; ``None``
         until then (never blocks). Answered once, as :meth:`wait_outcome`."""
         with self._lock:
-            w = self._outcomes.get(request_id)
-            if w is None:
-                raise RequestError(f"unknown request {request_id!r}")
-            if not w.event.is_set():
-                return None
-            self._outcomes.pop(request_id, None)
-        out: RequestOutcome = w.value
-        return out
+            kept = self._resolved.pop(request_id, None)
+            if kept is None and request_id not in self._outcomes:
+                raise RequestError(f"unknown request {request_id!r} (or its outcome was already taken)")
+        return kept[0] if kept else None
 
     def _give_up(self, rid: str, limit: float) -> PdkvError:
         with self._lock:
             self._reserve_waiters.pop(rid, None)
             self._outcomes.pop(rid, None)
+            self._resolved.pop(rid, None)
         self.post(Abort(rid, "prefill gave up waiting for a grant"))
         return PdkvTimeoutError(f"no grant for {rid!r} within {limit}s")
 
@@ -119,6 +118,7 @@ class Reservations:
         if isinstance(g, BaseException):
             with self._lock:
                 self._outcomes.pop(rid, None)
+                self._resolved.pop(rid, None)
         return g  # type: ignore[no-any-return]
 
     def _post_reservations(self, requests: Sequence[tuple[str, int]]) -> list[Waiter]:
@@ -151,14 +151,20 @@ class Reservations:
         return waiters
 
     def wait_outcome(self, request_id: str, timeout: float | None = None) -> RequestOutcome:
-        """Block until the request's definite outcome (bounded by ``timeout``)."""
+        """Block until the request's definite outcome (bounded by ``timeout``). An outcome
+        given is kept until asked for, the newest ``MAX_RESOLVED`` (65,536) of them; one
+        handed to ``on_outcome`` too, for at most ``RESOLVED_S`` (60 s): a sender that takes
+        its outcomes there holds a steady number whatever its request rate."""
         with self._lock:
+            kept = self._resolved.pop(request_id, None)
             w = self._outcomes.get(request_id)
+        if kept is not None:
+            return kept[0]
         if w is None:
-            raise RequestError(f"unknown request {request_id!r}")
+            raise RequestError(f"unknown request {request_id!r} (or its outcome was already taken)")
         if not w.event.wait(timeout if timeout is not None else self.timeout_s * 3):
             raise PdkvTimeoutError(f"no outcome for {request_id!r} yet")
         with self._lock:
-            self._outcomes.pop(request_id, None)
+            self._resolved.pop(request_id, None)
         out: RequestOutcome = w.value
         return out

@@ -48,13 +48,13 @@ def run_decode(a: argparse.Namespace, console: Any) -> int:
         while not stop.is_set():
             if a.duration and time.monotonic() - t0 > a.duration:
                 break
-            if a.expect_requests and sum(1 for t in dec.tracks.values() if t.state) >= a.expect_requests:
+            if a.expect_requests and dec.ended >= a.expect_requests:
                 break
             time.sleep(0.1)
     except KeyboardInterrupt:
         interrupted = True
     try:
-        rep = build_report(dec, [], {}, time.monotonic() - t0, dec.lays[0], a.decode_tp)
+        rep = build_report(dec, None, time.monotonic() - t0, dec.lays[0], a.decode_tp)
     finally:
         dec.close()
     return _finish(a, rep, console, dec, interrupted)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import errno
 import heapq
+import math
 import os
 import threading
 import time
@@ -25,6 +27,7 @@ from ...scheduling.scheduler import DecodeScheduler, Event, SchedulerOptions
 from ...swap import SwapEngine, SwapGroup
 from ...transfer import DecodeReceiver
 from .prefill_mode import prefill_on_gpu
+from .stats import Quantiles, Series
 from .workload import (
     UsageError,
     make_workload,
@@ -38,6 +41,9 @@ from .workload import (
 
 @dataclass
 class Track:
+    """A request decode is working on: kept from its grant until it ends, then folded into
+    :class:`Tally` and dropped."""
+
     reserved: float = 0.0
     received: float = 0.0
     ready: float = 0.0
@@ -47,18 +53,74 @@ class Track:
     location: str = ""
 
 
+_SHOWN = 20  # failures named one by one in the report; the rest are counted
+
+
+@dataclass
+class Tally:
+    """What decode's ended requests add up to, in bounded memory: counts, sums and
+    streaming percentiles; only failed requests are remembered by id (the report names
+    them and a request that failed on both sides counts once)."""
+
+    ready: int = 0
+    into_gpu: int = 0
+    ready_blocks: int = 0  # blocks of the requests that became ready
+    landed_blocks: int = 0  # blocks of every request that landed, ready or not
+    first_grant: float = math.inf
+    last_end: float = -math.inf
+    request_gbps: Quantiles = field(default_factory=Quantiles)
+    grant_to_received: Quantiles = field(default_factory=Quantiles)
+    grant_to_ready: Quantiles = field(default_factory=Quantiles)
+    failed: dict[str, str] = field(default_factory=dict)  # request -> "state (reason)"
+
+    def fold(self, rid: str, tr: Track, block_bytes: int) -> None:
+        if tr.received:
+            self.landed_blocks += tr.blocks
+        if tr.reserved:
+            self.first_grant = min(self.first_grant, tr.reserved)
+        if tr.state != "ready":
+            self.failed[rid] = tr.state + (f" ({tr.reason})" if tr.reason else "")
+            return
+        self.ready += 1
+        self.into_gpu += tr.location == "gpu"
+        self.ready_blocks += tr.blocks
+        self.last_end = max(self.last_end, tr.received, tr.ready)
+        if tr.received > tr.reserved:
+            self.request_gbps.add(tr.blocks * block_bytes / (tr.received - tr.reserved) / 1e9)
+        if tr.received:
+            self.grant_to_received.add(tr.received - tr.reserved)
+        if tr.ready:
+            self.grant_to_ready.add(tr.ready - tr.reserved)
+
+
 @dataclass
 class DecodeSide:
     a: argparse.Namespace
     lay_kw: dict[str, Any]
-    tracks: dict[str, Track] = field(default_factory=dict)
-    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
+    tracks: dict[str, Track] = field(default_factory=dict)  # the requests in flight
+    tally: Tally = field(default_factory=Tally)  # the ended ones
+    timeline: Series = field(default_factory=Series)  # (s, buffer blocks, GPU blocks, bytes landed)
     verify_errors: int = 0
     bytes_verified: int = 0
-    failures: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # the first _SHOWN lines, then counted
+    failures_more: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)  # tracks, tally: receiver events, engine loop
+
+    def note_failure(self, line: str) -> None:
+        if len(self.failures) < _SHOWN:
+            self.failures.append(line)
+        else:
+            self.failures_more += 1
+
+    @property
+    def ended(self) -> int:
+        """Requests that ended here (ready and finished, or failed)."""
+        return self.tally.ready + len(self.tally.failed)
 
     def start(self, listen: str) -> None:
         a = self.a
+        self._ended: collections.deque[str] = collections.deque()  # recently folded requests
+        self._ended_set: set[str] = set()
         D = a.decode_tp
         self.lays = [KVLayout(**self.lay_kw, tp_size=D, tp_rank=r) for r in range(D)]
         lay = self.lays[0]
@@ -199,6 +261,7 @@ class DecodeSide:
             print(f"metrics on http://{a.metrics_addr}:{port}/metrics", flush=True)
         self.t0 = time.monotonic()
         self._stop = threading.Event()
+
         self._engine = threading.Thread(target=self._engine_loop, name="decode-engine", daemon=True)
         self._engine.start()
 
@@ -232,17 +295,34 @@ class DecodeSide:
             )
 
     def _on_event(self, ev: Event) -> None:
-        tr = self.tracks.setdefault(ev.request_id, Track())
-        if ev.kind in ("reserved", "granted"):
-            tr.reserved = ev.t
-            tr.blocks = len(ev.grant.blocks) if ev.grant else 0
-            tr.location = ev.grant.location if ev.grant else ""
-        elif ev.kind == "received":
-            tr.received = ev.t
-        elif ev.kind == "ready" and not tr.received:  # a GPU grant (cuda_ipc): landed is ready
-            tr.received = ev.t
-        elif ev.kind in ("failed", "expired", "aborted", "rejected"):
-            tr.state, tr.reason = ev.kind, ev.reason
+        with self.lock:
+            rid = ev.request_id
+            if rid in self._ended:  # a late event of a request already folded
+                return
+            if ev.kind in ("reserved", "granted"):
+                tr = self.tracks.setdefault(rid, Track())
+                tr.reserved = ev.t
+                tr.blocks = len(ev.grant.blocks) if ev.grant else 0
+                tr.location = ev.grant.location if ev.grant else ""
+                return
+            tr = self.tracks.get(rid) or self.tracks.setdefault(rid, Track())
+            if ev.kind == "received":
+                tr.received = ev.t
+            elif ev.kind == "ready" and not tr.received:  # a GPU grant (cuda_ipc): landed is ready
+                tr.received = ev.t
+            elif ev.kind in ("failed", "expired", "aborted", "rejected"):
+                tr.state, tr.reason = ev.kind, ev.reason
+                self._end(rid)
+
+    def _end(self, rid: str) -> None:
+        """Fold a request that ended into the tally (under ``lock``)."""
+        tr = self.tracks.pop(rid, None)
+        if tr is not None:
+            self.tally.fold(rid, tr, self.lays[0].block_bytes * self.a.decode_tp)
+        self._ended.append(rid)
+        self._ended_set.add(rid)
+        if len(self._ended) > 4096:
+            self._ended_set.discard(self._ended.popleft())
 
     def _gpu_block(self, rank: int, layer: int, t: int, blocks: Sequence[int]) -> np.ndarray:
         L = self.lays[rank]
@@ -276,20 +356,20 @@ class DecodeSide:
                     self.bytes_verified += got.size
         if bad:
             self.verify_errors += bad
-            self.failures.append(f"{rid}: {bad} blocks differ")
+            self.note_failure(f"{rid}: {bad} blocks differ")
 
     def received_bytes(self) -> int:
         """Bytes landed in decode so far, over every transport."""
         return sum(b for b, _ in self.rx.received_by_transport().values())
 
     def _engine_loop(self) -> None:
-        last = 0.0
         holding: list[tuple[float, str]] = []  # (finish at, request): decode "generating"
         while not self._stop.is_set():
             ready = self.sched.take_ready()
             for r in ready:
-                tr = self.tracks.setdefault(r.request_id, Track())
-                tr.ready = self.sched.clock()
+                with self.lock:
+                    tr = self.tracks.setdefault(r.request_id, Track())
+                    tr.ready = self.sched.clock()
                 if not self.a.no_verify:
                     self.verify(r.request_id, r.gpu_blocks)
                 tr.state = "ready"
@@ -297,14 +377,13 @@ class DecodeSide:
                 if hold:
                     heapq.heappush(holding, (time.monotonic() + hold, r.request_id))
                 else:
-                    self.sched.finish(r.request_id)
+                    self._finish(r.request_id)
             now = time.monotonic()
             while holding and holding[0][0] <= now:
-                self.sched.finish(heapq.heappop(holding)[1])
-            if now - last >= 0.05:
-                last = now
+                self._finish(heapq.heappop(holding)[1])
+            if self.timeline.due(now - self.t0):
                 m = self.sched.metrics()
-                self.timeline.append(
+                self.timeline.add(
                     (
                         now - self.t0,
                         int(m["buffer_blocks_total"] - m["buffer_blocks_free"]),
@@ -314,6 +393,15 @@ class DecodeSide:
                 )
             if not ready:
                 time.sleep(0.001)
+
+    def _finish(self, rid: str) -> None:
+        try:
+            self.sched.finish(rid)
+        except PdkvError:  # ended meanwhile (aborted at close): its event folded it
+            return
+        with self.lock:
+            if rid in self.tracks:
+                self._end(rid)
 
     def close(self) -> None:
         if getattr(self, "metrics", None) is not None:

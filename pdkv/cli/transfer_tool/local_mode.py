@@ -15,13 +15,12 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
-
 from ... import _ffi
 from ...layout import KVLayout
-from .decode_mode import DecodeSide, Track
+from .decode_mode import DecodeSide
 from .prefill_mode import prefill_on_gpu
-from .report import build_report, fit_prefill, print_report, progress_bar, write_plot
+from .report import build_report, print_report, progress_bar, write_plot
+from .stats import PrefillTally
 from .workload import MiB, layout_kw, make_workload, parse_devices
 
 
@@ -101,16 +100,10 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
         print(f"pdkv-transfer-test: note: {note}", file=sys.stderr)
     dec.start(a.listen or "tcp://127.0.0.1:0")
     procs: list[subprocess.Popen[str]] = []
-    outcomes: dict[str, str] = {}
-    reasons: dict[str, str] = {}
-    waits: dict[str, float] = {}  # prefill's wait for decode blocks, by request
-    ttfts: dict[str, float] = {}  # arrival -> last layer computed (the first token), by request
-    computes: dict[str, float] = {}  # grant -> last layer computed: prefill's compute (and KV writes)
-    busies: dict[str, float] = {}  # asking for blocks -> handed off: the prefill server's time on it
+    pre = PrefillTally(a.prefill_tp)  # the ranks' event lines, folded as they come
     chosen: dict[int, str] = {}  # prefill rank -> the transport decode chose for it
     copies: set[str] = set()  # which copy the shm senders from host caches run
     paths: set[str] = set()  # the data paths the senders run ("tcp staged (kernel gather)")
-    prefill_reports: list[dict[str, Any]] = []
     lock = threading.Lock()
     unreadable = [0]  # event lines from the prefill ranks that did not parse
     t0 = time.monotonic()
@@ -141,25 +134,15 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                     if line.strip():  # an event lost would make figures wrong: say so, and fail
                         with lock:
                             unreadable[0] += 1
-                            dec.failures.append(f"a prefill rank wrote an unreadable event line: {line[:120]!r}")
+                            dec.note_failure(f"a prefill rank wrote an unreadable event line: {line[:120]!r}")
                     continue
                 with lock:
-                    kind = ev.get("type")
-                    if kind == "outcome":
-                        prev = outcomes.get(ev["rid"])
-                        outcomes[ev["rid"]] = ev["state"] if prev in (None, "received") else prev
-                        if ev["state"] != "received" and ev.get("reason"):
-                            reasons.setdefault(ev["rid"], str(ev["reason"]))
-                    elif kind == "grant":  # every rank waits; the request waited for the slowest
-                        waits[ev["rid"]] = max(waits.get(ev["rid"], 0.0), float(ev["wait"]))
-                    elif kind == "computed":
-                        ttfts[ev["rid"]] = max(ttfts.get(ev["rid"], 0.0), float(ev["ttft"]))
-                        computes[ev["rid"]] = max(computes.get(ev["rid"], 0.0), float(ev["compute"]))
-                    elif kind == "served":
-                        busies[ev["rid"]] = max(busies.get(ev["rid"], 0.0), float(ev["busy"]))
-                    elif kind == "summary":
-                        prefill_reports.append(ev)
-                    elif kind == "hello":
+                    try:
+                        pre.event(ev)
+                    except (KeyError, TypeError, ValueError) as exc:
+                        unreadable[0] += 1
+                        dec.note_failure(f"a prefill rank wrote a malformed event ({exc}): {line[:120]!r}")
+                    if ev.get("type") == "hello":
                         chosen[int(ev.get("rank", -1))] = str(ev.get("transport"))
                         if ev.get("path"):
                             paths.add(str(ev["path"]))
@@ -173,7 +156,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
 
         def info() -> str:
             m = dec.sched.metrics()
-            failed = sum(1 for s in outcomes.values() if s != "received")
+            failed = len(pre.failed) + len(dec.tally.failed)
             return (
                 f"{dec.received_bytes() / MiB:,.0f} MiB landed, buffer "
                 f"{int(m['buffer_blocks_total'] - m['buffer_blocks_free'])}/{dec.nb}, GPU "
@@ -189,25 +172,21 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
                     if time.monotonic() - t0 > limit:
                         for p in procs:
                             p.kill()
-                        dec.failures.append(f"run exceeded its bound of {limit:.0f}s; prefill killed")
+                        dec.note_failure(f"run exceeded its bound of {limit:.0f}s; prefill killed")
                         break
-                    done = sum(1 for t in dec.tracks.values() if t.state)
-                    progress.update(task, completed=done, info=info())
+                    progress.update(task, completed=dec.ended, info=info())
                     time.sleep(0.25)
                 for t in readers:
                     t.join(5)
                 # let the last swaps and verifications finish (bounded)
                 deadline = time.monotonic() + a.timeout * 2
                 while time.monotonic() < deadline:
-                    pending = [
-                        r
-                        for r, s in outcomes.items()
-                        if s == "received" and dec.tracks.get(r, Track()).state != "ready"
-                    ]
+                    with dec.lock:
+                        pending = any(t.received and t.state != "ready" for t in dec.tracks.values())
                     if not pending:
                         break
                     time.sleep(0.02)
-                progress.update(task, completed=sum(1 for t in dec.tracks.values() if t.state), info=info())
+                progress.update(task, completed=dec.ended, info=info())
         except KeyboardInterrupt:
             interrupted = True
             for p in procs:
@@ -227,38 +206,29 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
             if not interrupted and (text or p.returncode not in (0, 1)):
                 errs.append(text.splitlines()[-1] if text else f"prefill process died (exit code {p.returncode})")
         for e in errs:
-            dec.failures.append(f"prefill: {e}")
+            dec.note_failure(f"prefill: {e}")
         lay = dec.lays[0]
         with lock:
             rep = build_report(
                 dec,
-                prefill_reports,
-                outcomes,
+                pre,
                 wall,
                 lay,
                 a.decode_tp,
-                reasons,
-                list(waits.values()),
-                list(ttfts.values()),
                 # a duration or an interrupt may leave some unissued: those are not lost
                 requests=None if a.duration or interrupted else len(work),
             )
         if interrupted:
             rep["requests_not_issued"] = max(0, len(work) - rep["requests"])
-        rep["prefill_compute_ms_p50"] = float(np.percentile(list(computes.values()), 50)) * 1e3 if computes else 0.0
+        rep["prefill_compute_ms_p50"] = pre.computes.percentile(50) * 1e3 if len(pre.computes) else 0.0
         # prefill's own rate: prompt tokens over the time from grant to last layer computed
-        toks = {r.rid: r.tokens for r in work}
-        busy = sum(computes.values())
-        rep["prefill_tokens_per_s"] = sum(toks.get(rid, 0) for rid in computes) / busy if busy > 0 else 0.0
+        busy = pre.computes.total
+        rep["prefill_tokens_per_s"] = pre.compute_tokens / busy if busy > 0 else 0.0
         # the planner's prefill cost, fixed + tokens / rate, fitted to the server's time per
         # request less its wait for decode blocks beyond the control round trip (the planner
         # simulates that wait itself)
-        served = [rid for rid in busies if rid in waits]
-        if served:
-            rtt = min(waits[rid] for rid in served)
-            fixed, rate = fit_prefill(
-                [toks.get(rid, 0) for rid in served], [busies[rid] - (waits[rid] - rtt) for rid in served]
-            )
+        if pre.fit.n:
+            fixed, rate = pre.prefill_fit()
             rep["prefill_fixed_ms"], rep["prefill_fit_tokens_per_s"] = fixed * 1e3, rate
         rep["transport"] = a.transport
         rep["event_lines_unreadable"] = unreadable[0]
@@ -288,7 +258,7 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
 
 def _finish(a: argparse.Namespace, rep: dict[str, Any], console: Any, dec: DecodeSide, interrupted: bool) -> int:
     rep["run"] = describe_run(a, dec)
-    tl = dec.timeline  # the plot's data: seconds, buffer and GPU blocks in use, bytes landed
+    tl = dec.timeline.points  # the plot's data: seconds, buffer and GPU blocks in use, bytes landed
     rep["timeline"] = {k: [x[i] for x in tl] for i, k in enumerate(("t_s", "buffer_blocks", "gpu_blocks", "bytes"))}
     rep.update(run_facts(a))
     print_report(rep, console)

@@ -107,8 +107,20 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
         (layer, t): host_spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))
     }
     base = cache.ctypes.data
+    seq = [0]  # layers of the sender's layer_log already reported
+
+    def report_layers() -> None:
+        """The layers written since the last call, as one event: their seconds (send_layer
+        to writes done) and when this rank was writing (monotonic, host-wide: the link's busy
+        time); the run's figures are streamed, never held per request."""
+        new, seq[0] = tx.layer_log.since(seq[0])
+        if not new:
+            return
+        emit({"type": "layers", "s": [x[1] for x in new], "w": [[round(x[3], 6), round(x[4], 6)] for x in new]})
+
     try:
         for r in work:
+            report_layers()
             if a.duration and time.monotonic() - t0 > a.duration:
                 break
             delay = r.arrival - (time.monotonic() - t0)
@@ -176,7 +188,7 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
                 cv.wait(0.1)
         lost = list(held)
     finally:
-        layers = list(tx.layer_log)
+        report_layers()
         stats = dict(tx.stats)
         if pm is not None:
             pm.close()
@@ -188,9 +200,6 @@ def run_prefill(a: argparse.Namespace, emit: Any) -> int:
             "type": "summary",
             "rank": a.rank,
             "failed": failed + len(lost),
-            "layer_s": [x[1] for x in layers],
-            # when this rank was writing (monotonic, host-wide): the link's busy time
-            "writes": [[round(x[3], 6), round(x[4], 6)] for x in layers],
             "bytes": stats["bytes"],
             "elapsed": time.monotonic() - t0,
         }

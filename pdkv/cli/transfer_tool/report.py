@@ -2,77 +2,76 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from ...layout import KVLayout
-from .decode_mode import DecodeSide, Track
+from .decode_mode import DecodeSide
+from .stats import LineFit, PrefillTally, Quantiles
 
 
-def _pct(xs: Sequence[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
-
-
-def _union_s(intervals: Sequence[Sequence[float]]) -> float:
-    """Seconds covered by the union of ``[start, end]`` intervals."""
-    total, reach = 0.0, -math.inf
-    for a, b in sorted((float(w[0]), float(w[1])) for w in intervals):
-        if b > reach:
-            total += b - max(a, reach)
-            reach = b
-    return total
+def _pct(q: Quantiles, p: float) -> float:
+    return q.percentile(p)
 
 
 def build_report(
     dec: DecodeSide,
-    prefill: list[dict[str, Any]],
-    outcomes: dict[str, str],
+    pre: PrefillTally | None,
     wall: float,
     lay: KVLayout,
     D: int,
-    reasons: dict[str, str] | None = None,
-    waits: Sequence[float] = (),
-    ttfts: Sequence[float] = (),
     requests: int | None = None,
 ) -> dict[str, Any]:
-    """Every figure of a run, each named for what it is. ``wall`` is the whole run, start-up
-    included; rates are over the transfer span, from the first grant to the last request
-    received (or ready)."""
-    ready = [t for t in dec.tracks.values() if t.state == "ready"]
+    """Every figure of a run, each named for what it is, from decode's tally of its ended
+    requests (those still in flight folded in here) and the prefill ranks' (local mode).
+    ``wall`` is the whole run, start-up included; rates are over the transfer span, from
+    the first grant to the last request received (or ready)."""
+    pre = pre if pre is not None else PrefillTally(1)
+    pre.close()
+    with dec.lock:
+        tally = copy.deepcopy(dec.tally)
+        tracks = list(dec.tracks.items())
     inst_block = lay.block_bytes * D
-    per_req_gbps = [t.blocks * inst_block / (t.received - t.reserved) / 1e9 for t in ready if t.received > t.reserved]
-    ttr = [t.received - t.reserved for t in ready if t.received]
-    tready = [t.ready - t.reserved for t in ready if t.ready]
-    layer_s = [x for p in prefill for x in p.get("layer_s", [])]
-    busy = _union_s([w for p in prefill for w in p.get("writes", [])])
-    sent = sum(p.get("bytes", 0) for p in prefill)
-    total_bytes = sum(t.blocks for t in ready) * inst_block
+    in_flight = 0
+    for rid, tr in tracks:  # still held at the end: ready ones (decode "generating") count as such
+        if tr.state:
+            tally.fold(rid, tr, inst_block)
+            continue
+        in_flight += 1  # neither ready nor failed
+        tally.landed_blocks += tr.blocks if tr.received else 0
+        if tr.reserved:
+            tally.first_grant = min(tally.first_grant, tr.reserved)
+    busy = pre.busy.seconds()
+    sent = sum(int(p.get("bytes", 0)) for p in pre.summaries)
+    total_bytes = tally.ready_blocks * inst_block
     # every byte that landed in decode, the requests that ended badly after landing (an
     # interrupted run aborts them) too: what was verified is a part of it
-    landed_bytes = sum(t.blocks for t in dec.tracks.values() if t.received) * inst_block
-    starts = [t.reserved for t in dec.tracks.values() if t.reserved]
-    ends = [max(t.received, t.ready) for t in ready]
-    span = max(ends) - min(starts) if starts and ends else 0.0
+    landed_bytes = tally.landed_blocks * inst_block
+    span = tally.last_end - tally.first_grant if tally.ready and tally.first_grant < math.inf else 0.0
     m = dec.sched.metrics()
-    failed_ids = {rid for rid, st in outcomes.items() if st != "received"}
-    failed_ids |= {rid for rid, t in dec.tracks.items() if t.state not in ("ready", "")}
+    failed = dict(pre.failed)
+    failed.update(tally.failed)  # decode's word where both sides speak of a request
     peak_buf = int(m["buffer_blocks_peak"])
-    seen = len(set(outcomes) | set(dec.tracks))
-    n_req = max(requests or 0, seen)
+    n_req = max(requests or 0, tally.ready + len(failed) + in_flight)
     # requests issued that neither became ready nor reported a failure: lost, and failed
-    lost = max(0, n_req - len(ready) - len(failed_ids)) if requests else 0
+    lost = max(0, n_req - tally.ready - len(failed)) if requests else 0
     failures = list(dec.failures)
+    if dec.failures_more:
+        failures.append(f"... and {dec.failures_more} more failure line(s)")
     if lost:
         failures.append(f"{lost} request(s) issued but neither ready nor failed (no outcome reported)")
+    shown = sorted(failed.items())[:20]
+    failures += [f"{rid}: {why}" for rid, why in shown]
+    if len(failed) > len(shown):
+        failures.append(f"... and {len(failed) - len(shown)} more failed request(s)")
     return {
         "requests": n_req,
-        "requests_ready": len(ready),
-        "requests_into_gpu_blocks": sum(1 for t in ready if t.location == "gpu"),
+        "requests_ready": tally.ready,
+        "requests_into_gpu_blocks": tally.into_gpu,
         "requests_queued": int(m["reservations_queued"]),
-        "requests_failed": len(failed_ids) + lost,
+        "requests_failed": len(failed) + lost,
         "requests_lost": lost,
         "bytes_verified": dec.bytes_verified,
         "verify_errors": dec.verify_errors,
@@ -83,19 +82,19 @@ def build_report(
         # bytes sent over the time some prefill rank was writing: the link's rate under the run's load
         "link_GBps": sent / busy / 1e9 if busy > 0 else 0.0,
         "link_busy_s": busy,
-        "request_GBps_p50": _pct(per_req_gbps, 50),
-        "request_GBps_p1": _pct(per_req_gbps, 1),  # the slowest 1%: 99% of requests beat it
-        "layer_latency_ms_p50": _pct(layer_s, 50) * 1e3,
-        "layer_latency_ms_p99": _pct(layer_s, 99) * 1e3,
-        "grant_to_received_ms_p50": _pct(ttr, 50) * 1e3,
-        "grant_to_received_ms_p99": _pct(ttr, 99) * 1e3,
-        "grant_to_ready_ms_p50": _pct(tready, 50) * 1e3,
-        "grant_to_ready_ms_p99": _pct(tready, 99) * 1e3,
-        "prefill_wait_ms_p50": _pct(waits, 50) * 1e3,
-        "prefill_wait_ms_p99": _pct(waits, 99) * 1e3,
-        "prefill_wait_ms_max": max(waits) * 1e3 if len(waits) else float("nan"),
-        "ttft_ms_p50": _pct(ttfts, 50) * 1e3,
-        "ttft_ms_p99": _pct(ttfts, 99) * 1e3,
+        "request_GBps_p50": _pct(tally.request_gbps, 50),
+        "request_GBps_p1": _pct(tally.request_gbps, 1),  # the slowest 1%: 99% of requests beat it
+        "layer_latency_ms_p50": _pct(pre.layer_s, 50) * 1e3,
+        "layer_latency_ms_p99": _pct(pre.layer_s, 99) * 1e3,
+        "grant_to_received_ms_p50": _pct(tally.grant_to_received, 50) * 1e3,
+        "grant_to_received_ms_p99": _pct(tally.grant_to_received, 99) * 1e3,
+        "grant_to_ready_ms_p50": _pct(tally.grant_to_ready, 50) * 1e3,
+        "grant_to_ready_ms_p99": _pct(tally.grant_to_ready, 99) * 1e3,
+        "prefill_wait_ms_p50": _pct(pre.waits, 50) * 1e3,
+        "prefill_wait_ms_p99": _pct(pre.waits, 99) * 1e3,
+        "prefill_wait_ms_max": _pct(pre.waits, 100) * 1e3,
+        "ttft_ms_p50": _pct(pre.ttfts, 50) * 1e3,
+        "ttft_ms_p99": _pct(pre.ttfts, 99) * 1e3,
         "peak_buffer_blocks": peak_buf,
         "buffer_blocks": dec.nb,
         "gpu_blocks": dec.gpu_blocks,
@@ -104,15 +103,8 @@ def build_report(
         "prefill_wait_avoided_s_total": m["prefill_wait_avoided_seconds_sum"],
         "prefill_wait_avoided_s_max": m["prefill_wait_avoided_seconds_max"],
         "gpu": dec.cuda,
-        "failures": sorted(failures)[:20]
-        + sorted(_failure_line(r, outcomes, dec, reasons or {}) for r in list(failed_ids)[:20]),
+        "failures": failures,
     }
-
-
-def _failure_line(rid: str, outcomes: dict[str, str], dec: DecodeSide, reasons: dict[str, str]) -> str:
-    tr = dec.tracks.get(rid, Track())
-    why = (reasons.get(rid) or tr.reason).replace(f"request {rid!r}: ", "")
-    return f"{rid}: {outcomes.get(rid, tr.state)}" + (f" ({why})" if why else "")
 
 
 def print_report(rep: dict[str, Any], console: Any) -> None:
@@ -177,17 +169,10 @@ def fit_prefill(tokens: Sequence[int], seconds: Sequence[float]) -> tuple[float,
     """``(fixed_s, tokens_per_s)`` of the least-squares line ``seconds = fixed + tokens /
     tokens_per_s`` over requests; with fewer than two prompt lengths, or a fit that is not a
     positive rate with a fixed part >= 0, no fixed part and the mean rate."""
-    t = np.asarray(tokens, dtype=np.float64)
-    s = np.asarray(seconds, dtype=np.float64)
-    if not t.size or s.sum() <= 0:
-        return 0.0, 0.0
-    mean_rate = float(t.sum() / s.sum())
-    if np.unique(t).size < 2:
-        return 0.0, mean_rate
-    slope, fixed = np.polyfit(t, s, 1)
-    if slope <= 0 or fixed < 0:
-        return 0.0, mean_rate
-    return float(fixed), float(1 / slope)
+    fit = LineFit()
+    for t, sec in zip(tokens, seconds, strict=True):
+        fit.add(float(t), float(sec))
+    return fit.fit()
 
 
 def save_figure(fig: Any, path: str, title: str) -> None:
@@ -216,7 +201,7 @@ def write_plot(path: str, dec: DecodeSide) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tl = dec.timeline or [(0.0, 0, 0, 0)]
+    tl = dec.timeline.points or [(0.0, 0, 0, 0)]
     ts = [x[0] for x in tl]
     thr = [0.0] + [(tl[i][3] - tl[i - 1][3]) / max(1e-9, tl[i][0] - tl[i - 1][0]) / 1e9 for i in range(1, len(tl))]
     fig, ax = plt.subplots(figsize=(9, 4))
