@@ -308,3 +308,129 @@ def test_an_interrupted_plan_reports_the_sizes_done(monkeypatch, capsys):
     out = capsys.readouterr().out
     last = json.loads(out.strip().splitlines()[-1])
     assert last["interrupted"] and len(last["sweep"]) == 2 and "interrupted" in out
+
+
+def test_capacity_sized_from_the_trace_when_not_given():
+    """Without --prefill-instances and --gpu-gib the planner runs the trace at 80 % of what
+    its load needs (Little's law over its span), and says so; a trace of one moment has no
+    load to size from: refused, naming the flags."""
+    from pdkv.cli.transfer_tool.plan_mode import size_from_trace
+
+    # 10 requests over 9 s, each 1 s of compute (layer_ms 500 x 2 layers) and 10 blocks held 1 s
+    trace = [TraceRequest(f"r{i}", float(i), 160, 10) for i in range(10)]
+    c = cfg(gpu_blocks=1)
+    n, g, lines = size_from_trace(trace, c, None, None)
+    # prefill: a request a second, 1 s each: 1 instance busy -> /0.8 -> 2; decode: 10 blocks held
+    # at any time -> 12.5 -> 13, rounded up to a whole GiB (1,048,576 of these 1 KiB blocks)
+    assert n == 2 and g == LAY.blocks_for_bytes(1 << 30)
+    assert "2 instance(s), from the trace (over its 9 s its prompts keep 1.00 instances busy" in lines[0]
+    assert "hold 10 blocks on average" in lines[1] and "--gpu-gib" in lines[1]
+    assert size_from_trace(trace, c, 3, 40) == (3, 40, [])  # given: used as they are, nothing said
+    with pytest.raises(UsageError, match="no load to size from; set --prefill-instances and --gpu-gib"):
+        size_from_trace(TWO, c, None, None)
+    assert size_from_trace(TWO, c, 1, 20)[:2] == (1, 20)
+
+
+def test_busiest_window_of_a_load():
+    """The sizing looks at the busiest minute, not the mean: a burst of 60 one-second
+    requests in 10 s, then one a minute, needs 6 servers' worth in its busiest 60 s."""
+    import numpy as np
+
+    from pdkv.cli.transfer_tool.plan_mode import busiest
+
+    starts = np.array([i / 6 for i in range(60)] + [60.0 * k for k in range(2, 10)])
+    w = np.ones(len(starts))
+    assert busiest(starts, starts + 1, w, 60) == pytest.approx(1.0, abs=0.05)  # 60 s of work in a minute
+    assert busiest(starts, starts + 1, w, 10) == pytest.approx(6.0, abs=0.3)
+    assert busiest(starts, starts + 1, w, 600) == pytest.approx(68 / 600, abs=0.02)
+    # weights are held over [start, end): 3 blocks for 100 s, 7 for the last 50 of them
+    assert busiest(np.array([0.0, 50.0]), np.array([100.0, 100.0]), np.array([3.0, 7.0]), 50) == 10.0
+
+
+def _row(gib, blocks, wait99, ttft50, ttft99, **kw):
+    r = dict(
+        buffer_gib=gib,
+        buffer_blocks=blocks,
+        requests=10,
+        completed=10,
+        rejected=0,
+        queue_timeouts=0,
+        queued=0,
+        swaps=0,
+        peak_buffer_occupancy=0.5,
+        prefill_wait_ms_p99=wait99,
+        ttft_ms_p50=ttft50,
+        ttft_ms_p99=ttft99,
+    )
+    r.update(kw)
+    return r
+
+
+def test_advice_states_the_target_the_difference_and_why_a_buffer_is_worse_than_none(monkeypatch):
+    from pdkv.cli.transfer_tool import plan_mode
+
+    alt = dict(prefill_wait_ms_p99=7.0, ttft_ms_p50=40.0, ttft_ms_p99=90.0)
+    seen = []
+
+    def fake_simulate(trace, c, nb):
+        seen.append((c.gpu_blocks, nb))
+        return type("R", (), {"figures": lambda self: alt})()
+
+    monkeypatch.setattr(plan_mode, "simulate", fake_simulate)
+    c = cfg(gpu_blocks=10)
+    rows = [
+        _row(0.0, 0, 1000.0, 50.0, 2000.0, queued=4),
+        _row(0.5, 5, 1200.0, 80.0, 2500.0, queued=7, peak_buffer_occupancy=1.0),  # fewer blocks than the GPU
+        _row(1.0, 10, 90.0, 45.0, 300.0),
+        _row(2.0, 20, 0.0, 45.0, 300.0),
+    ]
+    rec = plan_mode.advise([], c, rows, None, 0.1, None)
+    text = "\n".join(rec["lines"])
+    # the default target: a tenth of the no-buffer p99 wait; the smallest row meeting it
+    assert rec["target_wait_ms"] == 100.0 and rec["buffer_blocks"] == 10
+    assert "p99 prefill wait <= 100 ms (0.1 x the 1000 ms without a buffer)" in text
+    assert "p99 prefill wait 1000 -> 90 ms, TTFT p50 50 -> 45 ms, p99 2000 -> 300 ms" in text
+    assert "no GPU memory" in text
+    # the same memory as GPU blocks instead: one more simulation, no buffer, 10 + 10 blocks
+    assert seen == [(20, 0)] and rec["same_memory_as_gpu"]["prefill_wait_ms_p99"] == 7.0
+    assert "as GPU KV cache instead" in text and "p99 prefill wait 7 ms" in text
+    # the buffer smaller than the GPU pool, every transfer through it: worse, and why
+    assert rec["worse_than_none"] == [5]
+    assert "0.5 GiB does worse than no buffer (wait p99 1200 vs 1000 ms, ttft p50 80 vs 50 ms, ttft p99" in text
+    assert "holds its buffer blocks from its grant, through prefill's compute and the transfer, to its swap" in text
+    assert "5 blocks keep fewer requests in flight than decode's 10 GPU blocks" in text
+    assert "It was full (peak 100%) and 7 requests queued for its room while GPU blocks were free" in text
+    # an absolute target; none meeting it: said, with the largest size's figures
+    rec = plan_mode.advise([], c, rows, 0.0, 0.1, 100.0)
+    assert rec["best"] is None and "no buffer in the sweep meets p99 prefill wait <= 0 ms and p99 TTFT <= 100 ms" in (
+        "\n".join(rec["lines"])
+    )
+    # no wait without a buffer: the recommendation is none, and says why
+    calm = [_row(0.0, 0, 0.0, 50.0, 90.0), _row(1.0, 10, 0.0, 50.0, 90.0)]
+    rec = plan_mode.advise([], c, calm, None, 0.1, None)
+    assert rec["best"]["buffer_blocks"] == 0 and rec["lines"][-1].startswith("recommendation: no buffer")
+
+
+def test_plan_with_its_defaults_recommends_on_the_shipped_trace(tmp_path, capsys):
+    """No capacity flags, no target: sized from the trace, a recommendation with its
+    with/without figures; the plot marks the target and the recommended size."""
+    argv = ["plan", "--trace", TRACE, "--bandwidth-gbps", "25", "--swap-gbps", "50"]
+    plot = []
+    if _have_matplotlib():  # the plot is checked where pdkv[plot] is installed
+        plot = ["--plot", str(tmp_path / "p.html")]
+    assert tool_main([*argv, *plot]) == 0
+    out = capsys.readouterr().out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert "from the trace" in out and last["recommended_buffer_blocks"]
+    rec = last["recommendation"]
+    assert rec["with"]["prefill_wait_ms_p99"] <= rec["target_wait_ms"] < rec["without"]["prefill_wait_ms_p99"]
+    assert "Without -> with it" in out and "as GPU KV cache instead" in out
+    if plot:
+        svg = (tmp_path / "p.html").read_text()
+        assert f"recommended {last['recommended_buffer_gib']:.1f} GiB" in svg and "target p99" in svg
+
+
+def _have_matplotlib():
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None

@@ -190,19 +190,21 @@ def soak_tool(a: argparse.Namespace) -> int:
     if a.json:
         argv += ["--json", a.json]
     t0 = time.monotonic()
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = open(a.log or os.devnull, "w")  # the tool's own output, apart from this table
+    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
     rows: list[tuple[float, float, float]] = []
+    print(" ".join(argv[1:]))
+    print(f"{'minute':>7} {'tool RSS MiB':>13} {'prefill RSS MiB':>16}", flush=True)
     while p.poll() is None:
         kids = children(p.pid)
         rows.append((time.monotonic() - t0, rss_mib(p.pid), sum(rss_mib(k) for k in kids)))
+        t, r1, r2 = rows[-1]
+        print(f"{t / 60:>7.1f} {r1:>13.1f} {r2:>16.1f}", flush=True)  # as it goes: a long run is watched
         deadline = time.monotonic() + a.every
         while p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-    out = p.stdout.read() if p.stdout else ""
-    print(" ".join(argv[1:]))
-    print(f"{'minute':>7} {'tool RSS MiB':>13} {'prefill RSS MiB':>16}")
-    for t, r1, r2 in rows:
-        print(f"{t / 60:>7.1f} {r1:>13.1f} {r2:>16.1f}")
+    log.close()
+    out = open(a.log).read() if a.log else ""
     # from the first sample at or after the warm-up to the last taken while the requests ran
     run = [r for r in rows if r[0] <= duration]
     warm = next((r for r in run if r[0] >= a.warmup_s), run[-1] if run else None)
@@ -235,6 +237,7 @@ def main() -> int:
     t.add_argument("--every", type=float, default=60.0)
     t.add_argument("--warmup-s", type=float, default=60.0, help="growth is measured from here")
     t.add_argument("--json", default="", help="the tool's JSON report here")
+    t.add_argument("--log", default="", help="the tool's output here (its last lines are printed at the end)")
     a = ap.parse_args()
     if a.what == "tool":
         return soak_tool(a)

@@ -182,13 +182,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--events", action="store_true", help=argparse.SUPPRESS)  # prefill: JSON lines for local mode
     g = p.add_argument_group("plan (capacity planner)")
-    g.add_argument("--gpu-gib", type=float, default=16.0, help="decode GPU memory for the KV cache, per rank")
+    g.add_argument(
+        "--gpu-gib",
+        type=float,
+        default=None,
+        help="decode GPU memory for the KV cache, per rank (default: what the trace needs, from its load)",
+    )
     g.add_argument(
         "--buffer-sweep",
         help="buffer sizes per decode rank to compare, GiB, comma-separated (default: none, then powers of two "
         "from the largest request routed through the buffer, or 1/8 of the GPU pool, up to 4 x the GPU pool)",
     )
-    g.add_argument("--prefill-instances", type=int, default=1, help="prefill servers sharing the trace")
+    g.add_argument(
+        "--prefill-instances",
+        type=int,
+        default=None,
+        help="prefill servers sharing the trace (default: what the trace needs at 80%% load)",
+    )
     g.add_argument(
         "--prefill-tokens-per-s",
         type=float,
@@ -213,7 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
         "default: every transfer through the buffer and a swap (shm, tcp)",
     )
     g.add_argument(
-        "--target-wait-ms", type=float, default=0.0, help="recommend the smallest buffer with p99 wait <= this"
+        "--target-wait-ms",
+        type=float,
+        default=None,
+        help="recommend the smallest buffer with p99 prefill wait <= this (default: --target-wait-fraction)",
+    )
+    g.add_argument(
+        "--target-wait-fraction",
+        type=float,
+        default=0.1,
+        help="without --target-wait-ms: recommend the smallest buffer whose p99 prefill wait is at most this "
+        "fraction of the no-buffer p99 wait",
     )
     g.add_argument("--target-ttft-ms", type=float, default=None, help="... and p99 time to first token <= this")
     g = p.add_argument_group("sweep")
@@ -324,15 +344,17 @@ def _check_plan_args(a: argparse.Namespace) -> None:
         raise UsageError("plan needs --trace FILE (a Mooncake-format JSONL trace, e.g. tests/data/*.jsonl)")
     for name in ("gpu_gib", "prefill_tokens_per_s"):
         v = getattr(a, name)
-        if not math.isfinite(v) or v <= 0:
+        if v is not None and (not math.isfinite(v) or v <= 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number")
     for name in ("bandwidth_gbps", "swap_gbps", "target_wait_ms", "layer_ms", "prefill_overhead_ms"):
         v = getattr(a, name)
-        if not math.isfinite(v) or v < 0:
+        if v is not None and (not math.isfinite(v) or v < 0):
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
+    if not (math.isfinite(a.target_wait_fraction) and 0 <= a.target_wait_fraction < 1):
+        raise UsageError(f"--target-wait-fraction {a.target_wait_fraction} must be in [0, 1)")
     if a.target_ttft_ms is not None and not (math.isfinite(a.target_ttft_ms) and a.target_ttft_ms > 0):
         raise UsageError("--target-ttft-ms must be a positive number")
-    if a.prefill_instances <= 0:
+    if a.prefill_instances is not None and a.prefill_instances <= 0:
         raise UsageError("--prefill-instances must be positive")
     if a.token_ms is None:
         a.token_ms = 30.0

@@ -64,6 +64,11 @@ class PlanConfig:
             return self.overhead_s + self.layout.total_layers * self.layer_ms / 1000
         return self.overhead_s + tokens / self.prefill_tokens_per_s
 
+    def compute_desc(self) -> str:
+        """How prefill's compute is modelled, in words."""
+        out = f"{self.layer_ms:g} ms a layer" if self.layer_ms else f"{self.prefill_tokens_per_s:,.0f} tokens/s"
+        return out + (f" + {self.overhead_s * 1e3:g} ms a request" if self.overhead_s else "")
+
     @property
     def instance_block_bytes(self) -> int:
         return self.layout.block_bytes * self.decode_tp

@@ -4,11 +4,13 @@ host's link and swap rates, and the plot."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import textwrap
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from ...layout import KVLayout
 from .capacity import PlanConfig, prefix_savings, simulate
@@ -62,7 +64,110 @@ def recommend(rows: list[dict[str, Any]], target_wait_ms: float, target_ttft_ms:
     return None
 
 
-def write_plan_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
+def advise(
+    trace: Sequence[TraceRequest],
+    cfg: PlanConfig,
+    rows: list[dict[str, Any]],
+    target_wait_ms: float | None,
+    fraction: float,
+    target_ttft_ms: float | None,
+) -> dict[str, Any]:
+    """The recommendation against the no-buffer row (``rows[0]``): the target (given, or
+    ``fraction`` of the no-buffer p99 wait), the smallest buffer meeting it, what it changes
+    (wait, TTFT, memory), the same memory given to the GPU pool instead, and why any buffer
+    size does worse than none. ``lines`` says it all in words."""
+    base = rows[0]
+    gib = 1 << 30
+    lines: list[str] = []
+    if target_wait_ms is None:
+        target_wait_ms = fraction * base["prefill_wait_ms_p99"]
+        what = f"p99 prefill wait <= {target_wait_ms:.0f} ms ({fraction:g} x the "
+        what += f"{base['prefill_wait_ms_p99']:.0f} ms without a buffer)"
+    else:
+        what = f"p99 prefill wait <= {target_wait_ms:g} ms"
+    if target_ttft_ms is not None:
+        what += f" and p99 TTFT <= {target_ttft_ms:g} ms"
+    out: dict[str, Any] = {"target_wait_ms": target_wait_ms, "target": what}
+    bb = cfg.layout.block_bytes
+    out["worse_than_none"] = []
+    for r in rows[1:]:
+        worse = [k for k in ("prefill_wait_ms_p99", "ttft_ms_p50", "ttft_ms_p99") if r[k] > base[k] * 1.05 + 1]
+        if not worse:
+            continue
+        out["worse_than_none"].append(r["buffer_blocks"])
+        why = (
+            f"{r['buffer_gib']:.1f} GiB does worse than no buffer ("
+            + ", ".join(
+                f"{k.replace('prefill_', '').replace('_ms_', ' ')} {r[k]:.0f} vs {base[k]:.0f} ms" for k in worse
+            )
+            + "): "
+        )
+        if not cfg.direct_to_gpu and r["buffer_blocks"] < cfg.gpu_blocks:
+            why += (
+                f"every transfer passes through the buffer (shm and tcp write host memory only) and a request holds "
+                f"its buffer blocks from its grant, through prefill's compute and the transfer, to its swap: "
+                f"{r['buffer_blocks']} blocks keep fewer requests in flight than decode's {cfg.gpu_blocks} GPU blocks "
+                f"do without a buffer. It was full (peak {r['peak_buffer_occupancy']:.0%}) and {r['queued']} requests "
+                f"queued for its room while GPU blocks were free"
+            )
+        else:
+            why += (
+                f"each request passing through it also waits for its swap into GPU blocks "
+                f"({cfg.swap_bandwidth / 1e9:.0f} GB/s, one at a time; {r['swaps']} swaps)"
+            )
+        lines.append(f"[yellow]{why}[/yellow]")
+    best = recommend(rows, target_wait_ms, target_ttft_ms)
+    out["best"] = best
+    if best is None:
+        top = rows[-1]
+        lines.append(
+            f"no buffer in the sweep meets {what}: the largest, {top['buffer_gib']:.1f} GiB, gives p99 wait "
+            f"{top['prefill_wait_ms_p99']:.0f} ms and p99 TTFT {top['ttft_ms_p99']:.0f} ms: try larger sizes "
+            "(--buffer-sweep), a looser target (--target-wait-ms, --target-wait-fraction), or more decode GPU memory"
+        )
+        return dict(out, lines=lines)
+    if best["buffer_blocks"] == 0:
+        lines.append(
+            f"recommendation: no buffer. Without one this trace already meets {what} (p99 prefill wait "
+            f"{base['prefill_wait_ms_p99']:.0f} ms): decode's GPU blocks rarely held prefill up; a buffer helps "
+            "when they run short"
+        )
+        return dict(out, lines=lines)
+    out.update(
+        buffer_blocks=best["buffer_blocks"],
+        buffer_gib=best["buffer_gib"],
+        **{
+            "without": {k: base[k] for k in ("prefill_wait_ms_p99", "ttft_ms_p50", "ttft_ms_p99")},
+            "with": {k: best[k] for k in ("prefill_wait_ms_p99", "ttft_ms_p50", "ttft_ms_p99")},
+        },
+    )
+    lines.append(
+        f"recommendation: {best['buffer_gib']:.2f} GiB ({best['buffer_blocks']} blocks) of buffer per decode rank, "
+        f"the smallest in the sweep meeting {what}. Without -> with it: p99 prefill wait "
+        f"{base['prefill_wait_ms_p99']:.0f} -> {best['prefill_wait_ms_p99']:.0f} ms, TTFT p50 "
+        f"{base['ttft_ms_p50']:.0f} -> {best['ttft_ms_p50']:.0f} ms, p99 {base['ttft_ms_p99']:.0f} -> "
+        f"{best['ttft_ms_p99']:.0f} ms; it costs {best['buffer_gib']:.2f} GiB of pinned host memory a rank and no "
+        f"GPU memory (GPU KV cache {cfg.gpu_blocks * bb / gib:.1f} GiB a rank either way)"
+    )
+    if best["buffer_blocks"]:
+        more = dataclasses.replace(cfg, gpu_blocks=cfg.gpu_blocks + best["buffer_blocks"])
+        alt = simulate(trace, more, 0).figures()
+        out["same_memory_as_gpu"] = {
+            "gpu_gib": more.gpu_blocks * bb / gib,
+            **{k: alt[k] for k in ("prefill_wait_ms_p99", "ttft_ms_p50", "ttft_ms_p99")},
+        }
+        lines.append(
+            f"the same {best['buffer_gib']:.2f} GiB as GPU KV cache instead ({more.gpu_blocks * bb / gib:.1f} GiB a "
+            f"rank, no buffer): p99 prefill wait {alt['prefill_wait_ms_p99']:.0f} ms, TTFT p50 "
+            f"{alt['ttft_ms_p50']:.0f} ms, p99 {alt['ttft_ms_p99']:.0f} ms"
+        )
+    return dict(out, lines=lines)
+
+
+def write_plan_plot(
+    path: str, rows: list[dict[str, Any]], title: str, target_wait_ms: float, best_gib: float | None
+) -> None:
+    """The sweep in three panels; the wait target as a line, the recommended size marked."""
     import matplotlib
 
     from .report import save_figure
@@ -76,6 +181,7 @@ def write_plan_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
     ax.plot(x, [r["prefill_wait_ms_p50"] for r in rows], "o-", label="p50")
     ax.plot(x, [r["prefill_wait_ms_p99"] for r in rows], "s-", label="p99")
     ax.plot(x, [r["prefill_wait_ms_max"] for r in rows], "^--", label="max")
+    ax.axhline(target_wait_ms, color="tab:gray", ls=":", label=f"target p99 {target_wait_ms:.0f} ms")
     ax.set_title("prefill's wait for decode blocks")
     ax.set_ylabel("ms")
     ax = axes[1]
@@ -90,6 +196,8 @@ def write_plan_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
     ax.set_title("buffer use and queueing")
     ax.set_ylabel("%")
     for ax in axes:
+        if best_gib is not None:
+            ax.axvline(best_gib, color="tab:green", ls="--", alpha=0.7, label=f"recommended {best_gib:.1f} GiB")
         ax.set_xlabel("buffer per decode rank (GiB)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
@@ -118,6 +226,71 @@ def load_warnings(trace: Sequence[TraceRequest], cfg: PlanConfig) -> list[str]:
             f"{cfg.gpu_blocks} (any buffer fills; raise --gpu-gib)"
         )
     return out
+
+
+LOAD = 0.8  # the load a capacity derived from the trace runs at
+WINDOW_S = 60.0  # ... in the trace's busiest window of this length: a buffer absorbs shorter bursts
+
+
+def busiest(starts: np.ndarray, ends: np.ndarray, weights: np.ndarray, window_s: float) -> float:
+    """The highest mean over any ``window_s`` (whole seconds) of the sum of ``weights`` held
+    over ``[start, end)`` intervals (seconds): a load's busiest spell."""
+    n = int(math.ceil(float(ends.max()))) + 2
+    grid = np.zeros(n + 1)
+    s, e = starts.astype(np.int64), np.maximum(ends.astype(np.int64), starts.astype(np.int64) + 1)
+    np.add.at(grid, s, weights)
+    np.add.at(grid, e, -weights)
+    per_s = np.cumsum(grid)[:n]  # held during each whole second
+    w = max(1, min(n, int(window_s)))
+    sums = np.convolve(per_s, np.ones(w), "valid")
+    return float(sums.max() / w)
+
+
+def size_from_trace(
+    trace: Sequence[TraceRequest], cfg: PlanConfig, instances: int | None, gpu_blocks: int | None
+) -> tuple[int, int, list[str]]:
+    """Prefill instances and decode GPU blocks per rank for the trace, where not given: the
+    capacity its load needs (prefill's compute, decode's GPU blocks held while generating)
+    in its busiest ``WINDOW_S`` (the whole span if shorter), at ``LOAD``; the GPU pool never
+    below the largest request. Returns both and a line per derived value saying how; a trace
+    with no span (one moment) is refused, naming the flags to set."""
+    lay = cfg.layout
+    t0 = min(r.arrival for r in trace)
+    span = max(r.arrival for r in trace) - t0
+    largest = max(lay.blocks_for_tokens(r.input_tokens) for r in trace)
+    lines = []
+    if (instances is None or gpu_blocks is None) and span <= 0:
+        raise UsageError(
+            "the trace's requests all arrive at one moment: it has no load to size from; set "
+            "--prefill-instances and --gpu-gib (or --gpu-blocks)"
+        )
+    window = min(WINDOW_S, span)
+    arrive = np.array([r.arrival - t0 for r in trace])
+    compute = np.array([cfg.compute_s(r.input_tokens) for r in trace])
+    where = f"in its busiest {window:.0f} s" if window < span else f"over its {span:.0f} s"
+    if instances is None:
+        # work arriving, spread over its compute time: instance-seconds a second
+        work = busiest(arrive, arrive + compute, np.ones(len(trace)), window)
+        instances = max(1, math.ceil(work / LOAD))
+        lines.append(
+            f"prefill: {instances} instance(s), from the trace ({where} its prompts keep {work:.2f} instances "
+            f"busy at {cfg.compute_desc()}; {LOAD:.0%} load; set --prefill-instances to choose)"
+        )
+    if gpu_blocks is None:
+        blocks = np.array([lay.blocks_for_tokens(r.input_tokens) for r in trace], dtype=np.float64)
+        hold = np.array([r.output_tokens * cfg.token_s for r in trace])
+        start = arrive + compute
+        held = busiest(start, start + hold, blocks, window)
+        per_gib = lay.blocks_for_bytes(1 << 30)
+        need = max(largest, math.ceil(held / LOAD))
+        gpu_blocks = max(need, -(-need // max(1, per_gib)) * per_gib)  # whole GiB
+        lines.append(
+            f"decode: {gpu_blocks} GPU blocks ({gpu_blocks * lay.block_bytes / (1 << 30):.1f} GiB a rank), from the "
+            f"trace ({where} its requests hold {held:,.0f} blocks on average while generating, at "
+            f"{cfg.token_s * 1e3:g} ms a token; {LOAD:.0%} load; the largest request {largest}; "
+            "set --gpu-gib to choose)"
+        )
+    return instances, gpu_blocks, lines
 
 
 def measure_rates(a: Any, console: Any) -> tuple[float, float]:
@@ -171,39 +344,42 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
 
     trace = read_trace(a.trace, a.trace_limit, a.time_scale)
     lay = KVLayout(**lay_kw, tp_size=a.decode_tp)
+    gpu_given: int | None = None
     if a.gpu_blocks:
-        gpu_blocks = a.gpu_blocks
-    else:
-        gpu_blocks = lay.blocks_for_bytes(int(a.gpu_gib * (1 << 30)))
-    if gpu_blocks <= 0:
-        raise UsageError(f"--gpu-gib {a.gpu_gib} holds no block of {lay.block_bytes} bytes")
+        gpu_given = a.gpu_blocks
+    elif a.gpu_gib is not None:
+        gpu_given = lay.blocks_for_bytes(int(a.gpu_gib * (1 << 30)))
+        if gpu_given <= 0:
+            raise UsageError(f"--gpu-gib {a.gpu_gib} holds no block of {lay.block_bytes} bytes")
     big = max(trace, key=lambda r: r.input_tokens)
     need = lay.blocks_for_tokens(big.input_tokens)
+    if gpu_given is not None and need > gpu_given:
+        raise UsageError(
+            f"trace request {big.rid} needs {need} GPU blocks ({big.input_tokens} tokens) but the decode GPU pool "
+            f"has {gpu_given}: raise --gpu-gib or --gpu-blocks"
+        )
+    base_cfg = PlanConfig(
+        layout=lay,
+        decode_tp=a.decode_tp,
+        gpu_blocks=gpu_given or need,
+        prefill_tokens_per_s=a.prefill_tokens_per_s,
+        layer_ms=a.layer_ms,
+        overhead_s=a.prefill_overhead_ms / 1000,
+        token_s=a.token_ms / 1000,
+        direct_to_gpu=a.direct_to_gpu,
+    )
+    instances, gpu_blocks, sized = size_from_trace(trace, base_cfg, a.prefill_instances, gpu_given)
     sizes = sweep_sizes(a.buffer_sweep, lay, gpu_blocks, max(1, gpu_blocks // 8) if a.direct_to_gpu else need)
+    sizes = sorted({0, *sizes})  # the no-buffer case: what every other size is measured against
     bw = a.bandwidth_gbps * 1e9 if a.bandwidth_gbps else 0.0
     swap_bw = a.swap_gbps * 1e9 if a.swap_gbps else 0.0
     measured = not (bw and swap_bw)
     if measured:
         mbw, mswap = measure_rates(a, console)
         bw, swap_bw = bw or mbw, swap_bw or mswap
-    cfg = PlanConfig(
-        layout=lay,
-        decode_tp=a.decode_tp,
-        gpu_blocks=gpu_blocks,
-        prefill_instances=a.prefill_instances,
-        prefill_tokens_per_s=a.prefill_tokens_per_s,
-        layer_ms=a.layer_ms,
-        overhead_s=a.prefill_overhead_ms / 1000,
-        bandwidth=bw,
-        swap_bandwidth=swap_bw,
-        token_s=a.token_ms / 1000,
-        direct_to_gpu=a.direct_to_gpu,
+    cfg = dataclasses.replace(
+        base_cfg, gpu_blocks=gpu_blocks, prefill_instances=instances, bandwidth=bw, swap_bandwidth=swap_bw
     )
-    if need > gpu_blocks:
-        raise UsageError(
-            f"trace request {big.rid} needs {need} GPU blocks ({big.input_tokens} tokens) but the decode GPU pool "
-            f"has {gpu_blocks}: raise --gpu-gib or --gpu-blocks"
-        )
     t0 = time.monotonic()
     rows: list[dict[str, Any] | None] = []
     interrupted = False
@@ -220,18 +396,18 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
     skipped = [sizes[i] for i, r in enumerate(rows) if r is None]
     rows_ok = [r for r in rows if r is not None]
     elapsed = time.monotonic() - t0
-    compute = f"{a.layer_ms} ms a layer" if a.layer_ms else f"{a.prefill_tokens_per_s:,.0f} tokens/s"
-    if a.prefill_overhead_ms:
-        compute += f" + {a.prefill_overhead_ms:g} ms a request"
+    compute = cfg.compute_desc()
     head = (
         f"{a.model} ({lay.total_layers} layers, {lay.block_bytes * a.decode_tp / (1 << 20):.2f} MiB a block of "
         f"{lay.tokens_per_block} tokens, decode TP {a.decode_tp}); {len(trace)} requests of {a.trace}; "
-        f"{a.prefill_instances} prefill instance(s) at {compute}; link {bw / 1e9:.2f} GB/s, swap "
+        f"{instances} prefill instance(s) at {compute}; link {bw / 1e9:.2f} GB/s, swap "
         f"{swap_bw / 1e9:.2f} GB/s{' (measured here)' if measured else ''}; decode {a.token_ms} ms a token, "
         f"{gpu_blocks} GPU blocks ({gpu_blocks * lay.block_bytes / (1 << 30):.1f} GiB a rank); "
         + ("transfers into GPU blocks while they last" if a.direct_to_gpu else "every transfer through the buffer")
     )
     console.print(head)
+    for line in sized:
+        console.print(line)
     for line in load_warnings(trace, cfg):
         console.print(f"[yellow]{line}[/yellow]")
     tb = Table(
@@ -248,17 +424,10 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
     console.print(tb)
     if skipped:
         console.print(f"left out: buffers of {skipped} blocks hold less than the largest request ({need} blocks)")
-    best = recommend(rows_ok, a.target_wait_ms, a.target_ttft_ms)
-    target = f"p99 prefill wait <= {a.target_wait_ms:g} ms" + (
-        f" and p99 TTFT <= {a.target_ttft_ms:g} ms" if a.target_ttft_ms is not None else ""
-    )
-    if best is None:
-        console.print(f"no buffer in the sweep meets {target}: try larger sizes (--buffer-sweep)")
-    else:
-        console.print(
-            f"recommendation: {best['buffer_gib']:.2f} GiB ({best['buffer_blocks']} blocks) per decode rank is the "
-            f"smallest buffer in the sweep meeting {target}"
-        )
+    rec = advise(trace, cfg, rows_ok, a.target_wait_ms, a.target_wait_fraction, a.target_ttft_ms)
+    for line in rec["lines"]:
+        console.print(line)
+    best = rec["best"]
     pre = prefix_savings(trace, lay.tokens_per_block)
     if pre["requests_with_hash_ids"]:
         console.print(
@@ -276,7 +445,8 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
             "layout": lay.descriptor(),
             "decode_tp": a.decode_tp,
             "gpu_blocks": gpu_blocks,
-            "prefill_instances": a.prefill_instances,
+            "prefill_instances": instances,
+            "sized_from_trace": sized,
             "prefill_tokens_per_s": a.prefill_tokens_per_s,
             "layer_ms": a.layer_ms,
             "prefill_overhead_ms": a.prefill_overhead_ms,
@@ -287,10 +457,11 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
             "direct_to_gpu": a.direct_to_gpu,
             "time_scale": a.time_scale,
         },
-        "target": {"prefill_wait_ms_p99": a.target_wait_ms, "ttft_ms_p99": a.target_ttft_ms},
+        "target": {"prefill_wait_ms_p99": rec["target_wait_ms"], "ttft_ms_p99": a.target_ttft_ms},
         "sweep": rows_ok,
         "recommended_buffer_blocks": best["buffer_blocks"] if best else None,
         "recommended_buffer_gib": best["buffer_gib"] if best else None,
+        "recommendation": {k: v for k, v in rec.items() if k not in ("best", "lines")},
         "prefix_reuse": pre,
         "simulation_s": elapsed,
         "interrupted": interrupted,
@@ -298,7 +469,11 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
     if interrupted:
         console.print(f"[yellow]interrupted[/yellow]: {len(rows)} buffer sizes simulated, the others not")
     if a.plot:
-        write_plan_plot(a.plot, rows_ok, "\n".join(textwrap.wrap(head, 160)))
+        title = (
+            f"{a.model}, {len(trace)} requests, {instances} prefill instance(s), "
+            f"{gpu_blocks * lay.block_bytes / (1 << 30):.0f} GiB of GPU KV a decode rank"
+        )
+        write_plan_plot(a.plot, rows_ok, title, rec["target_wait_ms"], best["buffer_gib"] if best else None)
         console.print(f"plot written to {a.plot}")
     text = json.dumps(_finite(out))
     if a.json:
