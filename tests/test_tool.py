@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -732,3 +733,30 @@ def test_each_mode_has_its_own_help(mode, shown, hidden, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: pdkv-transfer-test {mode}")
     assert all(f in out for f in shown) and not any(f in out for f in hidden), out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_buffer_is_made_leaves_no_segment(sig, no_leaks):
+    """Killed by a signal it can catch while its 1.5 GiB buffer is being made (and
+    populated): the run leaves nothing in /dev/shm."""
+    from pdkv.buffer.segments import available_memory
+
+    if available_memory()[0] < (4 << 30):
+        pytest.skip("less than 4 GiB of memory left here")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pdkv.cli.transfer_tool", "--model", "tiny", "--buffer-gib", "1.5", "--requests", "2"]
+        + ["--gpu-blocks", "64", "-q"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    mine = f"pdkv-{p.pid}-"
+    deadline = time.monotonic() + 60
+    while not any(n.startswith(mine) for n in os.listdir("/dev/shm")):
+        assert p.poll() is None and time.monotonic() < deadline, "the tool made no buffer"
+        time.sleep(0.005)
+    p.send_signal(sig)
+    p.communicate(timeout=60)
+    assert p.returncode in (-sig, 130, 1, 2), p.returncode
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(mine)]

@@ -75,6 +75,7 @@ def one_rep(a: argparse.Namespace, common: list[str], k: int) -> dict:
         i = common.index("--layer-ms")
         plan_common = [*common[:i], *common[i + 2 :], "--buffer-sweep", repr(gib)]
         plan_common += ["--prefill-tokens-per-s", f"{rate:.1f}", "--prefill-overhead-ms", f"{fixed:.3f}"]
+        plan_common += ["--prefill-instances", "1"]  # the transfer test's prefill: one instance
         plan = tool(
             ["plan", *plan_common, "--bandwidth-gbps", f"{link:.6f}", "--swap-gbps", f"{swap:.6f}"],
             os.path.join(d, "plan.json"),

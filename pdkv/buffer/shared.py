@@ -184,6 +184,11 @@ class SharedBuffer:
             # the origin record first: a crash at any later point leaves a buffer clean can prove
             ofd = _ffi.libc.shm_open("/" + name + ORIGIN_SUFFIX, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             undo.callback(_ffi.libc.shm_unlink, "/" + name + ORIGIN_SUFFIX)
+            # owned from its first name on: a SIGTERM while the parts are made or populated
+            # (seconds for a large buffer) removes what exists so far
+            made = [name + ORIGIN_SUFFIX]
+            _own(name, made)
+            undo.callback(_disown, name)
             try:
                 os.fchmod(ofd, 0o600)
                 os.write(ofd, _origin_record(name, size, stripes))
@@ -193,6 +198,7 @@ class SharedBuffer:
             for i, n in enumerate(sizes):
                 part = "/" + part_name(name, i)
                 fd = _ffi.libc.shm_open(part, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                made.append(part_name(name, i))
                 undo.callback(_ffi.libc.shm_unlink, part)
                 undo.callback(os.close, fd)
                 os.fchmod(fd, 0o600)  # the umask may only clear bits; be explicit anyway
