@@ -27,7 +27,7 @@ from ...scheduling.scheduler import DecodeScheduler, Event, SchedulerOptions
 from ...swap import SwapEngine, SwapGroup
 from ...transfer import DecodeReceiver
 from .prefill_mode import prefill_on_gpu
-from .stats import Quantiles, Series
+from .stats import _LATE, Quantiles, Series
 from .workload import (
     UsageError,
     make_workload,
@@ -321,7 +321,7 @@ class DecodeSide:
             self.tally.fold(rid, tr, self.lays[0].block_bytes * self.a.decode_tp)
         self._ended.append(rid)
         self._ended_set.add(rid)
-        if len(self._ended) > 4096:
+        if len(self._ended) > _LATE:
             self._ended_set.discard(self._ended.popleft())
 
     def _gpu_block(self, rank: int, layer: int, t: int, blocks: Sequence[int]) -> np.ndarray:

@@ -21,6 +21,9 @@ from typing import Any
 _GROWTH = 1.01
 _LOG_GROWTH = math.log(_GROWTH)
 _TINY = 1e-9  # values at or below this (zero waits) count in a bucket of their own
+# requests remembered after they ended, so that a late event of one is not taken for a new
+# request: events of one request come within milliseconds of each other
+_LATE = 256
 
 
 class Quantiles:
@@ -185,22 +188,34 @@ class Busy:
 
 class Series:
     """Points ``(t, *values)`` at least ``step`` seconds apart, at most ``cap`` of them: when
-    full, every other point goes and the step doubles (a long run's plot at coarser grain)."""
+    full, every other point goes and the step doubles (a long run's plot at coarser grain).
+    Preallocated: the same memory from the first point to the last."""
 
-    __slots__ = ("step", "cap", "points")
+    __slots__ = ("step", "cap", "_rows", "_n")
 
-    def __init__(self, step: float = 0.05, cap: int = 4096) -> None:
+    def __init__(self, step: float = 0.05, cap: int = 4096, width: int = 4) -> None:
+        import numpy as np
+
         self.step, self.cap = step, cap
-        self.points: list[tuple[float, ...]] = []
+        self._rows = np.zeros((cap + 1, width))
+        self._n = 0
 
     def due(self, t: float) -> bool:
-        return not self.points or t - self.points[-1][0] >= self.step
+        return not self._n or t - float(self._rows[self._n - 1, 0]) >= self.step
 
     def add(self, point: tuple[float, ...]) -> None:
-        self.points.append(point)
-        if len(self.points) > self.cap:
-            self.points = self.points[::2]
+        self._rows[self._n] = point
+        self._n += 1
+        if self._n > self.cap:
+            kept = self._rows[: self._n : 2].copy()
+            self._n = len(kept)
+            self._rows[: self._n] = kept
             self.step *= 2
+
+    @property
+    def points(self) -> list[tuple[float, ...]]:
+        """The points, oldest first (the time a float, the counts integers)."""
+        return [(r[0], *(int(v) for v in r[1:])) for r in self._rows[: self._n].tolist()]
 
 
 class _Pending:
@@ -295,7 +310,7 @@ class PrefillTally:
         if self.pending.pop(rid, None) is None:
             return
         self._ended[rid] = None
-        if len(self._ended) > 4096:
+        if len(self._ended) > _LATE:
             del self._ended[next(iter(self._ended))]
 
     def close(self) -> None:
