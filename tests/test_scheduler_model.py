@@ -423,6 +423,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         direct_to_gpu=True,
     )
     BUFFER = True
+    POOL = BlockPool  # the pools' class (a test plants a broken one)
 
     def __init__(self):
         super().__init__()
@@ -435,8 +436,8 @@ class SchedulerModelMachine(RuleBasedStateMachine):
                 None,
                 lambda: DecodeScheduler(
                     num_layers=LAYERS,
-                    gpu=BlockPool(self.GPU, "gpu"),
-                    buffer=BlockPool(self.BUF, "buffer") if self.BUFFER else None,
+                    gpu=self.POOL(self.GPU, "gpu"),
+                    buffer=self.POOL(self.BUF, "buffer") if self.BUFFER else None,
                     swap=self.swap if self.BUFFER else None,
                     block_bytes=BLOCK_BYTES,
                     options=o,
