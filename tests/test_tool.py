@@ -135,11 +135,14 @@ def test_a_trace_larger_than_the_buffer_fails_before_starting(tmp_path, no_leaks
 
 @pytest.mark.multiproc
 def test_decode_hold_times_keep_gpu_blocks(tmp_path, no_leaks):
-    # 4 requests of 4 blocks, GPU pool of 8, each held 10 tokens x 30 ms: at most two at once
+    # 4 requests of 4 blocks arriving at once, GPU pool of 8, each held 1 output token x 1 s: two at a
+    # time, so the pool fills (8 blocks seen) and the second pair is ready only when the first pair's
+    # hold ends. A hold much longer than the timeline's 50 ms step and a loaded runner's prefill time.
     args = ["--model", "tiny", "--requests", "4", "--prompt-len", "64", "--gpu-blocks", "8", "--buffer-blocks", "16"]
-    p, rep = run([*args, "--token-ms", "30", "-q"], tmp_path)
+    p, rep = run([*args, "--token-ms", "1000", "-q"], tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert rep["requests_ready"] == 4 and max(rep["timeline"]["gpu_blocks"]) == 8
+    assert rep["grant_to_ready_ms_p99"] >= 950 and rep["grant_to_ready_ms_p50"] < 950
 
 
 def test_version(tmp_path):
