@@ -25,15 +25,24 @@ from .limits import (
     GRANT_OUTCOMES,
     INSTANCE_KEY_BYTES,
     MAX_BATCH_BLOCKS,
-    MAX_BATCH_ERROR,
     MAX_BATCH_ITEMS,
+    MAX_ERROR_MESSAGE,
     MAX_GRANT_BLOCKS,
     MAX_ID,
+    MAX_IPC_ENTRIES,
+    MAX_IPC_HANDLE,
     MAX_LAYERS,
+    MAX_LAYERS_PER_MESSAGE,
+    MAX_NAME,
     MAX_NIXL_METADATA,
     MAX_NUM_TOKENS,
     MAX_PID,
+    MAX_SHORT,
+    MAX_TEXT,
+    MAX_TOKEN,
     MAX_TP,
+    MAX_TRANSPORTS,
+    MAX_U32,
     NONCE_BYTES,
     OUTCOME_STATES,
     PROTOCOL_VERSION,
@@ -84,17 +93,17 @@ class _Rec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """A nested record inside a message (untagged)."""
 
 
-_Name = Annotated[str, msgspec.Meta(max_length=256)]
-_Short = Annotated[str, msgspec.Meta(max_length=64)]
-_U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+_Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+_Short = Annotated[str, msgspec.Meta(max_length=MAX_SHORT)]
+_U32 = Annotated[int, msgspec.Meta(ge=0, le=MAX_U32)]
 _U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack carries up to 2^64 - 1
 _Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
 _Key = Annotated[bytes, msgspec.Meta(min_length=INSTANCE_KEY_BYTES, max_length=INSTANCE_KEY_BYTES)]
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID)]
-_Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+_Token = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN)]
 _Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP)]
 _Layer = Annotated[int, msgspec.Meta(ge=0, lt=MAX_LAYERS)]
-_Text = Annotated[str, msgspec.Meta(max_length=1024)]  # an error or a reason
+_Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]  # an error or a reason
 
 
 class LayoutDesc(_Rec, kw_only=True, frozen=True):
@@ -140,7 +149,7 @@ class RdmaOffer(_Rec, kw_only=True, frozen=True):
     """``Welcome.rdma``: decode's queue pair and each rank's registered region."""
 
     endpoint: RdmaEndpointDesc
-    regions: Annotated[list[RdmaRegionDesc], msgspec.Meta(max_length=4096)]
+    regions: Annotated[list[RdmaRegionDesc], msgspec.Meta(max_length=MAX_TP)]
 
 
 class NixlHello(_Rec, kw_only=True, frozen=True):
@@ -163,7 +172,7 @@ class NixlOffer(_Rec, kw_only=True, frozen=True):
 
     agent: _Name
     metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_NIXL_METADATA)]
-    regions: Annotated[list[NixlRegionDesc], msgspec.Meta(max_length=4096)]
+    regions: Annotated[list[NixlRegionDesc], msgspec.Meta(max_length=MAX_TP)]
 
 
 class CudaDesc(_Rec, kw_only=True, frozen=True):
@@ -173,7 +182,7 @@ class CudaDesc(_Rec, kw_only=True, frozen=True):
 
 
 class IpcAlloc(_Rec, kw_only=True, frozen=True):
-    handle: Annotated[bytes, msgspec.Meta(max_length=128)]
+    handle: Annotated[bytes, msgspec.Meta(max_length=MAX_IPC_HANDLE)]
     size: _U64
 
 
@@ -181,17 +190,17 @@ class IpcRank(_Rec, kw_only=True, frozen=True):
     rank: _U32
     device_uuid: _Short
     num_blocks: _U32
-    allocs: Annotated[list[IpcAlloc], msgspec.Meta(max_length=1 << 16)]
+    allocs: Annotated[list[IpcAlloc], msgspec.Meta(max_length=MAX_IPC_ENTRIES)]
     # [allocation index, offset, block stride] per (layer, tensor)
     regions: Annotated[
-        list[Annotated[list[_U64], msgspec.Meta(min_length=3, max_length=3)]], msgspec.Meta(max_length=1 << 16)
+        list[Annotated[list[_U64], msgspec.Meta(min_length=3, max_length=3)]], msgspec.Meta(max_length=MAX_IPC_ENTRIES)
     ]
 
 
 class IpcSection(_Rec, kw_only=True, frozen=True):
     """``Welcome.cuda`` (see :mod:`pdkv.transfer.ipc_export`)."""
 
-    ranks: Annotated[list[IpcRank], msgspec.Meta(max_length=4096)]
+    ranks: Annotated[list[IpcRank], msgspec.Meta(max_length=MAX_TP)]
 
 
 class Hello(_Base, tag="hello", frozen=True):
@@ -202,7 +211,7 @@ class Hello(_Base, tag="hello", frozen=True):
     tp_rank: _Rank
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
     layout: LayoutDesc
-    transports: Annotated[list[_Short], msgspec.Meta(max_length=16)]
+    transports: Annotated[list[_Short], msgspec.Meta(max_length=MAX_TRANSPORTS)]
     boot_id: _Short
     pid: Annotated[int, msgspec.Meta(ge=0, le=MAX_PID)]
     nonce: _Nonce
@@ -238,10 +247,10 @@ class Welcome(_Base, tag="welcome", frozen=True):
     version: _U32
     instance: _Name
     tp_size: _U32
-    ranks: Annotated[list[_U32], msgspec.Meta(max_length=4096)]
-    layouts: Annotated[list[LayoutDesc], msgspec.Meta(max_length=4096)]
+    ranks: Annotated[list[_U32], msgspec.Meta(max_length=MAX_TP)]
+    layouts: Annotated[list[LayoutDesc], msgspec.Meta(max_length=MAX_TP)]
     transport: _Short
-    shm_names: Annotated[list[_Name], msgspec.Meta(max_length=4096)]
+    shm_names: Annotated[list[_Name], msgspec.Meta(max_length=MAX_TP)]
     buffer_blocks: _U32
     data_addr: _Name
     session_id: _Nonce
@@ -289,7 +298,7 @@ class LayerDone(_Base, tag="layer", frozen=True):
 
     request_id: _Id
     token: _Token
-    layers: Annotated[list[_Layer], msgspec.Meta(min_length=1, max_length=4096)]
+    layers: Annotated[list[_Layer], msgspec.Meta(min_length=1, max_length=MAX_LAYERS_PER_MESSAGE)]
     blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_GRANT_BLOCKS)] = 0
 
 
@@ -354,7 +363,7 @@ class Heartbeat(_Base, tag="hb", frozen=True):
 
 class ErrorMsg(_Base, tag="error", frozen=True):
     code: _Short
-    message: Annotated[str, msgspec.Meta(max_length=4096)]
+    message: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_MESSAGE)]
 
 
 Message = (
@@ -390,64 +399,36 @@ def to_plain(rec: msgspec.Struct | None) -> dict[str, Any]:
 
 
 def validate(m: Message) -> None:
-    """Semantic checks msgspec's types cannot express."""
+    """What the schema cannot say; every bound of a single field is the schema's (``limits``):
+    request ids and instance names printable, the version spoken, a rank below its TP size,
+    outcomes and states from their lists, a reservation batch naming each id once, a grant
+    batch's block ids together at most ``MAX_BATCH_BLOCKS``."""
     rid = getattr(m, "request_id", None)
-    if rid is not None and not (0 < len(rid) <= MAX_ID and rid.isprintable()):
-        raise ProtocolError(f"request_id of length {len(rid)} (must be 1-{MAX_ID} printable characters)")
-    items = getattr(m, "items", None)
-    if items and isinstance(items[0], tuple) and not all(it[0].isprintable() for it in items):
-        raise ProtocolError("a batch item's request id is not printable")
+    if rid is not None and not rid.isprintable():
+        raise ProtocolError(f"request_id of length {len(rid)} is not printable")
+    if isinstance(m, (ReserveBatch, LayerBatch, CompleteBatch, OutcomeBatch)):
+        if not all(it[0].isprintable() for it in m.items):
+            raise ProtocolError("a batch item's request id is not printable")
     if isinstance(m, (Hello, Welcome)) and m.version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {m.version} is not supported (this pdkv speaks {PROTOCOL_VERSION})")
     if isinstance(m, Hello):
-        if not (0 <= m.tp_rank < m.tp_size <= 4096):
-            raise ProtocolError(f"tp_rank={m.tp_rank} tp_size={m.tp_size} are inconsistent")
-        if len(m.nonce) != 16:
-            raise ProtocolError("hello nonce must be 16 bytes")
+        if m.tp_rank >= m.tp_size:
+            raise ProtocolError(f"tp_rank={m.tp_rank} is not below tp_size={m.tp_size}")
         if not m.instance or not m.instance.isprintable():
-            raise ProtocolError("instance name must be 1-256 printable characters")
-    if isinstance(m, ReserveReq) and not (0 < m.num_tokens <= MAX_NUM_TOKENS):
-        raise ProtocolError(f"num_tokens={m.num_tokens} out of range")
-    if isinstance(m, LayerDone) and (not m.layers or len(m.layers) > 4096 or min(m.layers) < 0 or m.blocks < 0):
-        raise ProtocolError("layer list empty, too long or negative, or a negative block count")
-    if isinstance(m, LayerBatch):
-        if not (0 <= m.layer < 1 << 16) or not 0 < len(m.items) <= MAX_BATCH_ITEMS:
-            raise ProtocolError(f"layer batch with layer {m.layer} and {len(m.items)} items is out of range")
-        for r, tok, nb in m.items:
-            if not (0 < len(r) <= MAX_ID) or not 0 <= tok < 1 << 63 or nb < 0:
-                raise ProtocolError("layer batch item out of range (request id, token or block count)")
-    if isinstance(m, CompleteBatch):
-        if not 0 < len(m.items) <= MAX_BATCH_ITEMS:
-            raise ProtocolError(f"complete batch with {len(m.items)} items is out of range")
-        for r, tok, _, err in m.items:
-            if not (0 < len(r) <= MAX_ID) or not 0 <= tok < 1 << 63 or len(err) > MAX_BATCH_ERROR:
-                raise ProtocolError("complete batch item out of range (request id, token or error length)")
+            raise ProtocolError(f"instance name must be 1-{MAX_NAME} printable characters")
     if isinstance(m, Outcome) and m.state not in OUTCOME_STATES:
         raise ProtocolError(f"outcome state {m.state[:32]!r} is not one of {', '.join(OUTCOME_STATES)}")
     if isinstance(m, OutcomeBatch):
-        if not 0 < len(m.items) <= MAX_BATCH_ITEMS:
-            raise ProtocolError(f"outcome batch with {len(m.items)} items is out of range")
-        for r, state, reason in m.items:
-            if not (0 < len(r) <= MAX_ID) or state not in OUTCOME_STATES or len(reason) > MAX_BATCH_ERROR:
-                raise ProtocolError("outcome batch item out of range (request id, state or reason length)")
-    if isinstance(m, ReserveBatch):
-        if not 0 < len(m.items) <= MAX_BATCH_ITEMS:
-            raise ProtocolError(f"reserve batch with {len(m.items)} items is out of range")
-        for r, n in m.items:
-            if not (0 < len(r) <= MAX_ID) or not 0 < n <= MAX_NUM_TOKENS:
-                raise ProtocolError("reserve batch item out of range (request id or num_tokens)")
-        if len({r for r, _ in m.items}) != len(m.items):
-            raise ProtocolError("reserve batch names a request id twice (one reservation is answered once)")
+        for _, state, _ in m.items:
+            if state not in OUTCOME_STATES:
+                raise ProtocolError(f"outcome state {state[:32]!r} is not one of {', '.join(OUTCOME_STATES)}")
+    if isinstance(m, ReserveBatch) and len({r for r, _ in m.items}) != len(m.items):
+        raise ProtocolError("reserve batch names a request id twice (one reservation is answered once)")
     if isinstance(m, GrantBatch):
-        if not 0 < len(m.items) <= MAX_BATCH_ITEMS or sum(len(g.blocks) for g in m.items) > MAX_BATCH_BLOCKS:
-            raise ProtocolError(f"grant batch with {len(m.items)} items is out of range")
+        n = sum(len(g.blocks) for g in m.items)
+        if n > MAX_BATCH_BLOCKS:
+            raise ProtocolError(f"grant batch carries {n} block ids (at most {MAX_BATCH_BLOCKS})")
         for g in m.items:
             validate(g)
     if isinstance(m, GrantMsg) and m.outcome not in GRANT_OUTCOMES:
         raise ProtocolError(f"grant outcome {m.outcome[:32]!r} is not one of {', '.join(GRANT_OUTCOMES)}")
-    if isinstance(m, GrantMsg) and (len(m.blocks) > MAX_GRANT_BLOCKS or (m.blocks and min(m.blocks) < 0)):
-        raise ProtocolError("grant block list out of range")
-    for f in ("token",):
-        v = getattr(m, f, 0)
-        if not 0 <= v < 1 << 63:
-            raise ProtocolError(f"{f} out of range")

@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from ..protocol import MAX_BATCH_BLOCKS, MAX_BATCH_ERROR, GrantBatch, GrantMsg, Message, Outcome, OutcomeBatch
+from ..protocol import MAX_BATCH_BLOCKS, MAX_TEXT, GrantBatch, GrantMsg, Message, Outcome, OutcomeBatch
 
 __all__ = ["Channel", "RateLimitedLog", "Replies", "clip", "SEND_BATCH"]
 
@@ -133,8 +133,8 @@ class Channel:
 
 
 def clip(text: str) -> str:
-    """``text`` cut to what one batch item may carry (``MAX_BATCH_ERROR`` characters)."""
-    return text if len(text) <= MAX_BATCH_ERROR else text[: MAX_BATCH_ERROR - 3] + "..."
+    """``text`` cut to what one batch item may carry (``MAX_TEXT`` characters)."""
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
 
 
 class RateLimitedLog:
