@@ -321,55 +321,78 @@ def test_non_integer_ids_never_take_the_fast_path():
     p.check()
 
 
-def test_check_catches_a_corrupted_pool():
-    def fresh():
-        p = BlockPool(8)
-        p.allocate(8)
-        p.free([2, 3])
-        return p
-
-    p = fresh()  # a free run split in two without merging
-    p._starts = {2: 3, 3: 4}
-    p._ends = {3: 2, 4: 3}
-    p._heap = [2, 3]
-    with pytest.raises(AssertionError, match="not merged"):
-        p.check()
-    p = fresh()  # a free block beside a run that does not include it
-    p._held[1] = 0
-    p._free += 1
-    p._starts, p._ends = {2: 4}, {4: 2}
-    with pytest.raises(AssertionError):
-        p.check()
-    p = fresh()
-    p._held[4] = 0
-    p._free += 1
-    p._starts, p._ends = {2: 4, 4: 4}, {4: 2}
-    with pytest.raises(AssertionError):
-        p.check()
-    p = fresh()  # a held block inside a free run
-    p._held[2] = 1
-    with pytest.raises(AssertionError):
-        p.check()
-    p = fresh()  # a run start missing from the heap
-    p._heap = []
-    with pytest.raises(AssertionError, match="missing from the heap"):
-        p.check()
-    p = fresh()  # a run that does not reach the next held block
-    p._held[4] = 0
-    p._free += 1
-    with pytest.raises(AssertionError):
-        p.check()
-    p = fresh()
-    p._starts, p._ends = {2: 2}, {2: 2}
-    with pytest.raises(AssertionError):
-        p.check()
-    p = BlockPool(8)
+def _pool_with_a_hole():
+    """8 blocks, all held but 2 and 3: one free run [2, 4)."""
+    p = BlockPool(8, name="p")
     p.allocate(8)
-    p.free([3])
-    p._held[2] = 0
+    p.free([2, 3])
+    p.check()
+    return p
+
+
+def _split(p):  # the run [2, 4) listed as [2, 3) and [3, 4)
+    p._starts, p._ends, p._heap = {2: 3, 3: 4}, {3: 2, 4: 3}, [2, 3]
+
+
+def _free_beside(p, b):  # block b marked free and counted, but no run covers it
+    p._held[b] = 0
     p._free += 1
-    p._starts[2], p._ends[3] = 3, 2  # [2, 3) and [3, 4) both listed: equal-sized, not merged
-    with pytest.raises(AssertionError, match="not merged|not maximal"):
+
+
+def _beside_and_listed(p, b):  # block b free and counted, listed as a run of its own
+    _free_beside(p, b)
+    p._starts[b], p._ends[b + 1] = b + 1, b
+
+
+CORRUPTIONS = [
+    ("a held block inside a free run", lambda p: p._held.__setitem__(2, 1),
+     "p: 1 blocks are marked free, but the free count is 2"),
+    ("the free count off by one", lambda p: setattr(p, "_free", 3),
+     "p: 2 blocks are marked free, but the free count is 3"),
+    ("a run end left behind", lambda p: p._ends.__setitem__(7, 6), "p: 1 free runs start but 2 end"),
+    ("a run end naming another start", lambda p: p._ends.__setitem__(4, 1),
+     "p: free run 2-4 ends at 4, which names the run from 1"),
+    ("an empty run", lambda p: (p._starts.__setitem__(5, 5), p._ends.__setitem__(5, 5)),
+     "p: free run 5-5 is empty or outside 0-8"),
+    ("a run past the pool", lambda p: (p._starts.__setitem__(2, 9), p._ends.pop(4), p._ends.__setitem__(9, 2)),
+     "p: free run 2-9 is empty or outside 0-8"),
+    ("a run over held blocks", lambda p: (p._starts.__setitem__(2, 5), p._ends.pop(4), p._ends.__setitem__(5, 2)),
+     "p: free run 2-5 holds held block 4"),
+    ("two touching runs not merged", _split, "p: free runs 2-3 and 3-4 are not merged"),
+    ("a free block before a run, listed alone", lambda p: _beside_and_listed(p, 1),
+     "p: free runs 1-2 and 2-4 are not merged"),
+    ("a free block after a run, listed alone", lambda p: _beside_and_listed(p, 4),
+     "p: free runs 2-4 and 4-5 are not merged"),
+    ("a free block before a run, in no run", lambda p: _free_beside(p, 1),
+     "p: free run 2-4 is not maximal: block 1 before it is free"),
+    ("a free block after a run, in no run", lambda p: _free_beside(p, 4),
+     "p: free run 2-4 is not maximal: block 4 after it is free"),
+    ("a free block apart, in no run", lambda p: _free_beside(p, 6),
+     "p: free runs cover 2 blocks, but the free count is 3"),
+    ("a run start missing from the heap", lambda p: setattr(p, "_heap", []), "p: free run 2-4 missing from the heap"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("corrupt, why", [c[1:] for c in CORRUPTIONS], ids=[c[0] for c in CORRUPTIONS])
+def test_check_names_each_corruption(corrupt, why):
+    p = _pool_with_a_hole()
+    corrupt(p)
+    with pytest.raises(AssertionError) as e:
+        p.check()
+    assert str(e.value) == why
+
+
+@pytest.mark.parametrize("free, why", [([0, 1], "block 2 after"), ([6, 7], "block 5 before")])
+def test_check_names_a_run_at_either_end_of_the_pool_that_is_not_maximal(free, why):
+    p = BlockPool(8, name="p")
+    p.allocate(8)
+    p.free(free)
+    p.check()
+    b = int(why.split()[1])
+    _free_beside(p, b)
+    with pytest.raises(
+        AssertionError, match=f"^p: free run {free[0]}-{free[-1] + 1} is not maximal: {why} it is free$"
+    ):
         p.check()
 
 

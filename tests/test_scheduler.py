@@ -699,42 +699,76 @@ def test_prometheus_text():
     assert names == sorted(names) and len(lines) == 2 * len(names)
 
 
-def test_check_invariants_catches_planted_corruption():
-    def build():
-        s = DecodeScheduler(
-            num_layers=1,
-            gpu=BlockPool(8),
-            buffer=BlockPool(8),
-            swap=FakeSwap(),
-            options=SchedulerOptions(direct_to_gpu=False, on_full="queue", fence_grace_s=1.0),
-        )
-        g = s.reserve("a", num_blocks=2).grant
-        return s, g
-
-    s, g = build()
+def _two_requests():
+    """Request "a" holds buffer blocks 0-1 (granted), "q" is queued; GPU blocks 6-7 are a held
+    prefix of "p" (the engine's), and the scheduler's invariants hold."""
+    s = DecodeScheduler(
+        num_layers=1,
+        gpu=BlockPool(8, name="gpu"),
+        buffer=BlockPool(4, name="buffer"),
+        swap=FakeSwap(),
+        options=SchedulerOptions(direct_to_gpu=False, on_full="queue", fence_grace_s=1.0),
+    )
+    s.reserve("a", num_blocks=2)
+    s.reserve("b", num_blocks=2)
+    s.reserve("q", num_blocks=3)  # queued: the buffer is full
+    s.gpu.allocate(8)
+    s.gpu.free(list(range(6)))
+    s.hold_prefix("p", [6, 7])
     s.check_invariants()
-    s._reqs["a"].buffer_blocks.append(0)  # a block held twice by one request
-    with pytest.raises(AssertionError, match="block 0 held by a and a"):
+    assert s._reqs["q"].state is State.QUEUED and s._reqs["a"].buffer_blocks == [0, 1]
+    return s
+
+
+def _ready(s, rid, gpu, buffer):
+    r = s._reqs[rid]
+    r.state, r.gpu_blocks, r.buffer_blocks = State.READY, gpu, buffer
+
+
+SCHEDULER_CORRUPTIONS = [
+    ("a block held twice by one request", lambda s: s._reqs["a"].buffer_blocks.append(0),
+     "buffer: block 0 held by a and a"),
+    ("a block held by two requests", lambda s: s._reqs["b"].buffer_blocks.__setitem__(0, 1),
+     "buffer: block 1 held by a and b"),
+    ("a queued request holding blocks", lambda s: setattr(s._reqs["q"], "gpu_blocks", [5]),
+     "queued request q holds blocks (gpu [5], buffer None)"),
+    ("a ready request still holding buffer blocks", lambda s: _ready(s, "a", s.gpu.allocate(2), [0, 1]),
+     "ready request a holds gpu [0, 1] and buffer [0, 1]"),
+    ("a ready request without gpu blocks",
+     lambda s: (s.buffer.free(s._reqs["a"].buffer_blocks), _ready(s, "a", [], [])),
+     "ready request a holds gpu [] and buffer []"),
+    ("a quarantined block also held by a request", lambda s: (s.fail("a", "x"), s._reqs["b"].buffer_blocks.__setitem__(
+        0, 0)), "buffer: quarantined block 0 also held by b"),
+    ("a prefix block also granted", lambda s: _ready(s, "a", [7], []) or s.buffer.free([0, 1]),
+     "gpu: prefix block 7 also held by a"),
+    ("a request's block free in its pool", lambda s: s.buffer.free([1]),
+     "buffer: block 1 of a is free in the pool"),
+    ("a prefix block free in the pool", lambda s: s.gpu.free([6]),
+     "gpu: block 6 of a prefix or the engine is free in the pool"),
+    ("a block held by nobody", lambda s: s.gpu.allocate(1), "gpu: pool holds 3, owners 2"),
+    ("the pool's own runs corrupted", lambda s: setattr(s.gpu, "_heap", []), "gpu: free run 0-6 missing from the heap"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "corrupt, why", [c[1:] for c in SCHEDULER_CORRUPTIONS], ids=[c[0] for c in SCHEDULER_CORRUPTIONS]
+)
+def test_check_invariants_names_each_corruption(corrupt, why):
+    s = _two_requests()
+    corrupt(s)
+    with pytest.raises(AssertionError) as e:
         s.check_invariants()
-    s, g = build()
-    s.reserve("q", num_blocks=8)  # queued
-    s._reqs["q"].gpu_blocks = [7]
-    with pytest.raises(AssertionError):
+    assert str(e.value) == why
+
+
+def test_check_invariants_counts_the_engines_blocks():
+    s = _two_requests()
+    held = s.gpu.allocate(2)  # the engine's own
+    with pytest.raises(AssertionError, match="^gpu: pool holds 4, owners 2$"):
         s.check_invariants()
-    s, g = build()
-    s._reqs["a"].state = State.READY
-    s._reqs["a"].gpu_blocks = s.gpu.allocate(2)  # ready but still holding buffer blocks
-    with pytest.raises(AssertionError):
-        s.check_invariants()
-    s, g = build()
-    s.fail("a", "x")  # quarantined
-    s._quarantine[0].blocks.append(s._quarantine[0].blocks[0])
-    with pytest.raises(AssertionError, match="quarantined block 0 also held by <quarantine>"):
-        s.check_invariants()
-    s, g = build()
-    s.buffer.allocate(1)  # held by nobody the scheduler knows
-    with pytest.raises(AssertionError, match="pool: pool holds 3, owners 2"):
-        s.check_invariants()
+    s.check_invariants(engine_blocks=held)
+    with pytest.raises(AssertionError, match="^gpu: block 5 of a prefix or the engine is free in the pool$"):
+        s.check_invariants(engine_blocks=[*held, 5])
 
 
 def test_tombstones_are_forgotten_after_tombstone_s():

@@ -208,18 +208,40 @@ class BlockPool:
 
     def check(self) -> None:
         """Verify internal consistency (tests): runs cover exactly the free blocks, each run
-        is maximal (no free run touches another), and every run start is in the heap."""
+        is maximal (no free run touches another), and every run start is in the heap. Raises
+        ``AssertionError`` naming the first inconsistency found (also under ``python -O``)."""
         with self._lock:
-            covered = sum(e - s for s, e in self._starts.items())
-            assert covered == self._free, (covered, self._free)
-            assert self._held.count(0) == self._free
-            assert len(self._ends) == len(self._starts)
-            heap = set(self._heap)
-            for s, e in self._starts.items():
-                assert s < e and self._ends[e] == s and not any(self._held[s:e])
-                assert e not in self._starts, f"free runs {s}-{e} and {e}-{self._starts[e]} are not merged"
-                assert s == 0 or self._held[s - 1] and (e == self._n or self._held[e]), "a run is not maximal"
-                assert s in heap, f"free run {s}-{e} missing from the heap"
+            self._check()
+
+    def _check(self) -> None:
+        def fail(why: str) -> None:
+            raise AssertionError(f"{self.name}: {why}")
+
+        n, held, starts, ends = self._n, self._held, self._starts, self._ends
+        marked = held.count(0)
+        if marked != self._free:
+            fail(f"{marked} blocks are marked free, but the free count is {self._free}")
+        if len(ends) != len(starts):
+            fail(f"{len(starts)} free runs start but {len(ends)} end")
+        heap = set(self._heap)
+        for s, e in sorted(starts.items()):
+            if not 0 <= s < e <= n:
+                fail(f"free run {s}-{e} is empty or outside 0-{n}")
+            if ends.get(e) != s:
+                fail(f"free run {s}-{e} ends at {e}, which names the run from {ends.get(e)}")
+            if any(held[s:e]):
+                fail(f"free run {s}-{e} holds held block {s + held[s:e].index(1)}")
+            if e in starts:
+                fail(f"free runs {s}-{e} and {e}-{starts[e]} are not merged")
+            if s > 0 and not held[s - 1]:
+                fail(f"free run {s}-{e} is not maximal: block {s - 1} before it is free")
+            if e < n and not held[e]:
+                fail(f"free run {s}-{e} is not maximal: block {e} after it is free")
+            if s not in heap:
+                fail(f"free run {s}-{e} missing from the heap")
+        covered = sum(e - s for s, e in starts.items())
+        if covered != self._free:  # runs disjoint and maximal, so a free block is in no run
+            fail(f"free runs cover {covered} blocks, but the free count is {self._free}")
 
     def __repr__(self) -> str:
         return f"<BlockPool {self.name!r} {self._free}/{self._n} free>"

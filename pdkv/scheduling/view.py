@@ -45,36 +45,48 @@ def prometheus(s: SchedulerCore, prefix: str = "pdkv_") -> str:
 
 
 def check_invariants(s: SchedulerCore, engine_blocks: Iterable[int] = ()) -> None:
-    """Assert the accounting invariants (tests): every pool's held blocks are exactly
+    """Check the accounting invariants (tests): every pool's held blocks are exactly
     those of live requests plus quarantine, plus on the GPU pool the held prefixes
     (:meth:`~pdkv.DecodeScheduler.hold_prefix`, which may share blocks) and
     ``engine_blocks`` (GPU blocks the engine holds itself); no block has two owners, and no
-    prefix block is granted or quarantined."""
+    prefix block is granted or quarantined. Raises ``AssertionError`` naming the first
+    inconsistency found (also under ``python -O``)."""
+
+    def fail(why: str) -> None:
+        raise AssertionError(why)
+
     with s._lock:
         owned: dict[int, dict[int, str]] = {id(s.gpu): {}, id(s.buffer): {}}
         for r in s._reqs.values():
             for pool, blocks in ((s.gpu, None if r.bound else r.gpu_blocks), (s.buffer, r.buffer_blocks)):
                 for b in blocks or ():
-                    assert b not in owned[id(pool)], f"block {b} held by {owned[id(pool)][b]} and {r.rid}"
+                    if b in owned[id(pool)]:
+                        fail(f"{pool.name}: block {b} held by {owned[id(pool)][b]} and {r.rid}")
                     owned[id(pool)][b] = r.rid
-            if r.state in (State.QUEUED,):
-                assert not r.gpu_blocks and not r.buffer_blocks
-            if r.state is State.READY:
-                assert r.gpu_blocks and not r.buffer_blocks
+            if r.state is State.QUEUED and (r.gpu_blocks or r.buffer_blocks):
+                fail(f"queued request {r.rid} holds blocks (gpu {r.gpu_blocks}, buffer {r.buffer_blocks})")
+            if r.state is State.READY and (not r.gpu_blocks or r.buffer_blocks):
+                fail(f"ready request {r.rid} holds gpu {r.gpu_blocks} and buffer {r.buffer_blocks}")
         for q in s._quarantine:
             for b in q.blocks:
-                assert b not in owned[id(q.pool)], f"quarantined block {b} also held by {owned[id(q.pool)][b]}"
+                if b in owned[id(q.pool)]:
+                    fail(f"{q.pool.name}: quarantined block {b} also held by {owned[id(q.pool)][b]}")
                 owned[id(q.pool)][b] = "<quarantine>"
         prefix = {b for h in s._holds.values() for b in h.blocks} | {b for r in s._reqs.values() for b in r.prefix}
-        for b in prefix:
-            assert b not in owned[id(s.gpu)], f"prefix block {b} also held by {owned[id(s.gpu)][b]}"
+        for b in sorted(prefix):
+            if b in owned[id(s.gpu)]:
+                fail(f"{s.gpu.name}: prefix block {b} also held by {owned[id(s.gpu)][b]}")
         extra = prefix | set(engine_blocks)
         for pool in (s.gpu, s.buffer):
-            if isinstance(pool, BlockPool):
-                held = owned[id(pool)]
-                outside = extra - held.keys() if pool is s.gpu else set()
-                assert all(pool.is_held(b) for b in outside), f"{pool.name}: a prefix or engine block is free"
-                want = len(held) + len(outside)
-                assert pool.num_held == want, f"{pool.name}: pool holds {pool.num_held}, owners {want}"
-                assert all(pool.is_held(b) for b in held)
-                assert pool.num_free + pool.num_held == pool.num_total
+            if not isinstance(pool, BlockPool):
+                continue
+            held = owned[id(pool)]
+            outside = extra - held.keys() if pool is s.gpu else set()
+            free = sorted(b for b in held.keys() | outside if not pool.is_held(b))
+            if free:
+                b = free[0]
+                fail(f"{pool.name}: block {b} of {held.get(b, 'a prefix or the engine')} is free in the pool")
+            want = len(held) + len(outside)
+            if pool.num_held != want:
+                fail(f"{pool.name}: pool holds {pool.num_held}, owners {want}")
+            pool.check()
