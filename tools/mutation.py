@@ -1,8 +1,8 @@
 """Mutation score of pdkv's accounting and layout modules, each against its own tests.
 
 For every module named (default: every module of the table; a module is its path under
-``pdkv/``, dotted: ``scheduling.blocks``) this copies ``pdkv/``,
-``tests/`` and ``pyproject.toml`` into a scratch folder, sets mutmut's ``only_mutate`` and
+``pdkv/``, dotted: ``scheduling.blocks``) this copies ``pdkv/``, ``tests/``, ``docs/`` (some
+tests check the docs against the code) and ``pyproject.toml`` into a scratch folder, sets mutmut's ``only_mutate`` and
 test selection from ``[tool.pdkv.mutation]`` in ``pyproject.toml``, runs ``mutmut run``
 on every mutant (none sampled), and prints per module: mutants, killed (time-outs count as
 killed), survived (no test covering the line counts as survived), equivalent mutants
@@ -173,6 +173,7 @@ def run_module(
             shutil.copytree(
                 os.path.join(ROOT, "pdkv"), os.path.join(work, "pdkv"), ignore=shutil.ignore_patterns("__pycache__")
             )
+            shutil.copytree(os.path.join(ROOT, "docs"), os.path.join(work, "docs"))
             shutil.copytree(
                 os.path.join(ROOT, "tests"),
                 os.path.join(work, "tests"),
