@@ -458,3 +458,86 @@ def test_vllm_decode_too_few_blocks_fails_the_load_and_frees_the_buffer_at_once(
         assert errors == {4}
     finally:
         p.close()
+
+
+# ---- views.cache_spec on CPU tensors, in each of vLLM's orders (the GPU test swaps through them)
+VL, VH, VN, VD, VNB = 3, 4, 8, 16, 6  # layers, heads, tokens a block, head_dim, blocks
+
+
+def _views(torch, order, dtype=None):
+    dtype = dtype or torch.bfloat16
+    if order == "BLHNC":  # cross-layer: one allocation, a block of every layer together
+        raw = torch.zeros((VNB, VL, VH, VN, 2 * VD), dtype=dtype)
+        return [raw[:, li] for li in range(VL)]
+    if order == "LBHNC":
+        return [torch.zeros((VNB, VH, VN, 2 * VD), dtype=dtype) for _ in range(VL)]
+    return [torch.zeros((VNB, VN, VH, 2 * VD), dtype=dtype).permute(0, 2, 1, 3) for _ in range(VL)]  # LBNHC
+
+
+@pytest.mark.parametrize("order", ["BLHNC", "LBHNC", "LBNHC"])
+def test_cache_spec_reads_each_order_as_bases_and_block_strides(order):
+    torch = pytest.importorskip("torch")
+    from pdkv.integrations.vllm.views import cache_spec
+
+    lay = KVLayout(num_layers=VL, kv_heads=VH, head_dim=VD, tokens_per_block=VN, dtype="bf16", kv_fused="row",
+                   token_major=order == "LBNHC")  # fmt: skip
+    views = _views(torch, order)
+    spec = cache_spec(lay, views)
+    fused = lay.layer_block_bytes
+    assert fused == VH * VN * 2 * VD * 2 and spec.num_blocks == VNB and spec.device is None
+    for li, v in enumerate(views):
+        k_base, k_stride = spec.region(li, 0)
+        v_base, v_stride = spec.region(li, 1)
+        assert k_base == v.data_ptr() and k_stride == v_stride == (VL * fused if order == "BLHNC" else fused)
+        assert v_base == k_base + lay.tensor_offset(1)
+        # block 5 of this layer, as pdkv addresses it, is vLLM's view's block 5
+        assert spec.address(li, 0, 5) == v[5].data_ptr()
+
+
+def test_cache_spec_refuses_views_that_are_not_the_layout():
+    torch = pytest.importorskip("torch")
+    from pdkv.integrations.vllm.views import cache_spec
+
+    lay = KVLayout(num_layers=1, kv_heads=VH, head_dim=VD, tokens_per_block=VN, dtype="bf16", kv_fused="row")
+    good = torch.zeros((VNB, VH, VN, 2 * VD), dtype=torch.bfloat16)
+    cases = [
+        (torch.zeros((VNB, VH, VN, VD), dtype=torch.bfloat16),
+         "vLLM's KV cache of layer 0 is (6, 4, 8, 16); pdkv expects [blocks, 4, 8, 32]"),
+        (torch.zeros((VNB, VH * VN, 2 * VD), dtype=torch.bfloat16),
+         "vLLM's KV cache of layer 0 is (6, 32, 32); pdkv expects [blocks, 4, 8, 32]"),
+        (torch.zeros((VNB, VH, VN, 2 * VD), dtype=torch.float32),
+         "vLLM's KV cache of layer 0 is torch.float32; the layout says bfloat16"),
+        (torch.zeros((VNB, VN, VH, 2 * VD), dtype=torch.bfloat16).permute(0, 2, 1, 3),
+         "vLLM's KV cache of layer 0 has strides (1024, 32, 128, 1); pdkv's head-major order expects (.., 256, 32, 1)"),
+    ]  # fmt: skip
+    for view, msg in cases:
+        with pytest.raises(LayoutError) as e:
+            cache_spec(lay, [view])
+        assert str(e.value) == msg
+    two = KVLayout(num_layers=2, kv_heads=VH, head_dim=VD, tokens_per_block=VN, dtype="bf16", kv_fused="row")
+    with pytest.raises(LayoutError) as e:
+        cache_spec(two, [good, torch.zeros((VNB + 1, VH, VN, 2 * VD), dtype=torch.bfloat16)])
+    assert str(e.value) == "vLLM's KV cache of layer 1 has 7 blocks, layer 0 6"
+    tm = KVLayout(num_layers=1, kv_heads=VH, head_dim=VD, tokens_per_block=VN, dtype="bf16", kv_fused="row",
+                  token_major=True)  # fmt: skip
+    with pytest.raises(LayoutError) as e:
+        cache_spec(tm, [good])
+    assert str(e.value) == (
+        "vLLM's KV cache of layer 0 has strides (1024, 256, 32, 1); pdkv's token-major order expects (.., 32, 128, 1)"
+    )
+
+
+def test_cache_spec_ignores_the_stride_of_a_dimension_of_one():
+    torch = pytest.importorskip("torch")
+    from pdkv.integrations.vllm.views import cache_spec
+
+    # one head: vLLM may give its dimension any stride; only the others are checked
+    lay = KVLayout(num_layers=1, kv_heads=1, head_dim=VD, tokens_per_block=VN, dtype="bf16", kv_fused="row")
+    raw = torch.zeros((VNB, VN, 2 * VD), dtype=torch.bfloat16)
+    view = raw.as_strided((VNB, 1, VN, 2 * VD), (VN * 2 * VD, 12345, 2 * VD, 1))
+    spec = cache_spec(lay, [view])
+    assert spec.region(0, 0) == (raw.data_ptr(), VN * 2 * VD * 2)
+    big = torch.zeros(VNB * VN * 4 * VD, dtype=torch.bfloat16)  # room for a token stride of 2 x head_dim + 1
+    bad = big.as_strided((VNB, 1, VN, 2 * VD), (VN * 4 * VD, 12345, 2 * VD + 1, 1))
+    with pytest.raises(LayoutError, match="has strides"):
+        cache_spec(lay, [bad])
