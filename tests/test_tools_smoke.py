@@ -72,3 +72,26 @@ def test_gpu_benches_say_what_is_missing(script):
     p = run(script, timeout=120)
     assert p.returncode == 2
     assert "needs" in p.stderr and ("GPU" in p.stderr or "torch" in p.stderr or "cuda" in p.stderr.lower())
+
+
+def test_mutation_write_table_replaces_only_the_modules_run(tmp_path):
+    sys.path.insert(0, TOOLS)
+    try:
+        import mutation
+    finally:
+        sys.path.remove(TOOLS)
+    readme = tmp_path / "README.md"
+    old_a = "| `a` | `test_a.py` | 10 | 5 | 0 | 50.0% | 2026-01-01 | aaaaaaa |"
+    old_z = "| `z` | `test_z.py` | 3 | 3 | 0 | 100.0% | 2026-01-01 | aaaaaaa |"
+    readme.write_text(f"# T\n\n{mutation.TABLE_BEGIN}\n{old_z}\n{old_a}\n{mutation.TABLE_END}\n\nafter\n")
+    r = {"module": "b", "mutants": 20, "killed": 18, "equivalent": 1, "score": 18 / 19}
+    row = mutation.table_row(r, ["tests/test_b.py"], "2026-12-04", "abc1234+")
+    mutation.write_table({"b": row}, ["a", "b"], readme)
+    text = readme.read_text()
+    new_b = "| `b` | `test_b.py` | 20 | 18 | 1 | 94.7% | 2026-12-04 | abc1234+ |"
+    body = text.split(mutation.TABLE_BEGIN)[1].split(mutation.TABLE_END)[0].strip().splitlines()
+    assert body == [*mutation.TABLE_HEAD, old_a, new_b, old_z]  # the pyproject's order, others after
+    assert text.startswith("# T\n\n") and text.endswith("\n\nafter\n")
+    readme.write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="no mutation table markers"):
+        mutation.write_table({}, [], readme)

@@ -18,6 +18,12 @@ Not part of CI (it takes tens of minutes on 2 cores). Needs ``pip install mutmut
     python tools/mutation.py scheduling.blocks --diffs        # one, with the survivors' diffs
     python tools/mutation.py scheduling.loop --tests tests/test_scheduler_model.py --why
     python tools/mutation.py scheduling.scheduler --mutants survivors.txt   # only these, against the module's tests
+    python tools/mutation.py --keep DIR --write-table   # every module; its rows into tests/README.md
+
+``--write-table`` replaces the rows of the modules run in the table of scores in
+``tests/README.md`` (between its ``mutation-table`` markers; the other modules' rows stay)
+with this run's figures, the date and the commit (``+`` when ``pdkv/`` or ``tests/`` differ
+from it). Only a full run of a module writes its row: not with ``--tests`` or ``--mutants``.
 
 ``--why`` says how each killed mutant was caught, from the first failing test's exception
 (mutmut stops at the first; of the distinct failures hypothesis reports for it, the best
@@ -49,6 +55,13 @@ import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EQUIVALENT = os.path.join(ROOT, "tools", "mutation_equivalent.txt")
+TABLE = os.path.join(ROOT, "tests", "README.md")
+TABLE_BEGIN = "<!-- mutation-table: begin (tools/mutation.py --write-table) -->"
+TABLE_END = "<!-- mutation-table: end -->"
+TABLE_HEAD = [
+    "| module | tests | mutants | killed | equivalent | score | date | commit |",
+    "|---|---|--:|--:|--:|--:|---|---|",
+]
 
 
 def equivalents() -> dict[str, str]:
@@ -154,6 +167,43 @@ def why_of(path: str, status: dict[str, str]) -> dict[str, Any]:
         "raised_by_kind": raised_by_kind,
         "records": first,
     }
+
+
+def commit_label() -> str:
+    """The checkout's short commit, ``+`` when pdkv/ or tests/ differ from it."""
+    git = ["git", "-C", ROOT]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "pdkv", "tests"], capture_output=True, text=True).stdout
+    return (head or "unknown") + ("+" if dirty.strip() else "")
+
+
+def table_row(r: dict, tests: list[str], date: str, commit: str) -> str:
+    files = ", ".join(f"`{os.path.basename(t)}`" for t in tests)
+    return (
+        f"| `{r['module']}` | {files} | {r['mutants']} | {r['killed']} | {r['equivalent']} | "
+        f"{r['score']:.1%} | {date} | {commit} |"
+    )
+
+
+def write_table(rows: dict[str, str], order: list[str], path: str = TABLE) -> None:
+    """Replace the named modules' rows of the table between the markers in ``path``; rows of
+    modules not named stay; rows come in ``order`` (the pyproject table's), others after."""
+    with open(path) as f:
+        text = f.read()
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        raise SystemExit(f"{path}: no mutation table markers ({TABLE_BEGIN} ... {TABLE_END})")
+    head, rest = text.split(TABLE_BEGIN, 1)
+    body, tail = rest.split(TABLE_END, 1)
+    have: dict[str, str] = {}
+    for line in body.splitlines():
+        m = re.match(r"\| `([^`]+)` \|", line)
+        if m:
+            have[m.group(1)] = line
+    have.update(rows)
+    keys = [k for k in order if k in have] + sorted(k for k in have if k not in order)
+    table = "\n".join([*TABLE_HEAD, *(have[k] for k in keys)])
+    with open(path, "w") as f:
+        f.write(f"{head}{TABLE_BEGIN}\n{table}\n{TABLE_END}{tail}")
 
 
 def run_module(
@@ -268,11 +318,16 @@ def main() -> int:
     )
     ap.add_argument("--why", action="store_true", help="count the killed mutants by how they were caught")
     ap.add_argument(
+        "--write-table", action="store_true", help="write the modules' rows into tests/README.md's table of scores"
+    )
+    ap.add_argument(
         "--mutants",
         metavar="FILE",
         help="run only the mutants named in FILE (one name or glob a line; e.g. the survivors of another run)",
     )
     a = ap.parse_args()
+    if a.write_table and (a.tests or a.mutants):
+        ap.error("--write-table records full runs only: not with --tests or --mutants")
     only = None
     if a.mutants:
         with open(a.mutants) as f:
@@ -286,10 +341,15 @@ def main() -> int:
         if mine == []:
             continue
         results.append(run_module(m, tests, a.max_children, a.diffs, a.keep, a.why, mine))
-    print(f"{'module':12} {'mutants':>8} {'killed':>7} {'survived':>9} {'equivalent':>11} {'score':>7}")
+    if a.write_table:
+        import datetime
+
+        date, commit = datetime.date.today().isoformat(), commit_label()
+        write_table({r["module"]: table_row(r, table[r["module"]], date, commit) for r in results}, list(table))
+    print(f"{'module':28} {'mutants':>8} {'killed':>7} {'survived':>9} {'equivalent':>11} {'score':>7}")
     for r in results:
         print(
-            f"{r['module']:12} {r['mutants']:8d} {r['killed']:7d} {r['survived']:9d} {r['equivalent']:11d} "
+            f"{r['module']:28} {r['mutants']:8d} {r['killed']:7d} {r['survived']:9d} {r['equivalent']:11d} "
             f"{r['score']:7.1%}"
         )
     if a.why:
@@ -297,11 +357,11 @@ def main() -> int:
             "\nhow the killed were caught (in brackets: of those, the checks that failed on an exception the "
             "tests did not predict)"
         )
-        print(f"{'module':12} {'assertion':>16} {'teardown':>16} {'error':>6} {'timeout':>8}")
+        print(f"{'module':28} {'assertion':>16} {'teardown':>16} {'error':>6} {'timeout':>8}")
         for r in results:
             k, rk = r["why"]["by_kind"], r["why"]["raised_by_kind"]
             cells = [f"{k.get(c, 0)} ({rk.get(c, 0)})" for c in ("assertion", "teardown")]
-            print(f"{r['module']:12} {cells[0]:>16} {cells[1]:>16} {k.get('error', 0):6d} {k.get('timeout', 0):8d}")
+            print(f"{r['module']:28} {cells[0]:>16} {cells[1]:>16} {k.get('error', 0):6d} {k.get('timeout', 0):8d}")
         for r in results:
             print(
                 f"  {r['module']}: checks failed on an exception, by type: {r['why']['raised_types']}; "
