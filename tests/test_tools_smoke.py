@@ -38,10 +38,17 @@ def test_soak_memory_smoke(what, no_leaks):
 
 
 def test_bench_transport_smoke(no_leaks):
-    p = run("bench_transport.py", "--gib", "0.02", "--sizes-kib", "32", "--reps", "1", "--control-requests", "5")
+    args = ["--gib", "0.02", "--sizes-kib", "32", "--reps", "1", "--control-requests", "5"]
+    p = run("bench_transport.py", *args, "--streams", "1,2")
     assert p.returncode == 0, p.stderr
     last = json.loads(p.stdout.strip().splitlines()[-1])
     assert {"shm_vs_ceiling", "tcp_vs_socket", "tcp_GiBps", "control_p50_ms"} <= set(last)
+    assert last["streams"] == [1, 2] and set(last["tcp_by_streams"]) == {"1", "2"}
+    assert set(last["tcp_by_streams"]["2"]["32"]) == {"tcp", "socket", "ratio"}
+    assert "tcp by streams" in p.stdout
+    for bad in ("0", "2,2", "x"):
+        p = run("bench_transport.py", *args, "--streams", bad)
+        assert p.returncode == 2 and "--streams" in p.stderr, p.stderr
 
 
 @pytest.mark.multiproc

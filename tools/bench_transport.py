@@ -9,7 +9,11 @@ copy of the same bytes into the decode's segment, by the fastest of np.copyto, p
 streaming copy loop as one piece, and the loop over consecutive 128 KiB pieces), and the
 tcp transport against a
 single-stream socket loop (sendall -> recv_into of the same bytes between the same two
-processes). The clock runs from handing the data to the sender until every request's
+processes). With ``--streams 1,2,4,8`` the tcp transport runs once per stream count, each
+against a socket loop of as many streams (each its share of the bytes, ``sendall`` from its
+own thread, ``recv_into`` in its own thread on the far side), measured back to back in the
+same repetition: the ceiling of that many streams through this host's loopback and Python.
+The clock runs from handing the data to the sender until every request's
 outcome (received, verified by decode's accounting) is back; grants are taken before.
 Control overhead: one-block requests, p50 of grant -> completion (from holding the grant
 to the definite outcome) and of the whole cycle including the reservation round trip.
@@ -19,6 +23,7 @@ where a large ``np.empty`` would start (16 bytes into its page), which costs blo
 on some CPUs.
 
     python tools/bench_transport.py [--gib 1] [--sizes-kib 32,128,1024] [--streams 2] [--src-offset 0]
+    python tools/bench_transport.py --sizes-kib 128,1024 --streams 1,2,4,8,16   # tcp by streams
 """
 
 from __future__ import annotations
@@ -105,6 +110,23 @@ def decode_main(a: argparse.Namespace) -> None:
     parent = os.getppid()
     sink.settimeout(1.0)
     view = buf.buf
+
+    def serve(conn: socket.socket) -> None:  # one stream: its bytes into the buffer from its offset
+        with conn:
+            conn.settimeout(None)
+            hdr = conn.recv(16, socket.MSG_WAITALL)
+            if len(hdr) < 16:
+                return
+            n, off = int.from_bytes(hdr[:8], "little"), int.from_bytes(hdr[8:], "little")
+            got = 0
+            while got < n:
+                at = (off + got) % len(view)
+                k = conn.recv_into(view[at : min(len(view), at + n - got)])
+                if k == 0:
+                    return
+                got += k
+            conn.sendall(b"ok")
+
     while True:
         try:
             conn, _ = sink.accept()
@@ -112,19 +134,7 @@ def decode_main(a: argparse.Namespace) -> None:
             if os.getppid() != parent:
                 break
             continue
-        conn.settimeout(None)
-        hdr = conn.recv(8, socket.MSG_WAITALL)
-        if len(hdr) < 8:
-            break
-        n = int.from_bytes(hdr, "little")
-        got = 0
-        while got < n:
-            k = conn.recv_into(view[got % len(view) : min(len(view), got % len(view) + n - got)])
-            if k == 0:
-                break
-            got += k
-        conn.sendall(b"ok")
-        conn.close()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
     view = None
     if bare is not None:
         bare.close()
@@ -229,32 +239,44 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
                 )
             return total / (time.perf_counter() - t0)
 
-        # socket loop baseline: one stream, sendall of the same bytes, recv_into on the far side
-        def socket_loop():
-            s = socket.create_connection(("127.0.0.1", info["sink"]))
+        # socket loop baseline: n streams (connected before the clock starts), each sendall of
+        # its share of the same bytes from its own thread, recv_into on the far side
+        spool = ThreadPoolExecutor(max(a.streams))
+        mv = memoryview(src)
+
+        def socket_loop(n: int = 1) -> float:
+            socks = [socket.create_connection(("127.0.0.1", info["sink"])) for _ in range(n)]
+            bounds = [total * i // n for i in range(n + 1)]
+
+            def one(i: int) -> None:
+                s, lo, hi = socks[i], bounds[i], bounds[i + 1]
+                s.sendall((hi - lo).to_bytes(8, "little") + lo.to_bytes(8, "little"))
+                for off in range(lo, hi, 8 << 20):
+                    s.sendall(mv[off : min(hi, off + (8 << 20))])
+                assert s.recv(2, socket.MSG_WAITALL) == b"ok"
+
             t0 = time.perf_counter()
-            s.sendall(total.to_bytes(8, "little"))
-            mv = memoryview(src)
-            for off in range(0, total, 8 << 20):
-                s.sendall(mv[off : off + (8 << 20)])
-            assert s.recv(2) == b"ok"
+            list(spool.map(one, range(n)))
             dt = time.perf_counter() - t0
-            s.close()
+            for s in socks:
+                s.close()
             return total / dt
 
-        txs = {
-            t: pdkv.PrefillSender(
+        def sender(t: str, streams: int) -> pdkv.PrefillSender:
+            return pdkv.PrefillSender(
                 lay,
                 spec,
                 info["control"],
                 transport=t,
-                streams=a.streams,
+                streams=streams,
                 timeout_s=60,
-                instance=f"bench-{t}",
+                instance=f"bench-{t}-{streams}",
                 copy_threads=nth,
             )
-            for t in ("shm", "tcp")
-        }
+
+        # the main table's tcp: the first stream count; the others, tcp_<n>, by streams below
+        txs = {"shm": sender("shm", a.streams[0]), "tcp": sender("tcp", a.streams[0])}
+        txs.update({f"tcp_{n}": sender("tcp", n) for n in a.streams[1:]})
         counter = [0]
 
         def transfer(transport: str) -> float:
@@ -274,8 +296,13 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
 
         # warm-up, then each repetition measures the thing and its baseline back to back,
         # and the ratio is taken per repetition (this 2-core machine is noisy)
-        ceiling(), socket_loop(), transfer("shm"), transfer("tcp"), bare_gather()
-        reps = [(ceiling(), transfer("shm"), socket_loop(), transfer("tcp"), bare_gather()) for _ in range(a.reps)]
+        s0 = a.streams[0]
+        ceiling(), socket_loop(s0), transfer("shm"), transfer("tcp"), bare_gather()
+        reps, by_streams = [], []
+        for _ in range(a.reps):
+            reps.append((ceiling(), transfer("shm"), socket_loop(s0), transfer("tcp"), bare_gather()))
+            # each further stream count: its socket loop, then pdkv's tcp with as many streams
+            by_streams.append({n: (socket_loop(n), transfer(f"tcp_{n}")) for n in a.streams[1:]})
         med = lambda xs: statistics.median(xs)  # noqa: E731
         res = {
             "shm": med([r[1] for r in reps]),
@@ -286,6 +313,17 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
             "bare_gather": med([r[4] for r in reps]),
         }
         shm_ceiling, sock_bw = med([r[0] for r in reps]), med([r[2] for r in reps])
+        streams_rows = {s0: {"tcp": res["tcp"], "socket": sock_bw, "ratio": res["tcp_ratio"]}}
+        for n in a.streams[1:]:
+            pairs = [b[n] for b in by_streams]
+            streams_rows[n] = {
+                "socket": med([p[0] for p in pairs]),
+                "tcp": med([p[1] for p in pairs]),
+                "ratio": med([p[1] / p[0] for p in pairs]),
+            }
+        for n in a.streams[1:]:
+            txs.pop(f"tcp_{n}").close()
+        spool.shutdown()
         for transport, tx in txs.items():
             # control overhead of one-block requests: grant -> completion (from holding the
             # grant to the definite outcome: write, layer/complete messages, decode's
@@ -326,7 +364,14 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
                 res["tcp_cycle_p50_ms"],
             )
         )
-        out[kib] = dict(res, shm_ceiling=shm_ceiling, socket=sock_bw, copyto=med(copyto_bw), huge_mib=huge_mib)
+        out[kib] = dict(
+            res,
+            shm_ceiling=shm_ceiling,
+            socket=sock_bw,
+            copyto=med(copyto_bw),
+            huge_mib=huge_mib,
+            by_streams=streams_rows,
+        )
     finally:
         stop_decode(child)
 
@@ -339,7 +384,12 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=1, help=argparse.SUPPRESS)  # decode role (bench_staged.py)
     ap.add_argument("--transports", default="shm,tcp", help=argparse.SUPPRESS)  # decode role (bench_nixl.py)
     ap.add_argument("--sizes-kib", default="32,128,1024")
-    ap.add_argument("--streams", type=int, default=2)
+    ap.add_argument(
+        "--streams",
+        default="2",
+        help="tcp data streams, or a comma-separated list (1,2,4,8): tcp once per count, each beside a socket "
+        "loop of as many streams; the main table's tcp is the first",
+    )
     ap.add_argument(
         "--copy-threads",
         type=int,
@@ -362,6 +412,12 @@ def main() -> int:
     a = ap.parse_args()
     if a.src_offset < 0:
         ap.error(f"--src-offset {a.src_offset} must be >= 0")
+    try:
+        a.streams = [int(x) for x in str(a.streams).split(",")]
+    except ValueError:
+        ap.error(f"--streams {a.streams!r}: integers, comma-separated")
+    if not a.streams or any(not 1 <= n <= 64 for n in a.streams) or len(set(a.streams)) != len(a.streams):
+        ap.error(f"--streams {','.join(map(str, a.streams))}: distinct counts in 1..64")
     if a.copy_threads is None:
         a.copy_threads = default_copy_threads()
     if a.role == "decode":
@@ -398,7 +454,17 @@ def main() -> int:
     print(" copy of the same bytes, the fastest of np.copyto and pdkv's streaming loop (one piece, 128 KiB pieces)")
     print(" each time; bare gather: the same random-order block copy by the shm transport's copy primitive,")
     print(" no transport)")
-    print("reference (DESIGN.md, same machine class): NIXL/UCX TCP best 2.14 GiB/s, Mooncake TCP best 2.3 GiB/s")
+    if len(a.streams) > 1:
+        print("\ntcp by streams: GiB/s, pdkv tcp (ratio) against a socket loop of as many streams, same repetitions")
+        print(f"{'KiB':>6} " + " ".join(f"{str(n) + ' stream' + ('s' if n > 1 else ''):>22}" for n in a.streams))
+        for kib in out:
+            cells = [out[kib]["by_streams"][n] for n in a.streams]
+            print(
+                f"{kib:>6} "
+                + " ".join(
+                    f"{c['tcp'] / (1 << 30):>6.2f} ({c['ratio']:.2f}) of {c['socket'] / (1 << 30):>5.2f}" for c in cells
+                )
+            )
     r128 = out.get(128) or next(iter(out.values()))
     print(
         json.dumps(
@@ -410,7 +476,17 @@ def main() -> int:
                 "control_p50_ms_shm": round(statistics.median([r["shm_ctl_p50_ms"] for r in out.values()]), 3),
                 "cycle_with_reserve_p50_ms": round(statistics.median([r["tcp_cycle_p50_ms"] for r in out.values()]), 3),
                 "shm_vs_bare_gather": round(min(r["shm_vs_bare_gather"] for r in out.values()), 3),
-                "streams": a.streams,
+                "streams": a.streams[0] if len(a.streams) == 1 else a.streams,
+                "tcp_by_streams": {
+                    str(n): {
+                        str(kib): {
+                            k: round(v / (1 << 30), 3) if k != "ratio" else round(v, 3)
+                            for k, v in r["by_streams"][n].items()
+                        }
+                        for kib, r in out.items()
+                    }
+                    for n in a.streams
+                },
                 "copy_threads": a.copy_threads,
                 "src_offset": a.src_offset,
                 "copy": "stream" if cpu.available() else "numpy",
