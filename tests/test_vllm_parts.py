@@ -541,3 +541,58 @@ def test_cache_spec_ignores_the_stride_of_a_dimension_of_one():
     bad = big.as_strided((VNB, 1, VN, 2 * VD), (VN * 4 * VD, 12345, 2 * VD + 1, 1))
     with pytest.raises(LayoutError, match="has strides"):
         cache_spec(lay, [bad])
+
+
+class _OnDevice:
+    """A CPU tensor that says it lives on CUDA device ``index`` (cache_spec reads tensors by
+    duck typing: shape, strides, dtype, data_ptr and device)."""
+
+    def __init__(self, t, index):
+        self._t, self.is_cuda, self.device = t, True, _Dev(index)
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+class _Dev:
+    def __init__(self, index):
+        self.index = index
+
+    def __eq__(self, other):
+        return isinstance(other, _Dev) and other.index == self.index
+
+    def __hash__(self):
+        return self.index
+
+    def __str__(self):
+        return f"cuda:{self.index}"
+
+
+def test_cache_spec_takes_the_views_device_and_refuses_two():
+    torch = pytest.importorskip("torch")
+    from pdkv.integrations.vllm.views import cache_spec
+
+    lay = KVLayout(num_layers=2, kv_heads=VH, head_dim=VD, tokens_per_block=VN, dtype="bf16", kv_fused="row")
+    raw = [torch.zeros((VNB, VH, VN, 2 * VD), dtype=torch.bfloat16) for _ in range(2)]
+    assert cache_spec(lay, [_OnDevice(r, 3) for r in raw]).device == 3
+    one = KVLayout(num_layers=1, kv_heads=VH, head_dim=VD, tokens_per_block=VN, dtype="bf16", kv_fused="row")
+    assert cache_spec(one, [_OnDevice(raw[0], 2)]).device == 2
+    assert cache_spec(lay, raw).device is None  # host tensors: no device
+    with pytest.raises(LayoutError) as e:
+        cache_spec(lay, [_OnDevice(raw[0], 0), _OnDevice(raw[1], 1)])
+    assert str(e.value) == "vLLM's KV cache of layer 1 is on cuda:1, layer 0 on cuda:0"
+
+
+def test_cache_spec_checks_the_stride_of_a_dimension_of_two():
+    torch = pytest.importorskip("torch")
+    from pdkv.integrations.vllm.views import cache_spec
+
+    lay = KVLayout(num_layers=1, kv_heads=2, head_dim=VD, tokens_per_block=VN, dtype="bf16", kv_fused="row")
+    big = torch.zeros(VNB * 4 * VN * 2 * VD, dtype=torch.bfloat16)
+    # two heads whose rows are twice as far apart as the layout's: refused, though only 2 of them
+    bad = big.as_strided((VNB, 2, VN, 2 * VD), (4 * VN * 2 * VD, 2 * VN * 2 * VD, 2 * VD, 1))
+    with pytest.raises(LayoutError) as e:
+        cache_spec(lay, [bad])
+    assert str(e.value) == (
+        "vLLM's KV cache of layer 0 has strides (1024, 512, 32, 1); pdkv's head-major order expects (.., 256, 32, 1)"
+    )

@@ -34,6 +34,8 @@ def cache_spec(layout: KVLayout, tensors: Sequence[Any]) -> CacheSpec:
             raise LayoutError(f"vLLM's KV cache of layer {i} is {t.dtype}; the layout says {layout.dtype}")
         if int(t.shape[0]) != int(tensors[0].shape[0]):
             raise LayoutError(f"vLLM's KV cache of layer {i} has {t.shape[0]} blocks, layer 0 {tensors[0].shape[0]}")
+        if t.device != tensors[0].device:  # one rank's cache is on one device; pdkv copies it with one context
+            raise LayoutError(f"vLLM's KV cache of layer {i} is on {t.device}, layer 0 on {tensors[0].device}")
         # a dimension of size 1 has no meaningful stride (vLLM sets its own for them)
         if any(st != want_st for st, want_st, n in zip(t.stride()[1:], strides, want) if n > 1):
             raise LayoutError(
