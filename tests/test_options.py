@@ -62,7 +62,8 @@ def test_the_defaults():
     assert (r.max_blocks_per_instance, r.auto_tick, r.data_advertise, r.gpu_caches) == (None, False, None, None)
     assert (r.rdma_device, r.rdma_port, r.rdma_gid_index, r.nixl_ucx) == (None, 1, None, None)
     s = SenderOptions()
-    assert (s.instance, s.secret, s.instance_key, s.transport, s.streams) == ("prefill", None, None, "auto", 2)
+    assert (s.instance, s.secret, s.instance_key, s.transport) == ("prefill", None, None, "auto")
+    assert s.streams == opts.default_streams()
     assert (s.timeout_s, s.heartbeat_s, s.on_outcome, s.staging, s.staging_slots) == (10.0, 1.0, None, "auto", 4)
     assert (s.staging_slot_bytes, s.gpudirect, s.rdma_port, s.rdma_gid_index) == (None, "auto", 1, None)
     assert s.copy_threads == opts.default_copy_threads()
@@ -133,6 +134,16 @@ def test_sender_names_and_choices():
 def test_default_copy_threads_a_quarter_of_the_cpus_2_to_4(cpus, threads, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     assert opts.default_copy_threads() == threads
+
+
+@pytest.mark.parametrize(
+    ("cpus", "streams"), [(1, 2), (2, 2), (4, 2), (5, 2), (6, 3), (8, 4), (15, 7), (16, 8), (17, 8), (128, 8)]
+)
+def test_default_streams_half_the_cpus_2_to_8(cpus, streams, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert opts.default_streams() == streams
+    assert SenderOptions().streams == streams and SenderOptions(streams=None).streams == streams
+    assert SenderOptions(streams=1).streams == 1  # given: kept
 
 
 def test_default_copy_threads_without_affinity_counts_the_cpus(monkeypatch):

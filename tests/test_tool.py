@@ -282,6 +282,8 @@ def test_prefill_mode_sums_up_when_decode_dies(tmp_path, no_leaks):
         (["--trace", "/nonexistent"], "no such file"),
         (["--transport", "cuda_ipc", "--no-gpu"], "cannot run with --no-gpu"),
         (["--rdma-gid-index", "-1"], "--rdma-gid-index -1 must be in 0..65535"),
+        (["--streams", "0"], "--streams 0 must be in 1..64"),
+        (["--streams", "65"], "--streams 65 must be in 1..64"),
     ],
 )
 def test_bad_flags_get_one_line(args, msg, tmp_path):

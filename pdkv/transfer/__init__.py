@@ -44,7 +44,7 @@ from .base import (
 from .cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from .decode import DecodeReceiver
 from .nixl import NixlReceiver, NixlSender
-from .options import ReceiverOptions, SenderOptions, default_copy_threads
+from .options import ReceiverOptions, SenderOptions, default_copy_threads, default_streams
 from .prefill import PrefillSender
 from .rdma import RdmaReceiver, RdmaSender
 from .shm import ShmReceiver, ShmSender
@@ -58,6 +58,7 @@ __all__ = [
     "ReceiverOptions",
     "SenderOptions",
     "default_copy_threads",
+    "default_streams",
     "SenderTransport",
     "ReceiverTransport",
     "WriteItem",

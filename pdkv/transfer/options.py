@@ -14,7 +14,7 @@ from typing import Any
 
 from ..layout import CacheSpec
 
-__all__ = ["ReceiverOptions", "SenderOptions", "default_copy_threads", "merge_options"]
+__all__ = ["ReceiverOptions", "SenderOptions", "default_copy_threads", "default_streams", "merge_options"]
 
 
 def _positive(name: str, v: object) -> None:
@@ -148,17 +148,32 @@ class ReceiverOptions:
             object.__setattr__(self, "gpu_caches", tuple(self.gpu_caches))
 
 
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_copy_threads() -> int:
     """shm copy threads a :class:`~pdkv.transfer.PrefillSender` uses by default: a quarter
     of the CPUs this process may run on, at least 2 (where it has 2) and at most 4. On the
     2-vCPU dev VM, with decode on the same 2 vCPUs, two threads moved 32 KiB / 128 KiB blocks
     at a median 16.5 / 19.7 GiB/s against one's 13.0 / 15.2 (docs/PERF.md): one thread leaves
     memory idle between its misses; the threads run only while a layer is written."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
+    n = _cpus()
     return min(4, max(min(2, n), n // 4))
+
+
+def default_streams() -> int:
+    """tcp data connections a :class:`~pdkv.transfer.PrefillSender` opens by default: half
+    the CPUs this process may run on, at least 2 and at most 8. Each stream is a thread that
+    sends here (a lane that sends from the staging ring, for a GPU cache) and one that
+    receives in decode. On the 16-core H200 host 8 streams moved 12.9-13.1 GiB/s against 2
+    streams' 5.1-5.4, where a socket loop of 8 streams reached 15.8-16.1 GiB/s and 16 streams
+    no more (docs/PERF.md, "tcp by streams"): 8 fill a 100 Gb/s NIC."""
+    return min(8, max(2, _cpus() // 2))
 
 
 @dataclass(frozen=True)
@@ -182,7 +197,7 @@ class SenderOptions:
         shm, then rdma where this host has a device, then tcp; a GPU cache offers cuda_ipc,
         then shm) or a registered transport's name.
     streams:
-        TCP data connections (1..64).
+        TCP data connections (1..64); default :func:`default_streams` (half the CPUs, 2..8).
     timeout_s:
         Bound on the handshake, a reservation, and decode's silence before its requests fail.
     heartbeat_s:
@@ -218,7 +233,7 @@ class SenderOptions:
     secret: bytes | None = field(default=None, repr=False)
     instance_key: bytes | None = field(default=None, repr=False)
     transport: str = "auto"
-    streams: int = 2
+    streams: int | None = None
     timeout_s: float = 10.0
     heartbeat_s: float = 1.0
     on_outcome: Callable[[Any], None] | None = None
@@ -239,6 +254,8 @@ class SenderOptions:
             raise ValueError(f"instance={self.instance!r:.80} must be a string of 1-256 printable characters")
         if self.instance_key is not None and (not isinstance(self.instance_key, bytes) or len(self.instance_key) < 16):
             raise ValueError("instance_key must be bytes (>= 16 of them) or None")
+        if self.streams is None:
+            object.__setattr__(self, "streams", default_streams())
         _count("streams", self.streams, 1, 64)
         _positive("timeout_s", self.timeout_s)
         _positive("heartbeat_s", self.heartbeat_s)

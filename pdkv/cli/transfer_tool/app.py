@@ -103,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         "are there), then tcp; a GPU cache (--prefill-gpu) offers cuda_ipc, then shm; decode picks the first it "
         "serves and can use",
     )
-    g.add_argument("--streams", type=int, default=1, help="TCP data connections per prefill rank")
+    g.add_argument(
+        "--streams",
+        type=int,
+        default=None,
+        help="TCP data connections per prefill rank (default: pdkv's default_streams(), half this host's CPUs, 2-8)",
+    )
     g.add_argument(
         "--rdma-device", default=None, help="rdma: the device (default: the one nearest a GPU cache, else the first)"
     )
@@ -257,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(a: argparse.Namespace) -> None:
-    for name in ("requests", "concurrency", "prefill_tp", "decode_tp", "streams", "prefill_blocks"):
+    for name in ("requests", "concurrency", "prefill_tp", "decode_tp", "prefill_blocks"):
         if getattr(a, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     for name in ("rate", "layer_ms", "duration", "buffer_blocks", "gpu_blocks", "trace_limit", "expect_requests"):
@@ -290,6 +295,8 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError("decode mode needs --listen ADDR, e.g. tcp://0.0.0.0:5555")
     if a.trace and not os.path.exists(a.trace):
         raise UsageError(f"--trace {a.trace}: no such file")
+    if a.streams is not None and not 1 <= a.streams <= 64:
+        raise UsageError(f"--streams {a.streams} must be in 1..64")
     if a.rdma_gid_index is not None and not 0 <= a.rdma_gid_index <= 65535:
         raise UsageError(f"--rdma-gid-index {a.rdma_gid_index} must be in 0..65535")
     if a.transport == "cuda_ipc" and a.no_gpu:
