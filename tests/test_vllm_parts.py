@@ -66,29 +66,89 @@ def test_vllm_settings_defaults_and_the_shared_instance_key(monkeypatch):
     assert x.transports == ("tcp", "shm") and x.buffer_bytes == 1 << 29 and x.buffer_blocks == 7
 
 
+_KEYS_SORTED = (
+    "['buffer_blocks', 'buffer_gib', 'control', 'data_host', 'decode', 'instance', 'instance_key', 'kv_fused', "
+    "'lease_s', 'load_timeout_s', 'reserve_timeout_s', 'secret', 'transport', 'transports']"
+)
+EXTRA = "kv_connector_extra_config"
+SHORT_KEY = "must be a string of at least 16 characters"
+
+
 @pytest.mark.parametrize(
     "role, extra, msg",
     [
-        ("kv_both", {}, "kv_role='kv_both'"),
-        ("kv_consumer", {"buffer_size": 1}, "unknown keys ['buffer_size']"),
-        ("kv_consumer", {"buffer_gib": 0}, "['buffer_gib']=0 must be a positive number"),
-        ("kv_consumer", {"buffer_gib": True}, "['buffer_gib']=True must be a positive number"),
-        ("kv_consumer", {"buffer_blocks": -1}, "['buffer_blocks']=-1 must be a positive integer"),
-        ("kv_consumer", {"load_timeout_s": -2}, "['load_timeout_s']=-2 must be"),
-        ("kv_consumer", {"transports": []}, "must name one or more transports"),
-        ("kv_consumer", {"transports": [1]}, "must name one or more transports"),
-        ("kv_consumer", {"secret": ""}, "'secret'] must be a non-empty string"),
-        ("kv_producer", {"instance": "a\nb"}, "1-64 printable characters"),
-        ("kv_producer", {"instance": "x" * 65}, "1-64 printable characters"),
-        ("kv_producer", {"instance_key": "short"}, "at least 16 characters"),
-        ("kv_producer", {"kv_fused": "yes"}, "must be 'row' or 'head'"),
-        ("kv_producer", {"decode": 5}, "['decode']=5 must be a string"),
+        ("kv_both", {}, "kv_role='kv_both': pdkv's connector is kv_producer (prefill) or kv_consumer (decode)"),
+        ("kv_consumer", {"buffer_size": 1}, f"{EXTRA} has unknown keys ['buffer_size']; pdkv reads {_KEYS_SORTED}"),
+        ("kv_consumer", {"buffer_gib": 0}, f"{EXTRA}['buffer_gib']=0 must be a positive number"),
+        ("kv_consumer", {"buffer_gib": True}, f"{EXTRA}['buffer_gib']=True must be a positive number"),
+        ("kv_consumer", {"buffer_gib": "1"}, f"{EXTRA}['buffer_gib']='1' must be a positive number"),
+        ("kv_consumer", {"buffer_blocks": -1},
+         f"{EXTRA}['buffer_blocks']=-1 must be an integer >= 0 (0: sized by buffer_gib)"),
+        ("kv_consumer", {"buffer_blocks": True},
+         f"{EXTRA}['buffer_blocks']=True must be an integer >= 0 (0: sized by buffer_gib)"),
+        ("kv_consumer", {"buffer_blocks": 2.0},
+         f"{EXTRA}['buffer_blocks']=2.0 must be an integer >= 0 (0: sized by buffer_gib)"),
+        ("kv_consumer", {"load_timeout_s": -2}, f"{EXTRA}['load_timeout_s']=-2 must be a positive number"),
+        ("kv_producer", {"reserve_timeout_s": 0}, f"{EXTRA}['reserve_timeout_s']=0 must be a positive number"),
+        ("kv_consumer", {"lease_s": 0.0}, f"{EXTRA}['lease_s']=0.0 must be a positive number"),
+        ("kv_consumer", {"transports": []}, f"{EXTRA}['transports']=[] must name one or more transports"),
+        ("kv_consumer", {"transports": [1]}, f"{EXTRA}['transports']=[1] must name one or more transports"),
+        ("kv_consumer", {"transports": " , "}, f"{EXTRA}['transports']=() must name one or more transports"),
+        ("kv_consumer", {"transports": {"tcp"}}, f"{EXTRA}['transports']={{'tcp'}} must name one or more transports"),
+        ("kv_consumer", {"secret": ""}, f"{EXTRA}['secret'] must be a non-empty string"),
+        ("kv_consumer", {"secret": b"bytes-secret"}, f"{EXTRA}['secret'] must be a non-empty string"),
+        ("kv_producer", {"instance": "a\nb"}, f"{EXTRA}['instance']='a\\nb' must be 1-64 printable characters"),
+        ("kv_producer", {"instance": ""}, f"{EXTRA}['instance']='' must be 1-64 printable characters"),
+        ("kv_producer", {"instance": "x" * 65}, f"{EXTRA}['instance']='{'x' * 65}' must be 1-64 printable characters"),
+        ("kv_producer", {"instance": 7}, f"{EXTRA}['instance']=7 must be 1-64 printable characters"),
+        ("kv_producer", {"instance_key": "k" * 15}, f"{EXTRA}['instance_key'] {SHORT_KEY}"),
+        ("kv_producer", {"instance_key": b"k" * 16}, f"{EXTRA}['instance_key'] {SHORT_KEY}"),
+        ("kv_producer", {"kv_fused": "yes"}, f"{EXTRA}['kv_fused']='yes' must be 'row' or 'head'"),
+        ("kv_producer", {"control": 5}, f"{EXTRA}['control']=5 must be a string"),
+        ("kv_producer", {"decode": 5}, f"{EXTRA}['decode']=5 must be a string"),
+        ("kv_producer", {"transport": None}, f"{EXTRA}['transport']=None must be a string"),
+        ("kv_producer", {"data_host": 127}, f"{EXTRA}['data_host']=127 must be a string"),
     ],
-)
+)  # fmt: skip
 def test_vllm_settings_refusals_name_the_key(role, extra, msg):
     with pytest.raises(ValueError) as e:
         parse_settings(role, "e", extra)
-    assert msg in str(e.value)
+    assert str(e.value) == msg
+
+
+def test_vllm_settings_every_key_and_every_default(monkeypatch):
+    import hashlib
+    import hmac
+
+    from pdkv.integrations.vllm.settings import Settings
+
+    monkeypatch.delenv("PDKV_SECRET", raising=False)
+    default_key = hmac.new(b"pdkv-vllm", b"instance-key:e1", hashlib.sha256).digest()
+    assert parse_settings("kv_consumer", "e1", None) == Settings(
+        role="kv_consumer", engine_id="e1", control="tcp://127.0.0.1:0", decode="", buffer_bytes=1 << 30,
+        buffer_blocks=0, transports=("shm", "tcp"), transport="auto", secret=None, instance="vllm-e1",
+        instance_key=default_key, reserve_timeout_s=30.0, load_timeout_s=60.0, lease_s=30.0, kv_fused="",
+        data_host="127.0.0.1",
+    )  # fmt: skip
+    given = {
+        "control": "tcp://0.0.0.0:7", "decode": "tcp://d:8", "buffer_gib": 2, "buffer_blocks": 0,
+        "transports": ["tcp"], "transport": "tcp", "secret": "sesame", "instance": "p" * 64,
+        "instance_key": "k" * 16, "reserve_timeout_s": 1, "load_timeout_s": 2.5, "lease_s": 3, "kv_fused": "row",
+        "data_host": "10.0.0.1",
+    }  # fmt: skip
+    assert parse_settings("kv_producer", "e2", given) == Settings(
+        role="kv_producer", engine_id="e2", control="tcp://0.0.0.0:7", decode="tcp://d:8", buffer_bytes=2 << 30,
+        buffer_blocks=0, transports=("tcp",), transport="tcp", secret=b"sesame", instance="p" * 64,
+        instance_key=hashlib.sha256(b"k" * 16).digest(), reserve_timeout_s=1.0, load_timeout_s=2.5, lease_s=3.0,
+        kv_fused="row", data_host="10.0.0.1",
+    )  # fmt: skip
+    # a long engine id: the default instance name is its first 64 characters
+    long_id = "e" * 100
+    assert parse_settings("kv_producer", long_id, {}).instance == ("vllm-" + long_id)[:64]
+    assert parse_settings("kv_producer", "e", {"kv_fused": "head"}).kv_fused == "head"
+    # with a secret, the default instance key is keyed by it
+    keyed = hmac.new(b"sesame", b"instance-key:e1", hashlib.sha256).digest()
+    assert parse_settings("kv_producer", "e1", {"secret": "sesame"}).instance_key == keyed
 
 
 def test_vllm_cache_orders():
@@ -97,18 +157,30 @@ def test_vllm_cache_orders():
     assert order_of("LBHNC", cpu=False) == ("row", False)
     assert order_of("BLNHC", cpu=False) == ("row", True)  # cross-layer: the spec's strides
     assert order_of("NHD", cpu=False, kv_fused="row") == ("row", True)
-    with pytest.raises(LayoutError, match="LHBNC puts heads or tokens outside the block"):
+    with pytest.raises(LayoutError) as e:
         order_of("LHBNC", cpu=False)
-    with pytest.raises(LayoutError, match="is head-major; LBNHC is token-major"):
+    assert str(e.value) == (
+        "vLLM's KV cache layout LHBNC puts heads or tokens outside the block; pdkv's connector reads "
+        "block-contiguous layouts (BLHNC, BLNHC, HND, LBHNC, LBNHC, NHD)"
+    )
+    with pytest.raises(LayoutError) as e:
         order_of("LBNHC", cpu=True)
+    assert str(e.value) == "vLLM's CPU cache order (kv_fused='head') is head-major; LBNHC is token-major"
 
 
 def test_vllm_layouts_from_vllm_names():
     lay = layout_for(**LAY, order=("head", False))
     assert (lay.dtype, lay.kv_fused, lay.token_major, lay.layer_block_bytes) == ("float32", "head", False, 2048)
     assert layout_for(**{**LAY, "dtype": "fp8"}, order=("row", True)).dtype == "float8_e4m3"
-    with pytest.raises(LayoutError, match="dtype torch.int8 is not one pdkv carries"):
+    with pytest.raises(LayoutError) as e:
         layout_for(**{**LAY, "dtype": "torch.int8"}, order=("row", True))
+    assert str(e.value) == (
+        "vLLM's KV cache dtype torch.int8 is not one pdkv carries "
+        "(fp8, fp8_e4m3, fp8_e5m2, torch.bfloat16, torch.float16, torch.float32)"
+    )
+    r = layout_for(**{**LAY, "kv_heads": 4, "tp_size": 2, "tp_rank": 1}, order=("row", True))
+    assert (r.tp_size, r.tp_rank, r.heads_per_rank, r.token_major, r.kv_fused) == (2, 1, 2, True, "row")
+    assert (r.num_layers, r.head_dim, r.tokens_per_block) == (2, 16, 8)
 
 
 # ------------------------------------------------------------------ prefill's scheduler half

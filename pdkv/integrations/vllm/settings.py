@@ -157,7 +157,9 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
         raise ValueError(f"kv_connector_extra_config['transports']={transports!r} must name one or more transports")
     blocks = extra.get("buffer_blocks", 0)
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
-        raise ValueError(f"kv_connector_extra_config['buffer_blocks']={blocks!r} must be a positive integer")
+        raise ValueError(
+            f"kv_connector_extra_config['buffer_blocks']={blocks!r} must be an integer >= 0 (0: sized by buffer_gib)"
+        )
     fused = extra.get("kv_fused", "")
     if fused not in ("", "row", "head"):
         raise ValueError(f"kv_connector_extra_config['kv_fused']={fused!r} must be 'row' or 'head'")
