@@ -128,6 +128,7 @@ class DecodeMetrics(_Exposed):
         self._peer: dict[str, str] = {}
         self.registry.register(_Collector(self))
         scheduler.add_listener(self._on_event)
+        self._listening = True
 
     def _on_event(self, ev: Event) -> None:
         rid, kind = ev.request_id, ev.kind
@@ -157,8 +158,10 @@ class DecodeMetrics(_Exposed):
                 self.ended.labels(outcome=str(kind), peer=self._peer.pop(rid, "")).inc()
 
     def close(self) -> None:
-        """Stop serving and stop listening to the scheduler."""
-        self.scheduler.remove_listener(self._on_event)
+        """Stop serving and stop listening to the scheduler (a second call does nothing)."""
+        if self._listening:
+            self._listening = False
+            self.scheduler.remove_listener(self._on_event)
         super().close()
 
 

@@ -362,3 +362,68 @@ def test_prefill_exposition_every_name_label_help_and_value():
     got, _ = _samples(m.text())
     assert (got[(h + "_count", (("rank", "0"),))], got[(h + "_sum", (("rank", "0"),))]) == (3, 1.75)
     assert PrefillMetrics(t0).senders == [t0]  # one sender, not in a list
+
+
+def test_missing_figures_read_as_zero_and_the_buckets_are_pdkvs():
+    from pdkv.metrics import LATENCY_BUCKETS, PrefillMetrics
+
+    class _Rx0(_Rx):
+        stats = {}
+
+    figures = {k: v for k, v in SCHED_FIGURES.items() if k not in ("swap_bytes", "requests_ready")}
+    got, _ = _samples(DecodeMetrics(_Sched(figures), _Rx0()).text())
+    assert got[("pdkv_decode_swap_bytes_total", ())] == 0
+    assert got[("pdkv_decode_requests_total", (("event", "ready"),))] == 0
+    assert got[("pdkv_decode_auth_failed_total", ())] == 0 and got[("pdkv_decode_frames_rejected_total", ())] == 0
+    want = sorted([*LATENCY_BUCKETS, float("inf")])
+    pm = PrefillMetrics(_Tx(0, "shm", {}, {}, [(0, 0.5)]))
+    got, _ = _samples(pm.text())
+    got_d, _ = _samples(DecodeMetrics(_Sched(SCHED_FIGURES)).text())
+    for h in ("pdkv_decode_swap_seconds", "pdkv_decode_grant_to_received_seconds"):
+        assert sorted(float(dict(lb)["le"]) for (n, lb) in got_d if n == h + "_bucket") == want
+    assert sorted(float(dict(lb)["le"]) for (n, lb) in got if n == "pdkv_prefill_layer_seconds_bucket") == want
+
+
+def test_registry_given_is_used_and_ready_of_an_unknown_request_is_ignored():
+    from prometheus_client import CollectorRegistry
+
+    from pdkv.metrics import PrefillMetrics
+    from pdkv.scheduling.lifecycle import Event, EventKind
+
+    r = CollectorRegistry()
+    sched = _Sched(SCHED_FIGURES)
+    m = DecodeMetrics(sched, registry=r)
+    assert m.registry is r and "pdkv_decode_queue_length" in m.text()
+    sched.listeners[0](Event(EventKind.READY, "unknown", t=1.0))  # never granted here: nothing to pop
+    r2 = CollectorRegistry()
+    assert PrefillMetrics(_Tx(0, "tcp", {}, {}, []), registry=r2).registry is r2
+
+
+def test_metrics_without_prometheus_client_name_the_extra(monkeypatch):
+    import sys as _sys
+
+    from pdkv.metrics import PrefillMetrics
+
+    monkeypatch.setitem(_sys.modules, "prometheus_client", None)  # import fails
+    for make in (lambda: DecodeMetrics(_Sched(SCHED_FIGURES)), lambda: PrefillMetrics(_Tx(0, "tcp", {}, {}, []))):
+        with pytest.raises(ImportError) as e:
+            make()
+        assert str(e.value) == "pdkv.metrics needs prometheus_client: pip install 'pdkv[metrics]'"
+
+
+def test_serve_on_loopback_once_and_close_twice():
+    from pdkv import BlockPool, DecodeScheduler
+
+    m = DecodeMetrics(DecodeScheduler(num_layers=1, gpu=BlockPool(4), buffer=None))
+    port = m.serve(0)
+    try:
+        assert m._server.server_address[0] == "127.0.0.1" and port == m._server.server_port
+        with pytest.raises(RuntimeError) as e:
+            m.serve(0)
+        assert str(e.value) == "already serving"
+        assert scrape(port)[("pdkv_decode_gpu_blocks_capacity", ())] == 4
+    finally:
+        m.close()
+    m.close()  # a second close does nothing
+    port = m.serve(0)  # and it may serve again
+    m.close()

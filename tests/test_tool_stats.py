@@ -239,6 +239,7 @@ def test_linefit_edges_exactly():
 
 def test_busy_edges_exactly():
     b = Busy()
+    assert b.horizon == 60.0
     b.add(1.0, 1.0)  # empty and reversed intervals add nothing, not even an entry
     b.add(2.0, 1.0)
     assert b.seconds() == 0.0 and b.starts == [] and b.ends == []
@@ -320,6 +321,21 @@ def test_prefill_tally_every_event_exactly():
     p.event(_ev("computed", "c", ttft=0.5, compute=0.25))
     p.event(_ev("computed", "c", ttft=0.5, compute=0.25))
     assert p.compute_tokens == 100
+
+
+def test_prefill_tally_outcomes_before_served():
+    """A rank's outcome may come before its served line: the request stays until both are
+    in from every rank, then its fit point is added and it is dropped."""
+    p = PrefillTally(2)
+    for _ in range(2):
+        p.event(_ev("grant", "a", wait=0.25, tokens=10))
+    for _ in range(2):
+        p.event(_ev("outcome", "a", state="received"))
+    assert p.received == 1 and "a" in p.pending and p.fit.n == 0
+    p.event(_ev("served", "a", busy=1.0))
+    assert "a" in p.pending
+    p.event(_ev("served", "a", busy=1.25))
+    assert not p.pending and list(p._ended) == ["a"] and (p.fit.n, p.fit.sx, p.fit.sy) == (1, 10.0, 1.0)
 
 
 def test_prefill_tally_close_folds_what_some_ranks_reported():

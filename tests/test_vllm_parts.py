@@ -146,6 +146,7 @@ def test_vllm_settings_every_key_and_every_default(monkeypatch):
     long_id = "e" * 100
     assert parse_settings("kv_producer", long_id, {}).instance == ("vllm-" + long_id)[:64]
     assert parse_settings("kv_producer", "e", {"kv_fused": "head"}).kv_fused == "head"
+    assert parse_settings("kv_producer", "e", {"instance": "a"}).instance == "a"  # one character is enough
     # with a secret, the default instance key is keyed by it
     keyed = hmac.new(b"sesame", b"instance-key:e1", hashlib.sha256).digest()
     assert parse_settings("kv_producer", "e1", {"secret": "sesame"}).instance_key == keyed

@@ -253,15 +253,16 @@ def main() -> int:
             rows.append((i, now - t0, rss_mib()))
 
     extra = (soak_scheduler if a.what == "scheduler" else soak_transfer)(a, sample)
-    rows.append((a.requests, time.monotonic() - t0, rss_mib()))
+    after_run = rss_mib()  # the soak's objects gone: not a sample of the run
     print(f"{'requests':>10} {'seconds':>8} {'RSS MiB':>9}")
     for n, s, rss in rows:
         print(f"{n:>10,} {s:>8.0f} {rss:>9.1f}")
+    print(f"after the run (its scheduler, pools and buffers freed): {after_run:.1f} MiB")
     # the warm-up: the tombstones (and the sender's kept outcomes) full, and a minute run
     full = 1 << 16
     after = [r for r in rows if r[0] >= full and (not a.every or r[1] >= 60)]
     base = after[0] if after else rows[-1]
-    end = rows[-1]
+    end = rows[-1]  # the last sample taken while requests ran
     growth = (end[2] - base[2]) / base[2] * 100 if base[2] else 0.0
     print(
         f"from {base[0]:,} requests ({base[1]:.0f} s) to {end[0]:,} ({end[1]:.0f} s): {base[2]:.1f} -> "
@@ -276,6 +277,7 @@ def main() -> int:
                 "rss_mib_start": rows[0][2],
                 "rss_mib_warm": base[2],
                 "rss_mib_end": end[2],
+                "rss_mib_after_run": after_run,
                 "growth_pct_after_warmup": round(growth, 3),
                 **extra,
             }
