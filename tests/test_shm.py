@@ -747,3 +747,196 @@ def reap_proc(p):
         p.wait(10)
     if p.stdout:
         p.stdout.close()
+
+
+# ---- pdkv.buffer.segments in one process: names, stripes, the memory check, the origin
+# record, population and the owned names, each against exact figures
+
+from pdkv.buffer import segments as seg  # noqa: E402
+
+
+def test_default_name_carries_the_pid_and_a_valid_tag(monkeypatch):
+    import re
+
+    for tag, want in (("", ""), ("run7", "run7"), ("x" * 16, "x" * 16), ("x" * 17, ""), ("a-b", ""), ("é", "")):
+        monkeypatch.setenv("PDKV_SHM_TAG", tag)
+        name = seg.default_name()
+        assert re.fullmatch(rf"pdkv-{os.getpid()}-{re.escape(want)}[0-9a-f]{{12}}", name), (tag, name)
+        assert seg.validate_name(name) == name
+    monkeypatch.delenv("PDKV_SHM_TAG")
+    assert seg.default_name() != seg.default_name()
+
+
+def test_stripes_and_threads_by_cpus_and_size(monkeypatch):
+    mib = 1 << 20
+    for cpus, size, stripes in ((16, 4096 * mib, 8), (16, 512 * mib, 2), (16, 511 * mib, 1), (16, 1, 1),
+                                (3, 4096 * mib, 3), (None, 4096 * mib, 1)):  # fmt: skip
+        monkeypatch.setattr(os, "cpu_count", lambda c=cpus: c)
+        assert seg._auto_stripes(size) == stripes, (cpus, size)
+    for cpus, stripes, threads in ((16, 1, 8), (16, 12, 12), (4, 1, 4), (4, 12, 4), (None, 3, 1)):
+        monkeypatch.setattr(os, "cpu_count", lambda c=cpus: c)
+        assert seg._default_threads(stripes) == threads, (cpus, stripes)
+
+
+def _files(tmp_path, **files):
+    out = {}
+    for key, text in files.items():
+        p = tmp_path / key
+        p.write_text(text)
+        out[key] = str(p)
+    return out
+
+
+def test_available_memory_takes_the_lower_of_meminfo_and_the_cgroup(tmp_path, monkeypatch):
+    f = _files(tmp_path, meminfo="MemTotal: 100 kB\nMemAvailable:    2000 kB\n", v2max="max\n", v2cur="5\n",
+               v2lim="1500000\n", v1lim="1000000\n", v1use="400000\n", bad="x\n", big="99999999\n")  # fmt: skip
+    monkeypatch.setattr(seg, "_MEMINFO", f["meminfo"])
+    monkeypatch.setattr(seg, "_CGROUP_FILES", ())
+    assert seg.available_memory() == (2000 * 1024, "MemAvailable")
+    monkeypatch.setattr(seg, "_CGROUP_FILES", ((f["v2max"], f["v2cur"]),))  # no limit: skipped
+    assert seg.available_memory() == (2000 * 1024, "MemAvailable")
+    monkeypatch.setattr(seg, "_CGROUP_FILES", ((f["v2lim"], f["v2cur"]), (f["v1lim"], f["v1use"])))
+    assert seg.available_memory() == (600000, f"the memory cgroup ({f['v1lim']})")  # the lower of the two cgroups
+    monkeypatch.setattr(seg, "_CGROUP_FILES", ((f["v2lim"], f["big"]),))  # over its limit: nothing left
+    assert seg.available_memory() == (0, f"the memory cgroup ({f['v2lim']})")
+    monkeypatch.setattr(seg, "_CGROUP_FILES", ((f["bad"], f["v2cur"]), (f["v2lim"], str(tmp_path / "none"))))
+    assert seg.available_memory() == (2000 * 1024, "MemAvailable")  # unreadable ones are skipped
+    monkeypatch.setattr(seg, "_CGROUP_FILES", ((f["big"], f["v2cur"]),))  # a limit above MemAvailable
+    assert seg.available_memory() == (2000 * 1024, "MemAvailable")
+    monkeypatch.setattr(seg, "_MEMINFO", str(tmp_path / "none"))
+    monkeypatch.setattr(seg, "_CGROUP_FILES", ())
+    assert seg.available_memory() == (1 << 62, "unknown")
+    monkeypatch.setattr(seg, "_MEMINFO", f["bad"])
+    assert seg.available_memory() == (1 << 62, "unknown")
+
+
+def test_check_memory_leaves_a_margin_and_says_how_much(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(seg, "available_memory", lambda: (20 * gib, "MemAvailable"))
+    seg._check_memory(18 * gib, "b")  # the margin: a tenth (2 GiB) as it is more than 1 GiB
+    with pytest.raises(OSError) as e:
+        seg._check_memory(18 * gib + 1, "b")
+    assert e.value.errno == errno.ENOMEM and e.value.filename == "b"
+    assert e.value.strerror == (
+        f"a shared buffer of {18 * gib + 1} bytes (18.00 GiB) does not fit in memory: MemAvailable leaves "
+        f"{20 * gib} bytes (20.00 GiB), less a margin of {2 * gib} bytes for the rest of the host; use a smaller "
+        "buffer, or pass allow_overcommit=True if that memory will be there"
+    )
+    monkeypatch.setattr(seg, "available_memory", lambda: (5 * gib, "x"))
+    seg._check_memory(4 * gib, "b")  # 1 GiB at least
+    with pytest.raises(OSError, match=f"less a margin of {gib} bytes"):
+        seg._check_memory(4 * gib + 1, "b")
+
+
+def test_origin_record_says_who_made_the_buffer(monkeypatch):
+    from pdkv import procs
+
+    t = time.time()
+    rec = json_loads(seg._origin_record("pdkv-x", 4096, 3))
+    assert rec.pop("created") == pytest.approx(t, abs=5)
+    assert rec == {
+        "magic": "pdkv-shm-origin/1", "name": "pdkv-x", "size": 4096, "stripes": 3, "uid": os.geteuid(),
+        "boot_id": procs.boot_id(), "pidns": procs.pidns(), "pid": os.getpid(),
+        "start_time": procs.start_time(os.getpid()),
+    }  # fmt: skip
+
+
+def json_loads(b):
+    import json
+
+    return json.loads(b)
+
+
+def test_populate_hands_chunks_round_robin_over_stripes(monkeypatch):
+    chunk = seg._POPULATE_CHUNK
+    calls = []
+    monkeypatch.setattr(_ffi.libc, "madvise", lambda a, n, advice: calls.append((a, n, advice)))
+    seg._populate(1000, 3 * chunk, 1, stripes=[2 * chunk, chunk - 7, 7])
+    assert calls == [
+        (1000, chunk, _ffi.libc.MADV_POPULATE_WRITE),
+        (1000 + 2 * chunk, chunk - 7, _ffi.libc.MADV_POPULATE_WRITE),
+        (1000 + 3 * chunk - 7, 7, _ffi.libc.MADV_POPULATE_WRITE),
+        (1000 + chunk, chunk, _ffi.libc.MADV_POPULATE_WRITE),
+    ]
+    calls.clear()
+    seg._populate(0, chunk + 1, 8)  # one file: two chunks, the last one byte
+    assert sorted(calls) == [(0, chunk, _ffi.libc.MADV_POPULATE_WRITE), (chunk, 1, _ffi.libc.MADV_POPULATE_WRITE)]
+
+
+def test_populate_without_madv_populate_write_writes_only_fresh_segments(monkeypatch):
+    def einval(a, n, advice):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(_ffi.libc, "madvise", einval)
+    buf = np.full(3 * 4096, 7, np.uint8)
+    seg._populate(buf.ctypes.data, buf.size, 2, fresh=False)  # read only: an existing segment's data stays
+    assert (buf == 7).all()
+    seg._populate(buf.ctypes.data, buf.size, 2, fresh=True)  # a fresh one is zero anyway: memset
+    assert (buf == 0).all()
+
+
+def test_populate_reports_the_first_error_and_stops(monkeypatch):
+    chunk = seg._POPULATE_CHUNK
+    seen = []
+
+    def fail(a, n, advice):
+        seen.append(a)
+        raise OSError(errno.ENOMEM, "no memory")
+
+    monkeypatch.setattr(_ffi.libc, "madvise", fail)
+    for threads in (1, 4):
+        seen.clear()
+        with pytest.raises(OSError) as e:
+            seg._populate(0, 8 * chunk, threads)
+        assert e.value.errno == errno.ENOMEM and 1 <= len(seen) <= threads  # no chunk after an error
+
+
+def test_owned_names_are_unlinked_once_by_their_process(monkeypatch):
+    gone = []
+    monkeypatch.setattr(_ffi.libc, "shm_unlink", lambda n: gone.append(n))
+    monkeypatch.setattr(seg, "_OWNED", {})
+    seg._own("a", ["a", "a@1"])
+    seg._own("b", ["b"])
+    seg._OWNED["forked"] = (os.getpid() + 1, ["f"])  # a parent's, seen in a forked child: not ours
+    seg._disown("b")
+    seg._unlink_owned()
+    assert gone == ["/a", "/a@1"] and seg._OWNED == {}
+    seg._unlink_owned()
+    assert gone == ["/a", "/a@1"]
+
+    def missing(n):
+        raise FileNotFoundError(n)
+
+    monkeypatch.setattr(_ffi.libc, "shm_unlink", missing)
+    seg._own("c", ["c", "c@1"])
+    seg._unlink_owned()  # already gone: nothing raised
+    assert seg._OWNED == {}
+
+
+def test_sigterm_unlinks_then_dies_of_sigterm(monkeypatch):
+    gone, sent, handlers = [], [], {}
+    monkeypatch.setattr(_ffi.libc, "shm_unlink", lambda n: gone.append(n))
+    monkeypatch.setattr(seg, "_OWNED", {"x": (os.getpid(), ["x"])})
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(signal, "signal", lambda sig, h: handlers.__setitem__(sig, h))
+    seg._on_sigterm(signal.SIGTERM, None)
+    assert gone == ["/x"] and handlers == {signal.SIGTERM: signal.SIG_DFL} and sent == [(os.getpid(), signal.SIGTERM)]
+
+
+def test_own_installs_its_hooks_once_and_keeps_a_programs_sigterm_handler(monkeypatch):
+    registered, installed = [], []
+    monkeypatch.setattr(seg, "_OWNED", {})
+    monkeypatch.setattr(seg, "_HOOKS", [])
+    monkeypatch.setattr(seg.atexit, "register", lambda f: registered.append(f))
+    monkeypatch.setattr(signal, "getsignal", lambda sig: signal.SIG_DFL)
+    monkeypatch.setattr(signal, "signal", lambda sig, h: installed.append((sig, h)))
+    seg._own("a", ["a"])
+    seg._own("b", ["b"])
+    assert registered == [seg._unlink_owned] and installed == [(signal.SIGTERM, seg._on_sigterm)]
+    assert seg._OWNED == {"a": (os.getpid(), ["a"]), "b": (os.getpid(), ["b"])}
+    monkeypatch.setattr(seg, "_HOOKS", [])
+    registered.clear()
+    installed.clear()
+    monkeypatch.setattr(signal, "getsignal", lambda sig: print)  # the program's own handler: kept
+    seg._own("c", ["c"])
+    assert registered == [seg._unlink_owned] and installed == []

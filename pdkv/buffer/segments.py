@@ -60,11 +60,11 @@ PinMode = Literal["auto", "always", "never"]
 def default_name() -> str:
     """A name unique per instance, carrying the owner's pid: ``pdkv-<pid>-<tag><random>``.
 
-    ``<tag>`` is ``$PDKV_SHM_TAG`` (letters and digits, at most 16), empty by default: it
+    ``<tag>`` is ``$PDKV_SHM_TAG`` (ASCII letters and digits, at most 16), empty by default: it
     lets a deployment or a test run tell its segments from others on the same host.
     """
     tag = os.environ.get("PDKV_SHM_TAG", "")
-    if not (tag.isalnum() and len(tag) <= 16):
+    if not (tag.isascii() and tag.isalnum() and len(tag) <= 16):  # "é" is alnum, and no name may hold it
         tag = ""
     return f"{NAME_PREFIX}-{os.getpid()}-{tag}{uuid.uuid4().hex[:12]}"
 
@@ -211,22 +211,26 @@ def read_origin(name: str, shm_dir: str = "/dev/shm") -> dict[str, Any] | None:
     return rec
 
 
+_MEMINFO = "/proc/meminfo"
+_CGROUP_FILES = (  # (limit, usage) of this process's memory cgroup: v2, then v1
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
 def available_memory() -> tuple[int, str]:
     """``(bytes, where)``: memory a new buffer may take, the lower of ``MemAvailable`` and what
     this process's memory cgroup (v2 or v1) has left, and which of the two it was."""
     best, where = 1 << 62, "unknown"
     try:
-        with open("/proc/meminfo") as f:
+        with open(_MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     best, where = int(line.split()[1]) * 1024, "MemAvailable"
                     break
     except (OSError, ValueError):
         pass
-    for limit_f, usage_f in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
+    for limit_f, usage_f in _CGROUP_FILES:
         try:
             with open(limit_f) as f:
                 raw = f.read().strip()
