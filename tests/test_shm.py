@@ -940,3 +940,35 @@ def test_own_installs_its_hooks_once_and_keeps_a_programs_sigterm_handler(monkey
     monkeypatch.setattr(signal, "getsignal", lambda sig: print)  # the program's own handler: kept
     seg._own("c", ["c"])
     assert registered == [seg._unlink_owned] and installed == []
+
+
+def test_stale_note_names_the_dead_processes_buffers(monkeypatch):
+    import types
+
+    from pdkv.buffer import sweeper
+
+    gib = 1 << 30
+    segs = [
+        types.SimpleNamespace(name="pdkv-11-aa01", size=gib, stale=True),
+        types.SimpleNamespace(name="pdkv-12-bb02", size=gib // 2, stale=True),
+        types.SimpleNamespace(name="pdkv-13-aa03", size=gib, stale=False),  # its creator lives
+        types.SimpleNamespace(name="pdkv-14-aa04", size=gib // 4, stale=True),
+        types.SimpleNamespace(name="pdkv-15-aa05", size=gib // 4, stale=True),
+    ]
+    monkeypatch.setattr(sweeper, "scan_segments", lambda: segs)
+    monkeypatch.delenv("PDKV_SHM_TAG", raising=False)
+    assert sweeper.stale_note() == (
+        "4 pdkv buffer(s) left by dead processes hold 2.00 GiB of /dev/shm "
+        "(pdkv-11-aa01, pdkv-12-bb02, pdkv-14-aa04, ...): `pdkv-shm clean --yes` removes them"
+    )
+    monkeypatch.setenv("PDKV_SHM_TAG", "aa")  # this deployment's only
+    assert sweeper.stale_note() == (
+        "3 pdkv buffer(s) left by dead processes hold 1.50 GiB of /dev/shm "
+        "(pdkv-11-aa01, pdkv-14-aa04, pdkv-15-aa05): `pdkv-shm clean --yes --tag aa` removes them"
+    )
+    monkeypatch.setenv("PDKV_SHM_TAG", "zz")
+    assert sweeper.stale_note() is None
+    monkeypatch.setenv("PDKV_SHM_TAG", "")  # set but empty: every buffer
+    assert sweeper.stale_note().startswith("4 pdkv buffer(s)")
+    monkeypatch.setattr(sweeper, "scan_segments", lambda: [segs[2]])
+    assert sweeper.stale_note() is None
