@@ -434,3 +434,88 @@ def _have_matplotlib():
     import importlib.util
 
     return importlib.util.find_spec("matplotlib") is not None
+
+
+# ---- exact timelines of the paths the tests above do not take: rejections freeing their
+# server, queue time-outs freeing theirs, a fixed part before the layers, a compute-bound
+# last layer; the figures' arithmetic; prefix savings worked out by hand
+
+
+def test_rejected_reservations_free_their_server_at_once():
+    # 3 servers, a GPU pool of exactly a's 30 blocks, no queue. a: granted 0, computed 1.0,
+    # 30 KiB at 10 KiB/s from its first layer (0.5) lands at 3.5, ready, done at 4.5. b and c
+    # are rejected at 0 and their servers are free again: d, e, f (10 blocks each, at 10)
+    # start together at 10 and share the link: 11.5, 12.5, 13.5
+    trace = [TraceRequest("a", 0.0, 480, 10), TraceRequest("b", 0.0, 160, 10), TraceRequest("c", 0.0, 160, 10)]
+    trace += [TraceRequest(x, 10.0, 160, 10) for x in "def"]
+    r = simulate(trace, cfg(30, prefill_instances=3, max_queue=0, direct_to_gpu=True), 0)
+    assert (r.rejected, r.queued, r.completed, r.queue_timeouts) == (2, 0, 4, 0)
+    assert r.wait_s == [0.0, 0.0, 0.0, 0.0] and r.ttft_s == [1.0, 1.0, 1.0, 1.0]
+    assert r.decode_start_s == pytest.approx([3.6, 1.6, 2.6, 3.6])
+    assert r.sim_end_s == pytest.approx(14.5) and r.peak_gpu_blocks == 30
+
+
+def test_a_queue_timeout_frees_the_server_that_waited():
+    # 2 servers, GPU room for one request, reservations queue at most 0.25 s. b queues at 0
+    # and is timed out at the next event (c's arrival, 0.5): its server takes c, which queues
+    # in turn and is timed out at a's next event (computed, 1.0)
+    trace = [TraceRequest("a", 0.0, 160, 10), TraceRequest("b", 0.0, 160, 10), TraceRequest("c", 0.5, 160, 10)]
+    r = simulate(trace, cfg(10, prefill_instances=2, queue_timeout_s=0.25, direct_to_gpu=True), 0)
+    assert (r.queued, r.queue_timeouts, r.completed, r.rejected) == (2, 2, 1, 0)
+    assert r.wait_s == [0.0] and r.ttft_s == [1.0]
+
+
+def test_the_fixed_part_comes_before_the_first_layer_and_a_slow_compute_bounds_the_last():
+    # overhead 0.5 s + 2 layers of 0.5 s: computed at 1.5, the first layer at 0.5 + 1.0 / 2 =
+    # 1.0; 20 KiB at 10 KiB/s from there: received at 3.0 (the link, not the compute, bounds it)
+    r = simulate([TraceRequest("a", 0.0, 320, 1)], cfg(20, overhead_s=0.5, direct_to_gpu=True), 0)
+    assert r.ttft_s == [1.5] and r.decode_start_s == pytest.approx([3.1])
+    # a fast link: the last layer leaves when computed (1.0) and takes half of 0.1 s: 1.05
+    r = simulate([TraceRequest("a", 0.0, 160, 1)], cfg(10, bandwidth=102400.0, direct_to_gpu=True), 0)
+    assert r.decode_start_s == pytest.approx([1.15])
+
+
+def test_a_request_larger_than_every_pool_names_the_trace_request():
+    with pytest.raises(UsageError, match=r"^trace request big \(1600 tokens\): .*100 blocks"):
+        simulate([TraceRequest("big", 0.0, 1600, 1)], cfg(10), 0)
+
+
+def test_result_figures_exactly():
+    from pdkv.cli.transfer_tool.capacity import Result
+
+    r = Result(512, 3 << 29, 5, 4, 1, 2, 1, wait_s=[0.0, 0.1, 0.2, 0.3, 1.0], ttft_s=[1.0, 2.0, 3.0],
+               decode_start_s=[2.0, 4.0], peak_buffer_blocks=128, peak_gpu_blocks=7, swaps=3, sim_end_s=9.5)  # fmt: skip
+    f = r.figures()
+    assert f == {
+        "buffer_gib": 1.5, "buffer_blocks": 512, "requests": 5, "completed": 4, "rejected": 1, "queued": 2,
+        "queue_timeouts": 1, "prefill_wait_ms_p50": pytest.approx(200.0), "prefill_wait_ms_p99": pytest.approx(972.0),
+        "prefill_wait_ms_max": 1000.0, "ttft_ms_p50": 2000.0, "ttft_ms_p99": pytest.approx(2980.0),
+        "decode_start_ms_p50": 3000.0, "decode_start_ms_p99": pytest.approx(3980.0), "peak_buffer_blocks": 128,
+        "peak_buffer_occupancy": 0.25, "peak_gpu_blocks": 7, "swaps": 3, "simulated_s": 9.5,
+    }  # fmt: skip
+    empty = Result(0, 0, 0, 0, 0, 0, 0).figures()
+    assert empty["peak_buffer_occupancy"] == 0.0 and empty["buffer_gib"] == 0.0
+    for k in ("prefill_wait_ms_p50", "prefill_wait_ms_p99", "prefill_wait_ms_max", "ttft_ms_p50", "ttft_ms_p99",
+              "decode_start_ms_p50", "decode_start_ms_p99"):  # fmt: skip
+        assert math.isnan(empty[k]), k
+
+
+def test_compute_desc_in_words():
+    assert cfg().compute_desc() == "500 ms a layer"
+    assert cfg(layer_ms=0.0, prefill_tokens_per_s=20000.0).compute_desc() == "20,000 tokens/s"
+    assert cfg(overhead_s=0.0125).compute_desc() == "500 ms a layer + 12.5 ms a request"
+
+
+def test_prefix_savings_worked_by_hand():
+    # 300 tokens a layout block, 512 a trace hash id. r1: nothing seen. r2: [1, 2] seen, 1024
+    # tokens: 3 blocks of its 6. r3: [1] seen, 512 tokens: 1 block of 3. r4: no ids, 1 block
+    trace = [
+        TraceRequest("r1", 0.0, 1536, 1, (1, 2, 3)),
+        TraceRequest("r2", 1.0, 1536, 1, (1, 2, 9)),
+        TraceRequest("r3", 2.0, 700, 1, (1, 7)),
+        TraceRequest("r4", 3.0, 100, 1),
+    ]
+    assert prefix_savings(trace, 300) == {
+        "requests_with_hash_ids": 3, "blocks_total": 16, "blocks_not_transferred": 4, "fraction_not_transferred": 0.25,
+    }  # fmt: skip
+    assert prefix_savings([], 300)["fraction_not_transferred"] == 0.0
