@@ -484,7 +484,8 @@ def test_result_figures_exactly():
     from pdkv.cli.transfer_tool.capacity import Result
 
     r = Result(512, 3 << 29, 5, 4, 1, 2, 1, wait_s=[0.0, 0.1, 0.2, 0.3, 1.0], ttft_s=[1.0, 2.0, 3.0],
-               decode_start_s=[2.0, 4.0], peak_buffer_blocks=128, peak_gpu_blocks=7, swaps=3, sim_end_s=9.5)  # fmt: skip
+               decode_start_s=[2.0, 4.0], peak_buffer_blocks=128, peak_gpu_blocks=7, swaps=3,
+               sim_end_s=9.5)  # fmt: skip
     f = r.figures()
     assert f == {
         "buffer_gib": 1.5, "buffer_blocks": 512, "requests": 5, "completed": 4, "rejected": 1, "queued": 2,
