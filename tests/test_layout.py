@@ -607,3 +607,32 @@ def test_head_fused_pairs_only_with_head_fused():
 def test_fused_layout_rules(kw, msg):
     with pytest.raises(LayoutError, match=re.escape(msg)):
         llama8b(**kw)
+
+
+def test_each_engine_constructor_places_k_and_v_and_keeps_the_device():
+    # 2 layers, 2 heads x 8 x bf16, 4 tokens a block: K (or V) of a block is 2 * 4 * 8 * 2 = 128 bytes
+    lay = KVLayout(num_layers=2, kv_heads=2, head_dim=8, tokens_per_block=4, dtype="bf16")
+    bb, nb, base = 128, 10, 1 << 20
+    fi = CacheSpec.flashinfer(lay, nb, [base, base + 4096], device=3)  # [blocks, 2, ...]: K and V side by side
+    assert fi.device == 3 and fi.num_blocks == nb
+    assert [fi.region(li, t) for li in (0, 1) for t in (0, 1)] == [
+        (base, 2 * bb), (base + bb, 2 * bb), (base + 4096, 2 * bb), (base + 4096 + bb, 2 * bb)]  # fmt: skip
+    fa = CacheSpec.vllm_flash_attn(lay, nb, [base, base + 8192], device=2)  # [2, blocks, ...]: all K, then all V
+    assert fa.device == 2
+    assert [fa.region(li, t) for li in (0, 1) for t in (0, 1)] == [
+        (base, bb), (base + nb * bb, bb), (base + 8192, bb), (base + 8192 + nb * bb, bb)]  # fmt: skip
+    fd = CacheSpec.fastdeploy(lay, nb, [[base, base + 2048], [base + 4096, base + 6144]], device=1)
+    assert fd.device == 1 and fd.region(1, 1) == (base + 6144, bb) and fd.region(0, 0) == (base, bb)
+    fb = CacheSpec.for_buffer(lay, nb, base, device=4)
+    assert fb.device == 4 and [fb.region(li, t) for li in (0, 1) for t in (0, 1)] == [
+        (base, bb), (base + nb * bb, bb), (base + 2 * nb * bb, bb), (base + 3 * nb * bb, bb)]  # fmt: skip
+    fused = KVLayout(num_layers=2, kv_heads=2, head_dim=8, tokens_per_block=4, dtype="bf16", kv_fused="row")
+    vl = CacheSpec.vllm(fused, nb, [(base, 4 * bb), (base + 1024, 2 * bb)], device=5)
+    assert vl.device == 5
+    assert [vl.region(li, t) for li in (0, 1) for t in (0, 1)] == [
+        (base, 4 * bb), (base + fused.tensor_offset(1), 4 * bb),
+        (base + 1024, 2 * bb), (base + 1024 + fused.tensor_offset(1), 2 * bb)]  # fmt: skip
+    for make in (CacheSpec.flashinfer, CacheSpec.vllm_flash_attn):
+        assert make(lay, nb, [base, base + 4096]).device is None
+    with pytest.raises(LayoutError, match="CacheSpec.vllm describes a fused K/V cache"):
+        CacheSpec.vllm(lay, nb, [(base, 2 * bb), (base + 1024, 2 * bb)])
