@@ -119,3 +119,81 @@ def test_every_layer_plan_stays_in_its_regions_and_covers_each_byte_once(P, D, n
     groups = plan_layer(segs, src_lay, dst_lays[0], src, None, sb, db, layer)  # tcp: offsets into packed buffers
     for grp in groups:
         assert int(grp.nb.sum()) == n and (grp.dst >= 0).all()
+
+
+# ---- the small cutting functions against plain loops (the transports' frames and items)
+
+from pdkv import plan as _plan  # noqa: E402
+
+
+def _frames_ref(nb, unit, cap, most):
+    out, lo, size = [], 0, 0
+    for i, b in enumerate(nb):
+        if i > lo and (i - lo == most or size + b * unit > cap):
+            out.append((lo, i))
+            lo, size = i, 0
+        size += b * unit
+    return out + ([(lo, len(nb))] if len(nb) else [])
+
+
+@given(st.lists(st.integers(1, 40), max_size=60), st.integers(1, 64), st.integers(1, 4096), st.integers(1, 70),
+       st.booleans())  # fmt: skip
+def test_tcp_frames_is_the_greedy_cut(nb, unit, cap, most, ones):
+    if ones:
+        nb = [1] * len(nb)  # the fast path for single blocks
+    got = _plan.tcp_frames(np.asarray(nb, np.int64), unit, cap, most)
+    assert got == _frames_ref(nb, unit, cap, most)
+    # every frame: at most `most` items, and over `cap` only when it is one item
+    for lo, hi in got:
+        assert 1 <= hi - lo <= most and (hi - lo == 1 or sum(nb[lo:hi]) * unit <= cap)
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 50)), max_size=30), st.integers(1, 64),
+       st.integers(1, 2048))  # fmt: skip
+def test_tcp_items_cuts_long_runs_and_keeps_the_rest(items, unit, cap):
+    gi = np.asarray([g for g, _ in items], np.int64)
+    nb = np.asarray([n for _, n in items], np.int64)
+    src = gi * 7919 + 10**6
+    most = max(1, cap // unit)
+    want = [(g + k, min(most, n - k), s + k * unit) for g, n, s in zip(gi.tolist(), nb.tolist(), src.tolist())
+            for k in range(0, n, most)]  # fmt: skip
+    g2, n2, s2 = _plan.tcp_items(gi, nb, src, unit, cap)
+    assert list(zip(g2.tolist(), n2.tolist(), s2.tolist())) == want
+
+
+@given(st.lists(st.integers(0, 30), max_size=40), st.integers(1, 9))
+def test_split_runs_cuts_each_run_in_order(lengths, most):
+    idx, off, ln = _plan.split_runs(np.asarray(lengths, np.int64), most)
+    want = [(i, o, min(most, n - o)) for i, n in enumerate(lengths) for o in range(0, n, most)]
+    assert list(zip(idx.tolist(), off.tolist(), ln.tolist())) == want
+
+
+def test_split_runs_refuses_a_cut_below_one():
+    with pytest.raises(ValueError) as e:
+        _plan.split_runs(np.asarray([3]), 0)
+    assert str(e.value) == "split_runs: most=0 must be >= 1"
+
+
+@given(st.lists(st.integers(0, 20), max_size=30))
+def test_runs_of_run_starts_and_run_lengths_against_loops(ids):
+    runs = []
+    for b in ids:
+        if runs and runs[-1][1] == b:
+            runs[-1][1] = b + 1
+        else:
+            runs.append([b, b + 1])
+    assert _plan.runs_of(ids) == [tuple(r) for r in runs] and _plan.runs_of(tuple(ids)) == [tuple(r) for r in runs]
+    starts, lens = _plan.run_starts(np.asarray(ids, np.int64))
+    at = 0
+    for (s, e), st_, ln in zip(runs, starts.tolist(), lens.tolist()):
+        assert (st_, ln) == (at, e - s)
+        at += ln
+    assert len(starts) == len(runs)
+    assert _plan.run_lengths(ids) == [e - b for s, e in runs for b in range(s, e)]
+
+
+def test_run_starts_breaks_where_either_side_does():
+    starts, lens = _plan.run_starts(np.asarray([1, 2, 3, 4]), np.asarray([5, 6, 8, 9]))
+    assert starts.tolist() == [0, 2] and lens.tolist() == [2, 2]
+    starts, lens = _plan.run_starts(np.asarray([], np.int64))
+    assert starts.size == lens.size == 0 and _plan.run_lengths([]) == [] and _plan.runs_of([]) == []
