@@ -57,7 +57,7 @@ def test_split_runs_cuts_every_run_into_pieces_of_at_most_most(lengths, most):
     got = [(i, o, n) for i, o, n in zip(idx.tolist(), off.tolist(), ln.tolist())]
     want = [(i, o, min(most, n - o)) for i, n in enumerate(lengths) for o in range(0, n, most)]
     assert got == want
-    with pytest.raises(ValueError, match="most=0"):
+    with pytest.raises(ValueError, match=r"^split_runs: most=0 must be >= 1$"):
         split_runs(np.asarray([1]), 0)
 
 
@@ -161,21 +161,8 @@ def test_tcp_items_cuts_long_runs_and_keeps_the_rest(items, unit, cap):
     assert list(zip(g2.tolist(), n2.tolist(), s2.tolist())) == want
 
 
-@given(st.lists(st.integers(0, 30), max_size=40), st.integers(1, 9))
-def test_split_runs_cuts_each_run_in_order(lengths, most):
-    idx, off, ln = _plan.split_runs(np.asarray(lengths, np.int64), most)
-    want = [(i, o, min(most, n - o)) for i, n in enumerate(lengths) for o in range(0, n, most)]
-    assert list(zip(idx.tolist(), off.tolist(), ln.tolist())) == want
-
-
-def test_split_runs_refuses_a_cut_below_one():
-    with pytest.raises(ValueError) as e:
-        _plan.split_runs(np.asarray([3]), 0)
-    assert str(e.value) == "split_runs: most=0 must be >= 1"
-
-
 @given(st.lists(st.integers(0, 20), max_size=30))
-def test_runs_of_run_starts_and_run_lengths_against_loops(ids):
+def test_runs_of_against_a_loop(ids):
     runs = []
     for b in ids:
         if runs and runs[-1][1] == b:
@@ -183,17 +170,8 @@ def test_runs_of_run_starts_and_run_lengths_against_loops(ids):
         else:
             runs.append([b, b + 1])
     assert _plan.runs_of(ids) == [tuple(r) for r in runs] and _plan.runs_of(tuple(ids)) == [tuple(r) for r in runs]
-    starts, lens = _plan.run_starts(np.asarray(ids, np.int64))
-    at = 0
-    for (s, e), st_, ln in zip(runs, starts.tolist(), lens.tolist()):
-        assert (st_, ln) == (at, e - s)
-        at += ln
-    assert len(starts) == len(runs)
-    assert _plan.run_lengths(ids) == [e - b for s, e in runs for b in range(s, e)]
 
 
-def test_run_starts_breaks_where_either_side_does():
-    starts, lens = _plan.run_starts(np.asarray([1, 2, 3, 4]), np.asarray([5, 6, 8, 9]))
-    assert starts.tolist() == [0, 2] and lens.tolist() == [2, 2]
+def test_the_run_finders_on_nothing():
     starts, lens = _plan.run_starts(np.asarray([], np.int64))
     assert starts.size == lens.size == 0 and _plan.run_lengths([]) == [] and _plan.runs_of([]) == []
