@@ -175,3 +175,81 @@ def test_runs_of_against_a_loop(ids):
 def test_the_run_finders_on_nothing():
     starts, lens = _plan.run_starts(np.asarray([], np.int64))
     assert starts.size == lens.size == 0 and _plan.run_lengths([]) == [] and _plan.runs_of([]) == []
+
+
+# ---- plan_copy and CopyPlan.chunked, executed on real memory against a block-by-block copy
+
+from pdkv.errors import SwapError  # noqa: E402
+
+
+def _run_plan(p, src_mem, dst_mem):
+    sbase, dbase = src_mem.ctypes.data, dst_mem.ctypes.data
+    for s, d, n in zip(p.src.tolist(), p.dst.tolist(), p.lengths.tolist()):
+        dst_mem[d - dbase : d - dbase + n] = src_mem[s - sbase : s - sbase + n]
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), fused=st.booleans(), tm=st.booleans(), side_by_side=st.booleans())
+def test_plan_copy_moves_each_block_of_each_layer_and_nothing_else(data, fused, tm, side_by_side):
+    lay = KVLayout(num_layers=3, kv_heads=2, head_dim=4, tokens_per_block=2, dtype="bf16", token_major=tm,
+                   kv_fused="row" if fused else "")  # fmt: skip
+    nb = 12
+    size = lay.block_bytes * nb * lay.total_layers
+    src_mem = np.random.default_rng(data.draw(st.integers(0, 99))).integers(0, 256, size, dtype=np.uint8)
+    dst_mem = np.zeros(size, np.uint8)
+    src = CacheSpec.for_buffer(lay, nb, src_mem.ctypes.data)
+    if side_by_side and not fused:  # K and V of a block side by side: strides of two blocks, no runs
+        lb = lay.block_bytes * nb
+        dst = CacheSpec.flashinfer(lay, nb, [dst_mem.ctypes.data + li * lb for li in range(lay.total_layers)])
+    else:
+        dst = CacheSpec.for_buffer(lay, nb, dst_mem.ctypes.data)
+    dst_blocks = data.draw(st.permutations(range(nb)))[: data.draw(st.integers(0, nb))]
+    src_blocks = [data.draw(st.integers(0, nb - 1)) for _ in dst_blocks]
+    layers = data.draw(st.one_of(st.none(), st.lists(st.integers(0, 2), unique=True)))
+    p = _plan.plan_copy(src, dst, src_blocks, dst_blocks, layers)
+    _run_plan(p, src_mem, dst_mem)
+    want = np.zeros(size, np.uint8)
+    units = [(0, lay.layer_block_bytes)] if fused else [(t, lay.tensor_block_bytes(t)) for t in range(2)]
+    for li in range(3) if layers is None else layers:
+        for sb, db in zip(src_blocks, dst_blocks):
+            for t, n in units:
+                s, d = src.address(li, t, sb) - src_mem.ctypes.data, dst.address(li, t, db) - dst_mem.ctypes.data
+                want[d : d + n] = src_mem[s : s + n]
+    assert np.array_equal(dst_mem, want)
+    nl = 3 if layers is None else len(layers)
+    per_layer = len(units) * len(dst_blocks)
+    assert p.nbytes == int(p.lengths.sum()) == nl * per_layer * lay.layer_block_bytes // len(units)
+    assert len(p.layer_ends) == nl and (not nl or int(p.layer_ends[-1]) == p.pieces)
+    assert all(a <= b for a, b in zip(p.layer_ends[:-1].tolist(), p.layer_ends[1:].tolist()))
+    # cut into pieces of at most 24 bytes: the same bytes land, each layer's pieces still its own
+    c = p.chunked(24)
+    assert int(c.lengths.max(initial=0)) <= 24 and c.nbytes == p.nbytes and int(c.lengths.sum()) == p.nbytes
+    assert len(c.layer_ends) == nl and (not nl or int(c.layer_ends[-1]) == c.pieces)
+    dst_mem[:] = 0
+    _run_plan(c, src_mem, dst_mem)
+    assert np.array_equal(dst_mem, want)
+    assert p.chunked(1 << 20) is p  # nothing to cut: the plan itself
+
+
+def test_plan_copy_refusals_name_the_problem():
+    lay = KVLayout(num_layers=2, kv_heads=1, head_dim=8, tokens_per_block=4, dtype="bf16")
+    a, b = CacheSpec.for_buffer(lay, 4, 1 << 20), CacheSpec.for_buffer(lay, 6, 1 << 24)
+    other = CacheSpec.for_buffer(KVLayout(num_layers=2, kv_heads=1, head_dim=8, tokens_per_block=4, dtype="bf16",
+                                          token_major=True), 4, 1 << 28)  # fmt: skip
+    cases = [
+        ((a, other, [0], [0]), "source and destination caches have different layouts"),
+        ((a, b, [0, 1], [0]), "2 source blocks but 1 destination blocks"),
+        ((a, b, [0, 4, -1], [0, 1, 2]), "source block ids [4, -1] out of range [0, 4)"),
+        ((a, b, [0, 1], [6, 5]), "destination block ids [6] out of range [0, 6)"),
+        ((a, b, [0, 1, 2], [3, 1, 3]), "duplicate destination block ids (two copies would race into one block)"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(SwapError) as e:
+            _plan.plan_copy(*args)
+        assert str(e.value) == msg
+    with pytest.raises(SwapError) as e:
+        _plan.plan_copy(a, b, [0], [0], layers=[1, 2, -1])
+    assert str(e.value) == "layers [1, 2, -1] out of range [0, 2)"
+    empty = _plan.plan_copy(a, b, [], [], layers=[1])
+    assert (empty.pieces, empty.nbytes, empty.layer_ends.tolist()) == (0, 0, [0])
+    assert _plan.plan_copy(a, b, [2], [5]).layer_ends.tolist() == [2, 4]  # K and V a layer
