@@ -102,3 +102,25 @@ def test_mutation_write_table_replaces_only_the_modules_run(tmp_path):
     readme.write_text("# no markers\n")
     with pytest.raises(SystemExit, match="no mutation table markers"):
         mutation.write_table({}, [], readme)
+
+
+def test_mutation_sources_digest_sees_code_and_tests_not_the_table(tmp_path, monkeypatch):
+    sys.path.insert(0, TOOLS)
+    try:
+        import mutation
+    finally:
+        sys.path.remove(TOOLS)
+    for d in ("pdkv", "tests", "docs"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "pdkv" / "a.py").write_text("x = 1\n")
+    (tmp_path / "tests" / "test_a.py").write_text("def test(): pass\n")
+    (tmp_path / "tests" / "README.md").write_text("table\n")
+    monkeypatch.setattr(mutation, "ROOT", str(tmp_path))
+    first = mutation.sources_digest()
+    (tmp_path / "tests" / "README.md").write_text("table with a new row\n")
+    assert mutation.sources_digest() == first  # the table's own file does not count
+    (tmp_path / "tests" / "test_a.py").write_text("def test(): assert 1\n")
+    second = mutation.sources_digest()
+    assert second != first
+    (tmp_path / "docs" / "LIMITS.md").write_text("x\n")
+    assert mutation.sources_digest() != second

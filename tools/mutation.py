@@ -169,6 +169,24 @@ def why_of(path: str, status: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def sources_digest() -> str:
+    """SHA-256 over pdkv/, tests/ and docs/ (paths and contents) as a run copies them."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for top in ("pdkv", "tests", "docs"):
+        for d, dirs, files in sorted(os.walk(os.path.join(ROOT, top))):
+            dirs[:] = sorted(x for x in dirs if x not in ("__pycache__", ".hypothesis"))
+            for name in sorted(files):
+                if name.endswith(".pyc") or (top == "tests" and name == "README.md"):
+                    continue  # the table's own file changes with every written row
+                path = os.path.join(d, name)
+                h.update(os.path.relpath(path, ROOT).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
 def commit_label() -> str:
     """The checkout's short commit, ``+`` when pdkv/ or tests/ differ from it (the table's own
     file, which this tool writes, aside)."""
@@ -219,9 +237,23 @@ def run_module(
 ) -> dict:
     resume = keep is not None and os.path.isdir(os.path.join(keep, module, "mutants"))
     work = os.path.join(keep, module) if keep else tempfile.mkdtemp(prefix=f"pdkv-mutation-{module}-")
+    digest = sources_digest()
+    stamp = os.path.join(work, "sources.sha256")
+    if resume:
+        try:
+            with open(stamp) as f:
+                same = f.read().strip() == digest
+        except OSError:
+            same = False
+        if not same:  # its results were of other code or other tests: they do not carry over
+            print(f"{module}: pdkv/, tests/ or docs/ changed since the kept run in {work}: starting over", flush=True)
+            shutil.rmtree(work)
+            resume = False
     try:
         if not resume:  # a kept folder with results goes on where it stopped (mutmut is incremental)
             os.makedirs(work, exist_ok=True)
+            with open(stamp, "w") as f:
+                f.write(digest)
             shutil.copytree(
                 os.path.join(ROOT, "pdkv"), os.path.join(work, "pdkv"), ignore=shutil.ignore_patterns("__pycache__")
             )
@@ -314,7 +346,11 @@ def main() -> int:
     ap.add_argument("modules", nargs="*", default=list(table), help=f"of {', '.join(table)}")
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--diffs", action="store_true", help="print each survivor's diff")
-    ap.add_argument("--keep", metavar="DIR", help="work in DIR/<module> and keep it; a second run resumes there")
+    ap.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="work in DIR/<module> and keep it; a second run resumes there while pdkv/, tests/ and docs/ are unchanged",
+    )
     ap.add_argument(
         "--tests", help="comma-separated test files instead of the module's own (to see what one file alone kills)"
     )
