@@ -253,3 +253,48 @@ def test_plan_copy_refusals_name_the_problem():
     empty = _plan.plan_copy(a, b, [], [], layers=[1])
     assert (empty.pieces, empty.nbytes, empty.layer_ends.tolist()) == (0, 0, [0])
     assert _plan.plan_copy(a, b, [2], [5]).layer_ends.tolist() == [2, 4]  # K and V a layer
+
+
+@settings(max_examples=80, deadline=None)
+@given(P=st.sampled_from([1, 2, 4]), D=st.sampled_from([1, 2, 4]), nhd=st.booleans(), data=st.data())
+def test_layer_pieces_put_each_head_of_each_block_where_its_decode_rank_holds_it(P, D, nhd, data):
+    # head h of source block sb[i] must land as head h of destination block db[i] in the decode
+    # rank that holds h, for every token and both tensors, in the planned layer only
+    H, N, Dm, L, nb = 4, 4, 8, 3, 6  # heads, tokens, head_dim (bf16: 16 bytes a row), layers, blocks
+    kw = dict(num_layers=L, kv_heads=H, head_dim=Dm, tokens_per_block=N, token_major=nhd, dtype="bf16")
+    rank = data.draw(st.integers(0, P - 1))
+    src_lay = KVLayout(**kw, tp_size=P, tp_rank=rank)
+    dst_lays = [KVLayout(**kw, tp_size=D, tp_rank=r) for r in range(D)]
+    hs, hd = H // P, H // D
+
+    def mem(heads):
+        return np.zeros(L * 2 * nb * heads * N * Dm * 2, np.uint8)
+
+    src_mem = np.random.default_rng(data.draw(st.integers(0, 9))).integers(1, 256, mem(hs).size, dtype=np.uint8)
+    dst_mems = [mem(hd) for _ in range(D)]
+    src = CacheSpec.for_buffer(src_lay, nb, src_mem.ctypes.data)
+    dsts = {r: CacheSpec.for_buffer(dst_lays[r], nb, m.ctypes.data) for r, m in enumerate(dst_mems)}
+    segs = [g for g in tp_segments(src_lay, dst_lays[0]) if g.src_rank == rank]
+    n = data.draw(st.integers(1, nb))
+    sb = np.asarray(data.draw(st.lists(st.integers(0, nb - 1), min_size=n, max_size=n)), np.int64)
+    db = np.asarray(data.draw(st.permutations(range(nb)))[:n], np.int64)
+    layer = data.draw(st.integers(0, L - 1))
+    pieces, total = layer_pieces(segs, src_lay, dst_lays[0], src, dsts, sb, db, layer)
+    for seg, s, d, ln in pieces:
+        base, sbase = dst_mems[seg.dst_rank].ctypes.data, src_mem.ctypes.data
+        for a, b, k in zip(s.tolist(), d.tolist(), ln.tolist()):
+            dst_mems[seg.dst_rank][b - base : b - base + k] = src_mem[a - sbase : a - sbase + k]
+
+    def view(m, heads):  # [layer, tensor, block, head, token, row bytes]
+        v = m.reshape(L, 2, nb, *((N, heads) if nhd else (heads, N)), Dm * 2)
+        return v.transpose(0, 1, 2, 4, 3, 5) if nhd else v
+
+    sv = view(src_mem, hs)
+    moved = 0
+    for r in range(D):
+        want = np.zeros_like(view(dst_mems[r], hd))
+        for h in range(max(r * hd, rank * hs), min((r + 1) * hd, (rank + 1) * hs)):  # heads both ranks hold
+            want[layer, :, db, h - r * hd] = sv[layer, :, sb, h - rank * hs]
+            moved += 2 * n * N * Dm * 2
+        assert np.array_equal(view(dst_mems[r], hd), want), r
+    assert total == moved
