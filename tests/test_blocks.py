@@ -358,6 +358,8 @@ CORRUPTIONS = [
      "p: free run 2-9 is empty or outside 0-8"),
     ("a run over held blocks", lambda p: (p._starts.__setitem__(2, 5), p._ends.pop(4), p._ends.__setitem__(5, 2)),
      "p: free run 2-5 holds held block 4"),
+    ("a run over two held blocks", lambda p: (p._starts.__setitem__(2, 6), p._ends.pop(4), p._ends.__setitem__(6, 2)),
+     "p: free run 2-6 holds held block 4"),  # the first of them
     ("two touching runs not merged", _split, "p: free runs 2-3 and 3-4 are not merged"),
     ("a free block before a run, listed alone", lambda p: _beside_and_listed(p, 1),
      "p: free runs 1-2 and 2-4 are not merged"),
@@ -382,7 +384,9 @@ def test_check_names_each_corruption(corrupt, why):
     assert str(e.value) == why
 
 
-@pytest.mark.parametrize("free, why", [([0, 1], "block 2 after"), ([6, 7], "block 5 before")])
+@pytest.mark.parametrize(
+    "free, why", [([0, 1], "block 2 after"), ([6, 7], "block 5 before"), ([1, 2], "block 0 before")]
+)
 def test_check_names_a_run_at_either_end_of_the_pool_that_is_not_maximal(free, why):
     p = BlockPool(8, name="p")
     p.allocate(8)
@@ -418,4 +422,24 @@ def test_a_pool_that_takes_its_lowest_run_keeps_its_heap_bounded():
     for _ in range(100_000):
         p.free(p.allocate(2))
     assert len(p._heap) <= 4 * len(p._starts) + 64
+    p.check()
+
+
+def test_a_multi_run_allocation_compacts_the_heap_it_emptied():
+    # 1,000 single free blocks below 2,000, and above it one run made of 4,000 blocks freed
+    # odd ones first: many of its old starts stay in the heap (lazily deleted), within the
+    # bound of free(). Taking the 1,000 singles leaves one run: the heap is rebuilt from it.
+    p = BlockPool(6000)
+    p.allocate(6000)
+    for b in range(1, 2000, 2):
+        p.free([b])
+    for b in range(2001, 6000, 2):
+        p.free([b])
+    for b in range(2002, 6000, 2):
+        p.free([b])
+    assert len(p._starts) == 1001 and len(p._heap) > 1000 + 4 * 1 + 64  # past the bound once the singles go
+    got = p.allocate(1000)
+    assert got == list(range(1, 2000, 2))
+    assert p._heap == [2001] and p._starts == {2001: 6000}
+    assert p.allocate(3) == [2001, 2002, 2003]
     p.check()
