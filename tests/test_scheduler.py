@@ -739,6 +739,8 @@ SCHEDULER_CORRUPTIONS = [
      "ready request a holds gpu [] and buffer []"),
     ("a quarantined block also held by a request", lambda s: (s.fail("a", "x"), s._reqs["b"].buffer_blocks.__setitem__(
         0, 0)), "buffer: quarantined block 0 also held by b"),
+    ("a quarantined block free in its pool", lambda s: (s.fail("a", "x"), s.buffer.free([0])),
+     "buffer: block 0 of <quarantine> is free in the pool"),
     ("a prefix block also granted", lambda s: _ready(s, "a", [7], []) or s.buffer.free([0, 1]),
      "gpu: prefix block 7 also held by a"),
     ("a request's block free in its pool", lambda s: s.buffer.free([1]),
