@@ -55,13 +55,16 @@ def check_invariants(s: SchedulerCore, engine_blocks: Iterable[int] = ()) -> Non
     def fail(why: str) -> None:
         raise AssertionError(why)
 
+    def name(pool: object) -> str:  # an engine's allocator may have no name
+        return str(getattr(pool, "name", "gpu" if pool is s.gpu else "buffer"))
+
     with s._lock:
         owned: dict[int, dict[int, str]] = {id(s.gpu): {}, id(s.buffer): {}}
         for r in s._reqs.values():
             for pool, blocks in ((s.gpu, None if r.bound else r.gpu_blocks), (s.buffer, r.buffer_blocks)):
                 for b in blocks or ():
                     if b in owned[id(pool)]:
-                        fail(f"{pool.name}: block {b} held by {owned[id(pool)][b]} and {r.rid}")
+                        fail(f"{name(pool)}: block {b} held by {owned[id(pool)][b]} and {r.rid}")
                     owned[id(pool)][b] = r.rid
             if r.state is State.QUEUED and (r.gpu_blocks or r.buffer_blocks):
                 fail(f"queued request {r.rid} holds blocks (gpu {r.gpu_blocks}, buffer {r.buffer_blocks})")
@@ -70,12 +73,12 @@ def check_invariants(s: SchedulerCore, engine_blocks: Iterable[int] = ()) -> Non
         for q in s._quarantine:
             for b in q.blocks:
                 if b in owned[id(q.pool)]:
-                    fail(f"{q.pool.name}: quarantined block {b} also held by {owned[id(q.pool)][b]}")
+                    fail(f"{name(q.pool)}: quarantined block {b} also held by {owned[id(q.pool)][b]}")
                 owned[id(q.pool)][b] = "<quarantine>"
         prefix = {b for h in s._holds.values() for b in h.blocks} | {b for r in s._reqs.values() for b in r.prefix}
         for b in sorted(prefix):
             if b in owned[id(s.gpu)]:
-                fail(f"{s.gpu.name}: prefix block {b} also held by {owned[id(s.gpu)][b]}")
+                fail(f"{name(s.gpu)}: prefix block {b} also held by {owned[id(s.gpu)][b]}")
         extra = prefix | set(engine_blocks)
         for pool in (s.gpu, s.buffer):
             if not isinstance(pool, BlockPool):
