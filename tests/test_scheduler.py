@@ -1211,3 +1211,41 @@ def test_every_ending_but_finish_is_logged_with_the_state_it_left(caplog):
         ("pdkv.scheduling.core", "INFO", "request 'b' aborted (was reserved): aborted"),
         ("pdkv.scheduling.core", "INFO", "request 'c' expired (was reserved): lease of 10.0s expired"),
     ]
+
+
+def test_swaps_are_logged_at_debug_with_their_outcome_and_time(caplog):
+    caplog.set_level("DEBUG", logger="pdkv.scheduling.loop")
+    s, clock, swap, _ = make(direct_to_gpu=False)
+    for rid, n in (("a", 2), ("b", 3)):
+        g = s.reserve(rid, num_blocks=n).grant
+        s.land_layers(rid, g.token, range(4))
+        s.complete(rid, g.token)
+    s.tick()  # both swaps submitted
+    clock.t += 0.0125
+    swap.finish("a")
+    swap.finish("b", error=RuntimeError("copy engine fault"))
+    s.tick()
+    got = [(rec.levelname, rec.getMessage()) for rec in caplog.records if rec.name == "pdkv.scheduling.loop"]
+    assert got == [
+        ("DEBUG", "swap of 'a' submitted: 2 buffer blocks -> GPU"),
+        ("DEBUG", "swap of 'b' submitted: 3 buffer blocks -> GPU"),
+        ("DEBUG", "swap of 'a' done after 12.50 ms"),
+        ("DEBUG", "swap of 'b' failed: copy engine fault after 12.50 ms"),
+    ]
+
+
+def test_pruning_the_expiry_heap_keeps_every_live_lease():
+    # past 4 x live requests + 1,024 entries the heap is pruned of ended requests' entries:
+    # the live ones stay, and their leases still run out
+    s, clock, swap, _ = make(gpu=4, buf=1200, direct_to_gpu=False, lease_s=10.0, fence_grace_s=0.0)
+    live = s.reserve("live", num_blocks=1).grant
+    for i in range(1100):  # each granted and aborted: its entry stays until pruned
+        s.reserve(f"x{i}", num_blocks=1)
+        s.abort(f"x{i}")
+    assert len(s._expiry) > 4 * len(s._reqs) + 1024
+    s.tick()
+    assert [e[2] for e in s._expiry] == ["live"]
+    s.land_layer("live", live.token, 0)  # still writable
+    clock.t += 11
+    s.tick()
+    assert s.request("live").state is State.EXPIRED
