@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pdkv import CacheSpec, KVLayout, tp_segments
@@ -138,6 +138,11 @@ def _frames_ref(nb, unit, cap, most):
 
 @given(st.lists(st.integers(1, 40), max_size=60), st.integers(1, 64), st.integers(1, 4096), st.integers(1, 70),
        st.booleans())  # fmt: skip
+@example([2, 1], 2, 6, 10, False)  # two items filling cap exactly: one frame
+@example([2, 1, 1], 2, 7, 10, False)  # the third item passes cap only counted with both before it
+@example([4, 3, 3], 1, 6, 10, False)  # after a cut the next frame counts from zero
+@example([2] * 7, 1, 10**6, 3, False)  # a frame every 3 items, not only the first
+@example([2, 2, 2], 1, 3, 10, False)  # blocks of two are not the single-block fast path
 def test_tcp_frames_is_the_greedy_cut(nb, unit, cap, most, ones):
     if ones:
         nb = [1] * len(nb)  # the fast path for single blocks
@@ -298,3 +303,54 @@ def test_layer_pieces_put_each_head_of_each_block_where_its_decode_rank_holds_it
             moved += 2 * n * N * Dm * 2
         assert np.array_equal(view(dst_mems[r], hd), want), r
     assert total == moved
+
+
+def test_check_within_names_the_first_piece_outside_past_pieces_at_the_edges():
+    # at the base, ending at the end, a whole half: inside; then the one outside is named
+    with pytest.raises(TransferError) as e:
+        check_within([100, 199, 150, 99], [1, 1, 50, 1], 100, 100, "x")
+    assert str(e.value) == "x: piece [0x63, +1) falls outside [0x64, +100)"
+    with pytest.raises(TransferError) as e:
+        check_within(np.asarray([100, 120], np.int32), np.asarray([1, 0], np.int32), 100, 100, "y")
+    assert str(e.value) == "y: piece [0x78, +0) falls outside [0x64, +100)"
+
+
+def test_coalesce_merges_up_to_exactly_max_bytes():
+    assert coalesce([0, 4], [100, 104], [4, 4], 8) == [(0, 100, 8)]
+    assert coalesce([0, 4, 8], [100, 104, 108], [4, 4, 1], 8) == [(0, 100, 8), (8, 108, 1)]
+    with pytest.raises(ValueError) as e:
+        coalesce([0], [0], [1], 0)
+    assert str(e.value) == "coalesce: max_bytes=0 must be >= 1"
+
+
+def test_copy_plan_of_pieces_and_plans_of_nothing():
+    seg = object()
+    p = _plan.CopyPlan.of_pieces(
+        [(seg, np.asarray([10, 20]), np.asarray([110, 120]), np.asarray([4, 5])), (seg, np.asarray([30]),
+         np.asarray([130]), np.asarray([6]))]
+    )  # fmt: skip
+    assert (p.src.tolist(), p.dst.tolist(), p.lengths.tolist()) == ([10, 20, 30], [110, 120, 130], [4, 5, 6])
+    assert p.src.dtype == p.dst.dtype == p.lengths.dtype == np.uint64
+    assert (p.layer_ends.tolist(), p.nbytes, p.pieces) == ([3], 15, 3) and p.layer_ends.dtype == np.int64
+    lay = KVLayout(num_layers=2, kv_heads=2, head_dim=8, tokens_per_block=4)
+    segs = tp_segments(lay, lay)
+    spec = CacheSpec.for_buffer(lay, 4, 1 << 20)
+    empty = np.zeros(0, np.int64)
+    for g in _plan.plan_layer(segs, lay, lay, spec, None, empty, empty, 1):  # nothing to send: empty groups
+        assert g.gi.size == g.nb.size == g.src.size == g.dst.size == 0 and g.gi.dtype == np.int64
+    starts, lens = run_starts(empty)
+    assert starts.dtype == lens.dtype == np.int64
+
+
+def test_plan_copy_takes_numpy_ids_of_any_integer_type():
+    lay = KVLayout(num_layers=1, kv_heads=1, head_dim=8, tokens_per_block=4, dtype="bf16")
+    a, b = CacheSpec.for_buffer(lay, 4, 1 << 20), CacheSpec.for_buffer(lay, 4, 1 << 24)
+    p = _plan.plan_copy(a, b, np.asarray([0, 1], np.int32), np.asarray([[2, 3]], np.uint16))
+    assert p.src.tolist() == [a.address(0, 0, 0), a.address(0, 1, 0)]
+    assert p.dst.tolist() == [b.address(0, 0, 2), b.address(0, 1, 2)] and p.lengths.tolist() == [128, 128]
+    with pytest.raises(SwapError) as e:
+        _plan.plan_copy(a, b, np.asarray([0, 1], np.int32), np.asarray([3, 3], np.int32))
+    assert str(e.value) == "duplicate destination block ids (two copies would race into one block)"
+    with pytest.raises(SwapError) as e:
+        _plan.plan_copy(a, b, list(range(5, 15)), list(range(10)))
+    assert str(e.value) == "source block ids [5, 6, 7, 8, 9, 10, 11, 12] out of range [0, 4)"  # the first 8
