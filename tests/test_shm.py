@@ -829,22 +829,18 @@ def test_check_memory_leaves_a_margin_and_says_how_much(monkeypatch):
 
 
 def test_origin_record_says_who_made_the_buffer(monkeypatch):
+    import json
+
     from pdkv import procs
 
     t = time.time()
-    rec = json_loads(seg._origin_record("pdkv-x", 4096, 3))
+    rec = json.loads(seg._origin_record("pdkv-x", 4096, 3))
     assert rec.pop("created") == pytest.approx(t, abs=5)
     assert rec == {
         "magic": "pdkv-shm-origin/1", "name": "pdkv-x", "size": 4096, "stripes": 3, "uid": os.geteuid(),
         "boot_id": procs.boot_id(), "pidns": procs.pidns(), "pid": os.getpid(),
         "start_time": procs.start_time(os.getpid()),
     }  # fmt: skip
-
-
-def json_loads(b):
-    import json
-
-    return json.loads(b)
 
 
 def test_populate_hands_chunks_round_robin_over_stripes(monkeypatch):

@@ -187,6 +187,16 @@ def sources_digest() -> str:
     return h.hexdigest()
 
 
+def sweep_stale_segments() -> int:
+    """Remove the pdkv segments whose creator is provably dead (``pdkv-shm clean``'s rule).
+    mutmut runs each mutant's tests in a forked child that ends with ``os._exit``: a buffer a
+    failing test still referenced is never released by the ``atexit`` hook that a normal
+    pytest process runs, so a mutation run leaves some behind."""
+    from pdkv.buffer.sweeper import clean
+
+    return sum(1 for name in clean(dry_run=False).removed if "@" not in name)
+
+
 def commit_label() -> str:
     """The checkout's short commit, ``+`` when pdkv/ or tests/ differ from it (the table's own
     file, which this tool writes, aside)."""
@@ -296,6 +306,9 @@ def run_module(
             capture_output=True,
             text=True,
         )
+        swept = sweep_stale_segments()
+        if swept:
+            print(f"{module}: removed {swept} shared-memory segment(s) left by mutant runs", file=sys.stderr)
         if run.returncode != 0:
             raise SystemExit(f"mutmut run failed for {module}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
         res = subprocess.run([*mm, "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True)
