@@ -1,7 +1,7 @@
-"""The vLLM connector's pure parts, without vLLM: its configuration rules, the prefill
-scheduler half's bookkeeping, and both halves of decode and prefill over a real receiver
-and real senders in this process (the engine's calls made by the test, in vLLM's order:
-what tests/test_vllm.py does with the real engine, here with every branch reachable)."""
+"""The vLLM connector's pure parts, without vLLM: its configuration rules, and both
+halves of decode and prefill over a real receiver and real senders in this process (the
+engine's calls made by the test, in vLLM's order: what tests/test_vllm.py does with the
+real engine, here with every branch reachable)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ import pytest
 
 from pdkv import CacheSpec, KVLayout, LayoutError, LayoutMismatchError
 from pdkv.integrations.vllm.consumer import DecodeSide, LoadWorker
-from pdkv.integrations.vllm.producer import PrefillSide, SendWorker
+from pdkv.integrations.vllm.producer import SendWorker
 from pdkv.integrations.vllm.settings import (
-    PARAM_DECODE,
     PARAM_ID,
-    PARAM_TOKENS,
     Save,
     StepMeta,
     check_version,
@@ -185,40 +183,6 @@ def test_vllm_layouts_from_vllm_names():
 
 
 # ------------------------------------------------------------------ prefill's scheduler half
-
-
-def _remote(pid, decode="tcp://d:1"):
-    return {"do_remote_decode": True, PARAM_ID: pid, PARAM_DECODE: decode}
-
-
-def test_vllm_prefill_side_tracks_chunks_blocks_and_hands_decode_its_params():
-    side = PrefillSide(parse_settings("kv_producer", "e", {}))
-    m = side.step(
-        [("a", _remote("pa"), 20, [4, 5], 0), ("plain", None, 9, [7], 0), ("b", _remote("pb"), 5, [9], 0)],
-        [],
-        {"a": 16, "plain": 9, "b": 5},
-    )
-    assert m.saves == [Save("a", "pa", "tcp://d:1", 20, (4, 5), 0, 16), Save("b", "pb", "tcp://d:1", 5, (9,), 0, 5)]
-    assert not m.saves[0].complete and m.saves[1].complete
-    m = side.step([], [("a", [6], 16, False), ("plain", None, 9, False)], {"a": 4})
-    assert m.saves == [Save("a", "pa", "tcp://d:1", 20, (4, 5, 6), 16, 20)] and m.saves[0].complete
-    # a resumed request's blocks replace the old ones; nothing more is saved once computed
-    m = side.step([], [("a", [1, 2, 3], 20, True)], {"a": 1})
-    assert m.saves == []
-    assert side.finished("a") == (True, {"do_remote_prefill": True, PARAM_ID: "pa", PARAM_TOKENS: 20})
-    assert side.finished("a") == (False, None) and side.finished("plain") == (False, None)
-    # seen but never scheduled: vLLM frees its blocks at once
-    side.step([("c", _remote("pc"), 8, [1], 0)], [], {})
-    assert side.finished("c") == (False, {"do_remote_prefill": True, PARAM_ID: "pc", PARAM_TOKENS: 8})
-
-
-def test_vllm_prefill_side_without_an_id_or_decode_computes_locally(caplog):
-    side = PrefillSide(parse_settings("kv_producer", "e", {}))
-    for params in ({"do_remote_decode": True}, {"do_remote_decode": True, PARAM_ID: "x"}, {PARAM_ID: "x"}):
-        assert side.step([("r", params, 8, [1], 0)], [], {"r": 8}).saves == []
-    assert "computed here only" in caplog.text
-    with_default = PrefillSide(parse_settings("kv_producer", "e", {"decode": "tcp://d:2"}))
-    assert with_default.step([("r", {"do_remote_decode": True, PARAM_ID: "x"}, 8, [1], 0)], [], {"r": 8}).saves
 
 
 # ------------------------------------------------------------------ both halves, in process

@@ -173,6 +173,7 @@ class SendWorker:
             for s in meta.saves:
                 r = self._reqs.get(s.req_id)
                 self.recent[s.req_id] = s.blocks
+                self.recent.move_to_end(s.req_id)  # a request still being computed stays
                 while len(self.recent) > RECENT:
                     self.recent.popitem(last=False)
                 if r is None:
@@ -236,7 +237,7 @@ class SendWorker:
                     assert r.tx is not None
                     r.tx.send_chunk(layer, s.pid, list(s.blocks[b0:b1]), b0, event)
                 except PdkvError as exc:
-                    r.error = f"sending layer {layer} failed: {exc}"
+                    self._abandon(r, f"sending layer {layer} failed: {exc}")
 
     def end_step(self) -> None:
         """``wait_for_save``: requests whose prompt this step completed are confirmed to
@@ -254,8 +255,21 @@ class SendWorker:
                 r.handed = True
                 self.stats["direct"] += 1
             except PdkvError as exc:
-                r.error = f"confirming failed: {exc}"
+                self._abandon(r, f"confirming failed: {exc}")
         self._step = []
+
+    def _abandon(self, r: _Out, error: str) -> None:
+        """A granted request failed here: tell decode (its buffer blocks come back now, not
+        when the grant's lease ends), whose outcome then settles it here, after the writes
+        already handed over ended (vLLM's blocks are read until then). A sender that cannot
+        post it is broken, and has failed the request's outcome itself."""
+        r.error = error
+        _log.warning("pdkv prefill: request %s (pdkv %s): %s", r.save.req_id, r.save.pid, error)
+        assert r.tx is not None
+        try:
+            r.tx.finish(r.save.pid, ok=False, error=error)
+        except PdkvError as exc:
+            _log.info("pdkv prefill: request %s: decode not told (%s)", r.save.pid, exc)
 
     def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """``get_finished``'s sending half: requests vLLM finished whose outcome is known
@@ -303,20 +317,27 @@ class SendWorker:
         """Opens senders, posts reservations, sends deferred requests whole, ends requests
         vLLM cut short: everything that may wait, away from vLLM's loop."""
         waiting: list[_Out] = []
-        while not self._stop.is_set():
-            try:
-                r = self._jobs.get(timeout=0.002 if waiting else 0.1)
-                if r is None:
-                    break
-                if r not in waiting:
-                    waiting.append(r)
-            except queue.Empty:
-                pass
-            waiting = [r for r in waiting if not self._advance(r)]
-            with self._lock:
-                retired, self._retired = self._retired, []
-            for tx in retired:
-                tx.close()
+        while not self._stop.is_set() and self._round(waiting, 0.002 if waiting else 0.1):
+            pass
+
+    def _round(self, waiting: list[_Out], timeout: float) -> bool:
+        """One round of the background thread: take a job (waiting up to ``timeout``), move
+        every waiting request on (``waiting`` keeps those with work left), close the senders
+        that left the pool. False when told to stop."""
+        try:
+            r = self._jobs.get(timeout=timeout) if timeout > 0 else self._jobs.get_nowait()
+            if r is None:
+                return False
+            if r not in waiting:
+                waiting.append(r)
+        except queue.Empty:
+            pass
+        waiting[:] = [r for r in waiting if not self._advance(r)]
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for tx in retired:
+            tx.close()
+        return True
 
     def _advance(self, r: _Out) -> bool:
         """One step of a request's background work; True once nothing is left to do."""
@@ -357,7 +378,7 @@ class SendWorker:
                 self.stats["deferred"] += 1
             r.handed = True
         except PdkvError as exc:
-            r.error = f"sending failed: {exc}"
+            self._abandon(r, f"sending failed: {exc}")
         return True
 
     def close(self) -> None:
