@@ -372,7 +372,7 @@ class LoadWorker:
                 continue
             try:
                 h = self._swap(meta).submit(ld.req_id, ld.buffer_blocks, ld.blocks)
-            except (PdkvError, OSError) as exc:
+            except (PdkvError, OSError, ValueError) as exc:  # a buffer gone, renamed or of another size
                 self._fail(ld, str(exc))
                 continue
             self._pending.append((ld, h))
