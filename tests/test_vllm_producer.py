@@ -12,10 +12,13 @@ worker with its thread against a real receiver."""
 from __future__ import annotations
 
 import logging
+import time
 
+import numpy as np
 import pytest
+from test_transfer import Decode
 
-from pdkv import CacheSpec
+from pdkv import CacheSpec, KVLayout
 from pdkv.errors import ClosedError, PdkvError, PdkvTimeoutError, PeerError, RequestError
 from pdkv.integrations.vllm import producer
 from pdkv.integrations.vllm.producer import PrefillSide, SendWorker
@@ -29,6 +32,7 @@ from pdkv.integrations.vllm.settings import (
     parse_settings,
 )
 from pdkv.transfer import RequestOutcome, SendGrant
+from pdkv.transfer.identity import instance_key_of, key_fingerprint
 
 LAY = dict(num_layers=3, kv_heads=2, head_dim=16, block_size=8, dtype="torch.float32", tp_size=1, tp_rank=0)
 D1, D2 = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
@@ -63,7 +67,14 @@ def test_prefill_side_without_an_id_or_decode_computes_locally(caplog):
     side = PrefillSide(parse_settings("kv_producer", "e", {}))
     for params in ({"do_remote_decode": True}, {"do_remote_decode": True, PARAM_ID: "x"}, {PARAM_ID: "x"}):
         assert side.step([("r", params, 8, [1], 0)], [], {"r": 8}).saves == []
-    assert "computed here only" in caplog.text
+    assert (
+        logged(caplog)
+        == [
+            f"pdkv prefill: do_remote_decode without {PARAM_ID} and a decode address ({PARAM_DECODE} or extra config "
+            "'decode'): the request is computed here only"
+        ]
+        * 2
+    )
     with_default = PrefillSide(parse_settings("kv_producer", "e", {"decode": "tcp://d:2"}))
     assert with_default.step([("r", {"do_remote_decode": True, PARAM_ID: "x"}, 8, [1], 0)], [], {"r": 8}).saves
 
@@ -194,6 +205,11 @@ class Worker:
         for layer in range(self.lay.total_layers) if layers is None else layers:
             self.w.save_layer(layer, event)
         self.w.end_step()
+
+
+def logged(caplog):
+    """The producer's log lines, whole."""
+    return [r.getMessage() for r in caplog.records if r.name == producer.__name__]
 
 
 def grant(pid):
@@ -332,7 +348,9 @@ def test_a_failed_reservation_settles_the_request_as_failed(wk, caplog):
     assert wk.w.finished({"a"}) == {"a"}
     assert [c for c in wk.calls() if c[1] not in ("open", "reserve")] == [(D1, "poll_grant", "P")]
     assert wk.w.stats == {"direct": 0, "deferred": 0, "received": 0, "failed": 1}
-    assert "request a (pdkv P) not received: reservation failed: no grant for 'P' within 7.5s" in caplog.text
+    assert logged(caplog) == [
+        "pdkv prefill: request a (pdkv P) not received: reservation failed: no grant for 'P' within 7.5s"
+    ]
     assert wk.w.finished({"a"}) == set()  # reported once
 
 
@@ -344,7 +362,7 @@ def test_reservation_refused_by_the_sender_is_the_requests_error(wk, caplog):
     wk.step(save("b", "P2"))
     assert wk.calls() == [(D1, "reserve", (("P2", 20),), 7.5)]  # no layer, no confirmation
     assert wk.w.finished({"b"}) == {"b"}
-    assert "request b: reservation refused: request 'P2' is already reserved" in caplog.text
+    assert logged(caplog)[0] == "pdkv prefill: request b: reservation refused: request 'P2' is already reserved"
     wk.rounds()
     assert wk.calls() == []  # P1 is sent from vLLM's thread once granted; P2 is gone
     assert list(wk.w._senders.values()) == [wk.tx()]  # the session stays in the pool
@@ -411,7 +429,7 @@ def test_no_session_settles_the_request_as_failed(exc, caplog):
         assert wk.calls() == [(D1, "open")]
         assert wk.w.finished({"a"}) == {"a"}
         assert wk.w.stats["failed"] == 1
-        assert f"request a: no session with decode {D1}: {exc}" in caplog.text
+        assert logged(caplog)[0] == f"pdkv prefill: request a: no session with decode {D1}: {exc}"
         wk.step(save("b", "P2"))
         wk.rounds()
         assert wk.calls() == [(D1, "open")]
@@ -439,7 +457,7 @@ def test_a_layer_that_fails_to_send_fails_the_request_at_decode_and_sends_no_mor
         (D1, "chunk", 1, "P", (5,), 0, None),
         (D1, "finish", "P", False, why),
     ]
-    assert f"request a (pdkv P): {why}" in caplog.text
+    assert logged(caplog) == [f"pdkv prefill: request a (pdkv P): {why}"]
     assert wk.w.finished({"a"}) == set()  # the writes handed over may still read vLLM's blocks
     wk.tx().outcomes["P"] = RequestOutcome("P", "failed", why)
     assert wk.w.finished(set()) == {"a"} and wk.w.stats["failed"] == 1
@@ -457,7 +475,10 @@ def test_a_failure_decode_cannot_be_told_of_still_settles(wk, caplog):
     wk.calls()
     wk.step(save(plen=8, blocks=(5,)))
     assert [c[1] for c in wk.calls()] == ["poll_grant", "chunk", "finish"]
-    assert "request P: decode not told (the session with decode broke)" in caplog.text
+    assert logged(caplog) == [
+        "pdkv prefill: request a (pdkv P): sending layer 0 failed: the session with decode broke",
+        "pdkv prefill: request P: decode not told (the session with decode broke)",
+    ]
     tx.outcomes["P"] = RequestOutcome("P", "failed", "the session with decode broke")
     assert wk.w.finished({"a"}) == {"a"} and wk.w.stats["failed"] == 1
 
@@ -519,8 +540,7 @@ def test_finished_waits_for_decodes_outcome(wk, caplog):
     wk.tx().outcomes["P2"] = RequestOutcome("P2", "expired", "lease expired")
     assert wk.w.finished(set()) == {"b"}
     assert wk.w.stats == {"direct": 0, "deferred": 2, "received": 1, "failed": 1}
-    assert "request b (pdkv P2) not received: lease expired" in caplog.text
-    assert "P1" not in caplog.text
+    assert logged(caplog) == ["pdkv prefill: request b (pdkv P2) not received: lease expired"]
     assert wk.w._reqs == {}
 
 
@@ -532,7 +552,7 @@ def test_an_unknown_outcome_settles_as_failed(wk, caplog):
     wk.tx().outcomes["P"] = RequestError("unknown request 'P'")
     assert wk.w.finished({"a"}) == {"a"}
     assert wk.w.stats == {"direct": 1, "deferred": 0, "received": 0, "failed": 1}
-    assert "not received: unknown request 'P'" in caplog.text
+    assert logged(caplog) == ["pdkv prefill: request a (pdkv P) not received: unknown request 'P'"]
 
 
 def test_finished_ignores_requests_vllm_did_not_finish(wk):
@@ -641,3 +661,215 @@ def test_the_background_thread_stops_on_close_and_ends_its_rounds():
     w._jobs.put(None)
     assert w._round([], 0) is False
     assert w._round([], 0) is True  # an empty queue: a round with nothing to do
+
+
+# ---- what each call leaves behind: the background thread's list, counts, a second request
+
+
+def test_prefill_side_goes_on_from_where_its_last_save_ended():
+    """A request scheduled again without vLLM listing it among the cached ones: its next
+    save starts where the last one ended."""
+    side = PrefillSide(parse_settings("kv_producer", "e", {}))
+    side.step([("a", _remote("pa"), 24, [4, 5, 6], 0)], [], {"a": 8})
+    m = side.step([], [], {"a": 8})
+    assert m.saves == [Save("a", "pa", "tcp://d:1", 24, (4, 5, 6), 8, 16)]
+
+
+def test_the_worker_thread_is_named_and_does_not_keep_the_process():
+    wk = Worker()
+    try:
+        assert wk.w._thread.name == "pdkv-vllm-send" and wk.w._thread.daemon is True
+    finally:
+        wk.w.close()
+
+
+def test_saving_or_ending_a_step_before_any_metadata_does_nothing(wk):
+    wk.w.save_layer(0)
+    wk.w.end_step()
+    wk.w.end_step()
+    wk.w.save_layer(1)  # after a step ended: no request of that step is sent again
+    assert wk.calls() == []
+
+
+def test_a_reservation_posted_from_vllms_thread_leaves_nothing_for_the_background(wk):
+    wk.w.start(StepMeta(saves=[save("a", "P1")]))
+    wk.rounds()
+    assert wk.waiting == []
+    wk.w.start(StepMeta(saves=[save("b", "P2")]))
+    assert wk.w._jobs.empty() and wk.w._reqs["b"].tx is wk.tx()
+
+
+def test_each_request_of_a_step_is_handled_whatever_the_one_before_it(wk):
+    """Two requests in one step: the first is deferred (no grant) or not complete; the
+    second is still sent and confirmed; two direct confirmations count two."""
+    wk.w.start(StepMeta(saves=[save("a", "P1", plen=8, blocks=(1,)), save("b", "P2", plen=8, blocks=(2,))]))
+    wk.rounds()
+    tx = wk.tx()
+    tx.grants["P2"] = grant("P2")
+    wk.calls()
+    for layer in range(3):
+        wk.w.save_layer(layer)
+    wk.w.end_step()
+    assert [c for c in wk.calls() if c[1] != "poll_grant"] == [
+        *[(D1, "chunk", layer, "P2", (2,), 0, None) for layer in range(3)],
+        (D1, "finish", "P2", True, ""),
+    ]
+    wk.w.start(StepMeta(saves=[save("c", "P3", plen=16, blocks=(3, 4), end=8), save("d", "P4", plen=8, blocks=(5,))]))
+    tx.grants["P3"], tx.grants["P4"] = grant("P3"), grant("P4")
+    for layer in range(3):
+        wk.w.save_layer(layer)
+    wk.w.end_step()
+    assert wk.calls()[-1] == (D1, "finish", "P4", True, "")
+    assert wk.w.stats["direct"] == 2
+
+
+def test_two_received_and_two_failed_are_counted(wk):
+    wk.w.start(StepMeta(saves=[save(f"r{i}", f"P{i}", plen=8, blocks=(i,)) for i in range(4)]))
+    wk.rounds()
+    tx = wk.tx()
+    for i in range(4):
+        tx.grants[f"P{i}"] = grant(f"P{i}")
+    wk.step(*(save(f"r{i}", f"P{i}", plen=8, blocks=(i,)) for i in range(4)))
+    for i in range(4):
+        tx.outcomes[f"P{i}"] = RequestOutcome(f"P{i}", "received" if i < 2 else "failed", "x")
+    assert wk.w.finished({f"r{i}" for i in range(4)}) == {"r0", "r1", "r2", "r3"}
+    assert wk.w.stats == {"direct": 4, "deferred": 0, "received": 2, "failed": 2}
+
+
+def test_background_work_ends_with_each_request(wk):
+    """What the background thread keeps waiting on: a request with no session (failed), a
+    refused background reservation, a direct request once reserved, a deferred one once
+    sent: none of them stays; a deferred request whose grant failed does not either."""
+    fail_open = Worker(make=lambda d: (_ for _ in ()).throw(OSError("refused")))
+    try:
+        fail_open.w.start(StepMeta(saves=[save()]))
+        fail_open.rounds(0)
+        assert fail_open.waiting == []
+    finally:
+        fail_open.w.close()
+    wk.w.start(StepMeta(saves=[save("a", "P1", plen=8, blocks=(1,))]))
+    wk.rounds(0)
+    assert wk.waiting == []  # reserved, sent from vLLM's thread later
+    tx = wk.tx()
+    del wk.w._senders[D1]  # the next request opens a session of its own...
+    real_open = wk.w._make
+
+    def refusing(decode):
+        t = real_open(decode)
+        t.fail["reserve"] = RequestError("duplicate")
+        return t
+
+    wk.w._make = refusing
+    wk.w.start(StepMeta(saves=[save("b", "P2", plen=8, blocks=(2,))]))
+    wk.rounds(0)
+    assert wk.waiting == [] and wk.w._reqs["b"].error == "reservation refused: duplicate"
+    wk.w._make = real_open
+    wk.w._senders[D1] = tx
+    wk.step(save("c", "P3", plen=8, blocks=(3,)))  # not granted in time: deferred
+    wk.rounds(0)
+    assert [r.save.pid for r in wk.waiting] == ["P3"]
+    tx.grants["P3"] = PdkvTimeoutError("no grant")
+    wk.rounds(1)
+    assert wk.waiting == [] and wk.w._reqs["c"].error == "reservation failed: no grant"
+
+
+def test_a_deferred_request_sent_whole_is_sent_once(wk):
+    wk.step(save(plen=8, blocks=(5,)))
+    wk.rounds()
+    wk.tx().grants["P"] = grant("P")
+    wk.rounds(1)
+    assert wk.waiting == [] and wk.w._reqs["a"].handed is True
+    wk.calls()
+    assert wk.w.finished({"a"}) == set()  # vLLM finished it; the outcome is still to come
+    wk.rounds(2)
+    assert [c[1] for c in wk.calls()] == ["poll_outcome"]  # nothing sent again
+
+
+def test_a_cut_request_is_ended_once(wk):
+    wk.step(save(plen=24, end=8))
+    wk.rounds()
+    wk.tx().grants["P"] = grant("P")
+    wk.w.finished({"a"})
+    wk.rounds(3)
+    finishes = [c for c in wk.calls() if c[1] == "finish"]
+    assert len(finishes) == 1 and wk.waiting == []
+
+
+def test_a_round_waits_for_a_job_at_most_its_timeout():
+    wk = Worker()
+    try:
+        t0 = time.monotonic()
+        assert wk.w._round([], 0.05) is True
+        assert 0.04 < time.monotonic() - t0 < 2
+    finally:
+        wk.w.close()
+
+
+def test_the_background_thread_moves_a_waiting_request_on_within_milliseconds():
+    """The real thread: a deferred request is sent soon after its grant comes (the thread
+    polls what waits every few ms, not once a second)."""
+
+    log: list = []
+    txs = []
+    lay = layout_for(**LAY, order=("head", False))
+
+    def make(decode):
+        t = FakeTx(decode, log)
+        txs.append(t)
+        return t
+
+    w = SendWorker(parse_settings("kv_producer", "p", {}), lay, CacheSpec.for_buffer(lay, 16, 1 << 20), sender=make)
+    try:
+        w.start(StepMeta(saves=[save(plen=8, blocks=(5,))]))
+        for layer in range(3):
+            w.save_layer(layer)
+        w.end_step()
+        deadline = time.monotonic() + 5
+        while not any(c[1] == "reserve" for c in log) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        txs[0].grants["P"] = grant("P")
+        while not any(c[1] == "finish" for c in log) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert time.monotonic() - t0 < 0.5
+        assert [c for c in log if c[1] == "finish"] == [(D1, "finish", "P", True, "")]
+    finally:
+        w.close()
+
+
+def test_a_broken_session_is_logged_with_its_address(wk, caplog):
+    caplog.set_level(logging.INFO, logger=producer.__name__)
+    wk.w.start(StepMeta(saves=[save("a", "P1")]))
+    wk.rounds()
+    wk.tx().fail["reserve"] = PeerError("gone")
+    wk.w.start(StepMeta(saves=[save("b", "P2")]))
+    assert logged(caplog) == [f"pdkv prefill: the session with {D1} ended (gone): opening another"]
+
+
+def test_the_worker_opens_pdkvs_sender_with_its_settings(no_leaks):
+    """Without a stand-in, the worker opens a real PrefillSender with the configured
+    instance, instance key, secret and transport: decode sees that instance, proving that
+    key, over tcp."""
+    secret, key = "z" * 32, "instance-key-of-pf-7"
+    dec = Decode(secret=secret.encode(), transports=("tcp", "shm"))
+    lay = KVLayout(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf16")
+    cache = np.zeros(lay.block_bytes * 4, np.uint8)
+    settings = parse_settings(
+        "kv_producer",
+        "p",
+        {"secret": secret, "instance": "pf-7", "instance_key": key, "transport": "tcp"},
+    )
+    w = SendWorker(settings, lay, CacheSpec.for_buffer(lay, 4, cache.ctypes.data))
+    try:
+        tx = w._open(dec.rx.control_address)
+        try:
+            (peer,) = dec.rx._peers.values()
+            assert peer.instance == "pf-7" and tx.transport == "tcp" and tx.instance == "pf-7"
+            assert peer.key_fp == key_fingerprint(instance_key_of("pf-7", settings.instance_key))
+            assert tx.layout is lay and tx.cache.num_blocks == 4
+        finally:
+            tx.close()
+    finally:
+        w.close()
+        dec.close()

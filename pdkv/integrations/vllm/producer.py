@@ -179,7 +179,8 @@ class SendWorker:
                 if r is None:
                     r = self._reqs[s.req_id] = _Out(s)
                     new.append((r, self._senders.get(s.decode)))
-                r.save = s
+                else:
+                    r.save = s
                 step.append(r)
         for r, tx in new:
             if tx is None or not self._reserve(r, tx):
@@ -297,8 +298,8 @@ class SendWorker:
         return out
 
     def _settled(self, r: _Out) -> bool:
-        if r.outcome is not None:
-            return True
+        """Whether the request's end is known (its outcome taken, or its error without a
+        grant to wait on); asked once per get_finished until it is."""
         if r.tx is None:
             return bool(r.error)
         if r.grant is None:
@@ -325,7 +326,7 @@ class SendWorker:
         every waiting request on (``waiting`` keeps those with work left), close the senders
         that left the pool. False when told to stop."""
         try:
-            r = self._jobs.get(timeout=timeout) if timeout > 0 else self._jobs.get_nowait()
+            r = self._jobs.get(timeout=timeout)  # 0: only what is queued now
             if r is None:
                 return False
             if r not in waiting:
