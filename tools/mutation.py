@@ -20,6 +20,9 @@ Not part of CI (it takes tens of minutes on 2 cores). Needs ``pip install mutmut
     python tools/mutation.py scheduling.scheduler --mutants survivors.txt   # only these, against the module's tests
     python tools/mutation.py --keep DIR --write-table   # every module; its rows into tests/README.md
 
+A module named ``path:Class`` (``transfer.tcp:TcpReceiver``) is that class of the module
+alone: only its mutants are run and counted.
+
 ``--write-table`` replaces the rows of the modules run in the table of scores in
 ``tests/README.md`` (between its ``mutation-table`` markers; the other modules' rows stay)
 with this run's figures, the date and the commit (``+`` when ``pdkv/`` or ``tests/`` differ
@@ -280,7 +283,8 @@ def run_module(
                 text = f.read()
         sel = ", ".join(json.dumps(t) for t in tests)
         # this run's module and tests, in mutmut's own table
-        text = re.sub(r"(?m)^only_mutate = .*$", f'only_mutate = ["pdkv/{module.replace(".", "/")}.py"]', text)
+        path = module.partition(":")[0].replace(".", "/")
+        text = re.sub(r"(?m)^only_mutate = .*$", f'only_mutate = ["pdkv/{path}.py"]', text)
         text = re.sub(
             r"(?m)^pytest_add_cli_args_test_selection = .*$", f"pytest_add_cli_args_test_selection = [{sel}]", text
         )
@@ -388,7 +392,11 @@ def main() -> int:
         if m not in table:
             ap.error(f"unknown module {m!r}: choose from {', '.join(table)}")
         tests = a.tests.split(",") if a.tests else table[m]
-        mine = [n for n in only if n.startswith(f"pdkv.{m}.")] if only is not None else None
+        mine = [n for n in only if n.startswith(f"pdkv.{m.partition(':')[0]}.")] if only is not None else None
+        path, _, scope = m.partition(":")
+        if scope:  # one class of the module: its mutants only (the others are never run)
+            pat = f"pdkv.{path}.x\u01c1{scope}\u01c1*"
+            mine = [pat] if mine is None else [n for n in mine if fnmatch.fnmatchcase(n, pat)]
         if mine == []:
             continue
         results.append(run_module(m, tests, a.max_children, a.diffs, a.keep, a.why, mine))
@@ -425,7 +433,7 @@ def main() -> int:
                 + ", ".join(r["stale_equivalents"])
             )
         if r["survivors"]:
-            print(f"\nsurvivors in pdkv/{r['module'].replace('.', '/')}.py ({r['by_status']}):")
+            print(f"\nsurvivors in pdkv/{r['module'].partition(':')[0].replace('.', '/')}.py ({r['by_status']}):")
             for n in r["survivors"]:
                 print(f"  {n}")
                 if a.diffs:

@@ -369,15 +369,14 @@ class TcpReceiver(ReceiverTransport):
         key = (layer, peer.tp_rank, si)
         with self.host.lock:
             cov = inf.cov.get(key)
-            if cov is None:
-                cov = inf.cov[key] = bytearray(nblk)
+            new = bytearray(nblk) if cov is None else bytearray(cov)  # marked here, kept only if all pass
             for gi, nb in items:
                 if nb == 0 or gi + nb > nblk:
                     raise GrantViolation("write outside the granted blocks")
-                if cov.find(1, gi, gi + nb) >= 0:
+                if new.find(1, gi, gi + nb) >= 0:  # written before, or twice in this frame
                     raise GrantViolation(f"request {inf.request_id!r}: blocks of layer {layer} written twice")
-            for gi, nb in items:  # checked all first: a refused frame marks nothing
-                cov[gi : gi + nb] = b"\x01" * nb
+                new[gi : gi + nb] = b"\x01" * nb
+            inf.cov[key] = new
 
     def _on_data_frame(self, conn: socket.socket, ident: bytes, hdr: bytearray, scratch: bytearray) -> None:
         magic, ver, kind, rank, token, layer, tensor, _, _, nitems, off, length, count, dstride = FRAME_HEADER.unpack(
@@ -448,6 +447,7 @@ class TcpReceiver(ReceiverTransport):
                 raise
             # stale or forged: read and drop the payload, never into the buffer
             self.host.count("frames_rejected")
+            _log.debug("pdkv decode: tcp frame of %d bytes refused: %s", payload, exc)
             left = payload
             sv = memoryview(scratch)
             while left:
