@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 import pytest
+import zmq
 
 from pdkv import CacheSpec, SharedBuffer
 from pdkv.errors import PdkvError
@@ -126,8 +127,9 @@ def test_kv_that_never_comes_follows_the_failure_policy(recompute, caplog):
             assert "v" not in d.d._wants
             return
         assert d.d.matched("v", _params("p"), 20, 8) == (12, True)  # asked again: the same answer
-        d.d.allocated("v", [4, 5, 6], 16)
-        assert d.d.step_meta().loads == [Load("v", (), (4, 5))]  # nothing to copy: the load fails
+        d.d.allocated("v", [4, 5, 6], 12)
+        # nothing to copy: the load fails, its errors the blocks past what vLLM holds itself
+        assert d.d.step_meta().loads == [Load("v", (), (5, 6))]
         d.d.loaded({"v"})
         assert d.d._wants == {}
     finally:
@@ -489,3 +491,214 @@ def test_load_worker_buffer_of_the_wrong_size_is_refused(no_leaks, caplog):
 
 
 logging.getLogger("pdkv").setLevel(logging.INFO)
+
+
+# ---- what the scheduler half is made of, and its words
+
+
+def logged(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == consumer.__name__]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_decode_side_is_built_from_its_settings(caplog):
+    """The receiver serves the configured control address, transports, secret and data
+    host; grants carry the configured lease; the buffer is named; the sweeper is a named
+    daemon; the failure policy is 'fail' unless told; the start is logged."""
+    caplog.set_level(logging.INFO, logger=consumer.__name__)
+    lay = layout_for(**LAY, order=("head", False))
+    port = _free_port()
+    cfg = {
+        "buffer_blocks": 3,
+        "control": f"tcp://127.0.0.1:{port}",
+        "transports": ["tcp"],
+        "secret": "s" * 32,
+        "lease_s": 7.0,
+        "data_host": "127.0.0.1",
+    }
+    d = DecodeSide(parse_settings("kv_consumer", "d", cfg), [lay])
+    try:
+        assert d.control_address == d.receiver.control_address == f"tcp://127.0.0.1:{port}"
+        assert list(d.receiver._transports) == ["tcp"] and d.receiver.secret == b"s" * 32
+        assert d.receiver.options.data_host == "127.0.0.1" and d.receiver.options.auto_tick is True
+        assert d.recompute is False and d.sched.options.bind == "engine"
+        assert d.sched.options.direct_to_gpu is False and d.sched.buffer.name == "buffer"
+        g = d.sched.reserve("p", num_tokens=8).grant
+        assert g is not None and g.location == "buffer" and g.lease_s == 7.0
+        assert d._sweeper.name == "pdkv-vllm-sweep" and d._sweeper.daemon and d._sweeper.is_alive()
+        assert logged(caplog)[-1] == (
+            f"pdkv decode: 3 buffer blocks of {lay.block_bytes} bytes per rank x 1 ranks, control {d.control_address}"
+        )
+    finally:
+        d.close()
+    assert not d._sweeper.is_alive() and d.receiver.closed
+
+
+def test_a_buffer_of_one_block_is_a_buffer():
+    lay = layout_for(**LAY, order=("head", False))
+    d = DecodeSide(parse_settings("kv_consumer", "d", {"buffer_blocks": 1}), [lay])
+    try:
+        assert d.num_blocks == 1
+    finally:
+        d.close()
+
+
+def test_a_killed_engines_buffers_are_named_at_start(monkeypatch, caplog):
+    monkeypatch.setattr(consumer, "stale_note", lambda: "2 stale buffers of dead processes: pdkv-shm clean")
+    d = Decode()
+    try:
+        assert logged(caplog)[0] == "pdkv decode: 2 stale buffers of dead processes: pdkv-shm clean"
+    finally:
+        d.close()
+
+
+def test_a_receiver_that_cannot_start_leaves_nothing(no_leaks):
+    lay = layout_for(**LAY, order=("head", False))
+    busy = DecodeSide(parse_settings("kv_consumer", "d", {"buffer_blocks": 2}), [lay])
+    try:
+        with pytest.raises(zmq.ZMQError, match="Address already in use"):
+            DecodeSide(parse_settings("kv_consumer", "d", {"buffer_blocks": 2, "control": busy.control_address}), [lay])
+    finally:
+        busy.close()
+
+
+def test_give_up_reasons_and_the_fail_policys_answers(dec, caplog):
+    """Under 'fail': the request is aborted at decode with the reason logged, and vLLM is
+    told the tokens left are coming (the load then fails), even just one; a mismatched
+    prompt the same."""
+    assert dec.d.matched("v", _params("p"), 17, 16) == (None, False)
+    dec.receive("p", 16)
+    assert dec.d.matched("v", _params("p"), 17, 16) == (1, True)  # prefill sent 16 of 17 tokens
+    assert dec.sched.request("p").reason == "prefill sent 16 tokens for a prompt of 17"
+    dec.receive("q", 16)
+    assert dec.d.matched("w", _params("q"), 17, 4) == (13, True)
+    dec.d.allocated("w", [1, 2, 3], 13)
+    assert dec.d.step_meta().loads == [Load("w", (), (1, 2, 3))]
+    assert logged(caplog) == [
+        "pdkv decode: request v (pdkv p): prefill sent 16 tokens for a prompt of 17",
+        "pdkv decode: request w (pdkv q): prefill sent 16 tokens for a prompt of 17",
+    ]  # and no binding was tried for w
+
+
+def test_too_few_blocks_are_not_bound_again(dec, caplog):
+    dec.receive("p", 16)
+    dec.d.matched("v", _params("p"), 16, 0)
+    dec.d.allocated("v", [4], 16)
+    assert logged(caplog) == []  # failed at once: no binding of an aborted request tried
+
+
+def test_a_timed_out_request_is_aborted_with_its_reason(dec):
+    dec.d.matched("v", _params("p"), 16, 0)
+    dec.reserve("p", 16)
+    dec.clock.t += LIMIT + 1
+    dec.d.matched("v", _params("p"), 16, 0)
+    assert dec.sched.request("p").reason == f"no KV within load_timeout_s={LIMIT}s"
+
+
+def test_one_token_to_load_is_bound(dec):
+    dec.receive("p", 17)
+    assert dec.d.matched("v", _params("p"), 17, 16) == (1, True)
+    dec.d.allocated("v", [8, 9, 10], 1)
+    (ld,) = dec.d.step_meta().loads
+    assert ld.blocks == (10,) and len(ld.buffer_blocks) == 1
+
+
+def test_a_bind_that_fails_is_logged(dec, caplog):
+    dec.receive("p", 16)
+    dec.d.matched("v", _params("p"), 16, 0)
+    dec.sched.abort("p", "operator")
+    dec.d.allocated("v", [4, 5], 16)
+    assert logged(caplog) == [
+        "pdkv decode: request v (pdkv p) could not be bound: request 'p' is already aborted (operator)"
+    ]
+
+
+def test_loaded_goes_on_past_loads_it_does_not_know(dec):
+    dec.receive("p", 8)
+    dec.d.matched("v", _params("p"), 8, 0)
+    dec.d.allocated("v", [3], 8)
+    dec.d.step_meta()
+    dec.d.loaded(["unknown", "v"], invalid_blocks=[3])
+    info = dec.sched.request("p")
+    assert info.state is State.FAILED and info.reason == "swap failed: a worker failed to copy the request's blocks"
+
+
+def test_the_sweeper_thread_drops_unclaimed_kv_soon_after_the_limit(no_leaks):
+    """The real thread, load_timeout_s=0.2: it sweeps every 0.05 s, so KV nobody asks for is
+    dropped well within a second of arriving."""
+    import time
+
+    lay = layout_for(**LAY, order=("head", False))
+    d = DecodeSide(parse_settings("kv_consumer", "d", {"buffer_blocks": 4, "load_timeout_s": 0.2}), [lay])
+    try:
+        g = d.sched.reserve("p", num_tokens=8).grant
+        d.sched.land_layers("p", g.token, range(lay.total_layers))
+        d.sched.complete("p", g.token)
+        t0 = time.monotonic()
+        while d.sched.request("p").state is State.RECEIVED and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        assert d.sched.request("p").state is State.ABORTED
+        assert time.monotonic() - t0 < 0.6
+    finally:
+        d.close()
+
+
+def test_close_warns_of_a_buffer_still_viewed_and_removes_it(caplog):
+    d = Decode()
+    view = d.d.buffers[0].buf[:16]  # a view derived from the mapping: close() cannot unmap it
+    name = d.d.buffers[0].name
+    try:
+        d.close()
+        assert logged(caplog)[-1].startswith(f"pdkv decode: buffer {name}: ")
+        with pytest.raises(FileNotFoundError):
+            SharedBuffer.open(name)
+    finally:
+        view.release()
+        d.d.buffers[0].close()
+
+
+def test_load_worker_failures_are_logged_whole(caplog):
+    e = _Engine()
+    w = _worker(e)
+    w.start(_meta(Load("nokv", (), (1,))))
+    assert logged(caplog) == ["pdkv decode: load of nokv failed: its KV did not arrive"]
+
+
+def test_load_worker_goes_on_after_a_load_it_cannot_submit():
+    class Picky(_Engine):
+        def submit(self, rid, buf, blocks):
+            if rid == "bad":
+                raise PdkvError("no such blocks")
+            return super().submit(rid, buf, blocks)
+
+    e = Picky()
+    w = _worker(e)
+    w.start(_meta(Load("bad", (0,), (1,)), Load("good", (2,), (3,))))
+    assert e.calls == [("good", (2,), (3,))]
+    e.handles[0].is_done = True
+    assert w.finished() == {"bad", "good"} and w.load_errors() == {1}
+
+
+def test_a_renamed_buffer_is_named_in_the_failure(caplog, no_leaks):
+    lay = layout_for(**LAY, order=("head", False))
+    a = SharedBuffer.create(CacheSpec.buffer_bytes(lay, 2))
+    b = SharedBuffer.create(CacheSpec.buffer_bytes(lay, 2))
+    cache = np.zeros(lay.block_bytes * 4, np.uint8)
+    w = LoadWorker(lay, CacheSpec.for_buffer(lay, 4, cache.ctypes.data))
+    try:
+        w.start(StepMeta(buffers=[a.name], buffer_blocks=2, loads=[]))
+        w._swap(StepMeta(buffers=[a.name], buffer_blocks=2))
+        w.start(StepMeta(buffers=[b.name], buffer_blocks=2, loads=[Load("x", (0,), (1,))]))
+        assert logged(caplog) == [f"pdkv decode: load of x failed: decode's buffer changed name ({a.name} -> {b.name})"]
+    finally:
+        w.close()
+        for s in (a, b):
+            s.close()
+            s.unlink()

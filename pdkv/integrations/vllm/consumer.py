@@ -176,6 +176,7 @@ class DecodeSide:
             w = self._wants.get(req_id)
             if w is None:
                 w = self._wants[req_id] = _Want(pid, now)
+        w.local = num_computed  # what vLLM holds itself: a load (or its failure) covers the rest
         if w.fail:
             return prompt_len - num_computed, True
         try:
@@ -202,7 +203,6 @@ class DecodeSide:
             with self._wlock:
                 del self._wants[req_id]
             return 0, False
-        w.local = num_computed
         return prompt_len - num_computed, True
 
     def _give_up(self, req_id: str, w: _Want, why: str, tokens: int) -> tuple[int | None, bool]:
