@@ -1249,3 +1249,49 @@ def test_pruning_the_expiry_heap_keeps_every_live_lease():
     clock.t += 11
     s.tick()
     assert s.request("live").state is State.EXPIRED
+
+
+def test_grant_tokens_are_63_random_bits_each_new(monkeypatch):
+    """Tokens come from os.urandom 256 at a time: every grant a new 63-bit one, the read
+    refilled after 256 grants."""
+    import pdkv.scheduling.core as core
+
+    reads = []
+    real = core.os.urandom
+
+    def urandom(n):
+        reads.append(n)
+        return real(n)
+
+    monkeypatch.setattr(core.os, "urandom", urandom)
+    s, clock, swap, _ = make(gpu=1024, buf=1024)
+    toks = []
+    for i in range(300):
+        g = s.reserve(f"r{i}", num_blocks=1).grant
+        toks.append(g.token)
+        s.abort(f"r{i}")
+    assert reads == [2048, 2048]
+    assert len(set(toks)) == 300 and all(0 <= t < 1 << 63 for t in toks)
+    assert max(toks) >= 1 << 60  # 63 bits, not fewer
+    monkeypatch.setattr(core.os, "urandom", lambda n: bytes(range(8)) * (n // 8))
+    s2, *_ = make()
+    assert s2.reserve("x", num_blocks=1).grant.token == int.from_bytes(bytes(range(8)), "little") >> 1
+
+
+def test_events_of_a_refused_write_are_delivered_after_the_lock():
+    """A landing refused because the lease just ran out still tells the listener the
+    request expired, without the lock held."""
+    seen = []
+    s, clock, swap, _ = make()
+
+    def listener(e):
+        seen.append((e.kind, s.metrics()["requests_expired"]))  # would deadlock under the lock
+
+    s.listener = listener
+    g = s.reserve("a", num_blocks=1).grant
+    clock.t += 100
+    with pytest.raises(LeaseExpiredError):
+        s.land_layers("a", g.token, range(2))
+    assert seen == [("reserved", 0), ("expired", 1)]
+    assert s._lock.acquire(blocking=False)
+    s._lock.release()
