@@ -70,7 +70,9 @@ def test_bench_nixl_gpu_says_what_is_missing():
     assert p.returncode == 2 and "needs a CUDA device" in p.stderr, p.stderr
 
 
-@pytest.mark.parametrize("script", ["bench_swap.py", "bench_buffer.py", "bench_cuda_ipc.py", "bench_staged.py"])
+@pytest.mark.parametrize(
+    "script", ["bench_swap.py", "bench_swap_kernels.py", "bench_buffer.py", "bench_cuda_ipc.py", "bench_staged.py"]
+)
 def test_gpu_benches_say_what_is_missing(script):
     from pdkv import _ffi
 
