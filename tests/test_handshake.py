@@ -8,6 +8,7 @@ connections); these tests pin each decision."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -297,10 +298,10 @@ class FakeDecode:
         self.ctx.term()
 
 
-def _sender(address, timeout_s=2.0, **kw):
+def _sender(address, timeout_s=2.0, transport="tcp", **kw):
     cache = np.zeros(LAY.block_bytes * 4, np.uint8)
     return PrefillSender(
-        LAY, CacheSpec.for_buffer(LAY, 4, cache.ctypes.data), address, transport="tcp", timeout_s=timeout_s, **kw
+        LAY, CacheSpec.for_buffer(LAY, 4, cache.ctypes.data), address, transport=transport, timeout_s=timeout_s, **kw
     )
 
 
@@ -341,7 +342,7 @@ def test_prefill_refuses_an_answer_that_is_not_a_challenge():
 def test_prefill_refuses_a_challenge_to_a_hello_it_did_not_send():
     _run(
         lambda m, fd: [Challenge(new_nonce(), new_nonce())] if isinstance(m, Hello) else [],
-        "challenge to a hello this sender did not send",
+        "^challenge to a hello this sender did not send$",
     )
 
 
@@ -428,7 +429,7 @@ def test_a_silent_decode_is_a_timeout_after_hellos_sent_again():
     took = time.monotonic() - t0
     hellos = [m for m in fd.got if isinstance(m, Hello)]
     assert 1.4 < took < 4.0
-    assert len(hellos) == 2 and hellos[0].nonce != hellos[1].nonce  # once a second, each with a new nonce
+    assert len(hellos) in (2, 3) and len({h.nonce for h in hellos}) == len(hellos)  # again each second, new nonces
 
 
 def test_a_challenge_to_an_earlier_hello_is_skipped():
@@ -464,3 +465,447 @@ def test_a_real_session_sets_the_senders_transport_segments_and_path(dec):
 
 def test_the_hello_retry_interval():
     assert handshake._HELLO_RETRY_S == 1.0
+
+
+# ------------------------------------------------------------------ what each side hands the other
+
+from pdkv import transfer as transfer_mod  # noqa: E402
+from pdkv.errors import NixlUnavailableError, PdkvError  # noqa: E402
+from pdkv.protocol import (  # noqa: E402
+    CudaDesc,
+    IpcSection,
+    NixlHello,
+    NixlOffer,
+    RdmaEndpointDesc,
+    RdmaOffer,
+)
+from pdkv.transfer.base import ReceiverTransport, SenderTransport  # noqa: E402
+
+FAKE: dict = {}  # how the fake transport behaves in this test; what it saw
+
+
+class FakeRx(ReceiverTransport):
+    name = "fake"
+
+    def refuses(self, hello):
+        FAKE.setdefault("asked", []).append(hello.instance)
+        return FAKE.get("refuse")
+
+    def open_session(self, peer, hello):
+        FAKE["opened"] = (peer, hello)
+        if "fail" in FAKE:
+            raise PdkvError(FAKE["fail"])
+        return dict(FAKE.get("fields", {}))
+
+    def fence(self, peer):
+        pass
+
+    def close(self, timeout=5.0):
+        pass
+
+
+class FakeTx(SenderTransport):
+    name = "fake"
+    caches = frozenset({"host", "gpu"})
+
+    def __init__(self, host, options):
+        super().__init__(host, options)
+        if "unavailable" in FAKE:
+            raise NixlUnavailableError(FAKE["unavailable"])
+        FAKE.setdefault("made", []).append(self)
+        self.closed = 0
+
+    def hello_fields(self):
+        return dict(FAKE.get("hello_fields", {}))
+
+    def connect(self, welcome, layouts, deadline):
+        FAKE["connected"] = (welcome, layouts, deadline)
+
+    def write_layer(self, layer, work):
+        raise AssertionError("no writes in these tests")
+
+    def close(self):
+        self.closed += 1
+
+
+class FakeGpuRx(FakeRx):
+    name = "fakegpu"
+    writes_gpu = True
+
+
+class FakeGpuTx(FakeTx):
+    name = "fakegpu"
+    writes_gpu = True
+
+
+@pytest.fixture
+def fake():
+    FAKE.clear()
+    transfer_mod.register(FakeTx, FakeRx)
+    transfer_mod.register(FakeGpuTx, FakeGpuRx)
+    yield FAKE
+    transfer_mod.unregister("fake")
+    transfer_mod.unregister("fakegpu")
+    FAKE.clear()
+
+
+WELCOME_FIELDS = {
+    "rdma": RdmaOffer(endpoint=RdmaEndpointDesc(qpn=7, psn=8, lid=9, gid="fe80::1", mtu=4096), regions=[]),
+    "cuda": IpcSection(ranks=[]),
+    "nixl": NixlOffer(agent="decode-agent", metadata=b"md", regions=[]),
+}
+
+
+def test_a_transports_session_fields_reach_the_welcome(fake):
+    fake["fields"] = WELCOME_FIELDS
+    d = Decode(transports=("fake",), secret=SECRET)
+    try:
+        s = _session(d, transports=("fake",), instance="pf")
+        try:
+            w = s.welcome
+            assert (w.rdma, w.cuda, w.nixl) == (WELCOME_FIELDS["rdma"], WELCOME_FIELDS["cuda"], WELCOME_FIELDS["nixl"])
+            assert w.shm_names == [] and w.data_addr == ""
+            peer, hello = fake["opened"]
+            assert peer is d.rx._peers[peer.ident] and hello.instance == "pf" and hello.nonce == s.nonce
+            assert fake["asked"] == ["pf"]
+        finally:
+            s.close()
+    finally:
+        d.close()
+
+
+def test_a_transport_that_cannot_open_the_session_refuses_it_by_name(fake):
+    fake["fail"] = "no queue pair left"
+    d = Decode(transports=("fake",), secret=SECRET)
+    try:
+        s = _session(d, transports=("fake",))
+        try:
+            assert s.refusal.code == "refused" and s.refusal.message == "fake: no queue pair left"
+            assert d.rx._peers == {}
+        finally:
+            s.close()
+    finally:
+        d.close()
+
+
+def test_a_transport_that_refuses_the_peer_is_passed_over_with_its_reason(fake, raw):
+    fake["refuse"] = "fake needs a GPU cache"
+    d = Decode(transports=("fake", "tcp"), secret=SECRET)
+    r = Raw(d, SECRET)
+    try:
+        r.hello(LAY, transports=("fake", "tcp"))
+        assert isinstance(r.recv(), Challenge)
+        (hs,) = d.rx._pending.values()
+        assert hs.transport == "tcp"
+        r.hello(LAY, transports=("fake",))
+        assert r.refusal() == (
+            "no common transport: prefill offers ['fake'], decode serves ['fake', 'tcp'] (fake needs a GPU cache)"
+        )
+    finally:
+        r.close()
+        d.close()
+
+
+def test_the_ranks_of_one_instance_write_gpu_blocks_all_or_none(fake):
+    d = Decode(transports=("tcp", "fakegpu"), secret=SECRET)
+    two = [KVLayout(**BASE, tp_size=2, tp_rank=r) for r in range(2)]
+    key = os.urandom(32)
+    held = []
+    try:
+        held.append(_session(d, two[0], instance="pf", instance_key=key, transports=("tcp",)))
+        assert held[0].welcome is not None
+        other = _session(d, two[0], instance="other", instance_key=os.urandom(32), transports=("fakegpu",))
+        held.append(other)
+        assert other.welcome.transport == "fakegpu"  # another instance: its own choice
+        r = Raw(d, SECRET)
+        try:
+            r.hello(two[1], instance="pf", transports=("fakegpu", "tcp"))
+            assert isinstance(r.recv(), Challenge)
+            (hs,) = d.rx._pending.values()
+            assert hs.transport == "tcp"  # rank 0 of pf writes the buffer only: so does rank 1
+            r.hello(two[1], instance="pf", transports=("fakegpu",))
+            assert r.refusal() == (
+                "no common transport: prefill offers ['fakegpu'], decode serves ['tcp', 'fakegpu'] "
+                "(another rank of instance 'pf' uses tcp; fakegpu is all ranks or none)"
+            )
+        finally:
+            r.close()
+    finally:
+        for s in held:
+            s.close()
+        d.close()
+
+
+def test_a_gpu_writing_rank_makes_its_siblings_gpu_writers_too(fake):
+    d = Decode(transports=("tcp", "fakegpu"), secret=SECRET)
+    two = [KVLayout(**BASE, tp_size=2, tp_rank=r) for r in range(2)]
+    s0 = _session(d, two[0], instance="pf", instance_key=b"k" * 32, transports=("fakegpu",))
+    r = Raw(d, SECRET)
+    try:
+        r.hello(two[1], instance="pf", transports=("tcp",))
+        assert r.refusal() == (
+            "no common transport: prefill offers ['tcp'], decode serves ['tcp', 'fakegpu'] "
+            "(another rank of instance 'pf' uses fakegpu; fakegpu is all ranks or none)"
+        )
+    finally:
+        r.close()
+        s0.close()
+        d.close()
+
+
+def test_a_held_handshake_records_what_the_session_will_need(dec, raw):
+    t0 = time.monotonic()
+    n = raw.hello(LAY, transports=("shm",))
+    ch = raw.recv()
+    (hs,) = dec.rx._pending.values()
+    assert hs.hello.nonce == n and hs.nonce == ch.nonce and hs.transport == "shm" and hs.same_host is True
+    assert hs.layout == LAY and [g.src_rank for g in hs.segs] == [0] * len(hs.segs) and hs.segs
+    assert t0 + 5.0 <= hs.deadline <= time.monotonic() + 5.0  # auth_timeout_s after the Hello
+
+
+def test_a_hello_again_on_one_connection_takes_no_other_handshakes_place():
+    d = Decode(max_handshakes=2, secret=SECRET)
+    a, b = Raw(d, SECRET), Raw(d, SECRET)
+    try:
+        before = d.rx.stats["connections_refused"]
+        a.hello(LAY, instance="a")
+        b.hello(LAY, instance="b")
+        a.recv(), b.recv()
+        a.hello(LAY, instance="a")  # a replaces its own handshake: b's stays
+        a.recv()
+        assert sorted(hs.hello.instance for hs in d.rx._pending.values()) == ["a", "b"]
+        assert d.rx.stats["connections_refused"] == before
+    finally:
+        a.close()
+        b.close()
+        d.close()
+
+
+def test_dropping_the_oldest_handshake_is_logged(caplog):
+    d = Decode(max_handshakes=1, secret=SECRET)
+    a, b = Raw(d, SECRET), Raw(d, SECRET)
+    try:
+        a.hello(LAY, instance="a")
+        a.recv()
+        b.hello(LAY, instance="b")
+        b.recv()
+        msgs = [r.getMessage() for r in caplog.records]
+        assert "pdkv decode: 1 control handshakes in progress (max_handshakes): the oldest are dropped" in msgs
+    finally:
+        a.close()
+        b.close()
+        d.close()
+
+
+def test_an_accepted_session_is_logged_marked_and_timed(dec, caplog):
+    caplog.set_level(logging.DEBUG, logger=handshake.__name__)
+    t0 = time.monotonic()
+    s = _session(dec, instance="pf", transports=("tcp",))
+    try:
+        (peer,) = dec.rx._peers.values()
+        assert t0 <= peer.last_seen <= time.monotonic() and peer.layout == LAY
+        assert [c.session for c in dec.rx._guard._conns.values() if c.ident == peer.ident] == [True]
+        msgs = [r.getMessage() for r in caplog.records if r.name == handshake.__name__]
+        assert msgs == [f"session open: instance pf rank 0/1, transport tcp, pid {os.getpid()} (same host)"]
+    finally:
+        s.close()
+    s = _session(dec, instance="far", transports=("tcp",))
+    try:
+        pass
+    finally:
+        s.close()
+
+
+def test_a_session_from_another_host_is_logged_without_same_host(dec, caplog, raw):
+    caplog.set_level(logging.DEBUG, logger=handshake.__name__)
+    raw.hello(LAY, instance="far", boot="another-host")
+    ch = raw.recv()
+    raw.codec.set_session(dec.rx._pending[next(iter(dec.rx._pending))].hello.nonce, ch.nonce)
+    key = os.urandom(32)
+    hs = next(iter(dec.rx._pending.values()))
+    raw.sock.send_multipart(
+        raw.codec.encode(Auth(ch.nonce, mask_instance_key(key, raw.codec.key, hs.hello.nonce, ch.nonce)))
+    )
+    assert isinstance(raw.recv(), Welcome)
+    msgs = [r.getMessage() for r in caplog.records if r.name == handshake.__name__]
+    assert msgs == [f"session open: instance far rank 0/1, transport tcp, pid {os.getpid()}"]
+
+
+def test_an_identity_refusal_is_logged(caplog):
+    d = Decode(transports=("tcp",), secret=SECRET)
+    held = []
+    try:
+        held.append(_session(d, instance="pf"))
+        held.append(_session(d, instance="pf"))  # rank 0 again, another key
+        assert held[-1].refusal.code == "refused"
+        msgs = [r.getMessage() for r in caplog.records]
+        assert (
+            "pdkv decode: session refused: instance 'pf' has live sessions under another instance key "
+            "(ranks of one instance share SenderOptions.instance_key)"
+        ) in msgs
+    finally:
+        for s in held:
+            s.close()
+        d.close()
+
+
+# ---- prefill's side: the offer, the Hello's fields, what the Welcome sets up
+
+
+def test_auto_leaves_a_transport_whose_software_is_missing_out_of_the_offer(fake, monkeypatch, caplog):
+    """transport=auto: a transport that cannot be made for lack of software (NIXL) is left
+    out of the Hello with a warning; named, or the only one, it is the error."""
+    from pdkv.transfer import base as registry
+
+    fake["unavailable"] = "NIXL is not installed"
+    monkeypatch.setattr(registry, "auto_offer", lambda cache: ["fake", "tcp"])
+    d = Decode(transports=("tcp",), secret=SECRET)
+    try:
+        tx = _sender(d.rx.control_address, secret=SECRET, transport="auto")
+        try:
+            assert tx.transport == "tcp"
+        finally:
+            tx.close()
+        msgs = [r.getMessage() for r in caplog.records if r.name == handshake.__name__]
+        assert msgs == ["transport=auto: fake left out of the offer: NIXL is not installed"]
+        monkeypatch.setattr(registry, "auto_offer", lambda cache: ["tcp", "fake"])
+        tx = _sender(d.rx.control_address, secret=SECRET, transport="auto")  # the last one, others made
+        tx.close()
+        monkeypatch.setattr(registry, "auto_offer", lambda cache: ["fake"])
+        with pytest.raises(NixlUnavailableError, match="NIXL is not installed"):
+            _sender(d.rx.control_address, secret=SECRET, transport="auto")
+        with pytest.raises(NixlUnavailableError, match="NIXL is not installed"):
+            _sender(d.rx.control_address, secret=SECRET, transport="fake")
+    finally:
+        d.close()
+
+
+def test_the_hello_carries_the_offered_transports_fields_and_the_welcome_picks_one(fake):
+    """Prefill offers fake and tcp; each offered transport's fields ride in the Hello; decode
+    (scripted) picks fake: it is connected with decode's layouts before the deadline, tcp is
+    closed, and the sender's path and session id are decode's."""
+    fake["hello_fields"] = {
+        "rdma": RdmaEndpointDesc(qpn=1, psn=2, lid=3, gid="fe80::2", mtu=1024),
+        "cuda": CudaDesc(device_uuid="GPU-abc"),
+        "nixl": NixlHello(agent="prefill-agent", metadata=b"x"),
+    }
+    from pdkv.transfer import base as registry
+
+    made_tcp = []
+    real_get = registry.get
+
+    def get(name):
+        e = real_get(name)
+        if name != "tcp":
+            return e
+
+        class Tcp(e.sender):
+            def close(self):
+                made_tcp.append("closed")
+                super().close()
+
+        return type(e)(e.name, Tcp, e.receiver)
+
+    cls, script = _challenge_then(lambda m, fd: [_welcome(transport="fake")])
+    fd = cls(script)
+    real_offer = registry.auto_offer
+    try:
+        registry.get = get
+        registry.auto_offer = lambda cache: ["fake", "tcp"]
+        t0 = time.monotonic()
+        tx = PrefillSender(
+            LAY,
+            CacheSpec.for_buffer(LAY, 4, np.zeros(LAY.block_bytes * 4, np.uint8).ctypes.data),
+            fd.address,
+            transport="auto",
+            timeout_s=3.0,
+        )
+    finally:
+        registry.get = real_get
+        registry.auto_offer = real_offer
+    try:
+        hello = fd.got[0]
+        assert hello.transports[:1] == ["fake"] and "tcp" in hello.transports
+        assert (hello.rdma, hello.cuda, hello.nixl) == (
+            fake["hello_fields"]["rdma"],
+            fake["hello_fields"]["cuda"],
+            fake["hello_fields"]["nixl"],
+        )
+        welcome, layouts, deadline = fake["connected"]
+        assert welcome.transport == "fake" and layouts == [LAY] and t0 < deadline <= time.monotonic() + 3.0
+        assert made_tcp == ["closed"] and tx.transport == "fake" and tx.session_id == b"s" * 16
+        assert tx.stats["path"] == "fake" and tx._last_heard >= t0
+        assert [g.dst_rank for g in tx.segments] == [0] * len(tx.segments) and tx.segments
+    finally:
+        tx.close()
+        fd.close()
+
+
+def test_a_welcome_naming_other_decode_ranks_keeps_only_the_segments_of_listed_ones(fake):
+    two = [KVLayout(**BASE, tp_size=2, tp_rank=r) for r in range(2)]
+    cls, script = _challenge_then(lambda m, fd: [_welcome(transport="fake", ranks=(1,), layouts=[layout_desc(two[1])])])
+    fd = cls(script)
+    try:
+        tx = _sender(fd.address, transport="fake")
+        try:
+            assert tx.segments and {g.dst_rank for g in tx.segments} == {1}
+            assert {g.src_rank for g in tx.segments} == {0}
+        finally:
+            tx.close()
+    finally:
+        fd.close()
+
+
+def test_an_unauthenticated_refusal_is_read_under_a_secret():
+    """A prefill with a secret hears decode's refusal sent in the clear (its Hello failed
+    decode's check): a PeerError with decode's words, not a protocol error."""
+    fd = FakeDecode(lambda m, fd: [list(Codec(None).encode(ErrorMsg("refused", "wrong secret")))], secret=SECRET)
+    try:
+        with pytest.raises(PeerError, match="decode refused the session: wrong secret"):
+            _sender(fd.address, secret=SECRET)
+    finally:
+        fd.close()
+
+
+def test_an_unauthenticated_message_that_is_not_a_refusal_is_a_protocol_error():
+    fd = FakeDecode(lambda m, fd: [list(Codec(None).encode(Challenge(new_nonce(), m.nonce)))], secret=SECRET)
+    try:
+        with pytest.raises(ProtocolError):
+            _sender(fd.address, secret=SECRET)
+    finally:
+        fd.close()
+
+
+def test_a_welcome_within_the_sessions_timeout_is_waited_for(fake):
+    """Decode answers the Auth after 0.3 s: within timeout_s, so the session opens."""
+
+    def after(m, fd):
+        time.sleep(0.3)
+        return [_welcome(transport="fake")]
+
+    cls, script = _challenge_then(after)
+    fd = cls(script)
+    try:
+        tx = _sender(fd.address, timeout_s=2.0, transport="fake")
+        tx.close()
+    finally:
+        fd.close()
+
+
+def test_reply_waits_for_the_time_it_is_given(monkeypatch):
+    """reply() polls decode's socket for the time left until ``until`` in ms (at least 1)."""
+    polls = []
+
+    class Sock:
+        def poll(self, ms):
+            polls.append(ms)
+            return 0
+
+    tx = type("Tx", (), {"_sock": Sock()})()
+    now = time.monotonic()
+    assert handshake.reply(tx, now + 0.25, 9.0, final=now + 60) is None
+    assert 200 <= polls[-1] <= 250
+    assert handshake.reply(tx, now - 5, 9.0, final=now + 60) is None
+    assert polls[-1] == 1
+    with pytest.raises(PdkvTimeoutError, match=r"within 9.0s"):
+        handshake.reply(tx, now - 5, 9.0)
