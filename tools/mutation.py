@@ -23,6 +23,9 @@ Not part of CI (it takes tens of minutes on 2 cores). Needs ``pip install mutmut
 A module named ``path:Class`` (``transfer.tcp:TcpReceiver``) is that class of the module
 alone: only its mutants are run and counted.
 
+``--check-table`` says which rows still stand for the checkout (the module, its tests and
+the equivalents file unchanged since the row's commit) and which must be run again.
+
 ``--write-table`` replaces the rows of the modules run in the table of scores in
 ``tests/README.md`` (between its ``mutation-table`` markers; the other modules' rows stay)
 with this run's figures, the date and the commit (``+`` when ``pdkv/`` or ``tests/`` differ
@@ -356,6 +359,59 @@ def run_module(
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _lines_of(text: str, prefix: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith(prefix)]
+
+
+def check_table(table: dict[str, list[str]], only: list[str] | None = None, path: str = TABLE) -> int:
+    """Each module's row against this checkout: it stands while the module's source and its
+    tests (and the equivalents file) are byte-identical to the row's commit and that commit
+    was clean; else it must be run again. Prints one line a module; 1 if any does not stand."""
+    with open(path) as f:
+        text = f.read()
+    rows = {}
+    for line in text.split(TABLE_BEGIN, 1)[-1].split(TABLE_END, 1)[0].splitlines():
+        m = re.match(r"\| `([^`]+)` \|.*\| ([0-9a-f]+)(\+?) \|$", line)
+        if m:
+            rows[m.group(1)] = (m.group(2), m.group(3))
+    bad = 0
+    for module in only or list(table):
+        path_mod = module.partition(":")[0].replace(".", "/")
+        files = [f"pdkv/{path_mod}.py", *table[module]]
+        row = rows.get(module)
+        if row is None:
+            why = "no row"
+        elif row[1]:
+            why = f"row from {row[0]}+ (a checkout with uncommitted changes)"
+        else:
+            diff = subprocess.run(
+                ["git", "-C", ROOT, "diff", "--name-only", row[0], "--", *files], capture_output=True, text=True
+            )
+            changed = diff.stdout.split()
+            eq_path = os.path.relpath(EQUIVALENT, ROOT)
+            then = subprocess.run(["git", "-C", ROOT, "show", f"{row[0]}:{eq_path}"], capture_output=True, text=True)
+            with open(EQUIVALENT) as f:
+                now_eq = f.read()
+            prefix = f"pdkv.{path_mod.replace('/', '.')}."
+            if _lines_of(then.stdout, prefix) != _lines_of(now_eq, prefix):
+                changed.append(f"{eq_path} (this module's entries)")
+            why = f"changed since {row[0]}: {', '.join(changed)}" if changed or diff.returncode else ""
+            if diff.returncode:
+                why = f"cannot compare with {row[0]}: {diff.stderr.strip()}"
+            dirty = subprocess.run(
+                ["git", "-C", ROOT, "status", "--porcelain", "--", *files], capture_output=True, text=True
+            ).stdout.strip()
+            if dirty:
+                why = (
+                    (why + "; " if why else "")
+                    + "uncommitted changes: "
+                    + ", ".join(ln[3:] for ln in dirty.splitlines())
+                )
+        print(f"{module:32} {'stands' if not why else 'run again: ' + why}")
+        bad += bool(why)
+    return 1 if bad else 0
+
+
 def main() -> int:
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         table = tomllib.load(f)["tool"]["pdkv"]["mutation"]
@@ -376,11 +432,18 @@ def main() -> int:
         "--write-table", action="store_true", help="write the modules' rows into tests/README.md's table of scores"
     )
     ap.add_argument(
+        "--check-table",
+        action="store_true",
+        help="say which rows of the table still stand for this checkout (no run): exit 1 if any does not",
+    )
+    ap.add_argument(
         "--mutants",
         metavar="FILE",
         help="run only the mutants named in FILE (one name or glob a line; e.g. the survivors of another run)",
     )
     a = ap.parse_args()
+    if a.check_table:
+        return check_table(table, a.modules if a.modules != list(table) else None)
     if a.write_table and (a.tests or a.mutants):
         ap.error("--write-table records full runs only: not with --tests or --mutants")
     only = None
