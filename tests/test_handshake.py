@@ -25,6 +25,7 @@ from pdkv.procs import boot_id
 from pdkv.protocol import (
     PROTOCOL_VERSION,
     Auth,
+    Bye,
     Challenge,
     Codec,
     ErrorMsg,
@@ -355,6 +356,8 @@ def _challenge_then(after):
             return out
         if isinstance(m, Auth):
             return after(m, fd)
+        if isinstance(m, Bye):  # a closing sender waits for decode's answer
+            return [Bye("session ended")]
         return []
 
     class Keyed(FakeDecode):
