@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from hostile import RawSession
 from test_transfer import BASE, Decode
 
 from pdkv import KVLayout
-from pdkv.errors import ClosedError, GrantViolation, PdkvTimeoutError, ProtocolError
+from pdkv.errors import ClosedError, GrantViolation, PdkvTimeoutError, PeerError, ProtocolError
 from pdkv.protocol import GrantMsg, ReserveReq
 from pdkv.scheduling.lifecycle import State
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM
@@ -33,8 +35,9 @@ SECRET = b"f" * 32
 class Env:
     """One decode (512 buffer blocks) and sessions on it; each test reserves its own request."""
 
-    def __init__(self, token_major: bool) -> None:
-        self.dec = Decode(nb=512, token_major=token_major, transports=("tcp",), secret=SECRET, lease_s=30.0)
+    def __init__(self, token_major: bool, **rx) -> None:
+        rx.setdefault("peer_timeout_s", 120.0)  # the hand-driven sessions send no heartbeats
+        self.dec = Decode(nb=512, token_major=token_major, transports=("tcp",), secret=SECRET, lease_s=30.0, **rx)
         self.tr = self.dec.rx._transports["tcp"]
         self.sessions: dict[str, RawSession] = {}
         self.n = 0
@@ -85,7 +88,7 @@ def tok():
     e.close()
 
 
-def push(env, name, token, items, *, payload=None, cut=False, **h):
+def push(env, name, token, items, *, payload=None, cut=False, eof=False, between=None, trickle=None, **h):
     """Hand one frame to the check; returns (exception or None, counter deltas, bytes left
     unread on the connection)."""
     f = dict(magic=b"PDKV", ver=1, kind=2, rank=0, layer=0, tensor=0, off=0, length=TB, count=1, dstride=0)
@@ -113,12 +116,26 @@ def push(env, name, token, items, *, payload=None, cut=False, **h):
         payload = bytes([0x5A]) * (sum(nb for _, nb in items) * f["count"] * f["length"])
     data = b"".join(FRAME_ITEM.pack(gi, nb) for gi, nb in items) + payload
     a, b = socket.socketpair()
-    a.settimeout(0.5)
+    a.settimeout(0.25)  # as the listener sets it (sockets._POLL_S)
 
     def feed():
         try:
+            if trickle is not None:  # (bytes, seconds): that many bytes at a time, that often
+                step, every = trickle
+                for i in range(0, len(data), step):
+                    b.sendall(data[i : i + step])
+                    time.sleep(every)
+                return
+            if between is not None:  # half the frame, then the test's step, then the rest
+                b.sendall(data[: len(data) // 2])
+                time.sleep(0.1)
+                if between() == "cut":  # the connection ends mid-payload
+                    b.shutdown(socket.SHUT_WR)
+                    return
+                b.sendall(data[len(data) // 2 :])
+                return
             b.sendall(data[: len(data) // 2] if cut else data)
-            if cut:
+            if cut or eof:
                 b.shutdown(socket.SHUT_WR)
         except OSError:
             pass
@@ -136,12 +153,16 @@ def push(env, name, token, items, *, payload=None, cut=False, **h):
         while c is not None:  # its frames hold views of decode's buffer: let them go
             c.__traceback__ = None
             c = c.__context__
+    left = 0
+    if exc is not None:  # the connection ends here: a feeder still trickling stops
+        a.shutdown(socket.SHUT_RDWR)
     t.join(10)
-    a.setblocking(False)
-    try:
-        left = len(a.recv(1 << 30))
-    except BlockingIOError:
-        left = 0
+    if exc is None:
+        a.setblocking(False)
+        try:
+            left = len(a.recv(1 << 30))
+        except BlockingIOError:
+            pass
     a.close()
     b.close()
     return exc, {k: env.dec.rx.stats.get(k, 0) - before[k] for k in keys}, left
@@ -232,7 +253,7 @@ def test_a_frame_of_a_session_that_ended_ends_the_connection(head):
     try:
         b.sendall(FRAME_ITEM.pack(0, 1) + b"\0" * TB)
         hdr = bytearray(FRAME_HEADER.pack(b"PDKV", 1, 2, 0, g.token, 0, 0, 0, 0, 1, 0, TB, 1, 0))
-        with pytest.raises(ClosedError, match="the peer's session ended"):
+        with pytest.raises(ClosedError, match="^the peer's session ended$"):
             head.tr._on_data_frame(a, b"no-such-session", hdr, bytearray(1 << 20))
     finally:
         a.close()
@@ -465,3 +486,171 @@ def test_frame_segment_names_the_first_matching_segment(tok):
         tok.tr._frame_segment(peer, 1, 0, 0, 64, 8, 256)  # another decode rank
     s = segs[0]
     assert tok.tr._frame_segment(peer, 0, s.tensor, s.dst_offset, s.length, s.count, s.dst_stride) == 0
+
+
+@pytest.fixture(scope="module")
+def slow():
+    """io_timeout_s 0.3 s and 10 KiB/s the least rate: a 2 KiB piece must land within 0.5 s."""
+    e = Env(token_major=False, io_timeout_s=0.3, min_data_rate=10240)
+    yield e
+    e.close()
+
+
+def test_a_count_of_one_ignores_the_stride(head):
+    rid, g = head.reserve()
+    accepted(head, "p1", g.token, [(0, 1)], dstride=999)
+
+
+def test_adjacent_rows_are_not_a_segment(tok, caplog):
+    rid, g = tok.reserve()
+    refused(
+        tok,
+        "p1",
+        g.token,
+        [(0, 1)],
+        caplog,
+        "frame geometry (rank 0, tensor 0, offset 0, 8 x 64 B) is not one of prefill rank 0's segments",
+        off=0,
+        length=64,
+        count=8,
+        dstride=64,
+    )
+
+
+def test_half_blocks_of_a_tp_rank_land_at_their_offset_and_are_never_multi_block(head, caplog):
+    """Prefill TP 2 into a head-major decode: rank 1 writes the second half of each tensor
+    block (offset 1024, 1024 B, one piece): its bytes land there; a multi-block item of such
+    pieces is refused even over consecutive blocks."""
+    rid, g = head.reserve("q1", tp=(1, 2))
+    refused(
+        head,
+        "q1",
+        g.token,
+        [(0, 2)],
+        caplog,
+        "multi-block item over non-contiguous destination blocks",
+        off=1024,
+        length=1024,
+    )
+    accepted(head, "q1", g.token, [(1, 1)], off=1024, length=1024, payload=bytes(range(256)) * 4)
+    blk = head.dec.block(0, 0, 0, g.blocks[1])
+    assert blk[1024:] == bytes(range(256)) * 4 and blk[:1024] == bytes(1024)
+
+
+def test_strided_rows_at_an_offset_land_in_their_rows(tok):
+    rid, g = tok.reserve()
+    rows = bytes(range(64)) * 8
+    accepted(tok, "p1", g.token, [(0, 1)], off=128, length=64, count=8, dstride=256, payload=rows)
+    blk = np.frombuffer(tok.dec.block(0, 0, 0, g.blocks[0]), np.uint8).reshape(8, 256)
+    assert (blk[:, 128:192] == np.arange(64, dtype=np.uint8)).all() and not blk[:, :128].any()
+
+
+def test_frame_segment_of_a_peer_with_no_segments_is_a_violation(tok):
+    peer = SimpleNamespace(tp_rank=3, segs_by_src={0: []})
+    with pytest.raises(GrantViolation, match="is not one of prefill rank 3's segments"):
+        tok.tr._frame_segment(peer, 0, 0, 0, 64, 8, 256)
+
+
+def test_frames_read_one_after_another_until_the_connection_ends(head):
+    rid, g = head.reserve()
+    a, b = socket.socketpair()
+    a.settimeout(0.25)
+    try:
+        for gi in (0, 1):
+            b.sendall(
+                FRAME_HEADER.pack(b"PDKV", 1, 2, 0, g.token, 0, 0, 0, 0, 1, 0, TB, 1, 0)
+                + FRAME_ITEM.pack(gi, 1)
+                + bytes([gi + 1]) * TB
+            )
+        b.shutdown(socket.SHUT_WR)
+        before = head.dec.rx.stats["frames"]
+        head.tr._frames(a, head.ident("p1"))  # returns at the clean end
+        assert head.dec.rx.stats["frames"] == before + 2
+        assert head.dec.block(0, 0, 0, g.blocks[1]) == b"\x02" * TB
+    finally:
+        a.close()
+        b.close()
+
+
+def test_frames_of_a_session_that_ended_end_the_connection(head):
+    a, b = socket.socketpair()
+    a.settimeout(0.25)
+    try:
+        b.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, 0, 1, 0, 0, 0, 0, 1, 0, TB, 1, 0))
+        with pytest.raises(ClosedError, match="^the peer's session ended$"):
+            head.tr._frames(a, b"gone")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_fence_and_close_reach_the_listener(head, monkeypatch):
+    seen = []
+    monkeypatch.setattr(head.tr.data, "close_conns_of", lambda ident: seen.append(("fence", ident)))
+    monkeypatch.setattr(head.tr.data, "close", lambda timeout: seen.append(("close", timeout)))
+    peer = SimpleNamespace(ident=b"x")
+    head.tr.fence(peer)
+    head.tr.close(2.5)
+    assert seen == [("fence", b"x"), ("close", 2.5)]
+
+
+def test_a_connection_that_ends_after_the_header_is_a_peer_error(head):
+    rid, g = head.reserve()
+    exc, d, _ = push(head, "p1", g.token, [], payload=b"", nitems=1, eof=True)
+    assert isinstance(exc, PeerError) and str(exc) == "connection closed mid-frame"
+
+
+def test_a_refused_frame_whose_payload_never_comes_is_a_peer_error(head):
+    rid, g = head.reserve()
+    exc, d, _ = push(head, "p1", g.token ^ 1, [(0, 1)], payload=b"", eof=True)
+    assert isinstance(exc, PeerError) and str(exc) == "connection closed mid-frame"
+    assert d["frames_rejected"] == 1
+
+
+def test_items_trickled_past_io_timeout_end_the_connection(slow):
+    rid, g = slow.reserve()
+    t0 = time.monotonic()
+    exc, d, _ = push(slow, "p1", g.token, [(0, 1)] * 64, payload=b"", trickle=(16, 0.05))
+    assert isinstance(exc, PdkvTimeoutError) and str(exc) == "frame not received within its deadline"
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_a_refused_payload_trickled_past_its_deadline_ends_the_connection(slow):
+    rid, g = slow.reserve()
+    exc, d, _ = push(slow, "p1", g.token ^ 1, [(0, 1)], trickle=(64, 0.05))
+    assert isinstance(exc, PdkvTimeoutError) and str(exc) == "frame not received within its deadline"
+    assert d["frames_rejected"] == 1
+
+
+def test_an_admitted_payload_trickled_past_its_deadline_fails_the_request(slow):
+    """0.3 s + 2 KiB at 10 KiB/s: the piece must land within 0.5 s; 64 B every 50 ms takes
+    1.6 s: the request fails, its blocks written by nobody else meanwhile."""
+    rid, g = slow.reserve()
+    exc, d, _ = push(slow, "p1", g.token, [(0, 1)], trickle=(64, 0.05))
+    assert isinstance(exc, PdkvTimeoutError)
+    assert d["frames_cut"] == 1 and d["frames"] == 0
+    info = slow.dec.sched.request(rid)
+    assert info.state is State.FAILED and info.reason.startswith("tcp data frame failed mid-payload: ")
+
+
+def test_a_request_that_ends_while_its_frame_lands_is_not_credited(head):
+    """Aborted while the payload is on its way: the frame's bytes land in blocks still held
+    by the write (never reused under it), the write ends, and the landed bytes count for
+    nothing (refused at credit)."""
+    rid, g = head.reserve()
+    exc, d, left = push(head, "p1", g.token, [(0, 1)], between=lambda: head.dec.sched.abort(rid, "client gone"))
+    assert exc is None and left == 0
+    assert d == {"frames": 1, "frames_rejected": 1, "frames_cut": 0, "bytes": TB}
+    assert head.dec.sched.request(rid).state is State.ABORTED
+
+
+def test_a_cut_frame_of_a_request_that_already_ended_keeps_the_connections_error(head):
+    rid, g = head.reserve()
+
+    def abort_then_cut():
+        head.dec.sched.abort(rid, "client gone")
+        return "cut"
+
+    exc, d, _ = push(head, "p1", g.token, [(0, 2)], between=abort_then_cut)
+    assert isinstance(exc, PeerError) and str(exc) == "connection closed mid-frame"
+    assert d["frames_cut"] == 1
