@@ -873,3 +873,41 @@ def test_the_worker_opens_pdkvs_sender_with_its_settings(no_leaks):
     finally:
         w.close()
         dec.close()
+
+
+def test_a_request_deferred_before_its_session_opened_waits_for_its_step_to_end(wk):
+    """Layer 0 saved before the background thread opened the session: the request is
+    deferred; the thread opens the session and reserves, the grant comes mid-step, and
+    still nothing is sent until vLLM's step ends."""
+    wk.w.start(StepMeta(saves=[save(plen=8, blocks=(5,))]))
+    wk.w.save_layer(0)  # no session yet: deferred
+    wk.rounds()
+    wk.tx().grants["P"] = grant("P")
+    wk.rounds(3)
+    wk.w.save_layer(1)
+    wk.w.save_layer(2)
+    assert [c[1] for c in wk.calls() if c[1] in ("layer", "chunk", "finish")] == []
+    wk.w.end_step()
+    wk.rounds()
+    assert [c[1:3] for c in wk.calls() if c[1] != "poll_grant"] == [
+        ("layer", 0),
+        ("layer", 1),
+        ("layer", 2),
+        ("finish", "P"),
+    ]
+
+
+def test_a_request_settled_as_failed_is_never_sent_afterwards(wk):
+    """A deferred request whose grant vLLM's thread saw and whose outcome then failed (the
+    sender forgot it): vLLM is told it is done and frees its blocks, so the background
+    thread must not send from them afterwards."""
+    wk.step(save(plen=8, blocks=(5,)))  # deferred: no session at its first layer
+    wk.rounds()  # session opened, reserved: waiting for the grant
+    tx = wk.tx()
+    tx.grants["P"] = grant("P")
+    tx.outcomes["P"] = RequestError("unknown request 'P'")
+    assert wk.w.finished({"a"}) == {"a"}  # grant seen, outcome failed: settled here
+    wk.calls()
+    wk.rounds(2)
+    assert [c for c in wk.calls() if c[1] in ("layer", "finish")] == []
+    assert wk.waiting == []
