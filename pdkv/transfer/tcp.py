@@ -369,14 +369,16 @@ class TcpReceiver(ReceiverTransport):
         key = (layer, peer.tp_rank, si)
         with self.host.lock:
             cov = inf.cov.get(key)
-            new = bytearray(nblk) if cov is None else bytearray(cov)  # marked here, kept only if all pass
-            for gi, nb in items:
-                if nb == 0 or gi + nb > nblk:
-                    raise GrantViolation("write outside the granted blocks")
-                if new.find(1, gi, gi + nb) >= 0:  # written before, or twice in this frame
+            if cov is None:
+                cov = inf.cov[key] = bytearray(nblk)
+            for i, (gi, nb) in enumerate(items):  # marked as checked: twice in this frame is twice
+                if nb == 0 or gi + nb > nblk or cov.find(1, gi, gi + nb) >= 0:
+                    for gj, nj in items[:i]:  # a refused frame marks nothing
+                        cov[gj : gj + nj] = bytes(nj)
+                    if nb == 0 or gi + nb > nblk:
+                        raise GrantViolation("write outside the granted blocks")
                     raise GrantViolation(f"request {inf.request_id!r}: blocks of layer {layer} written twice")
-                new[gi : gi + nb] = b"\x01" * nb
-            inf.cov[key] = new
+                cov[gi : gi + nb] = b"\x01" * nb
 
     def _on_data_frame(self, conn: socket.socket, ident: bytes, hdr: bytearray, scratch: bytearray) -> None:
         magic, ver, kind, rank, token, layer, tensor, _, _, nitems, off, length, count, dstride = FRAME_HEADER.unpack(
