@@ -101,6 +101,7 @@ def raw(dec):
 
 
 LAY = KVLayout(**BASE)
+TWO = [KVLayout(**BASE, tp_size=2, tp_rank=r) for r in range(2)]  # the ranks of a TP 2 prefill
 
 
 def test_a_layout_decode_cannot_pair_with_is_refused_with_its_reason(dec, raw):
@@ -229,14 +230,13 @@ def test_a_tcp_session_is_welcomed_with_the_data_address(dec):
 
 def test_identity_refusals_name_each_reason():
     d = Decode(transports=("tcp",), max_sessions=3, secret=SECRET)
-    two = [KVLayout(**BASE, tp_size=2, tp_rank=r) for r in range(2)]
     held = []
     try:
         key = os.urandom(32)
-        held.append(_session(d, two[0], instance="pf", instance_key=key))
+        held.append(_session(d, TWO[0], instance="pf", instance_key=key))
         assert held[-1].welcome is not None
         before = d.rx.stats["identity_refused"]
-        s = _session(d, two[1], instance="pf", instance_key=os.urandom(32))
+        s = _session(d, TWO[1], instance="pf", instance_key=os.urandom(32))
         held.append(s)
         assert s.refusal.message == (
             "instance 'pf' has live sessions under another instance key "
@@ -245,11 +245,11 @@ def test_identity_refusals_name_each_reason():
         s = _session(d, LAY, instance="pf", instance_key=key)
         held.append(s)
         assert s.refusal.message == "instance 'pf' has live sessions of tp_size 2, not 1"
-        s = _session(d, two[0], instance="pf", instance_key=key)
+        s = _session(d, TWO[0], instance="pf", instance_key=key)
         held.append(s)
         assert s.refusal.message == "rank 0 of instance 'pf' has a live session already"
         assert d.rx.stats["identity_refused"] == before + 3
-        s = _session(d, two[1], instance="pf", instance_key=key)  # its sibling rank: welcome
+        s = _session(d, TWO[1], instance="pf", instance_key=key)  # its sibling rank: welcome
         held.append(s)
         assert s.welcome is not None
         held.append(_session(d, instance="q"))
@@ -591,7 +591,7 @@ def test_a_transport_that_cannot_open_the_session_refuses_it_by_name(fake):
         d.close()
 
 
-def test_a_transport_that_refuses_the_peer_is_passed_over_with_its_reason(fake, raw):
+def test_a_transport_that_refuses_the_peer_is_passed_over_with_its_reason(fake):
     fake["refuse"] = "fake needs a GPU cache"
     d = Decode(transports=("fake", "tcp"), secret=SECRET)
     r = Raw(d, SECRET)
@@ -611,22 +611,21 @@ def test_a_transport_that_refuses_the_peer_is_passed_over_with_its_reason(fake, 
 
 def test_the_ranks_of_one_instance_write_gpu_blocks_all_or_none(fake):
     d = Decode(transports=("tcp", "fakegpu"), secret=SECRET)
-    two = [KVLayout(**BASE, tp_size=2, tp_rank=r) for r in range(2)]
     key = os.urandom(32)
     held = []
     try:
-        held.append(_session(d, two[0], instance="pf", instance_key=key, transports=("tcp",)))
+        held.append(_session(d, TWO[0], instance="pf", instance_key=key, transports=("tcp",)))
         assert held[0].welcome is not None
-        other = _session(d, two[0], instance="other", instance_key=os.urandom(32), transports=("fakegpu",))
+        other = _session(d, TWO[0], instance="other", instance_key=os.urandom(32), transports=("fakegpu",))
         held.append(other)
         assert other.welcome.transport == "fakegpu"  # another instance: its own choice
         r = Raw(d, SECRET)
         try:
-            r.hello(two[1], instance="pf", transports=("fakegpu", "tcp"))
+            r.hello(TWO[1], instance="pf", transports=("fakegpu", "tcp"))
             assert isinstance(r.recv(), Challenge)
             (hs,) = d.rx._pending.values()
             assert hs.transport == "tcp"  # rank 0 of pf writes the buffer only: so does rank 1
-            r.hello(two[1], instance="pf", transports=("fakegpu",))
+            r.hello(TWO[1], instance="pf", transports=("fakegpu",))
             assert r.refusal() == (
                 "no common transport: prefill offers ['fakegpu'], decode serves ['tcp', 'fakegpu'] "
                 "(another rank of instance 'pf' uses tcp; fakegpu is all ranks or none)"
@@ -641,11 +640,10 @@ def test_the_ranks_of_one_instance_write_gpu_blocks_all_or_none(fake):
 
 def test_a_gpu_writing_rank_makes_its_siblings_gpu_writers_too(fake):
     d = Decode(transports=("tcp", "fakegpu"), secret=SECRET)
-    two = [KVLayout(**BASE, tp_size=2, tp_rank=r) for r in range(2)]
-    s0 = _session(d, two[0], instance="pf", instance_key=b"k" * 32, transports=("fakegpu",))
+    s0 = _session(d, TWO[0], instance="pf", instance_key=b"k" * 32, transports=("fakegpu",))
     r = Raw(d, SECRET)
     try:
-        r.hello(two[1], instance="pf", transports=("tcp",))
+        r.hello(TWO[1], instance="pf", transports=("tcp",))
         assert r.refusal() == (
             "no common transport: prefill offers ['tcp'], decode serves ['tcp', 'fakegpu'] "
             "(another rank of instance 'pf' uses fakegpu; fakegpu is all ranks or none)"
@@ -712,23 +710,15 @@ def test_an_accepted_session_is_logged_marked_and_timed(dec, caplog):
         assert msgs == [f"session open: instance pf rank 0/1, transport tcp, pid {os.getpid()} (same host)"]
     finally:
         s.close()
-    s = _session(dec, instance="far", transports=("tcp",))
-    try:
-        pass
-    finally:
-        s.close()
 
 
 def test_a_session_from_another_host_is_logged_without_same_host(dec, caplog, raw):
     caplog.set_level(logging.DEBUG, logger=handshake.__name__)
-    raw.hello(LAY, instance="far", boot="another-host")
+    n = raw.hello(LAY, instance="far", boot="another-host")
     ch = raw.recv()
-    raw.codec.set_session(dec.rx._pending[next(iter(dec.rx._pending))].hello.nonce, ch.nonce)
-    key = os.urandom(32)
-    hs = next(iter(dec.rx._pending.values()))
-    raw.sock.send_multipart(
-        raw.codec.encode(Auth(ch.nonce, mask_instance_key(key, raw.codec.key, hs.hello.nonce, ch.nonce)))
-    )
+    raw.codec.set_session(n, ch.nonce)
+    key = mask_instance_key(os.urandom(32), raw.codec.key, n, ch.nonce)
+    raw.sock.send_multipart(raw.codec.encode(Auth(ch.nonce, key)))
     assert isinstance(raw.recv(), Welcome)
     msgs = [r.getMessage() for r in caplog.records if r.name == handshake.__name__]
     assert msgs == [f"session open: instance far rank 0/1, transport tcp, pid {os.getpid()}"]
@@ -845,8 +835,7 @@ def test_the_hello_carries_the_offered_transports_fields_and_the_welcome_picks_o
 
 
 def test_a_welcome_naming_other_decode_ranks_keeps_only_the_segments_of_listed_ones(fake):
-    two = [KVLayout(**BASE, tp_size=2, tp_rank=r) for r in range(2)]
-    cls, script = _challenge_then(lambda m, fd: [_welcome(transport="fake", ranks=(1,), layouts=[layout_desc(two[1])])])
+    cls, script = _challenge_then(lambda m, fd: [_welcome(transport="fake", ranks=(1,), layouts=[layout_desc(TWO[1])])])
     fd = cls(script)
     try:
         tx = _sender(fd.address, transport="fake")

@@ -29,6 +29,7 @@ from pdkv.transfer import tcp as tcpmod
 from pdkv.transfer.tcp import MAX_FRAME_ITEMS, MAX_FRAME_PAYLOAD
 
 TB = 2048  # a tensor's block: 4 heads x 8 tokens x 32 x 2 bytes
+ROW = dict(length=64, count=8, dstride=256)  # one head of a token-major block: 8 rows of 64 B, 256 B apart
 SECRET = b"f" * 32
 
 
@@ -319,7 +320,7 @@ def test_a_piece_that_is_not_the_ranks_segment_is_refused(head, caplog):
 def test_strided_pieces_at_the_edge_of_the_block(tok, caplog):
     """Token-major decode, head-major prefill: each head's rows, 8 x 64 B every 256 B."""
     rid, g = tok.reserve()
-    last = dict(off=192, length=64, count=8, dstride=256)  # ends exactly at the block's end
+    last = dict(off=192, **ROW)  # ends exactly at the block's end
     accepted(tok, "p1", g.token, [(0, 1)], **last)
     refused(tok, "p1", g.token, [(1, 1)], caplog, "write outside the granted blocks", **{**last, "off": 193})
     refused(tok, "p1", g.token, [(1, 1)], caplog, "write outside the granted blocks", **{**last, "dstride": 257})
@@ -328,7 +329,7 @@ def test_strided_pieces_at_the_edge_of_the_block(tok, caplog):
     )
     for geometry, h in [
         ("(rank 0, tensor 0, offset 0, 8 x 64 B)", dict(off=0, length=64, count=8, dstride=128)),
-        ("(rank 0, tensor 0, offset 32, 8 x 64 B)", dict(off=32, length=64, count=8, dstride=256)),
+        ("(rank 0, tensor 0, offset 32, 8 x 64 B)", dict(off=32, **ROW)),
         ("(rank 0, tensor 0, offset 0, 7 x 64 B)", dict(off=0, length=64, count=7, dstride=256)),
         ("(rank 0, tensor 0, offset 0, 8 x 32 B)", dict(off=0, length=32, count=8, dstride=256)),
     ]:
@@ -341,7 +342,7 @@ def test_strided_pieces_at_the_edge_of_the_block(tok, caplog):
             f"frame geometry {geometry} is not one of prefill rank 0's segments",
             **h,
         )
-    accepted(tok, "p1", g.token, [(1, 1)], off=64, length=64, count=8, dstride=256)
+    accepted(tok, "p1", g.token, [(1, 1)], off=64, **ROW)
     # the same piece again: written twice
     refused(
         tok,
@@ -351,16 +352,14 @@ def test_strided_pieces_at_the_edge_of_the_block(tok, caplog):
         caplog,
         f"request {rid!r}: blocks of layer 0 written twice",
         off=64,
-        length=64,
-        count=8,
-        dstride=256,
+        **ROW,
     )
 
 
 def test_a_rank_writes_only_its_own_heads(tok, caplog):
     """Prefill rank 0 of 2 holds heads 0-1: the rows of head 2 are not its segment."""
     rid, g = tok.reserve("p2", tp=(0, 2))
-    accepted(tok, "p2", g.token, [(0, 1)], off=64, length=64, count=8, dstride=256)
+    accepted(tok, "p2", g.token, [(0, 1)], off=64, **ROW)
     refused(
         tok,
         "p2",
@@ -369,16 +368,14 @@ def test_a_rank_writes_only_its_own_heads(tok, caplog):
         caplog,
         "frame geometry (rank 0, tensor 0, offset 128, 8 x 64 B) is not one of prefill rank 0's segments",
         off=128,
-        length=64,
-        count=8,
-        dstride=256,
+        **ROW,
     )
 
 
 def test_the_strided_bytes_land_in_their_rows(tok):
     rid, g = tok.reserve()
     rows = bytes(range(64)) * 8
-    accepted(tok, "p1", g.token, [(1, 1)], off=0, length=64, count=8, dstride=256, payload=rows)
+    accepted(tok, "p1", g.token, [(1, 1)], off=0, **ROW, payload=rows)
     blk = np.frombuffer(tok.dec.block(0, 0, 0, g.blocks[1]), np.uint8).reshape(8, 256)
     assert (blk[:, :64] == np.arange(64, dtype=np.uint8)).all()
 
@@ -439,9 +436,7 @@ def test_multi_block_items_of_strided_pieces_are_refused(tok, caplog):
         caplog,
         "multi-block item over non-contiguous destination blocks",
         off=0,
-        length=64,
-        count=8,
-        dstride=256,
+        **ROW,
     )
 
 
@@ -458,7 +453,7 @@ def test_a_frame_for_an_ended_grant_is_refused(head, caplog):
 def test_a_payload_cut_mid_frame_fails_the_request(head):
     rid, g = head.reserve()
     exc, d, _ = push(head, "p1", g.token, [(0, 2)], cut=True)
-    assert isinstance(exc, (ConnectionError, PdkvTimeoutError, OSError)) or exc is not None
+    assert isinstance(exc, PeerError) and str(exc) == "connection closed mid-frame"
     assert d == {"frames": 0, "frames_rejected": 0, "frames_cut": 1, "bytes": 0}
     info = head.dec.sched.request(rid)
     assert info.state is State.FAILED and info.reason.startswith("tcp data frame failed mid-payload: ")
@@ -470,22 +465,18 @@ def test_a_whole_request_lands_and_is_credited(head):
         for t in range(2):
             accepted(head, "p1", g.token, [(0, 2)], layer=layer, tensor=t)
     inf = head.dec.rx.inflight_of_token(g.token)
-    assert inf is None or inf.remaining == [0, 0, 0, 0]
+    assert inf is not None and inf.remaining == [0, 0, 0, 0]  # every layer's bytes, once
     assert head.dec.sched.request(rid).layers_landed == 4
 
 
 def test_frame_segment_names_the_first_matching_segment(tok):
-    peer = next(p for p in tok.dec.rx._peers.values() if p.instance == "p1") if "p1" in tok.sessions else None
-    if peer is None:
-        tok.session("p1")
-        peer = next(p for p in tok.dec.rx._peers.values() if p.instance == "p1")
+    tok.session("p1")
+    peer = tok.dec.rx._peers[tok.ident("p1")]
     segs = peer.segs_by_src[0]
     for si, s in enumerate(segs):
         assert tok.tr._frame_segment(peer, 0, s.tensor, s.dst_offset, s.length, s.count, s.dst_stride) == si
     with pytest.raises(GrantViolation):
         tok.tr._frame_segment(peer, 1, 0, 0, 64, 8, 256)  # another decode rank
-    s = segs[0]
-    assert tok.tr._frame_segment(peer, 0, s.tensor, s.dst_offset, s.length, s.count, s.dst_stride) == 0
 
 
 @pytest.fixture(scope="module")
@@ -540,7 +531,7 @@ def test_half_blocks_of_a_tp_rank_land_at_their_offset_and_are_never_multi_block
 def test_strided_rows_at_an_offset_land_in_their_rows(tok):
     rid, g = tok.reserve()
     rows = bytes(range(64)) * 8
-    accepted(tok, "p1", g.token, [(0, 1)], off=128, length=64, count=8, dstride=256, payload=rows)
+    accepted(tok, "p1", g.token, [(0, 1)], off=128, **ROW, payload=rows)
     blk = np.frombuffer(tok.dec.block(0, 0, 0, g.blocks[0]), np.uint8).reshape(8, 256)
     assert (blk[:, 128:192] == np.arange(64, dtype=np.uint8)).all() and not blk[:, :128].any()
 

@@ -12,6 +12,7 @@ import logging
 import numpy as np
 import pytest
 import zmq
+from vllm_engine import free_port
 
 from pdkv import CacheSpec, SharedBuffer
 from pdkv.errors import PdkvError
@@ -490,22 +491,11 @@ def test_load_worker_buffer_of_the_wrong_size_is_refused(no_leaks, caplog):
         buf.unlink()
 
 
-logging.getLogger("pdkv").setLevel(logging.INFO)
-
-
 # ---- what the scheduler half is made of, and its words
 
 
 def logged(caplog):
     return [r.getMessage() for r in caplog.records if r.name == consumer.__name__]
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_decode_side_is_built_from_its_settings(caplog):
@@ -514,7 +504,7 @@ def test_decode_side_is_built_from_its_settings(caplog):
     daemon; the failure policy is 'fail' unless told; the start is logged."""
     caplog.set_level(logging.INFO, logger=consumer.__name__)
     lay = layout_for(**LAY, order=("head", False))
-    port = _free_port()
+    port = free_port()
     cfg = {
         "buffer_blocks": 3,
         "control": f"tcp://127.0.0.1:{port}",
