@@ -286,8 +286,7 @@ def run_module(
                 text = f.read()
         sel = ", ".join(json.dumps(t) for t in tests)
         # this run's module and tests, in mutmut's own table
-        path = module.partition(":")[0].replace(".", "/")
-        text = re.sub(r"(?m)^only_mutate = .*$", f'only_mutate = ["pdkv/{path}.py"]', text)
+        text = re.sub(r"(?m)^only_mutate = .*$", f'only_mutate = ["{source_of(module)}"]', text)
         text = re.sub(
             r"(?m)^pytest_add_cli_args_test_selection = .*$", f"pytest_add_cli_args_test_selection = [{sel}]", text
         )
@@ -363,10 +362,16 @@ def _lines_of(text: str, prefix: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith(prefix)]
 
 
+def source_of(module: str) -> str:
+    """A table key's source file: ``transfer.tcp:TcpReceiver`` -> ``pdkv/transfer/tcp.py``."""
+    return "pdkv/" + module.partition(":")[0].replace(".", "/") + ".py"
+
+
 def check_table(table: dict[str, list[str]], only: list[str] | None = None, path: str = TABLE) -> int:
-    """Each module's row against this checkout: it stands while the module's source and its
-    tests (and the equivalents file) are byte-identical to the row's commit and that commit
-    was clean; else it must be run again. Prints one line a module; 1 if any does not stand."""
+    """Each module's row against this checkout: it stands while the module's source, its
+    tests and its own entries in the equivalents file are byte-identical to the row's commit
+    and that commit was clean; else it must be run again. Prints one line a module; 1 if any
+    does not stand."""
     with open(path) as f:
         text = f.read()
     rows = {}
@@ -376,8 +381,7 @@ def check_table(table: dict[str, list[str]], only: list[str] | None = None, path
             rows[m.group(1)] = (m.group(2), m.group(3))
     bad = 0
     for module in only or list(table):
-        path_mod = module.partition(":")[0].replace(".", "/")
-        files = [f"pdkv/{path_mod}.py", *table[module]]
+        files = [source_of(module), *table[module]]
         row = rows.get(module)
         if row is None:
             why = "no row"
@@ -392,16 +396,17 @@ def check_table(table: dict[str, list[str]], only: list[str] | None = None, path
             then = subprocess.run(["git", "-C", ROOT, "show", f"{row[0]}:{eq_path}"], capture_output=True, text=True)
             with open(EQUIVALENT) as f:
                 now_eq = f.read()
-            prefix = f"pdkv.{path_mod.replace('/', '.')}."
+            prefix = "pdkv." + module.partition(":")[0] + "."
             if _lines_of(then.stdout, prefix) != _lines_of(now_eq, prefix):
                 changed.append(f"{eq_path} (this module's entries)")
-            why = f"changed since {row[0]}: {', '.join(changed)}" if changed or diff.returncode else ""
             if diff.returncode:
                 why = f"cannot compare with {row[0]}: {diff.stderr.strip()}"
+            else:
+                why = f"changed since {row[0]}: {', '.join(changed)}" if changed else ""
             dirty = subprocess.run(
                 ["git", "-C", ROOT, "status", "--porcelain", "--", *files], capture_output=True, text=True
-            ).stdout.strip()
-            if dirty:
+            ).stdout
+            if dirty.strip():
                 why = (
                     (why + "; " if why else "")
                     + "uncommitted changes: "
@@ -496,7 +501,7 @@ def main() -> int:
                 + ", ".join(r["stale_equivalents"])
             )
         if r["survivors"]:
-            print(f"\nsurvivors in pdkv/{r['module'].partition(':')[0].replace('.', '/')}.py ({r['by_status']}):")
+            print(f"\nsurvivors in {source_of(r['module'])} ({r['by_status']}):")
             for n in r["survivors"]:
                 print(f"  {n}")
                 if a.diffs:
