@@ -26,6 +26,7 @@ from pdkv.protocol import GrantMsg, ReserveReq
 from pdkv.scheduling.lifecycle import State
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM
 from pdkv.transfer import tcp as tcpmod
+from pdkv.transfer.sockets import _POLL_S, kernel_timeouts
 from pdkv.transfer.tcp import MAX_FRAME_ITEMS, MAX_FRAME_PAYLOAD
 
 TB = 2048  # a tensor's block: 4 heads x 8 tokens x 32 x 2 bytes
@@ -117,7 +118,7 @@ def push(env, name, token, items, *, payload=None, cut=False, eof=False, between
         payload = bytes([0x5A]) * (sum(nb for _, nb in items) * f["count"] * f["length"])
     data = b"".join(FRAME_ITEM.pack(gi, nb) for gi, nb in items) + payload
     a, b = socket.socketpair()
-    a.settimeout(0.25)  # as the listener sets it (sockets._POLL_S)
+    kernel_timeouts(a, _POLL_S, _POLL_S)  # as the listener sets it
 
     def feed():
         try:
@@ -545,7 +546,7 @@ def test_frame_segment_of_a_peer_with_no_segments_is_a_violation(tok):
 def test_frames_read_one_after_another_until_the_connection_ends(head):
     rid, g = head.reserve()
     a, b = socket.socketpair()
-    a.settimeout(0.25)
+    kernel_timeouts(a, _POLL_S, _POLL_S)
     try:
         for gi in (0, 1):
             b.sendall(
@@ -565,7 +566,7 @@ def test_frames_read_one_after_another_until_the_connection_ends(head):
 
 def test_frames_of_a_session_that_ended_end_the_connection(head):
     a, b = socket.socketpair()
-    a.settimeout(0.25)
+    kernel_timeouts(a, _POLL_S, _POLL_S)
     try:
         b.sendall(FRAME_HEADER.pack(b"PDKV", 1, 2, 0, 1, 0, 0, 0, 0, 1, 0, TB, 1, 0))
         with pytest.raises(ClosedError, match="^the peer's session ended$"):
@@ -645,3 +646,63 @@ def test_a_cut_frame_of_a_request_that_already_ended_keeps_the_connections_error
     exc, d, _ = push(head, "p1", g.token, [(0, 2)], between=abort_then_cut)
     assert isinstance(exc, PeerError) and str(exc) == "connection closed mid-frame"
     assert d["frames_cut"] == 1
+
+
+# ------------------------------------------------------------------ the socket's mode
+
+
+class _CountingSocket(socket.socket):
+    """A socket that counts its scatter receives."""
+
+    calls = 0
+
+    def recvmsg_into(self, *args):
+        type(self).calls += 1
+        return super().recvmsg_into(*args)
+
+
+def test_a_payload_sent_in_pieces_lands_in_one_receive(head):
+    """The listener's mode (blocking, the kernel bounding each call): a 4 MiB payload that
+    arrives in 16 pieces 10 ms apart is one ``recvmsg_into``, not one a piece."""
+    a0, b = socket.socketpair()
+    a = _CountingSocket(fileno=a0.detach())
+    kernel_timeouts(a, _POLL_S, _POLL_S)
+    data = np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
+    dst = bytearray(len(data))
+    views = [memoryview(dst)[i << 20 : (i + 1) << 20] for i in range(4)]
+
+    def feed():
+        for i in range(16):
+            b.sendall(data[i << 18 : (i + 1) << 18])
+            time.sleep(0.01)
+
+    t = threading.Thread(target=feed)
+    _CountingSocket.calls = 0
+    try:
+        t.start()
+        head.tr.data.recv_views(a, views, time.monotonic() + 10)
+        t.join()
+        assert _CountingSocket.calls == 1
+        assert bytes(dst) == data
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_payload_that_stops_mid_frame_times_out_after_io_timeout(slow):
+    """Half the payload, then silence: each bounded receive returns empty-handed, and after
+    io_timeout_s (0.3 s) of that the frame fails by name, long before its deadline."""
+    a, b = socket.socketpair()
+    kernel_timeouts(a, _POLL_S, _POLL_S)
+    half = 32 << 10  # fits the socket pair's buffer: sent before anything reads it
+    dst = bytearray(2 * half)
+    try:
+        b.sendall(b"\x01" * half)
+        t0 = time.monotonic()
+        with pytest.raises(PdkvTimeoutError, match=r"^peer stalled for 0\.3s mid-frame$"):
+            slow.tr.data.recv_views(a, [memoryview(dst)], time.monotonic() + 30)
+        assert 0.25 <= time.monotonic() - t0 < 2.0
+        assert dst[:half] == b"\x01" * half and dst[half:] == bytes(half)
+    finally:
+        a.close()
+        b.close()

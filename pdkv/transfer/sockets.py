@@ -37,6 +37,7 @@ __all__ = [
     "connect_authenticated",
     "recv_n",
     "sendmsg_all",
+    "kernel_timeouts",
 ]
 
 _log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ FRAME_HEADER = struct.Struct("<4sBBHQIHHIIIIII")
 MAGIC = b"PDKV"
 K_AUTH, K_DATA = 1, 2
 _POLL_S = 0.25  # receive-side socket timeout: how often a blocked receive checks for close
+# what a receive or send that hit the kernel's timeout (SO_RCVTIMEO / SO_SNDTIMEO) raises
+# with nothing moved: EAGAIN (BlockingIOError); TimeoutError where Python's own timeout is set
+_TICK = (TimeoutError, BlockingIOError)
 _AUTH_HEAD = FRAME_HEADER.size + 16  # AUTH frame header + session id
 # accept() errors that say nothing about the listener: out of descriptors or memory, a
 # connection reset before it was taken; back off and keep accepting
@@ -263,9 +267,8 @@ class DataListener:
         pending.pop(conn)
         sel.unregister(conn)
         try:
-            conn.setblocking(True)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(_POLL_S)
+            kernel_timeouts(conn, _POLL_S, _POLL_S)
             conn.sendall(b"\x01")
         except OSError:
             conn.close()
@@ -290,7 +293,7 @@ class DataListener:
                 raise PdkvTimeoutError("frame not received within its deadline")
             try:
                 k = conn.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-            except TimeoutError:
+            except _TICK:
                 if self.host.stopping.is_set():
                     raise ClosedError("receiver closed") from None
                 if got or not idle_ok:
@@ -338,7 +341,7 @@ class DataListener:
             want = sum(len(v) for v in chunk)
             try:
                 got = conn.recvmsg_into(chunk, 0, socket.MSG_WAITALL)[0]
-            except TimeoutError:
+            except _TICK:
                 stalled += _POLL_S
                 if self.host.stopping.is_set():
                     raise ClosedError("receiver closed") from None
@@ -380,7 +383,7 @@ def connect_authenticated(
             s.sendall(data_auth_mac(key, session_id, nonce))
             if recv_n(s, 1) != b"\x01":
                 raise PeerError("decode refused the data connection")
-            s.settimeout(timeout_s)
+            kernel_timeouts(s, timeout_s, timeout_s)
             return s
         except (OSError, PeerError) as exc:
             s.close()
@@ -401,6 +404,25 @@ def recv_n(sock: socket.socket, n: int) -> bytes:
             raise PeerError("connection closed")
         out += k
     return bytes(out)
+
+
+def kernel_timeouts(sock: socket.socket, recv_s: float, send_s: float) -> None:
+    """A blocking socket whose receives and sends the kernel bounds (``SO_RCVTIMEO``,
+    ``SO_SNDTIMEO``): a call that moves nothing within the bound raises BlockingIOError,
+    one that moves part returns its count.
+
+    Python's own timeout (``settimeout``) makes the descriptor non-blocking and polls
+    before each call, so a receive returns whatever has arrived (``MSG_WAITALL`` has no
+    effect) and a send whatever fits: a 4 MiB frame took dozens of calls, each taking the
+    GIL back, which is what kept tcp from scaling with streams. Blocking, a frame's payload
+    is one ``recvmsg_into`` and one ``sendmsg``."""
+
+    def tv(s: float) -> bytes:
+        return struct.pack("ll", int(s), int((s - int(s)) * 1e6))
+
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv(recv_s))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv(send_s))
 
 
 def sendmsg_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
