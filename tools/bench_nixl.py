@@ -108,6 +108,7 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
         peer = bare.add_remote(bytes.fromhex(info["bare_metadata"]))
         base = info["address"]
         counter = [0]
+        phases: dict[str, list[tuple[float, float, float]]] = {}
 
         def verify(what: str, dest_of: np.ndarray) -> None:
             if not np.array_equal(dst[dest_of], srcv[perm[: dest_of.size]]):
@@ -119,7 +120,15 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
             counter[0] += 1
             rids = [f"{t}-{counter[0]}-{i}" for i in range(NREQ)]
             grants = [tx.reserve(r, per * lay.tokens_per_block) for r in rids]
-            dt = send_and_wait(tx, [(r, perm[i * per : (i + 1) * per].tolist()) for i, r in enumerate(rids)])
+            items = [(r, perm[i * per : (i + 1) * per].tolist()) for i, r in enumerate(rids)]
+            m0 = time.monotonic()
+            dt = send_and_wait(tx, items)
+            m1 = time.monotonic()
+            # where the time went: handing over (send_layer to the layer's writes beginning),
+            # the layer's writes (the NIXL WRITE posted, polled to DONE, the layer reported),
+            # and the outcomes (Complete to decode and every outcome back)
+            _, _, _, began, done = tx.layer_log.since(len(tx.layer_log) - 1)[0][-1]
+            phases.setdefault(t, []).append((began - m0, done - began, m1 - done))
             verify(t, np.concatenate([np.asarray(g.blocks) for g in grants]))
             return NREQ * per * bb / dt
 
@@ -166,6 +175,11 @@ def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
         same = "nixl vram" if a.gpu else "nixl"
         out["ratio"] = med(r[same] / r["bare"] for r in reps)
         out["ratio_per_write"] = med(r[same] / r["bare per-write"] for r in reps)
+        # the phases of the timed repetitions (the warm-up's dropped), medians in ms
+        out["phases_ms"] = {
+            k: [round(med(p[i] for p in v[-a.reps :]) * 1e3, 2) for i in range(3)] for k, v in phases.items()
+        }
+        out["bare_ms"] = round(NREQ * per * bb / out["bare"] * 1e3, 2)
         if a.gpu:
             out["staged_vs_vram"] = med(r["nixl"] / r["nixl vram"] for r in reps)
         return out
@@ -229,6 +243,13 @@ def main() -> int:
                     f" {r['tcp'] / g:>9.2f} {r['shm'] / g:>9.2f}"
                 )
             print(f"{kib:>6} {ucx:>7} {cells}", flush=True)
+            ph = r["phases_ms"].get("nixl vram" if a.gpu else "nixl")
+            if ph:
+                print(
+                    f"{'':>14} pdkv nixl, ms: handing over {ph[0]}, the layer's writes {ph[1]}, outcomes {ph[2]}"
+                    f" (bare NIXL's write: {r['bare_ms']})",
+                    flush=True,
+                )
     if a.gpu:
         print(f"(medians of repetitions; pdkv staged: {rows[0]['paths']['nixl']}, what auto picks here;")
         print(" ratio: pdkv with NIXL's VRAM source / bare NIXL doing the same writes; staged/VRAM: pdkv's staged")
