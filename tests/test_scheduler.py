@@ -115,6 +115,23 @@ def test_buffer_path_swaps_when_gpu_room_appears_and_frees_buffer_only_after_swa
     s.check_invariants()
 
 
+def test_a_layer_landing_at_the_instant_its_lease_ends_is_refused_and_expires_it():
+    """A lease ends at ``expires``: a layer landing then (one message per layer) is refused,
+    the request expires on that call, and its blocks are quarantined; a moment before, the
+    landing renews it."""
+    s, clock, swap, ev = make(direct_to_gpu=False)
+    r = s.reserve("a", num_blocks=5)
+    clock.t = r.grant.lease_expires - 1e-3
+    assert s.land_layer("a", r.grant.token, 0) == 1
+    assert s.request("a").state is State.RECEIVING
+    clock.t += s.options.lease_s  # exactly the renewed lease's end
+    with pytest.raises(LeaseExpiredError, match="^request 'a': its lease expired; the message is refused$"):
+        s.land_layer("a", r.grant.token, 1)
+    assert s.request("a").state is State.EXPIRED and s.request("a").layers_landed == 0
+    assert [e.kind for e in ev] == ["reserved", "expired"]
+    assert s.metrics()["quarantined_blocks"] == 5 and s.metrics()["layers_landed"] == 1
+
+
 def test_lease_expiry_quarantines_then_releases_and_refuses_late_writes():
     s, clock, swap, ev = make(direct_to_gpu=False)
     r = s.reserve("a", num_blocks=5)

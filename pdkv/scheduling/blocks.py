@@ -94,8 +94,10 @@ class BlockPool:
 
     def try_allocate(self, n: int) -> list[int] | None:
         """Allocate ``n`` blocks, lowest ids first; ``None`` (nothing taken) if too few are free."""
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ValueError(f"{self.name}: cannot allocate n={n!r} blocks (must be a positive integer)")
+        if type(n) is not int or n <= 0:  # an int subclass (not bool) is a count too
+            if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+                raise ValueError(f"{self.name}: cannot allocate n={n!r} blocks (must be a positive integer)")
+            n = int(n)
         with self._lock:
             if n > self._free:
                 return None
@@ -163,16 +165,27 @@ class BlockPool:
             and 0 <= first
             and last_id - first == n - 1
             and blocks == self._ids[first : first + n]
-            and (n <= 2 or set(map(type, blocks)) == {int})
-        ):  # == alone would take 1.0 for 1
-            runs = [(first, first + n)]  # the common case: one run, as handed out
-        else:
-            bad = [b for b in blocks if not _is_id(b, self._n)]
-            if bad:  # before any arithmetic on them: a float or a string is a BlockError too
-                raise BlockError(f"{self.name}: block ids {bad[:8]} are not in this pool of {self._n}")
-            runs = runs_of(blocks)
-            if len(runs) > 1:
-                runs = runs_of(sorted(blocks))
+            and (n <= 2 or (first >= 2 and type(sum(blocks)) is int) or set(map(type, blocks)) == {int})
+        ):
+            # the common case, one run as handed out (== alone would take 1.0 for 1: a float,
+            # Fraction or Decimal makes the sum one too, 4x cheaper than the types' set, and
+            # a bool equals only 0 or 1): validated and merged in one pass
+            e = first + n
+            with self._lock:
+                held = self._held
+                if held.count(0, first, e):
+                    bad = [b for b in range(first, e) if not held[b]]
+                    raise BlockError(f"{self.name}: blocks {bad[:8]} are already free (double free)")
+                held[first:e] = self._zeros[:n]
+                self._merge(first, e)
+                self._free += n
+            return
+        bad = [b for b in blocks if not _is_id(b, self._n)]
+        if bad:  # before any arithmetic on them: a float or a string is a BlockError too
+            raise BlockError(f"{self.name}: block ids {bad[:8]} are not in this pool of {self._n}")
+        runs = runs_of(blocks)
+        if len(runs) > 1:
+            runs = runs_of(sorted(blocks))
         with self._lock:
             total = 0
             last = -1
@@ -185,26 +198,31 @@ class BlockPool:
                     bad = [b for b in range(s, e) if not held[b]]
                     raise BlockError(f"{self.name}: blocks {bad[:8]} are already free (double free)")
                 total += e - s
-            starts, ends = self._starts, self._ends
             for s, e in runs:
                 held[s:e] = self._zeros[: e - s]
-                # merge with the free runs on either side
-                left = ends.pop(s, None)
-                if left is not None:
-                    del starts[left]
-                    s = left
-                right = starts.pop(e, None)
-                if right is not None:
-                    del ends[right]
-                    e = right
-                starts[s] = e
-                ends[e] = s
-                heapq.heappush(self._heap, s)
+                self._merge(s, e)
             self._free += total
-            # stale and repeated starts are dropped lazily; a pool that only ever takes its
-            # lowest run (the fast path) would otherwise grow its heap by one a free, forever
-            if len(self._heap) > 4 * len(starts) + 64:
-                self._heap = sorted(starts)
+
+    def _merge(self, s: int, e: int) -> None:
+        """Blocks ``[s, e)``, just marked free, joined with the free runs on either side
+        (under the lock)."""
+        starts, ends = self._starts, self._ends
+        left = ends.pop(s, None)
+        if left is not None:
+            del starts[left]
+            s = left
+        right = starts.pop(e, None)
+        if right is not None:
+            del ends[right]
+            e = right
+        starts[s] = e
+        ends[e] = s
+        heap = self._heap
+        heapq.heappush(heap, s)
+        # stale and repeated starts are dropped lazily; a pool that only ever takes its
+        # lowest run (the fast path) would otherwise grow its heap by one a free, forever
+        if len(heap) > 4 * len(starts) + 64:
+            self._heap = sorted(starts)
 
     def check(self) -> None:
         """Verify internal consistency (tests): runs cover exactly the free blocks, each run

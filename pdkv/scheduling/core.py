@@ -38,6 +38,7 @@ __all__ = ["SchedulerCore", "Release"]
 
 
 Release = Callable[[str, tuple[int, ...]], None]  # a held prefix's release (DecodeScheduler.hold_prefix)
+_RESERVATIONS_OF = {"gpu": "reservations_gpu", "buffer": "reservations_buffer"}  # the counter of each location
 
 
 class _EngineBlocks:
@@ -249,7 +250,7 @@ class SchedulerCore:
             blocks = self.buffer.try_allocate(n)
             if blocks is not None:
                 req.location, req.buffer_blocks = "buffer", blocks
-                held = self.buffer.num_total - self.buffer.num_free
+                held = self.buffer.num_held
                 if held > self._m["buffer_blocks_peak"]:
                     self._m["buffer_blocks_peak"] = held
         if blocks is None:
@@ -259,7 +260,7 @@ class SchedulerCore:
         req.reserved_at = now
         req.expires = now + o.lease_s
         self._push_expiry(req)
-        self._m["reservations_" + req.location] += 1
+        self._m[_RESERVATIONS_OF[req.location]] += 1
         return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, o.lease_s, len(req.prefix))  # type: ignore[arg-type]
 
     def _release_blocks(self, req: _Req, *, quarantine: bool, now: float) -> None:

@@ -16,7 +16,7 @@ from .lifecycle import _WRITABLE, Event, EventKind, State, SwapHandle, _Release,
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["expire_due", "release_quarantine", "grant_queued", "admit_swaps", "submit", "swap_finished"]
+__all__ = ["expire_due", "release_quarantine", "grant_queued", "admit_swaps", "submit", "swap_finished", "logs_swaps"]
 
 
 def expire_due(s: SchedulerCore, now: float) -> None:
@@ -104,11 +104,13 @@ def admit_swaps(s: SchedulerCore, now: float) -> list[_Req]:
 def submit(s: SchedulerCore, reqs: list[_Req]) -> list[Event | _Release]:
     assert s.swap is not None
     results: list[tuple[_Req, SwapHandle | None, Exception | None]] = []
+    debug = logs_swaps()  # once a batch, not once a request
     for req in reqs:  # no lock held: the backend may launch kernels, take time
         try:
             assert req.buffer_blocks is not None and req.gpu_blocks is not None
             results.append((req, s.swap.submit(req.rid, req.buffer_blocks, req.gpu_blocks), None))
-            _log.debug("swap of %r submitted: %d buffer blocks -> GPU", req.rid, len(req.buffer_blocks))
+            if debug:
+                _log.debug("swap of %r submitted: %d buffer blocks -> GPU", req.rid, len(req.buffer_blocks))
         except Exception as exc:  # a failed submit fails the request, never the loop
             results.append((req, None, exc))
     with s._lock:
@@ -122,13 +124,22 @@ def submit(s: SchedulerCore, reqs: list[_Req]) -> list[Event | _Release]:
         return s._emit()
 
 
-def swap_finished(s: SchedulerCore, req: _Req, err: BaseException | None, now: float) -> None:
+def logs_swaps() -> bool:
+    """Whether each swap's submission and end are logged (this module's debug log is on):
+    asked once a batch, not once a request."""
+    return _log.isEnabledFor(logging.DEBUG)
+
+
+def swap_finished(s: SchedulerCore, req: _Req, err: BaseException | None, now: float, debug: bool = True) -> None:
+    """A swap ended (``err`` if it failed): its buffer blocks go back, the request becomes
+    READY or ends. ``debug``: whether pdkv's debug log is on (the tick asks once a batch)."""
     if s._swapping.pop(req.rid, None) is None:
         return
     if not s._swapping:  # time with at least one swap in flight: swap_bytes / this = swap throughput
         s._m["swap_busy_seconds"] += now - s._busy_since
     dt = now - req.swap_started
-    _log.debug("swap of %r %s after %.2f ms", req.rid, f"failed: {err}" if err else "done", dt * 1e3)
+    if err is not None or debug:
+        _log.debug("swap of %r %s after %.2f ms", req.rid, f"failed: {err}" if err else "done", dt * 1e3)
     m = s._m
     m["swap_seconds_sum"] += dt
     m["swap_seconds_max"] = max(m["swap_seconds_max"], dt)

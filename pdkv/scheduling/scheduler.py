@@ -34,6 +34,7 @@ from . import view as schedview
 from .blocks import BlockPool
 from .core import Release, SchedulerCore
 from .lifecycle import (
+    _WRITABLE,
     Event,
     EventKind,
     Grant,
@@ -357,6 +358,27 @@ class DecodeScheduler(SchedulerCore):
 
     def land_layer(self, request_id: str, token: int, layer: int) -> int:
         """Record one landed layer; see :meth:`land_layers`."""
+        # the common case (a live request's next layer, a receiver's message per layer)
+        # without the general path's set-up; anything else, an error to raise or a lease to
+        # expire, takes the general path, which checks everything again under the lock
+        if type(layer) is int and 0 <= layer < self.num_layers:
+            bit = 1 << layer
+            now = self.clock()
+            with self._lock:
+                req = self._reqs.get(request_id)
+                if (
+                    req is not None
+                    and req.token == token
+                    and req.state in _WRITABLE
+                    and now < req.expires
+                    and not req.landed & bit
+                ):
+                    req.landed |= bit
+                    req.nlanded += 1
+                    self._m["layers_landed"] += 1
+                    req.state = State.RECEIVING
+                    req.expires = now + self.options.lease_s
+                    return req.nlanded
         return self.land_layers(request_id, token, (layer,))
 
     def renew(self, request_id: str, token: int) -> float:
@@ -526,9 +548,10 @@ class DecodeScheduler(SchedulerCore):
             schedloop.grant_queued(self, now)
             polls = [(r, r.handle) for r in self._swapping.values() if r.handle is not None]
         done = [(r, h.error) for r, h in polls if h.done()]
+        debug = schedloop.logs_swaps()
         with self._lock:
             for req, err in done:
-                schedloop.swap_finished(self, req, err, now)
+                schedloop.swap_finished(self, req, err, now, debug)
             to_submit = schedloop.admit_swaps(self, now)
             ev = self._emit()
         self._deliver(ev)
