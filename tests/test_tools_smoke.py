@@ -71,7 +71,15 @@ def test_bench_nixl_gpu_says_what_is_missing():
 
 
 @pytest.mark.parametrize(
-    "script", ["bench_swap.py", "bench_swap_kernels.py", "bench_buffer.py", "bench_cuda_ipc.py", "bench_staged.py"]
+    "script",
+    [
+        "bench_swap.py",
+        "bench_swap_kernels.py",
+        "bench_swap_paths.py",
+        "bench_buffer.py",
+        "bench_cuda_ipc.py",
+        "bench_staged.py",
+    ],
 )
 def test_gpu_benches_say_what_is_missing(script):
     from pdkv import _ffi
