@@ -45,3 +45,23 @@ def stop_decode(child: Any) -> None:
     from pdkv.buffer.sweeper import clean_segments
 
     clean_segments(dry_run=False, tag=os.environ.get("PDKV_SHM_TAG") or None)
+
+
+def ucx_env(ucx: str, gpu: bool = False) -> dict[str, str]:
+    """The environment for UCX ``ucx`` (``tcp``, ``cma`` as ``cma,tcp``, or ``default``: UCX's
+    own choice) over loopback, for a child process; set in this process too (UCX reads it
+    at start). ``gpu``: add ``cuda_copy``, which NIXL's UCX backend needs on a GPU host."""
+    from pdkv import _ffi
+
+    env = dict(os.environ)
+    if ucx == "default":
+        env.pop("UCX_TLS", None)
+        env.pop("UCX_NET_DEVICES", None)
+        os.environ.pop("UCX_TLS", None)
+        os.environ.pop("UCX_NET_DEVICES", None)
+        return env
+    tls = "tcp" if ucx == "tcp" else "cma,tcp"
+    # on a GPU host NIXL's UCX backend refuses a UCX without a CUDA transport
+    env.update(UCX_TLS=tls + (",cuda_copy" if gpu or _ffi.cuda.device_count() else ""), UCX_NET_DEVICES="lo")
+    os.environ.update({k: env[k] for k in ("UCX_TLS", "UCX_NET_DEVICES")})
+    return env

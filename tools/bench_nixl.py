@@ -32,7 +32,7 @@ import sys
 import time
 
 import numpy as np
-from _bench import send_and_wait, stop_decode
+from _bench import send_and_wait, stop_decode, ucx_env
 from bench_transport import layout_for
 
 import pdkv
@@ -42,22 +42,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 NREQ = 16
 
 
-def _ucx_env(ucx: str, gpu: bool) -> dict[str, str]:
-    """The environment for ``--ucx`` (set in this process too: UCX reads it at start)."""
-    env = dict(os.environ)
-    if ucx == "default":
-        env.pop("UCX_TLS", None)
-        env.pop("UCX_NET_DEVICES", None)
-        os.environ.pop("UCX_TLS", None)
-        os.environ.pop("UCX_NET_DEVICES", None)
-        return env
-    tls = "tcp" if ucx == "tcp" else "cma,tcp"
-    # on a GPU host NIXL's UCX backend refuses a UCX without a CUDA transport
-    env.update(UCX_TLS=tls + (",cuda_copy" if gpu or _ffi.cuda.device_count() else ""), UCX_NET_DEVICES="lo")
-    os.environ.update({k: env[k] for k in ("UCX_TLS", "UCX_NET_DEVICES")})
-    return env
-
-
 def _descs(addr: np.ndarray, n: int, dev: int) -> np.ndarray:
     out = np.zeros((addr.size, 3), np.uint64)
     out[:, 0], out[:, 1], out[:, 2] = addr.astype(np.uint64), n, dev
@@ -65,7 +49,7 @@ def _descs(addr: np.ndarray, n: int, dev: int) -> np.ndarray:
 
 
 def run(kib: int, ucx: str, a: argparse.Namespace) -> dict:
-    env = _ucx_env(ucx, a.gpu)
+    env = ucx_env(ucx, a.gpu)
     lay = layout_for(kib)
     child = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "bench_transport.py"), "--role", "decode"]

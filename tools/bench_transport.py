@@ -13,6 +13,10 @@ processes). With ``--streams 1,2,4,8`` the tcp transport runs once per stream co
 against a socket loop of as many streams (each its share of the bytes, ``sendall`` from its
 own thread, ``recv_into`` in its own thread on the far side), measured back to back in the
 same repetition: the ceiling of that many streams through this host's loopback and Python.
+Peer libraries over tcp move the same blocks in the same random order right after pdkv's
+tcp in each repetition (``--peers``): bare NIXL over UCX tcp (descriptor lists prepared
+once) and Mooncake's transfer engine (handshake mode, the best of one synchronous batch and
+one asynchronous batch a request), each where it loads, the one that does not named.
 The clock runs from handing the data to the sender until every request's
 outcome (received, verified by decode's accounting) is back; grants are taken before.
 Control overhead: one-block requests, p50 of grant -> completion (from holding the grant
@@ -24,6 +28,7 @@ on some CPUs.
 
     python tools/bench_transport.py [--gib 1] [--sizes-kib 32,128,1024] [--streams 2] [--src-offset 0]
     python tools/bench_transport.py --sizes-kib 128,1024 --streams 1,2,4,8,16   # tcp by streams
+    python tools/bench_transport.py --sizes-kib 128,1024 --peers nixl,mooncake   # the default peers
 """
 
 from __future__ import annotations
@@ -38,10 +43,10 @@ import sys
 import time
 
 import numpy as np
-from _bench import send_and_wait, stop_decode
+from _bench import send_and_wait, stop_decode, ucx_env
 
 import pdkv
-from pdkv.transfer import default_copy_threads
+from pdkv.transfer import default_copy_threads, default_streams
 
 
 def layout_for(kib: int, layers: int = 1) -> pdkv.KVLayout:
@@ -61,6 +66,42 @@ class NullSwap:
 
     def submit(self, rid, buf, gpu):
         return _Done()
+
+
+PEERS = ("nixl", "mooncake")
+
+
+def _peer_list(arg: str) -> list[str]:
+    return [p for p in arg.split(",") if p and p != "none"]
+
+
+def _mooncake_engine():
+    """Mooncake's transfer engine over tcp on loopback, peers found by handshake (no
+    metadata server)."""
+    os.environ.setdefault("GLOG_minloglevel", "2")  # its per-connection INFO and WARNING lines
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise SystemExit("Mooncake's transfer engine did not start over tcp on 127.0.0.1")
+    return te
+
+
+def peer_unavailable(name: str) -> str:
+    """Why peer library ``name`` cannot run here, or "" when it can."""
+    if name == "nixl":
+        from pdkv import _ffi
+
+        return "" if _ffi.nixl.available() else "NIXL is not installed (pip install 'pdkv[nixl]')"
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:  # not installed, or a shared library it links (libibverbs) missing
+        return (
+            f"Mooncake's transfer engine does not load ({exc}): pip install mooncake-transfer-engine-non-cuda"
+            " (it links libibverbs.so.1, from the distribution's libibverbs1 or rdma-core)"
+        )
+    return ""
 
 
 def decode_main(a: argparse.Namespace) -> None:
@@ -87,13 +128,19 @@ def decode_main(a: argparse.Namespace) -> None:
     rx = pdkv.DecodeReceiver(sched, [lay], [buf], nb, auto_tick=True, io_timeout_s=30, transports=transports)
     sink = socket.create_server(("127.0.0.1", 0))
     info = {"control": rx.control_address, "shm": buf.name, "blocks": nb, "sink": sink.getsockname()[1]}
-    bare = None
-    if "nixl" in transports:  # bench_nixl.py's baseline: a bare NIXL agent over the same buffer
+    bare = mooncake = None
+    peers = _peer_list(a.peers)
+    if "nixl" in transports or "nixl" in peers:  # a bare NIXL agent over the same buffer
         from pdkv import _ffi
 
         bare = _ffi.nixl.Agent(f"bench-bare-{os.getpid()}")
         bare.register([(buf.address, buf.size, 0)], "DRAM")
         info.update(bare_agent=bare.name, bare_metadata=bare.metadata().hex(), address=buf.address)
+    if "mooncake" in peers:  # Mooncake's transfer engine over tcp, the same buffer registered
+        mooncake = _mooncake_engine()
+        if mooncake.register_memory(buf.address, buf.size) != 0:
+            raise SystemExit("Mooncake's transfer engine could not register decode's buffer")
+        info.update(mooncake=f"127.0.0.1:{mooncake.get_rpc_port()}", address=buf.address)
     print(json.dumps(info), flush=True)
 
     def engine() -> None:  # the decode engine: takes ready requests and finishes them
@@ -138,6 +185,8 @@ def decode_main(a: argparse.Namespace) -> None:
     view = None
     if bare is not None:
         bare.close()
+    if mooncake is not None:
+        mooncake.unregister_memory(buf.address)
     rx.close()
     sink.close()
     buf.close()
@@ -148,10 +197,13 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
     lay = layout_for(kib)
     child = subprocess.Popen(
         [sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib)]
+        + ["--peers", ",".join(a.peer_list) or "none"]
         + (["--huge-pages"] if a.huge_pages else []),
         stdout=subprocess.PIPE,
         text=True,
+        env=a.env,
     )
+    agent = mooncake = None
     try:
         info = json.loads(child.stdout.readline())
         nb = info["blocks"]
@@ -279,6 +331,72 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         txs.update({f"tcp_{n}": sender("tcp", n) for n in a.streams[1:]})
         counter = [0]
 
+        # the peer libraries over tcp: every block of the source into decode's buffer in the
+        # same random order (destination i holds source perm[i]), set up outside the timing
+        bb = lay.block_bytes
+        peers: dict = {}
+
+        def verify_peer(what: str) -> None:
+            if not np.array_equal(dst[:total].reshape(nb, bb), src.reshape(nb, bb)[perm]):
+                raise SystemExit(f"VERIFY FAILED: {what} {kib} KiB")
+
+        if "nixl" in a.peer_list:  # bare NIXL over UCX tcp, descriptor lists prepared once
+            from pdkv import _ffi
+
+            agent = _ffi.nixl.Agent(f"bench-peer-{os.getpid()}")
+            agent.register([(sbase, total, 0)], "DRAM")
+            remote = agent.add_remote(bytes.fromhex(info["bare_metadata"]))
+            prep_l = agent.prepare(np.array([[sbase, bb, 0, bb, nb]], np.uint64), "DRAM")
+            prep_r = agent.prepare(np.array([[info["address"], bb, 0, bb, nb]], np.uint64), "DRAM", remote)
+            li, ri = perm.astype(np.int32), np.arange(nb, dtype=np.int32)
+
+            def nixl_peer() -> float:
+                dst[:total] = 0xEE
+                t0 = time.perf_counter()
+                h = agent.write_prepared(prep_l, li, prep_r, ri)
+                while (st := agent.state(h)) not in ("DONE", "ERR"):
+                    time.sleep(20e-6)
+                dt = time.perf_counter() - t0
+                agent.release(h)
+                if st != "DONE":
+                    raise SystemExit(f"bare NIXL's write ended {st} ({kib} KiB)")
+                verify_peer("bare NIXL")
+                return total / dt
+
+            peers["nixl"] = nixl_peer
+
+        if "mooncake" in a.peer_list:  # Mooncake's transfer engine over tcp, best of sync and async
+            mooncake = _mooncake_engine()
+            if mooncake.register_memory(sbase, total) != 0:
+                raise SystemExit("Mooncake's transfer engine could not register the source")
+            target = info["mooncake"]
+            m_src = (sbase + perm.astype(np.int64) * bb).tolist()
+            m_dst = (info["address"] + np.arange(nb, dtype=np.int64) * bb).tolist()
+            m_len = [bb] * nb
+            cuts = [nb * i // nreq for i in range(nreq + 1)]
+
+            def mooncake_peer() -> float:
+                best = 0.0
+                for mode in ("sync", "async"):  # one batch; one batch a request, all in flight
+                    dst[:total] = 0xEE
+                    t0 = time.perf_counter()
+                    if mode == "sync":
+                        rc = mooncake.batch_transfer_sync_write(target, m_src, m_dst, m_len)
+                    else:
+                        ids = [
+                            mooncake.batch_transfer_async_write(target, m_src[lo:hi], m_dst[lo:hi], m_len[lo:hi])
+                            for lo, hi in zip(cuts, cuts[1:])
+                        ]
+                        rc = mooncake.get_batch_transfer_status(ids) if all(ids) else -1
+                    dt = time.perf_counter() - t0
+                    if rc != 0:
+                        raise SystemExit(f"Mooncake's {mode} batch write failed ({rc}, {kib} KiB)")
+                    verify_peer(f"Mooncake {mode}")
+                    best = max(best, total / dt)
+                return best
+
+            peers["mooncake"] = mooncake_peer
+
         def transfer(transport: str) -> float:
             tx = txs[transport]
             dst[:total] = 0xEE  # poison
@@ -298,9 +416,13 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         # and the ratio is taken per repetition (this 2-core machine is noisy)
         s0 = a.streams[0]
         ceiling(), socket_loop(s0), transfer("shm"), transfer("tcp"), bare_gather()
-        reps, by_streams = [], []
+        for fn in peers.values():
+            fn()
+        reps, by_streams, by_peer = [], [], []
         for _ in range(a.reps):
             reps.append((ceiling(), transfer("shm"), socket_loop(s0), transfer("tcp"), bare_gather()))
+            # each peer library right after pdkv's tcp: the ratio is taken per repetition
+            by_peer.append({name: (reps[-1][3], fn()) for name, fn in peers.items()})
             # each further stream count: its socket loop, then pdkv's tcp with as many streams
             by_streams.append({n: (socket_loop(n), transfer(f"tcp_{n}")) for n in a.streams[1:]})
         med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -321,6 +443,13 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
                 "tcp": med([p[1] for p in pairs]),
                 "ratio": med([p[1] / p[0] for p in pairs]),
             }
+        peer_rows = {
+            name: {
+                "peer": med([r[name][1] for r in by_peer]),
+                "tcp_x": med([r[name][0] / r[name][1] for r in by_peer]),
+            }
+            for name in peers
+        }
         for n in a.streams[1:]:
             txs.pop(f"tcp_{n}").close()
         spool.shutdown()
@@ -371,8 +500,13 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
             copyto=med(copyto_bw),
             huge_mib=huge_mib,
             by_streams=streams_rows,
+            peers=peer_rows,
         )
     finally:
+        if agent is not None:
+            agent.close()
+        if mooncake is not None:
+            mooncake.unregister_memory(src.ctypes.data)
         stop_decode(child)
 
 
@@ -386,9 +520,16 @@ def main() -> int:
     ap.add_argument("--sizes-kib", default="32,128,1024")
     ap.add_argument(
         "--streams",
-        default="2",
+        default=str(default_streams()),
         help="tcp data streams, or a comma-separated list (1,2,4,8): tcp once per count, each beside a socket "
-        "loop of as many streams; the main table's tcp is the first",
+        "loop of as many streams; the main table's tcp is the first (default: pdkv's default_streams(), "
+        f"{default_streams()} here)",
+    )
+    ap.add_argument(
+        "--peers",
+        default="nixl,mooncake",
+        help="peer libraries over tcp measured beside pdkv's tcp in each repetition: bare NIXL over UCX tcp "
+        "(nixl), Mooncake's transfer engine (mooncake), or none; one that does not load here is named and left out",
     )
     ap.add_argument(
         "--copy-threads",
@@ -420,9 +561,16 @@ def main() -> int:
         ap.error(f"--streams {','.join(map(str, a.streams))}: distinct counts in 1..64")
     if a.copy_threads is None:
         a.copy_threads = default_copy_threads()
+    wanted = _peer_list(a.peers)
+    if any(p not in PEERS for p in wanted) or len(set(wanted)) != len(wanted):
+        ap.error(f"--peers {a.peers}: distinct names of {', '.join(PEERS)}, or none")
     if a.role == "decode":
         decode_main(a)
         return 0
+    missing = {p: why for p in wanted if (why := peer_unavailable(p))}
+    a.peer_list = [p for p in wanted if p not in missing]
+    # UCX over tcp on loopback, for bare NIXL here and in decode (UCX reads it at start)
+    a.env = ucx_env("tcp") if "nixl" in a.peer_list else dict(os.environ)
     rows: list = []
     out: dict = {}
     for kib in [int(x) for x in a.sizes_kib.split(",")]:
@@ -465,6 +613,20 @@ def main() -> int:
                     f"{c['tcp'] / (1 << 30):>6.2f} ({c['ratio']:.2f}) of {c['socket'] / (1 << 30):>5.2f}" for c in cells
                 )
             )
+    if a.peer_list or missing:
+        print(f"\ntcp against peer libraries over tcp: GiB/s, pdkv tcp with {a.streams[0]} streams, each peer")
+        print(" (x: pdkv / it, per repetition, measured right after pdkv's); the same blocks in the same random")
+        print(" order, every byte verified")
+        names = {"nixl": "bare NIXL, UCX tcp", "mooncake": "Mooncake TE tcp"}
+        print(f"{'KiB':>6} {'pdkv tcp':>9} " + " ".join(f"{names[p]:>24}" for p in a.peer_list))
+        for kib, r in out.items():
+            cells = [r["peers"][p] for p in a.peer_list]
+            print(
+                f"{kib:>6} {r['tcp'] / (1 << 30):>9.2f} "
+                + " ".join(f"{c['peer'] / (1 << 30):>15.2f} ({c['tcp_x']:.2f}x)" for c in cells)
+            )
+        for p, why in missing.items():
+            print(f"{names[p]}: not measured: {why}")
     r128 = out.get(128) or next(iter(out.values()))
     print(
         json.dumps(
@@ -486,6 +648,17 @@ def main() -> int:
                         for kib, r in out.items()
                     }
                     for n in a.streams
+                },
+                "peers": {
+                    p: missing.get(p)
+                    or {
+                        str(kib): {
+                            "GiBps": round(r["peers"][p]["peer"] / (1 << 30), 3),
+                            "tcp_x": round(r["peers"][p]["tcp_x"], 3),
+                        }
+                        for kib, r in out.items()
+                    }
+                    for p in wanted
                 },
                 "copy_threads": a.copy_threads,
                 "src_offset": a.src_offset,
