@@ -46,9 +46,25 @@ def test_bench_transport_smoke(no_leaks):
     assert last["streams"] == [1, 2] and set(last["tcp_by_streams"]) == {"1", "2"}
     assert set(last["tcp_by_streams"]["2"]["32"]) == {"tcp", "socket", "ratio"}
     assert "tcp by streams" in p.stdout
+    # each peer library measured (GiB/s and pdkv's multiple of it), or named with why it is not
+    assert set(last["peers"]) == {"nixl", "mooncake"}
+    for name, got in last["peers"].items():
+        if isinstance(got, str):
+            assert "not measured" in p.stdout and got in p.stdout, (name, got)
+        else:
+            assert got["32"]["GiBps"] > 0 and got["32"]["tcp_x"] > 0, (name, got)
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        assert "NIXL is not installed" in last["peers"]["nixl"]
+    else:
+        assert isinstance(last["peers"]["nixl"], dict), last["peers"]["nixl"]
     for bad in ("0", "2,2", "x"):
         p = run("bench_transport.py", *args, "--streams", bad)
         assert p.returncode == 2 and "--streams" in p.stderr, p.stderr
+    for bad in ("rdma", "nixl,nixl"):
+        p = run("bench_transport.py", *args, "--peers", bad)
+        assert p.returncode == 2 and "--peers" in p.stderr, p.stderr
 
 
 @pytest.mark.multiproc
@@ -134,3 +150,24 @@ def test_mutation_sources_digest_sees_code_and_tests_not_the_table(tmp_path, mon
     assert second != first
     (tmp_path / "docs" / "LIMITS.md").write_text("x\n")
     assert mutation.sources_digest() != second
+
+
+def test_mutation_equivalents_are_pinned_to_their_change(tmp_path, monkeypatch):
+    sys.path.insert(0, TOOLS)
+    try:
+        import mutation
+    finally:
+        sys.path.remove(TOOLS)
+    diff = "--- pdkv/a.py\n+++ pdkv/a.py\n@@ -1,3 +1,3 @@ def f(n):\n-    if n > 4:\n+    if n >= 4:\n     return n\n"
+    fp = mutation.fingerprint(diff)
+    assert len(fp) == 8 and int(fp, 16) >= 0
+    assert mutation.fingerprint(diff.replace("    return n", "        return n")) == fp  # context does not count
+    assert mutation.fingerprint(diff.replace("n >= 4", "n >= 5")) != fp  # another change
+    assert mutation.fingerprint(diff.replace("--- pdkv/a.py", "--- pdkv/b.py")) == fp  # nor the file headers
+    eq = tmp_path / "eq.txt"
+    eq.write_text(f"# a comment\npdkv.a.x_f__mutmut_1  @{fp}  # same\npdkv.a.x_f__mutmut_2  # old entry, no pin\n")
+    monkeypatch.setattr(mutation, "EQUIVALENT", str(eq))
+    assert mutation.equivalents() == {
+        "pdkv.a.x_f__mutmut_1": (fp, "same"),
+        "pdkv.a.x_f__mutmut_2": ("", "old entry, no pin"),
+    }
