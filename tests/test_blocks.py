@@ -308,6 +308,22 @@ def test_messages_list_at_most_eight_ids_and_only_the_offending_ones():
     with pytest.raises(BlockError) as e:
         p.free(list(range(8, 22)))  # 8, 9, 20, 21 held; 10-19 already free
     assert str(e.value) == "buf: blocks [10, 11, 12, 13, 14, 15, 16, 17] are already free (double free)"
+    with pytest.raises(BlockError) as e:
+        p.free(tuple(range(8, 22)))  # the same, not a list: the general path names the same ids
+    assert str(e.value) == "buf: blocks [10, 11, 12, 13, 14, 15, 16, 17] are already free (double free)"
+    assert p.num_free == 11
+    p.check()
+
+
+def test_an_int_subclass_is_a_count():
+    class Count(int):
+        pass
+
+    p = BlockPool(8)
+    assert p.try_allocate(Count(1)) == [0]
+    assert p.try_allocate(Count(2)) == [1, 2]
+    assert p.allocate(Count(5)) == [3, 4, 5, 6, 7] and p.try_allocate(Count(1)) is None
+    p.check()
 
 
 def test_non_integer_ids_never_take_the_fast_path():

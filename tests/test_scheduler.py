@@ -132,6 +132,33 @@ def test_a_layer_landing_at_the_instant_its_lease_ends_is_refused_and_expires_it
     assert s.metrics()["quarantined_blocks"] == 5 and s.metrics()["layers_landed"] == 1
 
 
+def test_one_message_per_layer_counts_each_layer_once_and_refuses_what_may_not_land():
+    """land_layer, the receiver's call once a layer: it returns the layers landed so far, a
+    layer landed twice, a layer that is not an int, a queued request (its token 0) and a
+    received one are refused with the general path's errors, and layers landed one by one
+    complete the request."""
+    s, clock, swap, ev = make(gpu=16, buf=8, layers=4, direct_to_gpu=False, on_full="queue")
+    r = s.reserve("a", num_blocks=8)
+    q = s.reserve("q", num_blocks=1)
+    assert q.outcome == "queued"
+    tok = r.grant.token
+    assert [s.land_layer("a", tok, i) for i in (2, 0)] == [1, 2]
+    with pytest.raises(RequestError, match=r"^request 'a': layers \[0\] already landed$"):
+        s.land_layer("a", tok, 0)
+    for bad in (1.0, "1", None):
+        with pytest.raises(RequestError, match=r"out of range \[0, 4\)"):
+            s.land_layer("a", tok, bad)
+    with pytest.raises(RequestError, match="^request 'q' is queued; no more writes are accepted$"):
+        s.land_layer("q", 0, 0)
+    assert s.request("q").layers_landed == 0
+    assert [s.land_layer("a", tok, i) for i in (3, 1)] == [3, 4]
+    assert s.request("a").layers_landed == 4 and s.metrics()["layers_landed"] == 4
+    assert s.complete("a", tok) is State.RECEIVED
+    with pytest.raises(RequestError, match="^request 'a' is received; no more writes are accepted$"):
+        s.land_layer("a", tok, 1)
+    assert s.metrics()["layers_landed"] == 4
+
+
 def test_lease_expiry_quarantines_then_releases_and_refuses_late_writes():
     s, clock, swap, ev = make(direct_to_gpu=False)
     r = s.reserve("a", num_blocks=5)
@@ -810,6 +837,58 @@ def test_tombstones_are_forgotten_after_tombstone_s():
             s.request(rid)
     with pytest.raises(ValueError, match="tombstone_s=0 must be a positive number of seconds"):
         SchedulerOptions(tombstone_s=0)
+    clock.t = 200.0
+    s.reserve("e", num_blocks=1)
+    s.abort("e")
+    clock.t = 230.0  # exactly tombstone_s after "e" ended: still remembered ("more than" ago goes)
+    s.reserve("f", num_blocks=1)
+    s.abort("f")
+    assert s.request("e").state is State.ABORTED
+
+
+def test_edges_of_ids_prefixes_and_capacities_and_what_a_request_reports():
+    s, clock, _, _ = make(gpu=16, buf=8)
+    rid = "r" * 256  # the longest id
+    s.reserve(rid, num_tokens=20, peer="pf-1")
+    info = s.request(rid)
+    assert (info.peer, info.num_tokens, info.num_blocks) == ("pf-1", 20, 2)
+    s.hold_prefix("p" * 256, [0, 1])  # a prefix under the longest id too (blocks 0-1 the GPU pool handed out)
+    with pytest.raises(RequestError, match=r"at most 256 characters"):
+        s.hold_prefix("p" * 257, [0])
+    with pytest.raises(RequestError) as e:
+        s.hold_prefix("q", list(range(2, 12)))  # ten ids the GPU pool has not handed out
+    assert str(e.value) == (
+        "request 'q': prefix blocks [2, 3, 4, 5, 6, 7, 8, 9] are free in the GPU pool "
+        "(a prefix is blocks the engine holds)"
+    )
+    with pytest.raises(RequestError) as e:
+        s.hold_prefix("q", list(range(10)) + [99])
+    assert (
+        str(e.value) == "request 'q': a prefix must be distinct GPU block ids in [0, 16), got [0, 1, 2, 3, 4, 5, 6, 7]"
+    )
+    with pytest.raises(RequestError, match=r"its held prefix of 2 blocks covers all 2 blocks of the prompt"):
+        s.reserve("p" * 256, num_blocks=2)
+    eng = DecodeScheduler(
+        num_layers=1, gpu=None, buffer=BlockPool(4), swap=FakeSwap(), options=SchedulerOptions(bind="engine")
+    )
+    assert eng.reserve("whole", num_blocks=4).outcome == "buffer"  # exactly the buffer
+    with pytest.raises(RequestError) as e:
+        eng.reserve("big", num_blocks=5)
+    assert str(e.value) == "request 'big' needs 5 blocks: more than the buffer holds (4)"
+
+
+def test_removing_a_listener_keeps_the_others():
+    s, clock, _, ev = make()
+    seen: dict[str, list] = {"a": [], "b": [], "c": []}
+    fns = {k: seen[k].append for k in seen}
+    for fn in fns.values():
+        s.add_listener(fn)
+    s.remove_listener(fns["c"])  # the last
+    s.remove_listener(fns["a"])  # the first
+    s.reserve("x", num_blocks=1)
+    assert [e.kind for e in seen["b"]] == ["reserved"] and seen["a"] == seen["c"] == []
+    with pytest.raises(ValueError, match="^remove_listener: that function is not a listener of this scheduler$"):
+        s.remove_listener(fns["a"])
 
 
 def test_tombstones_are_bounded_oldest_first():

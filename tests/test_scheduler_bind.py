@@ -174,9 +174,48 @@ TestEngineBound = EngineBoundMachine.TestCase
 
 def test_bind_needs_the_engine_mode():
     s = DecodeScheduler(num_layers=1, gpu=BlockPool(4), buffer=BlockPool(4), swap=_EngineSwaps())
-    with pytest.raises(RequestError, match=r"bind\(\) is for SchedulerOptions\(bind='engine'\)"):
+    with pytest.raises(RequestError, match=r"^bind\(\) is for SchedulerOptions\(bind='engine'\); pdkv allocates GPU"):
         s.bind("x", [1])
-    with pytest.raises(ValueError, match="gpu=None needs SchedulerOptions"):
+    with pytest.raises(
+        ValueError, match=r"^gpu=None needs SchedulerOptions\(bind='engine'\): the engine binds GPU blocks itself$"
+    ):
         DecodeScheduler(num_layers=1, gpu=None, buffer=BlockPool(4), swap=_EngineSwaps())
     with pytest.raises(ValueError, match="bind='x' must be 'pdkv' or 'engine'"):
         SchedulerOptions(bind="x")
+
+
+def test_bind_checks_each_argument_then_times_and_counts_the_swap():
+    t = [0.0]
+    swaps = _EngineSwaps()
+    s = DecodeScheduler(
+        num_layers=1,
+        gpu=None,
+        buffer=BlockPool(8),
+        swap=swaps,
+        block_bytes=100,
+        options=SchedulerOptions(bind="engine"),
+        clock=lambda: t[0],
+    )
+    r = s.reserve("a", num_blocks=5)
+    s.land_layers("a", r.grant.token, range(1))
+    s.complete("a", r.grant.token)
+    for first in (True, -1, 5, 1.0):
+        with pytest.raises(RequestError, match=rf"^request 'a': first_block={first!r} must be in \[0, 5\)$"):
+            s.bind("a", [0, 1, 2, 3], first_block=first)
+    with pytest.raises(RequestError, match=r"^request 'a': 4 GPU blocks for 3 received blocks$"):
+        s.bind("a", [0, 1, 2, 3], first_block=2)
+    for bad in ([0, 1, -1], [0, 1, 2.0], [0, 1, "2"], [0, 1, 1]):
+        with pytest.raises(RequestError, match=r"^request 'a': GPU blocks must be distinct non-negative ids$"):
+            s.bind("a", bad, first_block=2)
+    assert s.request("a").state is State.RECEIVED and s.buffer.num_free == 3
+    t[0] = 3.0
+    assert s.bind("a", [0, 1, 2], first_block=2) == r.grant.blocks[2:]  # block 0 is an id like any other
+    info = s.request("a")
+    assert (info.state, info.num_blocks, info.gpu_blocks) == (State.SWAPPING, 3, (0, 1, 2))
+    assert s.buffer.num_free == 5 and s.metrics()["prefill_wait_avoided_seconds_sum"] == 3.0
+    t[0] = 5.5
+    swaps.handles["a"].finished = True
+    s.tick()
+    m = s.metrics()
+    assert s.request("a").state is State.READY and s.buffer.num_free == 8
+    assert (m["swap_busy_seconds"], m["swap_seconds_sum"], m["swap_bytes"]) == (2.5, 2.5, 300)

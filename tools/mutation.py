@@ -10,7 +10,12 @@ excluded, and the score ``killed / (total - equivalent)``; then the survivors by
 with their diffs (``--diffs``), and as the very last line one JSON object.
 
 Equivalent mutants (the same behaviour as the original, so no test can kill them) are
-listed by name with a one-line reason in ``tools/mutation_equivalent.txt``.
+listed by name with a one-line reason in ``tools/mutation_equivalent.txt``, each pinned to
+its change by a fingerprint (``name  @1a2b3c4d  # reason``: the first 8 hex digits of the
+SHA-256 of its diff's changed lines). mutmut numbers mutants per function, so editing a
+function renumbers them: an entry whose name now holds another change is reported as moved
+and counts as a survivor, one whose mutant is killed as stale; an entry without a
+fingerprint is excluded but printed with the fingerprint to pin it.
 
 Not part of CI (it takes tens of minutes on 2 cores). Needs ``pip install mutmut``.
 
@@ -70,17 +75,32 @@ TABLE_HEAD = [
 ]
 
 
-def equivalents() -> dict[str, str]:
-    """name -> reason, from tools/mutation_equivalent.txt (``name  # reason`` a line)."""
-    out: dict[str, str] = {}
+def equivalents() -> dict[str, tuple[str, str]]:
+    """name -> (fingerprint or "", reason), from tools/mutation_equivalent.txt (``name
+    @fingerprint  # reason`` a line; the fingerprint optional)."""
+    out: dict[str, tuple[str, str]] = {}
     if os.path.exists(EQUIVALENT):
         with open(EQUIVALENT) as f:
             for line in f:
                 line = line.strip()
                 if line and not line.startswith("#"):
-                    name, _, why = line.partition("#")
-                    out[name.strip()] = why.strip()
+                    head, _, why = line.partition("#")
+                    name, _, pin = head.strip().partition(" ")
+                    out[name] = (pin.strip().lstrip("@"), why.strip())
     return out
+
+
+def fingerprint(diff: str) -> str:
+    """A mutant's change, as 8 hex digits: the SHA-256 of its diff's removed and added lines
+    (stripped; file headers and context left out)."""
+    import hashlib
+
+    changed = [
+        ln[0] + ln[1:].strip()
+        for ln in diff.splitlines()
+        if ln[:1] in "-+" and ln[:1] and not ln.startswith(("---", "+++"))
+    ]
+    return hashlib.sha256("\n".join(changed).encode()).hexdigest()[:8]
 
 
 # appended to the scratch copy's tests/conftest.py by --why: one JSON line per failed test
@@ -325,11 +345,19 @@ def run_module(
                 status[name] = st
         eq = equivalents()
         dead = ("killed", "timeout")
+
+        def show(n: str) -> str:
+            return subprocess.run([*mm, "show", n], cwd=work, env=env, capture_output=True, text=True).stdout
+
         # an entry naming a mutant that was killed is stale (mutmut numbers mutants per function,
-        # so editing a function renumbers them): reported, never excluded
+        # so editing a function renumbers them): reported, never excluded; one whose name now
+        # holds another change than the one pinned has moved: reported, counted as a survivor
         stale = sorted(n for n, s in status.items() if n in eq and s in dead)
-        excluded = sorted(n for n, s in status.items() if n in eq and s not in dead)
-        survivors = sorted(n for n, s in status.items() if s not in dead and n not in eq)
+        listed = {n: fingerprint(show(n)) for n, s in status.items() if n in eq and s not in dead}
+        moved = sorted(n for n, fp in listed.items() if eq[n][0] and eq[n][0] != fp)
+        unpinned = {n: fp for n, fp in listed.items() if not eq[n][0]}
+        excluded = sorted(n for n in listed if n not in moved)
+        survivors = sorted(n for n, s in status.items() if s not in dead and (n not in eq or n in moved))
         killed = sum(1 for s in status.values() if s in dead)
         total = len(status) - len(excluded)
         out = {
@@ -341,6 +369,8 @@ def run_module(
             "score": killed / total if total else 1.0,
             "survivors": survivors,
             "stale_equivalents": stale,
+            "moved_equivalents": moved,
+            "unpinned_equivalents": unpinned,
             "by_status": {},
         }
         for s in status.values():
@@ -350,8 +380,8 @@ def run_module(
         if diffs:
             out["diffs"] = {}
             for n in survivors:
-                d = subprocess.run([*mm, "show", n], cwd=work, env=env, capture_output=True, text=True)
-                out["diffs"][n] = d.stdout
+                d = show(n)
+                out["diffs"][n] = d + f"(fingerprint @{fingerprint(d)})"
         return out
     finally:
         if keep is None:
@@ -500,6 +530,15 @@ def main() -> int:
                 f"\nlisted as equivalent but killed (stale entries in {os.path.basename(EQUIVALENT)}): "
                 + ", ".join(r["stale_equivalents"])
             )
+        if r["moved_equivalents"]:
+            print(
+                f"\nlisted as equivalent, but the name now holds another change (moved entries in "
+                f"{os.path.basename(EQUIVALENT)}; counted as survivors): " + ", ".join(r["moved_equivalents"])
+            )
+        if r["unpinned_equivalents"]:
+            print("\nlisted as equivalent without a fingerprint (pin them: name  @fingerprint  # reason):")
+            for n, fp in sorted(r["unpinned_equivalents"].items()):
+                print(f"  {n}  @{fp}")
         if r["survivors"]:
             print(f"\nsurvivors in {source_of(r['module'])} ({r['by_status']}):")
             for n in r["survivors"]:
