@@ -190,13 +190,35 @@ def test_expired_lease_detected_on_write_without_tick():
     assert s.request("a").state is State.EXPIRED
 
 
-def test_fence_releases_quarantine_at_once():
+def test_fence_releases_quarantine_at_once(caplog):
     s, clock, swap, ev = make()
     r = s.reserve("a", num_blocks=3, peer="p1")
     s.fail("a", "prefill reported an error", token=r.grant.token)
     assert s.gpu.num_free == 13
+    caplog.set_level("DEBUG", logger="pdkv.scheduling.scheduler")
     assert s.fence("p2") == 0
     assert s.fence("p1") == 3 and s.gpu.num_free == 16
+    got = [r.getMessage() for r in caplog.records if r.name == "pdkv.scheduling.scheduler"]
+    assert got == ["peer p2 fenced: 0 quarantined blocks released", "peer p1 fenced: 3 quarantined blocks released"]
+
+
+def test_grant_tokens_are_63_bits_of_the_os_read_eight_bytes_each(monkeypatch):
+    """Tokens come from os.urandom read 256 at a time: token i is bytes 8i..8i+7 of a read
+    (little-endian), shifted right once; the 257th grant reads again."""
+    import pdkv.scheduling.core as core
+
+    reads = []
+
+    def urandom(n):
+        reads.append(n)
+        return b"".join(((len(reads) << 20 | i) << 1).to_bytes(8, "little") for i in range(n // 8))
+
+    monkeypatch.setattr(core.os, "urandom", urandom)
+    s, *_ = make(gpu=600, buf=8)
+    tokens = [s.reserve(f"r{i}", num_blocks=1).grant.token for i in range(258)]
+    assert reads == [2048, 2048]
+    assert tokens == [1 << 20 | i for i in range(256)] + [2 << 20 | 0, 2 << 20 | 1]
+    assert all(0 < t < 1 << 63 for t in tokens)
 
 
 def test_stale_token_and_reused_id():

@@ -196,6 +196,7 @@ def test_bind_checks_each_argument_then_times_and_counts_the_swap():
         options=SchedulerOptions(bind="engine"),
         clock=lambda: t[0],
     )
+    t[0] = 1.0
     r = s.reserve("a", num_blocks=5)
     s.land_layers("a", r.grant.token, range(1))
     s.complete("a", r.grant.token)
@@ -212,10 +213,25 @@ def test_bind_checks_each_argument_then_times_and_counts_the_swap():
     assert s.bind("a", [0, 1, 2], first_block=2) == r.grant.blocks[2:]  # block 0 is an id like any other
     info = s.request("a")
     assert (info.state, info.num_blocks, info.gpu_blocks) == (State.SWAPPING, 3, (0, 1, 2))
-    assert s.buffer.num_free == 5 and s.metrics()["prefill_wait_avoided_seconds_sum"] == 3.0
+    assert s.buffer.num_free == 5 and s.metrics()["prefill_wait_avoided_seconds_sum"] == 2.0  # reserved at 1
     t[0] = 5.5
     swaps.handles["a"].finished = True
     s.tick()
     m = s.metrics()
     assert s.request("a").state is State.READY and s.buffer.num_free == 8
     assert (m["swap_busy_seconds"], m["swap_seconds_sum"], m["swap_bytes"]) == (2.5, 2.5, 300)
+    r = s.reserve("b", num_blocks=1)  # at 5.5
+    s.land_layers("b", r.grant.token, range(1))
+    s.complete("b", r.grant.token)
+    t[0] = 6.0
+    s.bind("b", [7])
+    assert s.metrics()["prefill_wait_avoided_seconds_sum"] == 2.5  # the sum of both waits
+
+
+def test_an_engine_bound_scheduler_never_frees_a_gpu_block():
+    from pdkv.scheduling.core import _EngineBlocks
+
+    e = _EngineBlocks()
+    assert (e.num_free, e.num_total, e.try_allocate(1)) == (0, 0, None)
+    with pytest.raises(AssertionError, match="^pdkv frees no GPU block of an engine-bound scheduler$"):
+        e.free([1])

@@ -130,7 +130,7 @@ class SchedulerCore:
         self._locked_cm = _Locked(self)
         self._tok_bytes, self._tok_i = b"", 0
         self._reqs: dict[str, _Req] = {}
-        self._tomb: OrderedDict[str, tuple[State, int, str, float]] = OrderedDict()  # state, token, reason, t
+        self._tomb: OrderedDict[str, tuple[State, str, float]] = OrderedDict()  # state, reason, t
         self._expiry: list[tuple[float, int, str]] = []
         self._seq = 0
         self._queue: deque[str] = deque()
@@ -184,14 +184,14 @@ class SchedulerCore:
             i = self._listeners.index(fn)
             self._listeners = self._listeners[:i] + self._listeners[i + 1 :]
 
-    def _entomb(self, rid: str, state: State, token: int, reason: str) -> None:
+    def _entomb(self, rid: str, state: State, reason: str) -> None:
         """Remember an ended request: the newest ``max_tombstones``, none ended more than
         ``tombstone_s`` ago (a steady rate holds a steady number)."""
         tomb = self._tomb
         now = self.clock()
-        tomb[rid] = (state, token, reason, now)
+        tomb[rid] = (state, reason, now)
         cut = now - self.options.tombstone_s
-        while tomb and (len(tomb) > self.options.max_tombstones or next(iter(tomb.values()))[3] < cut):
+        while tomb and (len(tomb) > self.options.max_tombstones or next(iter(tomb.values()))[2] < cut):
             tomb.popitem(last=False)
 
     def _get_live(self, rid: str) -> _Req:
@@ -200,7 +200,7 @@ class SchedulerCore:
             tomb = self._tomb.get(rid)
             self._m["late_messages_rejected"] += 1
             if tomb is not None:
-                state, _, reason, _ = tomb
+                state, reason, _ = tomb
                 if state is State.EXPIRED:
                     raise LeaseExpiredError(f"request {rid!r}: its lease expired; the message is refused")
                 raise RequestError(f"request {rid!r} is already {state.value}" + (f" ({reason})" if reason else ""))
@@ -303,7 +303,7 @@ class SchedulerCore:
         prefix, req.prefix = req.prefix, ()
         self._release_prefix(req.rid, prefix, req.release)
         del self._reqs[req.rid]
-        self._entomb(req.rid, state, req.token, reason)
+        self._entomb(req.rid, state, reason)
         key = _COUNTER_OF.get(state)
         if key:
             self._m[key] += 1

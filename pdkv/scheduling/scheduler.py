@@ -482,7 +482,7 @@ class DecodeScheduler(SchedulerCore):
             prefix, req.prefix = req.prefix, ()
             self._release_prefix(request_id, prefix, req.release)
             del self._reqs[request_id]
-            self._entomb(request_id, State.FINISHED, req.token, "")
+            self._entomb(request_id, State.FINISHED, "")
             self._m["requests_finished"] += 1  # FINISHED makes no event
             ev = self._emit() if self._events else None
         if ev:
@@ -570,7 +570,7 @@ class DecodeScheduler(SchedulerCore):
                 tomb = self._tomb.get(request_id)
                 if tomb is None:
                     raise RequestError(f"unknown request {request_id!r}")
-                return RequestInfo(request_id, tomb[0], "", 0, 0, (), (), tomb[2])
+                return RequestInfo(request_id, tomb[0], "", 0, 0, (), (), tomb[1])
             return RequestInfo(
                 req.rid,
                 req.state,
