@@ -13,10 +13,12 @@ processes). With ``--streams 1,2,4,8`` the tcp transport runs once per stream co
 against a socket loop of as many streams (each its share of the bytes, ``sendall`` from its
 own thread, ``recv_into`` in its own thread on the far side), measured back to back in the
 same repetition: the ceiling of that many streams through this host's loopback and Python.
-Peer libraries over tcp move the same blocks in the same random order right after pdkv's
-tcp in each repetition (``--peers``): bare NIXL over UCX tcp (descriptor lists prepared
-once) and Mooncake's transfer engine (handshake mode, the best of one synchronous batch and
-one asynchronous batch a request), each where it loads, the one that does not named.
+Peer libraries over tcp (``--peers``) move the same blocks in the same random order in the
+same run, after pdkv's rows, each in a phase of its own with its own decode process (NIXL's
+UCX progress threads take a core while an agent lives): bare NIXL over UCX tcp (descriptor
+lists prepared once) and Mooncake's transfer engine (handshake mode, a batch a request: the
+best of the batches one after another and all in flight at once), each where it loads, the
+one that does not named.
 The clock runs from handing the data to the sender until every request's
 outcome (received, verified by decode's accounting) is back; grants are taken before.
 Control overhead: one-block requests, p50 of grant -> completion (from holding the grant
@@ -69,6 +71,9 @@ class NullSwap:
 
 
 PEERS = ("nixl", "mooncake")
+# blocks a Mooncake transfer engine takes in flight over tcp: 8,192 at once (16 batches of 512)
+# overflow its tcp lanes' queues ("TCP lane queue-full rejection") and fail the write
+MOONCAKE_IN_FLIGHT = 2048
 
 
 def _peer_list(arg: str) -> list[str]:
@@ -197,13 +202,10 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
     lay = layout_for(kib)
     child = subprocess.Popen(
         [sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib)]
-        + ["--peers", ",".join(a.peer_list) or "none"]
         + (["--huge-pages"] if a.huge_pages else []),
         stdout=subprocess.PIPE,
         text=True,
-        env=a.env,
     )
-    agent = mooncake = None
     try:
         info = json.loads(child.stdout.readline())
         nb = info["blocks"]
@@ -331,72 +333,6 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         txs.update({f"tcp_{n}": sender("tcp", n) for n in a.streams[1:]})
         counter = [0]
 
-        # the peer libraries over tcp: every block of the source into decode's buffer in the
-        # same random order (destination i holds source perm[i]), set up outside the timing
-        bb = lay.block_bytes
-        peers: dict = {}
-
-        def verify_peer(what: str) -> None:
-            if not np.array_equal(dst[:total].reshape(nb, bb), src.reshape(nb, bb)[perm]):
-                raise SystemExit(f"VERIFY FAILED: {what} {kib} KiB")
-
-        if "nixl" in a.peer_list:  # bare NIXL over UCX tcp, descriptor lists prepared once
-            from pdkv import _ffi
-
-            agent = _ffi.nixl.Agent(f"bench-peer-{os.getpid()}")
-            agent.register([(sbase, total, 0)], "DRAM")
-            remote = agent.add_remote(bytes.fromhex(info["bare_metadata"]))
-            prep_l = agent.prepare(np.array([[sbase, bb, 0, bb, nb]], np.uint64), "DRAM")
-            prep_r = agent.prepare(np.array([[info["address"], bb, 0, bb, nb]], np.uint64), "DRAM", remote)
-            li, ri = perm.astype(np.int32), np.arange(nb, dtype=np.int32)
-
-            def nixl_peer() -> float:
-                dst[:total] = 0xEE
-                t0 = time.perf_counter()
-                h = agent.write_prepared(prep_l, li, prep_r, ri)
-                while (st := agent.state(h)) not in ("DONE", "ERR"):
-                    time.sleep(20e-6)
-                dt = time.perf_counter() - t0
-                agent.release(h)
-                if st != "DONE":
-                    raise SystemExit(f"bare NIXL's write ended {st} ({kib} KiB)")
-                verify_peer("bare NIXL")
-                return total / dt
-
-            peers["nixl"] = nixl_peer
-
-        if "mooncake" in a.peer_list:  # Mooncake's transfer engine over tcp, best of sync and async
-            mooncake = _mooncake_engine()
-            if mooncake.register_memory(sbase, total) != 0:
-                raise SystemExit("Mooncake's transfer engine could not register the source")
-            target = info["mooncake"]
-            m_src = (sbase + perm.astype(np.int64) * bb).tolist()
-            m_dst = (info["address"] + np.arange(nb, dtype=np.int64) * bb).tolist()
-            m_len = [bb] * nb
-            cuts = [nb * i // nreq for i in range(nreq + 1)]
-
-            def mooncake_peer() -> float:
-                best = 0.0
-                for mode in ("sync", "async"):  # one batch; one batch a request, all in flight
-                    dst[:total] = 0xEE
-                    t0 = time.perf_counter()
-                    if mode == "sync":
-                        rc = mooncake.batch_transfer_sync_write(target, m_src, m_dst, m_len)
-                    else:
-                        ids = [
-                            mooncake.batch_transfer_async_write(target, m_src[lo:hi], m_dst[lo:hi], m_len[lo:hi])
-                            for lo, hi in zip(cuts, cuts[1:])
-                        ]
-                        rc = mooncake.get_batch_transfer_status(ids) if all(ids) else -1
-                    dt = time.perf_counter() - t0
-                    if rc != 0:
-                        raise SystemExit(f"Mooncake's {mode} batch write failed ({rc}, {kib} KiB)")
-                    verify_peer(f"Mooncake {mode}")
-                    best = max(best, total / dt)
-                return best
-
-            peers["mooncake"] = mooncake_peer
-
         def transfer(transport: str) -> float:
             tx = txs[transport]
             dst[:total] = 0xEE  # poison
@@ -416,13 +352,9 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         # and the ratio is taken per repetition (this 2-core machine is noisy)
         s0 = a.streams[0]
         ceiling(), socket_loop(s0), transfer("shm"), transfer("tcp"), bare_gather()
-        for fn in peers.values():
-            fn()
-        reps, by_streams, by_peer = [], [], []
+        reps, by_streams = [], []
         for _ in range(a.reps):
             reps.append((ceiling(), transfer("shm"), socket_loop(s0), transfer("tcp"), bare_gather()))
-            # each peer library right after pdkv's tcp: the ratio is taken per repetition
-            by_peer.append({name: (reps[-1][3], fn()) for name, fn in peers.items()})
             # each further stream count: its socket loop, then pdkv's tcp with as many streams
             by_streams.append({n: (socket_loop(n), transfer(f"tcp_{n}")) for n in a.streams[1:]})
         med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -443,13 +375,6 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
                 "tcp": med([p[1] for p in pairs]),
                 "ratio": med([p[1] / p[0] for p in pairs]),
             }
-        peer_rows = {
-            name: {
-                "peer": med([r[name][1] for r in by_peer]),
-                "tcp_x": med([r[name][0] / r[name][1] for r in by_peer]),
-            }
-            for name in peers
-        }
         for n in a.streams[1:]:
             txs.pop(f"tcp_{n}").close()
         spool.shutdown()
@@ -500,13 +425,131 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
             copyto=med(copyto_bw),
             huge_mib=huge_mib,
             by_streams=streams_rows,
-            peers=peer_rows,
         )
+    finally:
+        stop_decode(child)
+    # the peers after pdkv's rows and its decode process are gone, each in a phase of its own
+    out[kib]["peers"] = {
+        name: {"peer": bw, "tcp_x": out[kib]["tcp"] / bw} for name, bw in run_peers(kib, a, src, perm).items()
+    }
+
+
+_TE: list = []  # this process's Mooncake transfer engine, made once (it has no close)
+
+
+def run_peers(kib: int, a: argparse.Namespace, src: np.ndarray, perm: np.ndarray) -> dict[str, float]:
+    """Each peer library's GiB/s (median of ``--reps`` after a warm-up) moving every block of
+    ``src`` into a decode process's buffer in the order ``perm`` (destination i holds source
+    ``perm[i]``), every byte verified. Each peer runs in a phase of its own, with its own
+    decode process: NIXL's UCX progress threads take a core while its agents live, and
+    beside pdkv's rows they halved every one of them on the 2-core dev VM."""
+    return {name: _one_peer(name, kib, a, src, perm) for name in a.peer_list}
+
+
+def _one_peer(name: str, kib: int, a: argparse.Namespace, src: np.ndarray, perm: np.ndarray) -> float:
+    lay = layout_for(kib)
+    bb = lay.block_bytes
+    nreq = 16
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib), "--peers", name],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=a.env,
+    )
+    agent = registered = None
+    try:
+        info = json.loads(child.stdout.readline())
+        nb = info["blocks"]
+        total = nb * bb
+        assert nb == perm.size and total <= src.size, (nb, perm.size)
+        view_buf = pdkv.SharedBuffer.open(info["shm"], pin="never")
+        dst = np.frombuffer(view_buf.buf, dtype=np.uint8)
+        sbase = src.ctypes.data
+
+        def verify_peer(what: str) -> None:
+            if not np.array_equal(dst[:total].reshape(nb, bb), src[:total].reshape(nb, bb)[perm]):
+                raise SystemExit(f"VERIFY FAILED: {what} {kib} KiB")
+
+        if name == "nixl":  # bare NIXL over UCX tcp, descriptor lists prepared once
+            from pdkv import _ffi
+
+            agent = _ffi.nixl.Agent(f"bench-peer-{os.getpid()}")
+            agent.register([(sbase, total, 0)], "DRAM")
+            remote = agent.add_remote(bytes.fromhex(info["bare_metadata"]))
+            prep_l = agent.prepare(np.array([[sbase, bb, 0, bb, nb]], np.uint64), "DRAM")
+            prep_r = agent.prepare(np.array([[info["address"], bb, 0, bb, nb]], np.uint64), "DRAM", remote)
+            li, ri = perm.astype(np.int32), np.arange(nb, dtype=np.int32)
+
+            def nixl_peer() -> float:
+                dst[:total] = 0xEE
+                t0 = time.perf_counter()
+                h = agent.write_prepared(prep_l, li, prep_r, ri)
+                while (st := agent.state(h)) not in ("DONE", "ERR"):
+                    time.sleep(20e-6)
+                dt = time.perf_counter() - t0
+                agent.release(h)
+                if st != "DONE":
+                    raise SystemExit(f"bare NIXL's write ended {st} ({kib} KiB)")
+                verify_peer("bare NIXL")
+                return total / dt
+
+            fn = nixl_peer
+
+        else:  # Mooncake's transfer engine over tcp, the best of a batch a request one after another or in flight
+            if not _TE:
+                _TE.append(_mooncake_engine())
+            mooncake = _TE[0]
+            if mooncake.register_memory(sbase, total) != 0:
+                raise SystemExit("Mooncake's transfer engine could not register the source")
+            registered = mooncake
+            target = info["mooncake"]
+            m_src = (sbase + perm.astype(np.int64) * bb).tolist()
+            m_dst = (info["address"] + np.arange(nb, dtype=np.int64) * bb).tolist()
+            m_len = [bb] * nb
+            cuts = [nb * i // nreq for i in range(nreq + 1)]
+            waves: list[list[tuple[int, int]]] = [[]]
+            for lo, hi in zip(cuts, cuts[1:]):
+                if waves[-1] and hi - waves[-1][0][0] > MOONCAKE_IN_FLIGHT:
+                    waves.append([])
+                waves[-1].append((lo, hi))
+
+            def mooncake_peer() -> float:
+                best = 0.0
+                for mode in ("sync", "async"):  # a batch a request: one after another, or all in flight
+                    dst[:total] = 0xEE
+                    t0 = time.perf_counter()
+                    rc = 0
+                    if mode == "sync":
+                        for lo, hi in zip(cuts, cuts[1:]):
+                            rc = rc or mooncake.batch_transfer_sync_write(
+                                target, m_src[lo:hi], m_dst[lo:hi], m_len[lo:hi]
+                            )
+                    else:  # as many batches in flight as hold MOONCAKE_IN_FLIGHT blocks, then the next
+                        for wave in waves:
+                            ids = [
+                                mooncake.batch_transfer_async_write(target, m_src[lo:hi], m_dst[lo:hi], m_len[lo:hi])
+                                for lo, hi in wave
+                            ]
+                            rc = rc or (mooncake.get_batch_transfer_status(ids) if all(ids) else -1)
+                    dt = time.perf_counter() - t0
+                    if rc != 0:
+                        raise SystemExit(f"Mooncake's {mode} batch write failed ({rc}, {kib} KiB)")
+                    verify_peer(f"Mooncake {mode}")
+                    best = max(best, total / dt)
+                return best
+
+            fn = mooncake_peer
+
+        fn()  # warm-up
+        bw = statistics.median(fn() for _ in range(a.reps))
+        dst = None
+        view_buf.close()
+        return bw
     finally:
         if agent is not None:
             agent.close()
-        if mooncake is not None:
-            mooncake.unregister_memory(src.ctypes.data)
+        if registered is not None:
+            registered.unregister_memory(src.ctypes.data)
         stop_decode(child)
 
 
@@ -528,7 +571,7 @@ def main() -> int:
     ap.add_argument(
         "--peers",
         default="nixl,mooncake",
-        help="peer libraries over tcp measured beside pdkv's tcp in each repetition: bare NIXL over UCX tcp "
+        help="peer libraries over tcp measured in the same run after pdkv's rows: bare NIXL over UCX tcp "
         "(nixl), Mooncake's transfer engine (mooncake), or none; one that does not load here is named and left out",
     )
     ap.add_argument(
@@ -615,8 +658,8 @@ def main() -> int:
             )
     if a.peer_list or missing:
         print(f"\ntcp against peer libraries over tcp: GiB/s, pdkv tcp with {a.streams[0]} streams, each peer")
-        print(" (x: pdkv / it, per repetition, measured right after pdkv's); the same blocks in the same random")
-        print(" order, every byte verified")
+        print(" (x: pdkv's median / its median; each peer after pdkv's rows, in a phase of its own); the same")
+        print(" blocks in the same random order, every byte verified")
         names = {"nixl": "bare NIXL, UCX tcp", "mooncake": "Mooncake TE tcp"}
         print(f"{'KiB':>6} {'pdkv tcp':>9} " + " ".join(f"{names[p]:>24}" for p in a.peer_list))
         for kib, r in out.items():
