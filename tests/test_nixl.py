@@ -381,3 +381,21 @@ def test_nixl_from_gpu_caches_every_byte(cuda_device, P, D, source, no_leaks):
 def test_nixl_fused_layouts_every_byte(P, D, src, dst, no_leaks):
     """vLLM's fused K/V caches through NIXL (one registration per layer region), every byte."""
     fused_every_byte("nixl", P, D, src, dst)
+
+
+def test_a_closed_agent_stops_its_progress_thread_and_refuses_calls():
+    """NIXL's progress thread polls without pause for as long as its agent lives (a whole core
+    on an idle agent): close() lets the agent go, so nothing polls after it."""
+    from pdkv import _ffi
+    from pdkv.errors import TransferError
+
+    a = _ffi.nixl.Agent("pdkv-closing")
+    a.metadata()
+    a.close()
+    a.close()  # idempotent
+    t0, c0 = time.monotonic(), time.process_time()
+    time.sleep(0.5)
+    busy = (time.process_time() - c0) / (time.monotonic() - t0)
+    assert busy < 0.3, f"this process used {busy:.0%} of a core with its only agent closed"
+    with pytest.raises(TransferError, match="^NIXL agent 'pdkv-closing' is closed$"):
+        a.metadata()

@@ -79,7 +79,9 @@ def _dlist(descs: Any) -> Any:
 
 class Agent:
     """One NIXL agent (UCX backend, a progress thread). Ownership: registrations and
-    remote agents are this object's, released by :meth:`close`."""
+    remote agents are this object's, released by :meth:`close`, which also lets the agent
+    go: NIXL's progress thread polls without pause (a whole core, even idle) for as long as
+    its agent lives."""
 
     def __init__(self, name: str, ucx: Mapping[str, str] | None = None) -> None:
         api = import_nixl()
@@ -87,7 +89,7 @@ class Agent:
         with _lock:  # backend start-up is not documented as thread-safe
             cfg = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
             try:
-                self._a = _call("agent creation", api.nixl_agent, name, cfg)
+                self._nixl: Any = _call("agent creation", api.nixl_agent, name, cfg)
             except TransferError as exc:
                 tls = os.environ.get("UCX_TLS")
                 hint = (
@@ -101,6 +103,12 @@ class Agent:
         self._regs: list[Any] = []
         self._remotes: set[str] = set()
         self._prepped: list[Any] = []
+
+    @property
+    def _a(self) -> Any:
+        if self._nixl is None:
+            raise TransferError(f"NIXL agent {self.name!r} is closed")
+        return self._nixl
 
     def register(self, regions: Sequence[tuple[int, int, int]], mem: str) -> None:
         """Register ``(addr, length, device)`` regions (``mem``: ``DRAM`` or ``VRAM``) once."""
@@ -166,8 +174,11 @@ class Agent:
         _call("release_xfer_handle", self._a.release_xfer_handle, handle)
 
     def close(self) -> None:
-        """Release prepared lists, remove remote agents, deregister memory. Idempotent;
-        errors ignored (teardown)."""
+        """Release prepared lists, remove remote agents, deregister memory, and drop the
+        agent (its progress thread stops with it; every later call raises TransferError).
+        Idempotent; errors ignored (teardown)."""
+        if self._nixl is None:
+            return
         for h in self._prepped:
             try:
                 h.release()
@@ -185,3 +196,4 @@ class Agent:
             except Exception:
                 pass
         self._regs.clear()
+        self._nixl = None  # the last reference: NIXL stops the agent's progress thread
