@@ -10,7 +10,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from pdkv.errors import GrantViolation, LeaseExpiredError, RequestError
 from pdkv.scheduling.blocks import BlockPool
-from pdkv.scheduling.scheduler import DecodeScheduler, SchedulerOptions, State
+from pdkv.scheduling.scheduler import DecodeScheduler, EventKind, SchedulerOptions, State
 
 
 class Clock:
@@ -1413,3 +1413,27 @@ def test_events_of_a_refused_write_are_delivered_after_the_lock():
     assert seen == [("reserved", 0), ("expired", 1)]
     assert s._lock.acquire(blocking=False)
     s._lock.release()
+
+
+@pytest.mark.parametrize(
+    "cls, maker, values",
+    [
+        ("Grant", "_make_grant", ("r", "buffer", (1, 2), 7, 1.5, 30.0, 1)),
+        ("Reservation", "_make_reservation", ("r", "queued", None, "no room; queued")),
+        ("ReadyRequest", "_make_ready", ("r", (3, 4), 32, 0)),
+        ("Event", "_make_event", (EventKind.READY, "r", None, "", 2.0)),
+    ],
+)
+def test_the_hot_paths_constructors_make_the_same_frozen_values(cls, maker, values):
+    import dataclasses
+
+    from pdkv.scheduling import lifecycle
+
+    kind, make = getattr(lifecycle, cls), getattr(lifecycle, maker)
+    fast, slow = make(*values), kind(*values)
+    assert type(fast) is kind and fast == slow and repr(fast) == repr(slow) and hash(fast) == hash(slow)
+    assert dataclasses.astuple(fast) == values and make.__name__ == f"make_{cls}"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.request_id = "x"
+    with pytest.raises(TypeError):
+        make(*values[:-1])  # every field is required

@@ -26,6 +26,8 @@ from .lifecycle import (
     State,
     SwapBackend,
     _Hold,
+    _make_event,
+    _make_grant,
     _Metrics,
     _Quarantine,
     _Release,
@@ -152,7 +154,7 @@ class SchedulerCore:
 
     def _event(self, kind: EventKind, rid: str, grant: Grant | None = None, reason: str = "", t: float = 0.0) -> None:
         if self.listener is not None or self._listeners:
-            self._events.append(Event(kind, rid, grant, reason, t))
+            self._events.append(_make_event(kind, rid, grant, reason, t))
 
     def _deliver(self, events: list[Event | _Release]) -> None:
         if not events:
@@ -261,7 +263,7 @@ class SchedulerCore:
         req.expires = now + o.lease_s
         self._push_expiry(req)
         self._m[_RESERVATIONS_OF[req.location]] += 1
-        return Grant(req.rid, req.location, tuple(blocks), req.token, req.expires, o.lease_s, len(req.prefix))  # type: ignore[arg-type]
+        return _make_grant(req.rid, req.location, tuple(blocks), req.token, req.expires, o.lease_s, len(req.prefix))
 
     def _release_blocks(self, req: _Req, *, quarantine: bool, now: float) -> None:
         w = req.writers

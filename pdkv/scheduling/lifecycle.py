@@ -9,9 +9,9 @@ the state machine over them and re-exports the public ones.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
     "State",
@@ -255,6 +255,26 @@ class EventKind(str, enum.Enum):
         return self in _TERMINAL_EVENTS
 
 
+_T = TypeVar("_T")
+
+
+def _maker(cls: type[_T]) -> Callable[..., _T]:
+    """A constructor of the frozen, slotted dataclass ``cls`` for the scheduler's hot paths:
+    every field positional and required, no checks, each stored through its slot's own
+    descriptor. The instance is the same as ``cls(...)`` makes (equal, frozen, its repr and
+    fields); the generated ``__init__`` stores each field through ``object.__setattr__``
+    (frozen), which costs twice as much: 0.98 against 0.47 us for a Grant's seven fields
+    (Python 3.12, dev VM)."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    env.update({f"_set_{n}": cls.__dict__[n].__set__ for n in names})
+    body = "".join(f"    _set_{n}(o, {n})\n" for n in names)
+    exec(f"def make({', '.join(names)}):\n    o = _new(_cls)\n{body}    return o\n", env)
+    make: Callable[..., _T] = env["make"]
+    make.__qualname__ = make.__name__ = f"make_{cls.__name__}"
+    return make
+
+
 _TERMINAL_EVENTS = frozenset({EventKind.FAILED, EventKind.EXPIRED, EventKind.ABORTED, EventKind.REJECTED})
 
 
@@ -369,3 +389,10 @@ class _Metrics:
             0,
         )
     )
+
+
+# the hot paths' constructors (_maker): every field, in order
+_make_grant = _maker(Grant)
+_make_reservation = _maker(Reservation)
+_make_ready = _maker(ReadyRequest)
+_make_event = _maker(Event)

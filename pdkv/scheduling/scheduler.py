@@ -47,6 +47,8 @@ from .lifecycle import (
     SwapHandle,
     WriteTicket,
     _Hold,
+    _make_ready,
+    _make_reservation,
     _Quarantine,
     _Req,
 )
@@ -169,7 +171,7 @@ class DecodeScheduler(SchedulerCore):
             grant = None if self._queue else self._grant(req, now)
             if grant is not None:
                 self._reqs[request_id] = req
-                res = Reservation(request_id, grant.location, grant)
+                res = _make_reservation(request_id, grant.location, grant, "")
                 self._event(EventKind.RESERVED, request_id, grant=grant, t=now)
             elif self.options.on_full == "queue" and len(self._queue) < self.options.max_queue:
                 req.queue_deadline = now + self.options.queue_timeout_s
@@ -460,7 +462,7 @@ class DecodeScheduler(SchedulerCore):
             out = []
             for r in self._ready:
                 r.in_ready = False
-                out.append(ReadyRequest(r.rid, r.prefix + tuple(r.gpu_blocks or ()), r.tokens, len(r.prefix)))
+                out.append(_make_ready(r.rid, r.prefix + tuple(r.gpu_blocks or ()), r.tokens, len(r.prefix)))
             self._ready.clear()
             return out
 
