@@ -1429,11 +1429,14 @@ def test_the_hot_paths_constructors_make_the_same_frozen_values(cls, maker, valu
 
     from pdkv.scheduling import lifecycle
 
-    kind, make = getattr(lifecycle, cls), getattr(lifecycle, maker)
-    fast, slow = make(*values), kind(*values)
-    assert type(fast) is kind and fast == slow and repr(fast) == repr(slow) and hash(fast) == hash(slow)
-    assert dataclasses.astuple(fast) == values and make.__name__ == f"make_{cls}"
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        fast.request_id = "x"
-    with pytest.raises(TypeError):
-        make(*values[:-1])  # every field is required
+    kind = getattr(lifecycle, cls)
+    # the module's own (made at import) and one made here, by the same _maker
+    for make in (getattr(lifecycle, maker), lifecycle._maker(kind)):
+        fast, slow = make(*values), kind(*values)
+        assert type(fast) is kind and fast == slow and repr(fast) == repr(slow) and hash(fast) == hash(slow)
+        assert dataclasses.astuple(fast) == values
+        assert make.__name__ == make.__qualname__ == f"make_{cls}"
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            fast.request_id = "x"
+        with pytest.raises(TypeError):
+            make(*values[:-1])  # every field is required
