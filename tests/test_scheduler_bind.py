@@ -226,6 +226,10 @@ def test_bind_checks_each_argument_then_times_and_counts_the_swap():
     t[0] = 6.0
     s.bind("b", [7])
     assert s.metrics()["prefill_wait_avoided_seconds_sum"] == 2.5  # the sum of both waits
+    swaps.handles["b"].finished = True
+    s.tick()
+    m = s.metrics()
+    assert (m["requests_ready"], m["swaps_completed"], m["swap_bytes"]) == (2, 2, 400)
 
 
 def test_an_engine_bound_scheduler_never_frees_a_gpu_block():
