@@ -1287,6 +1287,24 @@ def test_a_held_prefix_is_skipped_in_every_grant_view_and_released_without_a_cal
     s.check_invariants()
 
 
+def test_a_rejected_reservation_releases_its_held_prefix_and_reuses_nothing():
+    s, clock, _, ev = make(gpu=4, buf=2, direct_to_gpu=False)
+    held = s.gpu.allocate(2)  # the engine's own blocks: the prompt's cached prefix
+    released = []
+    s.hold_prefix("x", held, lambda rid, blocks: released.append((rid, blocks)))
+    s.reserve("filler", num_blocks=2)  # the buffer is full now
+    res = s.reserve("x", num_blocks=4)
+    assert (res.outcome, res.reason) == ("rejected", "no free GPU or buffer blocks")
+    assert released == [("x", tuple(held))]
+    assert s.metrics()["prefix_blocks_reused"] == 0
+    s.hold_prefix("y", held, lambda rid, blocks: released.append((rid, blocks)))
+    s.abort("filler")
+    clock.t += 5  # past the filler's quarantine
+    s.tick()
+    assert s.reserve("y", num_blocks=4).outcome == "buffer"
+    assert s.metrics()["prefix_blocks_reused"] == 2 and released == [("x", tuple(held))]
+
+
 def test_drop_prefix_and_an_unclaimed_hold_expire_each_release_once():
     s, clock, swap, ev = make()
     got = []
