@@ -1287,6 +1287,30 @@ def test_a_held_prefix_is_skipped_in_every_grant_view_and_released_without_a_cal
     s.check_invariants()
 
 
+def test_every_refused_late_message_is_counted_once():
+    s, clock, _, _ = make(direct_to_gpu=False)
+    r = s.reserve("a", num_blocks=1)
+    late = lambda: s.metrics()["late_messages_rejected"]  # noqa: E731
+    for _ in range(2):
+        with pytest.raises(GrantViolation):
+            s.land_layer("a", r.grant.token + 1, 0)  # a forged token
+    assert late() == 2
+    with pytest.raises(GrantViolation):
+        s.fail("a", "x", token=r.grant.token + 1)
+    with pytest.raises(RequestError, match="unknown request 'zz'"):
+        s.renew("zz", 1)
+    assert late() == 4
+    s.land_layers("a", r.grant.token, range(4))
+    s.complete("a", r.grant.token)
+    with pytest.raises(RequestError, match="is received; no more writes"):
+        s.renew("a", r.grant.token)
+    b = s.reserve("b", num_blocks=1)
+    clock.t += s.options.lease_s
+    with pytest.raises(LeaseExpiredError):
+        s.land_layer("b", b.grant.token, 0)
+    assert late() == 6
+
+
 def test_a_rejected_reservation_releases_its_held_prefix_and_reuses_nothing():
     s, clock, _, ev = make(gpu=4, buf=2, direct_to_gpu=False)
     held = s.gpu.allocate(2)  # the engine's own blocks: the prompt's cached prefix
