@@ -201,7 +201,7 @@ def decode_main(a: argparse.Namespace) -> None:
 def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
     lay = layout_for(kib)
     child = subprocess.Popen(
-        [sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib)]
+        [sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib), "--peers", "none"]
         + (["--huge-pages"] if a.huge_pages else []),
         stdout=subprocess.PIPE,
         text=True,

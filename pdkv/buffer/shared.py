@@ -181,14 +181,15 @@ class SharedBuffer:
             _check_memory(size, name)
         self = cls(_token=_FACTORY)
         with ExitStack() as undo:
-            # the origin record first: a crash at any later point leaves a buffer clean can prove
-            ofd = _ffi.libc.shm_open("/" + name + ORIGIN_SUFFIX, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            undo.callback(_ffi.libc.shm_unlink, "/" + name + ORIGIN_SUFFIX)
-            # owned from its first name on: a SIGTERM while the parts are made or populated
-            # (seconds for a large buffer) removes what exists so far
+            # owned before its first name exists: a SIGTERM at any point while the parts are
+            # made or populated (seconds for a large buffer) removes what exists so far (owned
+            # only after the origin record was made, a SIGTERM in between left the record)
             made = [name + ORIGIN_SUFFIX]
             _own(name, made)
             undo.callback(_disown, name)
+            # the origin record first: a crash at any later point leaves a buffer clean can prove
+            ofd = _ffi.libc.shm_open("/" + name + ORIGIN_SUFFIX, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            undo.callback(_ffi.libc.shm_unlink, "/" + name + ORIGIN_SUFFIX)
             try:
                 os.fchmod(ofd, 0o600)
                 os.write(ofd, _origin_record(name, size, stripes))

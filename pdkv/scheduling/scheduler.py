@@ -47,6 +47,7 @@ from .lifecycle import (
     SwapHandle,
     WriteTicket,
     _Hold,
+    _make_grant,
     _make_ready,
     _make_reservation,
     _Quarantine,
@@ -263,15 +264,8 @@ class DecodeScheduler(SchedulerCore):
         """
         with self._locked():
             req, blocks = self._writable_blocks(request_id, token)
-            return Grant(
-                req.rid,
-                req.location,  # type: ignore[arg-type]
-                tuple(blocks),
-                req.token,
-                req.expires,
-                self.options.lease_s,
-                len(req.prefix),
-            )
+            lease = self.options.lease_s
+            return _make_grant(req.rid, req.location, tuple(blocks), req.token, req.expires, lease, len(req.prefix))
 
     def begin_write(self, request_id: str, token: int) -> WriteTicket:
         """Admit a write into ``request_id``'s blocks: validate as :meth:`check_write`, then
