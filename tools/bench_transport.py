@@ -201,7 +201,7 @@ def decode_main(a: argparse.Namespace) -> None:
 def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
     lay = layout_for(kib)
     child = subprocess.Popen(
-        [sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib), "--peers", "none"]
+        [sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib)]
         + (["--huge-pages"] if a.huge_pages else []),
         stdout=subprocess.PIPE,
         text=True,
@@ -570,9 +570,10 @@ def main() -> int:
     )
     ap.add_argument(
         "--peers",
-        default="nixl,mooncake",
+        default=None,
         help="peer libraries over tcp measured in the same run after pdkv's rows: bare NIXL over UCX tcp "
-        "(nixl), Mooncake's transfer engine (mooncake), or none; one that does not load here is named and left out",
+        "(nixl), Mooncake's transfer engine (mooncake), or none (default nixl,mooncake); one that does not "
+        "load here is named and left out",
     )
     ap.add_argument(
         "--copy-threads",
@@ -604,6 +605,8 @@ def main() -> int:
         ap.error(f"--streams {','.join(map(str, a.streams))}: distinct counts in 1..64")
     if a.copy_threads is None:
         a.copy_threads = default_copy_threads()
+    if a.peers is None:  # a decode process serves the peers it is asked for, none unless asked
+        a.peers = "none" if a.role == "decode" else "nixl,mooncake"
     wanted = _peer_list(a.peers)
     if any(p not in PEERS for p in wanted) or len(set(wanted)) != len(wanted):
         ap.error(f"--peers {a.peers}: distinct names of {', '.join(PEERS)}, or none")
