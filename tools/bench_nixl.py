@@ -33,13 +33,12 @@ import time
 
 import numpy as np
 from _bench import send_and_wait, stop_decode, ucx_env
-from bench_transport import layout_for
+from bench_transport import NREQ, layout_for
 
 import pdkv
 from pdkv import _ffi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NREQ = 16
 
 
 def _descs(addr: np.ndarray, n: int, dev: int) -> np.ndarray:

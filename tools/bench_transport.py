@@ -70,6 +70,7 @@ class NullSwap:
         return _Done()
 
 
+NREQ = 16  # requests a transfer: the 1 GiB is cut into this many (bench_nixl.py's too)
 PEERS = ("nixl", "mooncake")
 # blocks a Mooncake transfer engine takes in flight over tcp: 8,192 at once (16 batches of 512)
 # overflow its tcp lanes' queues ("TCP lane queue-full rejection") and fail the write
@@ -83,7 +84,6 @@ def _peer_list(arg: str) -> list[str]:
 def _mooncake_engine():
     """Mooncake's transfer engine over tcp on loopback, peers found by handshake (no
     metadata server)."""
-    os.environ.setdefault("GLOG_minloglevel", "2")  # its per-connection INFO and WARNING lines
     from mooncake.engine import TransferEngine
 
     te = TransferEngine()
@@ -98,7 +98,6 @@ def peer_unavailable(name: str) -> str:
         from pdkv import _ffi
 
         return "" if _ffi.nixl.available() else "NIXL is not installed (pip install 'pdkv[nixl]')"
-    os.environ.setdefault("GLOG_minloglevel", "2")
     try:
         import mooncake.engine  # noqa: F401
     except ImportError as exc:  # not installed, or a shared library it links (libibverbs) missing
@@ -218,8 +217,7 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
         view_buf = pdkv.SharedBuffer.open(info["shm"], pin="never")
         dst = np.frombuffer(view_buf.buf, dtype=np.uint8)
         perm = np.random.default_rng(1).permutation(nb)
-        nreq = 16
-        per = nb // nreq
+        per = nb // NREQ
 
         # ceiling for shm: one contiguous copy of the same bytes into the other process's
         # segment, by as many threads as pdkv copies with, with the faster of two copy
@@ -337,7 +335,7 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
             tx = txs[transport]
             dst[:total] = 0xEE  # poison
             counter[0] += 1
-            rids = [f"{transport}-{counter[0]}-{i}" for i in range(nreq)]
+            rids = [f"{transport}-{counter[0]}-{i}" for i in range(NREQ)]
             # reservation is control-plane work (measured below); the clock starts with data
             grants = [tx.reserve(r, per * lay.tokens_per_block) for r in rids]
             dt = send_and_wait(tx, [(r, perm[i * per : (i + 1) * per].tolist()) for i, r in enumerate(rids)])
@@ -346,7 +344,7 @@ def run_size(kib: int, a: argparse.Namespace, rows: list, out: dict) -> None:
                 got = dst[: nb * bb].reshape(nb, bb)[np.asarray(g.blocks)]
                 if not np.array_equal(got, src.reshape(nb, bb)[perm[i * per : (i + 1) * per]]):
                     raise SystemExit(f"VERIFY FAILED: {transport} {kib} KiB request {i}")
-            return nreq * per * bb / dt
+            return NREQ * per * bb / dt
 
         # warm-up, then each repetition measures the thing and its baseline back to back,
         # and the ratio is taken per repetition (this 2-core machine is noisy)
@@ -449,7 +447,6 @@ def run_peers(kib: int, a: argparse.Namespace, src: np.ndarray, perm: np.ndarray
 def _one_peer(name: str, kib: int, a: argparse.Namespace, src: np.ndarray, perm: np.ndarray) -> float:
     lay = layout_for(kib)
     bb = lay.block_bytes
-    nreq = 16
     child = subprocess.Popen(
         [sys.executable, __file__, "--role", "decode", "--kib", str(kib), "--gib", str(a.gib), "--peers", name],
         stdout=subprocess.PIPE,
@@ -506,7 +503,7 @@ def _one_peer(name: str, kib: int, a: argparse.Namespace, src: np.ndarray, perm:
             m_src = (sbase + perm.astype(np.int64) * bb).tolist()
             m_dst = (info["address"] + np.arange(nb, dtype=np.int64) * bb).tolist()
             m_len = [bb] * nb
-            cuts = [nb * i // nreq for i in range(nreq + 1)]
+            cuts = [nb * i // NREQ for i in range(NREQ + 1)]
             waves: list[list[tuple[int, int]]] = [[]]
             for lo, hi in zip(cuts, cuts[1:]):
                 if waves[-1] and hi - waves[-1][0][0] > MOONCAKE_IN_FLIGHT:

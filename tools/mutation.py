@@ -98,7 +98,7 @@ def fingerprint(diff: str) -> str:
     changed = [
         ln[0] + ln[1:].strip()
         for ln in diff.splitlines()
-        if ln[:1] in "-+" and ln[:1] and not ln.startswith(("---", "+++"))
+        if ln.startswith(("-", "+")) and not ln.startswith(("---", "+++"))
     ]
     return hashlib.sha256("\n".join(changed).encode()).hexdigest()[:8]
 
