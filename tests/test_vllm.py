@@ -125,9 +125,16 @@ def test_vllm_disaggregated_tokens_and_kv_equal_colocated(engines, colocated, tr
         pre["tokens"] += r["tokens"]
         pre["kv_params"] += r["kv_params"]
     assert [t[0] for t in pre["tokens"]] == [t[0] for t in colocated]
-    # prefill's blocks are free: decode's CPU buffer holds the prompts (decode has not asked yet)
-    st = decode.ask(op="state")
+    # prefill's blocks are free: decode's CPU buffer holds the prompts (decode has not asked
+    # yet); the last prompt's completion may still be on its way to decode: wait, bounded
     need_blocks = sum(-(-len(p) // BLOCK) for p in PROMPTS)
+    deadline = time.monotonic() + 10
+    while True:
+        st = decode.ask(op="state")
+        landed = st["buffer_total"] - st["buffer_free"] == need_blocks and st["pdkv_live"] == len(PROMPTS)
+        if landed or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert prefill.ask(op="state")["vllm_free"] == prefill.ready["vllm_total"]
     assert st["buffer_total"] - st["buffer_free"] == need_blocks and st["pdkv_live"] == len(PROMPTS)
     for i, p in enumerate(pre["kv_params"]):
