@@ -8,6 +8,7 @@ and raw data connections), the good peer's transfer beside it, and ``outside_unc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -1172,5 +1173,52 @@ def test_listening_beyond_loopback_without_a_secret_warns(caplog):
     dec = Decode(control="tcp://0.0.0.0:0", secret=SECRET)
     try:
         assert not any("without a secret" in r.getMessage() for r in caplog.records)
+    finally:
+        dec.close()
+
+
+def _zmtp_greetings() -> list[bytes]:
+    """Broken starts of a ZMTP connection: random bytes, and truncated or corrupt greetings
+    (ZMTP 3: signature 0xFF, 8 bytes, 0x7F, version, mechanism, as-server, filler)."""
+    full = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
+    return [
+        os.urandom(8192),
+        os.urandom(64),
+        full[:1],
+        full[:10],
+        full[:11],
+        full[:40],
+        full + os.urandom(512),  # a greeting, then no handshake but garbage
+        full[:11] + b"\x09" + os.urandom(200),  # an unknown version
+        b"\x01\x00" + os.urandom(300),  # ZMTP 1.0 framing, a frame of garbage
+        b"\xff" * 9 + b"\x7f" + os.urandom(4000),
+    ]
+
+
+@pytest.mark.parametrize("rep", range(20))
+def test_random_bytes_on_the_control_port_stop_no_session_and_no_handshake(rep, no_leaks):
+    """8 KiB of random bytes (and truncated ZMTP greetings) sent to decode's control port by
+    someone without the secret used to end decode's control loop (a receive error of that
+    one connection was taken for the socket closing). Now a live session's heartbeats are
+    answered in their normal time throughout, and a new handshake succeeds after."""
+    dec = Decode(secret=SECRET)
+    try:
+        live = RawSession(dec.rx.control_address, KVLayout(**BASE), secret=SECRET, instance="live")
+        host, port = dec.rx.control_address[len("tcp://") :].rsplit(":", 1)
+        slowest = 0.0
+        for junk in _zmtp_greetings():
+            s = socket.create_connection((host, int(port)), timeout=2)
+            with contextlib.suppress(OSError):
+                s.sendall(junk)
+            time.sleep(0.01)
+            s.close()
+            for _ in range(3):  # the live session's heartbeat, answered as always
+                t0 = time.monotonic()
+                live.send(Heartbeat(time.time()))
+                assert isinstance(live.recv(timeout_ms=2000), Heartbeat)
+                slowest = max(slowest, time.monotonic() - t0)
+        assert slowest < 0.5, f"a heartbeat took {slowest:.3f} s"
+        good_peer(dec, instance="after", secret=SECRET)  # a new handshake, a transfer, received
+        live.close()
     finally:
         dec.close()

@@ -16,7 +16,7 @@ import zmq
 
 from ..protocol import MAX_BATCH_BLOCKS, MAX_TEXT, GrantBatch, GrantMsg, Message, Outcome, OutcomeBatch
 
-__all__ = ["Channel", "RateLimitedLog", "Replies", "clip", "SEND_BATCH"]
+__all__ = ["Channel", "RateLimitedLog", "Replies", "clip", "closing", "SEND_BATCH"]
 
 SEND_BATCH = 512  # items one batch message carries as sent (protocol limit: MAX_BATCH_ITEMS)
 
@@ -26,6 +26,15 @@ _log = logging.getLogger("pdkv.transfer")
 _NB, _MORE_NB = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _SRCFD = int(zmq.SRCFD)
+# what a socket raises once it (or its context) is closed: the channel's end. Any other error
+# belongs to one connection or one message (a peer that sent garbage and left, a descriptor
+# already gone) and costs only that
+_CLOSING = frozenset({int(zmq.ETERM), int(zmq.ENOTSOCK), int(zmq.EFAULT)})
+
+
+def closing(exc: zmq.ZMQError) -> bool:
+    """Whether ``exc`` says the socket or its context is closed (not one connection's error)."""
+    return exc.errno in _CLOSING
 
 
 class Channel:
@@ -53,6 +62,7 @@ class Channel:
         self._poll.register(int(sock.getsockopt(zmq.FD)), select.POLLIN)
         self._poll.register(self._r, select.POLLIN)
         self._closed = False
+        self.errors = 0  # per-connection receive errors survived
         # the pipe's fds are touched only under this lock and never after close(): a late
         # wake-up must not write into whatever file reuses the number
         self._pipe_lock = threading.Lock()
@@ -95,13 +105,20 @@ class Channel:
                         parts = self.sock.recv_multipart(_NB, copy=False)
                         frames = [p.bytes for p in parts]
                         got += sum(map(len, frames))
-                        out.append((parts[0].get(_SRCFD), frames))
+                        try:
+                            fd = parts[0].get(_SRCFD)
+                        except zmq.ZMQError:  # its connection is gone already (EINVAL): the message stays
+                            fd = -1
+                        out.append((fd, frames))
                     else:
                         out.append(self.sock.recv_multipart(_NB))
             except zmq.Again:
                 pass
-            except zmq.ZMQError:
-                return None
+            except zmq.ZMQError as exc:
+                if closing(exc):
+                    return None
+                self.errors += 1  # one connection's trouble: what was taken is served, the loop goes on
+                _log.debug("control channel: %s (one connection's error; serving on)", exc)
         return out
 
     def wait(self, timeout_ms: int, max_bytes: int = 1 << 62) -> list[Any] | None:
