@@ -1222,3 +1222,36 @@ def test_random_bytes_on_the_control_port_stop_no_session_and_no_handshake(rep, 
         live.close()
     finally:
         dec.close()
+
+
+@pytest.mark.multiproc
+def test_a_decode_resumed_after_a_freeze_serves_the_same_prefills_new_sender(no_leaks):
+    """SIGSTOP decode past the sender's silence bound, SIGCONT: the sender gave up and
+    closed, and a new sender of the same process and name is served at once (decode used to
+    read the old session's queued heartbeats and refuse the rank as live), 20 times in a
+    row; the new sender's transfer is received."""
+    d, info = _spawn_decode("--timeout", "30")  # decode's own silence bound: far past each freeze
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        served = []
+        for i in range(20):
+            tx = PrefillSender(
+                lay, spec, info["control"], transport="tcp", timeout_s=0.6, heartbeat_s=0.1, instance="frozen"
+            )
+            assert send_one(tx, f"before-{i}", [0, 1], timeout=5).ok
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 5
+                while not tx._broken and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert tx._broken, "the sender did not give up on a frozen decode"
+                tx.close()
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            t0 = time.monotonic()
+            with PrefillSender(lay, spec, info["control"], transport="tcp", timeout_s=5, instance="frozen") as tx2:
+                assert send_one(tx2, f"after-{i}", [2, 3], timeout=5).ok
+            served.append(time.monotonic() - t0)
+        assert max(served) < 2.0, f"slowest new sender served in {max(served):.2f} s"
+    finally:
+        _stop(d)

@@ -56,6 +56,9 @@ _QUEUED_BYTES = 32 << 20
 _PEER_QUEUE = 1024
 _PEER_QUEUED_BYTES = 4 << 20
 _ROUND_S = 0.02
+# a session whose control connection closed ends this long after (its last messages are
+# read from the socket first: zmq reports the connection's end as soon as it sees it)
+_GONE_GRACE_S = 0.05
 
 
 class DecodeReceiver(ReceiverCore):
@@ -110,7 +113,9 @@ class DecodeReceiver(ReceiverCore):
             served, until = 0, time.monotonic() + _ROUND_S
             while self._queues and served < 256 and time.monotonic() < until:
                 for ident in list(self._queues):
-                    q = self._queues[ident]
+                    q = self._queues.get(ident)
+                    if q is None:  # retired by a message served before it in this round
+                        continue
                     fd, frames = q.popleft()
                     n = sum(map(len, frames))
                     self._queued[ident] -= n
@@ -119,17 +124,13 @@ class DecodeReceiver(ReceiverCore):
                         del self._queues[ident]
                         del self._queued[ident]
                     served += 1
-                    # one message, whatever it holds, never ends the loop that serves every peer
-                    try:
-                        self._on_frames(frames, fd)
-                    except Exception:
-                        self.count("loop_errors")
-                        self.count("messages_rejected")
-                        _log.exception("control message handling failed (message dropped)")
+                    self._serve(frames, fd)
             now = time.monotonic()
             try:
                 if self.options.auto_tick:
                     self.scheduler.tick()
+                if self._gone:
+                    self._end_gone(now)
                 if now - last_check > 0.1:
                     last_check = now
                     self._guard.sweep(now)
@@ -471,6 +472,33 @@ class DecodeReceiver(ReceiverCore):
             if silent or gone:
                 why = "was silent for peer_timeout_s" if silent else f"process {p.pid} is gone"
                 self._end_session(p, f"prefill {p.instance} rank {p.tp_rank} died ({why})", dead=True)
+
+    def retire(self, ident: bytes) -> None:
+        q = self._queues.pop(ident, None)
+        if q is not None:
+            self._queued_total -= self._queued.pop(ident, 0)
+            for fd, frames in q:
+                self._serve(frames, fd)
+        self._gone.pop(ident, None)
+        p = self.peer(ident)
+        if p is not None:
+            self._end_session(p, f"prefill {p.instance} rank {p.tp_rank}: its control connection closed", dead=True)
+
+    def _serve(self, frames: list[bytes], fd: int) -> None:
+        # one message, whatever it holds, never ends the loop that serves every peer
+        try:
+            self._on_frames(frames, fd)
+        except Exception:
+            self.count("loop_errors")
+            self.count("messages_rejected")
+            _log.exception("control message handling failed (message dropped)")
+
+    def _end_gone(self, now: float) -> None:
+        """End the sessions whose control connection closed, once what it sent before it
+        closed was served (nothing of it queued, and a round has passed since)."""
+        for ident, since in list(self._gone.items()):
+            if ident not in self._queues and now - since >= _GONE_GRACE_S:
+                self.retire(ident)
 
     def _end_session(self, p: Peer, why: str, dead: bool) -> None:
         """End ``p``'s session: fence its data path, fail its requests, release what only it

@@ -12,7 +12,10 @@ descriptor, without a duplicate: zmq then drops the connection as if the peer ha
   ``max_pending_control`` of them, or more than ``max_pending_per_source`` from one
   address.
 
-A connection whose session is live is never closed by the guard. So a peer holding
+A connection whose session is live is never closed by the guard. When such a connection
+ends (its process exited, or closed its socket), ``on_gone`` is told its identity: a
+session lives on one connection (zmq gives a reconnection a new identity), so it can never
+speak again and its name and rank are free at once. So a peer holding
 connections open, or opening them quickly, keeps no new peer out for longer than it takes
 that peer to handshake (a few round trips), and what unauthenticated peers can make decode
 hold is bounded: ``max_pending_control`` connections, each with at most ``RCVHWM`` messages
@@ -55,8 +58,10 @@ class ControlGuard:
         max_per_source: int,
         count: Callable[[str], None],
         warn: Callable[..., None],
+        on_gone: Callable[[bytes], None] | None = None,
     ) -> None:
         self._router = router
+        self._on_gone = on_gone
         self._mon = router.get_monitor_socket(int(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED))
         self.auth_timeout_s = auth_timeout_s
         self.max_pending, self.max_per_source = max_pending, max_per_source
@@ -92,7 +97,9 @@ class ControlGuard:
                 self._conns[fd] = _Conn(now + self.auth_timeout_s, _source(fd))
                 accepted = True
             elif event & _GONE:
-                self._conns.pop(fd, None)
+                c = self._conns.pop(fd, None)
+                if c is not None and c.session and self._on_gone is not None:
+                    self._on_gone(c.ident)
         if accepted:
             self._enforce()
 

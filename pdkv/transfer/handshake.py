@@ -154,6 +154,11 @@ def accept_session(rx: ReceiverCore, ident: bytes, hs: Handshake, auth: Auth) ->
     h, codec, transport = hs.hello, hs.codec, hs.transport
     fp = key_fingerprint(mask_instance_key(auth.instance_key, codec.key, h.nonce, hs.nonce))
     with rx.lock:
+        old = [p.ident for p in rx._peers.values() if p.instance == h.instance and p.tp_rank == h.tp_rank]
+    for ident_old in old:
+        if ident_old in rx._gone:  # the rank's session whose connection closed: what it sent, then its end
+            rx.retire(ident_old)
+    with rx.lock:
         why = identity_refusal(rx, h, fp)
     if why is not None:
         rx.count("identity_refused")

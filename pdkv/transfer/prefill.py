@@ -295,12 +295,15 @@ class PrefillSender(Reservations):
         """Stop threads, close sockets and shm mappings. Pending requests fail. Idempotent."""
         if self._closed.is_set():
             return
-        if self.session_id and not self._broken and not self._bye.is_set():
+        if self.session_id and not self._bye.is_set():
             # end the session at decode now (its requests fail there at once, and the name and
-            # rank are free for a new session), waiting a bounded time for decode's answer
+            # rank are free for a new session), waiting a bounded time for decode's answer; a
+            # sender that gave up on decode (silent, frozen) still says Bye, without waiting:
+            # a decode that comes back reads it (and the connection's end) before anything new
             self._closing = True
             self.post(Bye("sender closed"))
-            self._bye.wait(min(1.0, self.timeout_s))
+            if not self._broken:
+                self._bye.wait(min(1.0, self.timeout_s))
         self._closed.set()
         self._jobs.put(None)
         self._ch.wake()

@@ -137,6 +137,9 @@ class ReceiverCore:
         self._by_token: dict[int, Inflight] = {}
         self._grants: dict[tuple[str, str], GrantMsg] = {}
         self._hello_nonces = HelloNonces(opts.auth_timeout_s * 2)
+        # sessions whose control connection ended (ident -> when seen): ended once what the
+        # connection sent before it closed has been served
+        self._gone: dict[bytes, float] = {}
         # messages taken off the socket, by connection, served round-robin: one peer's flood
         # of batches delays another's reservation by one message, not by the flood
         self._queues: dict[bytes, collections.deque[tuple[int, list[bytes]]]] = {}
@@ -158,6 +161,7 @@ class ReceiverCore:
                 opts.max_pending_per_source,
                 self.count,
                 self.warn,
+                self._connection_gone,
             )
             self._router.bind(opts.control)
             self.control_address = bytes(self._router.getsockopt(zmq.LAST_ENDPOINT)).decode()
@@ -277,9 +281,17 @@ class ReceiverCore:
         if peer is not None:
             self._ch.send(lambda: [ident, *peer.codec.encode(msg)])
 
+    def _connection_gone(self, ident: bytes) -> None:
+        """The control connection of ``ident``'s live session ended (the guard's monitor)."""
+        self._gone.setdefault(ident, time.monotonic())
+
     def on_session(self, ident: bytes) -> None:
         """A session began on connection ``ident`` (the handshake's last step)."""
         self._guard.session(ident, True, time.monotonic())
+
+    def retire(self, ident: bytes) -> None:  # (DecodeReceiver)
+        """Serve what the closed connection ``ident`` sent, then end its session."""
+        raise NotImplementedError
 
     def _control_loop(self) -> None:  # the receiver's thread (DecodeReceiver)
         raise NotImplementedError
