@@ -24,7 +24,7 @@ import zmq
 from hostile import AUTH_HEADER, RawSession, data_conn, recv_n, sender_conn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_transfer import BASE, HERE, Decode, prefill_cache, reap, send_one, wait_until
+from test_transfer import BASE, HERE, Decode, expected_block, prefill_cache, reap, send_one, wait_until
 
 from pdkv import CacheSpec, KVLayout, PrefillSender, State
 from pdkv.errors import ProtocolError, TransferError
@@ -1255,3 +1255,33 @@ def test_a_decode_resumed_after_a_freeze_serves_the_same_prefills_new_sender(no_
         assert max(served) < 2.0, f"slowest new sender served in {max(served):.2f} s"
     finally:
         _stop(d)
+
+
+def test_a_refusal_fails_the_request_it_names_by_field_alone(no_leaks):
+    """Decode refuses ``a:x`` (its id is live for another instance) while this sender's
+    ``a`` is granted: ``a:x`` fails, ``a`` is received, byte for byte (the refusal used to
+    be attributed by the text before its first ':', failing ``a``)."""
+    dec = Decode()
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        with (
+            PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5, instance="one") as other,
+            PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5, instance="two") as tx,
+        ):
+            other.reserve("a:x", 16)
+            g = tx.reserve("a", 16)
+            with pytest.raises(TransferError, match="a:x"):
+                tx.reserve("a:x", 16)
+            assert tx.poll_outcome("a") is None, "a refusal of a:x resolved a"
+            for layer in range(4):
+                tx.send_layer(layer, [("a", [0, 1])])
+            tx.finish("a")
+            out = tx.wait_outcome("a", 5)
+            assert out.ok, out
+            for layer in range(4):
+                for t in range(2):
+                    for gi in range(2):
+                        want = expected_block([lay], [spec], [0, 1], dec.lays[0], layer, t, gi)
+                        assert dec.block(0, layer, t, g.blocks[gi]) == want, "a's bytes differ"
+    finally:
+        dec.close()

@@ -341,7 +341,7 @@ def test_the_wire_form_is_pinned():
         [5, {"type": "abort", "request_id": "r", "reason": ""}],
         [6, {"type": "bye", "reason": ""}],
         [7, {"type": "hb", "t": 1.5}],
-        [8, {"type": "error", "code": "busy", "message": "m"}],
+        [8, {"type": "error", "code": "busy", "message": "m", "request_id": ""}],
         [9, {"type": "reserve", "request_id": "r", "num_tokens": 3}],
         [10, {"type": "challenge", "nonce": b"c" * 16, "hello_nonce": b"n" * 16}],
     ]  # fmt: skip

@@ -362,8 +362,12 @@ class Heartbeat(_Base, tag="hb", frozen=True):
 
 
 class ErrorMsg(_Base, tag="error", frozen=True):
+    """Decode refused a message. ``request_id`` names the request it concerned (empty when
+    it concerned none, e.g. a handshake); a sender fails that request by this field alone."""
+
     code: _Short
     message: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_MESSAGE)]
+    request_id: Annotated[str, msgspec.Meta(max_length=MAX_ID)] = ""
 
 
 Message = (

@@ -189,7 +189,7 @@ class DecodeReceiver(ReceiverCore):
         except PdkvError as exc:
             self.count("messages_rejected")
             rid = getattr(msg, "request_id", "")
-            self._send(ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}" if rid else str(exc)))
+            self._send(ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}" if rid else str(exc), rid))
 
     def _dispatch(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, Heartbeat):
@@ -233,7 +233,7 @@ class DecodeReceiver(ReceiverCore):
                     fn(*args)
                 except PdkvError as exc:
                     self.count("messages_rejected")
-                    self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}"))
+                    self._send(peer.ident, ErrorMsg(type(exc).__name__, f"{rid}: {exc}", rid))
 
     def _completed(self, peer: Peer, rid: str, token: int, ok: bool, error: str) -> None:
         """This prefill rank finished every write of ``rid`` (or reports that it failed)."""

@@ -428,11 +428,13 @@ class PrefillSender(Reservations):
                 _log.info("%s", self._broken)
                 self._fail_all(self._broken)
         elif isinstance(msg, ErrorMsg):
-            rid = msg.message.split(":", 1)[0]
+            rid = msg.request_id  # by field: an id may hold any printable character, ':' too
             with self._lock:
-                known = rid in self._outcomes
+                known = bool(rid) and rid in self._outcomes
             if known:
                 self._resolve(rid, "failed", msg.message)
+            elif not rid:
+                _log.warning("decode refused a message: %s (%s)", msg.message, msg.code)
 
     # ------------------------------------------------------------------ data
     def _submit(self, job: LayerJob | FinishJob) -> None:
