@@ -156,6 +156,7 @@ def decode(a: argparse.Namespace) -> None:
         control=f"tcp://{a.host}:0",
         data_host=a.host,
         auth_timeout_s=a.auth_timeout,
+        secret=bytes.fromhex(a.secret) if a.secret else None,
         **({"transports": tuple(a.transports.split(","))} if a.transports else {}),
     )
     if a.nofile:  # a process short of descriptors: this many more than it has open now
@@ -242,6 +243,35 @@ def worker(a: argparse.Namespace) -> None:
         _ffi.cuda.free(ptr)
 
 
+def hello_flood(a: argparse.Namespace) -> None:
+    """Distinct Hellos of a real prefill, as captured off the wire (made here with the
+    secret, as the prefill made them), replayed to ``--control`` at ``--rate`` a second,
+    each from a new connection, until killed; prints how many went every second."""
+    import zmq
+
+    from pdkv.procs import boot_id
+    from pdkv.protocol import PROTOCOL_VERSION, Codec, Hello, layout_desc, new_nonce
+
+    codec = Codec(bytes.fromhex(a.secret))
+    lay = KVLayout(**LAYOUT)
+    ctx = zmq.Context()
+    socks: list = []
+    sent, t0 = 0, time.monotonic()
+    while True:
+        h = Hello(PROTOCOL_VERSION, "victim", 0, 1, layout_desc(lay), ["tcp"], boot_id(), os.getpid(), new_nonce())
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(a.control)
+        s.send_multipart(codec.encode(h))
+        socks.append(s)
+        while len(socks) > 200:
+            socks.pop(0).close(0)
+        sent += 1
+        if sent % int(a.rate) == 0:
+            print(json.dumps({"sent": sent, "seconds": time.monotonic() - t0}), flush=True)
+        time.sleep(max(0.0, t0 + sent / a.rate - time.monotonic()))
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("role")
@@ -265,6 +295,7 @@ if __name__ == "__main__":
     ap.add_argument("--send-delay", type=float, default=0.0)
     ap.add_argument("--nofile", type=int, default=0, help="decode: RLIMIT_NOFILE this many above the fds open")
     ap.add_argument("--auth-timeout", type=float, default=5.0)
+    ap.add_argument("--rate", type=float, default=400.0, help="hello-flood: Hellos a second")
     ap.add_argument("--device", type=int, default=0, help="prefill --gpu: the CUDA device of the cache")
     ap.add_argument("--nhd", action="store_true", help="worker: a token-major layout")
     ap.add_argument(
@@ -273,5 +304,5 @@ if __name__ == "__main__":
         help="prefill: the cache in device memory; decode: serve cuda_ipc into a GPU cache",
     )
     a = ap.parse_args()
-    {"prefill": prefill, "decode": decode, "worker": worker}[a.role](a)
+    {"prefill": prefill, "decode": decode, "worker": worker, "hello-flood": hello_flood}[a.role](a)
     sys.exit(0)

@@ -9,6 +9,7 @@ and raw data connections), the good peer's transfer beside it, and ``outside_unc
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -1236,8 +1237,9 @@ def test_a_decode_resumed_after_a_freeze_serves_the_same_prefills_new_sender(no_
         served = []
         for i in range(20):
             tx = PrefillSender(
-                lay, spec, info["control"], transport="tcp", timeout_s=0.6, heartbeat_s=0.1, instance="frozen"
+                lay, spec, info["control"], transport="tcp", timeout_s=5, heartbeat_s=0.1, instance="frozen"
             )
+            tx.timeout_s = 0.6  # its silence bound (the handshake above had 5 s)
             assert send_one(tx, f"before-{i}", [0, 1], timeout=5).ok
             os.kill(d.pid, signal.SIGSTOP)
             try:
@@ -1285,3 +1287,46 @@ def test_a_refusal_fails_the_request_it_names_by_field_alone(no_leaks):
                         assert dec.block(0, layer, t, g.blocks[gi]) == want, "a's bytes differ"
     finally:
         dec.close()
+
+
+@pytest.mark.multiproc
+def test_a_flood_of_distinct_captured_hellos_keeps_no_good_peer_out(no_leaks):
+    """A peer without the secret replays distinct captured Hellos (each one's nonce fresh,
+    so each costs decode a handshake slot and a connection without a session) at 400 a
+    second, each from a new connection on the good peer's own address: every one of 20 good
+    handshakes in a row is served. Decode drops the oldest handshakes and connections past
+    its caps; a good peer whose handshake was dropped is told "busy" (not "wrong secret"),
+    or sees its connection closed, and says Hello again."""
+    d, info = _spawn_decode("--secret", SECRET.hex(), "--timeout", "30")
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    flood = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "peers.py"), "hello-flood", "--control", info["control"]]
+        + ["--secret", SECRET.hex(), "--rate", "400"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        first = json.loads(flood.stdout.readline())  # the flood runs: 400 Hellos sent
+        lay, arr, spec = prefill_cache(1, 0)
+        retried = 0
+        for i in range(20):
+            with PrefillSender(
+                lay, spec, info["control"], transport="tcp", timeout_s=5, instance="good", secret=SECRET
+            ) as tx:
+                retried += tx.stats.get("handshake_retries", 0)
+                assert send_one(tx, f"good-{i}", [0, 1], timeout=5).ok
+        assert flood.poll() is None, "the flood stopped"
+        last = first
+        for line in iter(flood.stdout.readline, ""):
+            last = json.loads(line)
+            break
+        rate = (
+            (last["sent"] - first["sent"]) / max(1e-9, last["seconds"] - first["seconds"]) if last is not first else 400
+        )
+        print(f"20 good handshakes under the flood ({rate:.0f} Hellos/s), {retried} retried")
+        assert rate > 300, f"the flood ran at {rate:.0f} Hellos a second, not 400"
+    finally:
+        flood.kill()
+        reap(flood)
+        _stop(d)

@@ -164,10 +164,20 @@ class DecodeReceiver(ReceiverCore):
                     return
             self.count("messages_rejected")
             if peer is None:  # answer once, unauthenticated, so the operator sees why
+                code, why = "refused", str(exc)
                 if hs is not None:  # an Auth that does not verify under this session's key
                     del self._pending[ident]
                     self.count("auth_failed")
-                refusal = [ident, *Codec(None).encode(ErrorMsg("refused", str(exc)))]
+                elif time.monotonic() - max(self._dropped_at, self._guard.last_close) < 2 * self.options.auth_timeout_s:
+                    # no handshake on this connection, and decode dropped handshakes (or closed
+                    # connections without a session) lately: likely this peer's; tell the truth
+                    code = "busy"
+                    why = (
+                        f"{exc}, and no handshake is in progress on this connection: decode dropped "
+                        "handshakes under load (max_handshakes, max_pending_control, "
+                        "max_pending_per_source); say Hello again"
+                    )
+                refusal = [ident, *Codec(None).encode(ErrorMsg(code, why))]
                 self._ch.send(lambda: refusal)
             return
         if peer is None:
@@ -480,6 +490,7 @@ class DecodeReceiver(ReceiverCore):
             for fd, frames in q:
                 self._serve(frames, fd)
         self._gone.pop(ident, None)
+        self._pending.pop(ident, None)  # a handshake on it can never complete
         p = self.peer(ident)
         if p is not None:
             self._end_session(p, f"prefill {p.instance} rank {p.tp_rank}: its control connection closed", dead=True)

@@ -12,10 +12,11 @@ descriptor, without a duplicate: zmq then drops the connection as if the peer ha
   ``max_pending_control`` of them, or more than ``max_pending_per_source`` from one
   address.
 
-A connection whose session is live is never closed by the guard. When such a connection
-ends (its process exited, or closed its socket), ``on_gone`` is told its identity: a
-session lives on one connection (zmq gives a reconnection a new identity), so it can never
-speak again and its name and rank are free at once. So a peer holding
+A connection whose session is live is never closed by the guard. When a connection whose
+identity decode has seen ends (its process exited, closed its socket, or the guard closed
+it), ``on_gone`` is told that identity: a session lives on one connection (zmq gives a
+reconnection a new identity), so a session on it, or one that an Auth still queued from it
+would make, can never speak again and its name and rank are free at once. So a peer holding
 connections open, or opening them quickly, keeps no new peer out for longer than it takes
 that peer to handshake (a few round trips), and what unauthenticated peers can make decode
 hold is bounded: ``max_pending_control`` connections, each with at most ``RCVHWM`` messages
@@ -25,8 +26,10 @@ of at most ``MAX_MESSAGE_BYTES`` queued.
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +48,7 @@ class _Conn:
     source: str
     ident: bytes = b""
     session: bool = False
+    closed: bool = False  # closed by the guard; its end (the monitor's event) not yet seen
 
 
 class ControlGuard:
@@ -65,6 +69,7 @@ class ControlGuard:
         self._mon = router.get_monitor_socket(int(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED))
         self.auth_timeout_s = auth_timeout_s
         self.max_pending, self.max_per_source = max_pending, max_per_source
+        self.last_close = -math.inf  # when the guard last closed a connection without a session
         self._count, self._warn = count, warn
         self._conns: dict[int, _Conn] = {}  # fd -> connection, in the order accepted
 
@@ -98,16 +103,28 @@ class ControlGuard:
                 accepted = True
             elif event & _GONE:
                 c = self._conns.pop(fd, None)
-                if c is not None and c.session and self._on_gone is not None:
+                if c is not None and c.ident and self._on_gone is not None:
+                    # a session on it (or one its queued Auth may still make) can never speak again
                     self._on_gone(c.ident)
         if accepted:
             self._enforce()
 
     def seen(self, fd: int, ident: bytes) -> None:
-        """A message from ``ident`` came on connection ``fd``."""
+        """A message from ``ident`` came on connection ``fd``. The monitor is read first:
+        the loop may have read the message after its last poll, and the descriptor number
+        may be an earlier connection's, whose end is reported before the new one's
+        acceptance. A connection whose end was taken already is reported gone now (a
+        session its messages make can never speak again)."""
+        if fd < 0:
+            return  # zmq could not name it
+        # the monitor's events first: zmq reported this connection's acceptance (and the end
+        # of an earlier connection with the same descriptor number) before its messages
+        self.poll(time.monotonic())
         c = self._conns.get(fd)
         if c is not None:
             c.ident = ident
+        elif self._on_gone is not None:
+            self._on_gone(ident)
 
     def session(self, ident: bytes, live: bool, now: float) -> None:
         """``ident``'s session began (``live``) or ended: a connection whose session ended
@@ -119,7 +136,7 @@ class ControlGuard:
 
     def sweep(self, now: float) -> None:
         """Close connections without a session past their deadline."""
-        for fd in [fd for fd, c in self._conns.items() if not c.session and c.deadline <= now]:
+        for fd in [fd for fd, c in self._conns.items() if not c.session and not c.closed and c.deadline <= now]:
             self._close(fd, "control connection closed: no session within auth_timeout_s")
 
     def close(self) -> None:
@@ -128,19 +145,22 @@ class ControlGuard:
         self._mon.close(0)
 
     def _enforce(self) -> None:
-        pending = [fd for fd, c in self._conns.items() if not c.session]
+        pending = [fd for fd, c in self._conns.items() if not c.session and not c.closed]
         by_source: dict[str, list[int]] = {}
         for fd in pending:
             by_source.setdefault(self._conns[fd].source, []).append(fd)
         for src, fds in by_source.items():
             for fd in fds[: max(0, len(fds) - self.max_per_source)]:
                 self._close(fd, f"control connection closed: more than max_pending_per_source from {src}")
-        pending = [fd for fd, c in self._conns.items() if not c.session]
+        pending = [fd for fd, c in self._conns.items() if not c.session and not c.closed]
         for fd in pending[: max(0, len(pending) - self.max_pending)]:
             self._close(fd, "control connection closed: more than max_pending_control without a session")
 
     def _close(self, fd: int, why: str) -> None:
-        self._conns.pop(fd, None)
+        c = self._conns.get(fd)
+        if c is not None:
+            c.closed = True  # kept until zmq reports its end: the end names its identity
+        self.last_close = time.monotonic()
         self._count("control_evicted")
         self._warn("control-evicted", "pdkv decode: %s", why)
         s = _borrow(fd)

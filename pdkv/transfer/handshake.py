@@ -16,13 +16,18 @@ A Hello whose nonce decode saw within the handshake window is refused (replay).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
+import random
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import (
     LayoutError,
@@ -93,6 +98,7 @@ def answer_hello(rx: ReceiverCore, ident: bytes, codec: Codec, h: Hello) -> None
             len(rx._pending),
         )
         del rx._pending[next(iter(rx._pending))]
+        rx._dropped_at = now  # its Auth, when it comes, is answered "busy"
     same = h.boot_id == boot_id()
     with rx.lock:
         sibling = next((p.transport for p in rx._peers.values() if p.instance == h.instance), None)
@@ -284,27 +290,16 @@ def open_session(tx: Opener, offer: list[str], timeout_s: float) -> None:
 
     # a Hello unanswered for a second is sent again with a new nonce: decode may have closed
     # its connection (too many without a session) and zmq connects anew; only the Challenge
-    # to the latest Hello counts
-    nonces = [hello()]
-    while True:
-        ch = reply(tx, min(deadline, time.monotonic() + _HELLO_RETRY_S), timeout_s, final=deadline)
-        if ch is None:
-            nonces.append(hello())
-            continue
-        if not isinstance(ch, Challenge):
-            raise ProtocolError(f"expected challenge, got {type(ch).__name__}")
-        if ch.hello_nonce == nonces[-1]:
-            break
-        if ch.hello_nonce not in nonces:
-            raise ProtocolError("challenge to a hello this sender did not send")
-    nonce = nonces[-1]
-    # from here on the session key: HMAC(secret, our nonce, decode's fresh nonce)
-    tx._codec.set_session(nonce, ch.nonce)
-    key = mask_instance_key(instance_key_of(tx.instance, tx.options.instance_key), tx._codec.key, nonce, ch.nonce)
-    tx._sock.send_multipart(tx._codec.encode(Auth(ch.nonce, key)))
-    msg = reply(tx, deadline, timeout_s)
-    if not isinstance(msg, Welcome):
-        raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
+    # to the latest Hello counts. A Hello is also sent again at once when the connection
+    # ends and zmq connects anew (decode closed it), and the whole handshake again when
+    # decode answers "busy" (it dropped this handshake under load).
+    mon = tx._sock.get_monitor_socket(int(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED))
+    try:
+        msg = _handshake(tx, hello, mon, deadline, timeout_s)
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            tx._sock.disable_monitor()
+        mon.close(0)
     chosen = tx._candidates.pop(msg.transport, None)
     if chosen is None:
         raise ProtocolError(f"decode chose {msg.transport!r}, which this sender did not offer")
@@ -326,22 +321,117 @@ def open_session(tx: Opener, offer: list[str], timeout_s: float) -> None:
     tx._last_heard = time.monotonic()
 
 
-def reply(tx: Opener, until: float, timeout_s: float, final: float | None = None) -> Message | None:
-    """The next handshake message from decode; a refusal raises PeerError. Nothing by
+class _Busy(Exception):
+    """Decode dropped this handshake (under load), or its connection ended: start again."""
+
+
+def _handshake(
+    tx: Opener, hello: Callable[[], bytes], mon: zmq.Socket[bytes], deadline: float, timeout_s: float
+) -> Welcome:
+    """Hello, Challenge, Auth, Welcome; started again (a new Hello, the codec's numbering
+    going on) while decode answers busy or drops the connection, until ``deadline``."""
+    nonces: list[bytes] = []
+    busy = 0
+    while True:
+        try:
+            nonces.append(hello())
+            while True:
+                # each Challenge read with a codec of its own: decode numbers its answer to a
+                # Hello from 1 when it holds no handshake for the connection (it dropped one),
+                # so the answers to two Hellos may carry one number; the nonce tells which counts
+                ch = reply(
+                    tx, min(deadline, time.monotonic() + _HELLO_RETRY_S), timeout_s, final=deadline, mon=mon, own=True
+                )
+                if ch is None:
+                    nonces.append(hello())
+                    continue
+                if not isinstance(ch, Challenge):
+                    raise ProtocolError(f"expected challenge, got {type(ch).__name__}")
+                if ch.hello_nonce == nonces[-1]:
+                    break
+                if ch.hello_nonce not in nonces:
+                    raise ProtocolError("challenge to a hello this sender did not send")
+            nonce = nonces[-1]
+            # from here on the session key: HMAC(secret, our nonce, decode's fresh nonce)
+            session = Codec(tx.options.secret)
+            session.continue_from(tx._codec)
+            tx._codec = session
+            tx._codec.set_session(nonce, ch.nonce)
+            key = mask_instance_key(
+                instance_key_of(tx.instance, tx.options.instance_key), tx._codec.key, nonce, ch.nonce
+            )
+            tx._sock.send_multipart(tx._codec.encode(Auth(ch.nonce, key)))
+            msg = reply(tx, deadline, timeout_s, mon=mon)
+            if not isinstance(msg, Welcome):
+                raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
+            return msg
+        except _Busy as exc:
+            busy += 1
+            tx.stats["handshake_retries"] = busy
+            if time.monotonic() >= deadline:
+                raise PdkvTimeoutError(
+                    f"decode did not complete the handshake within {timeout_s}s: {exc} ({busy} tries)"
+                ) from None
+            fresh = Codec(tx.options.secret)
+            fresh.continue_from(tx._codec)  # decode refuses a sequence number it has seen
+            tx._codec = fresh
+            # a short jittered pause: retries of many senders do not come back together
+            time.sleep(min(max(0.0, deadline - time.monotonic()), random.uniform(0.005, 0.05) * min(busy, 4)))
+
+
+def reply(
+    tx: Opener,
+    until: float,
+    timeout_s: float,
+    final: float | None = None,
+    mon: zmq.Socket[bytes] | None = None,
+    own: bool = False,
+) -> Message | None:
+    """The next handshake message from decode (``own``: read with a codec of its own, no
+    numbering carried over); a refusal raises PeerError, "busy" (or,
+    with ``mon``, the connection ending and zmq connecting anew) raises _Busy. Nothing by
     ``until``: None when ``final`` (a later deadline) is given and not yet past, else
     PdkvTimeoutError."""
-    if not tx._sock.poll(max(1, int((until - time.monotonic()) * 1000))):
+    poller = None
+    if mon is not None:
+        poller = zmq.Poller()
+        poller.register(tx._sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+    while True:
+        wait_ms = max(1, int((until - time.monotonic()) * 1000))
+        if poller is None:
+            if tx._sock.poll(wait_ms):
+                break
+            until = -math.inf  # nothing within the time given
+        else:
+            ready = dict(poller.poll(wait_ms))
+            if mon is not None and mon in ready:
+                ev = recv_monitor_message(mon)
+                st = tx.stats
+                if ev["event"] == zmq.EVENT_DISCONNECTED:
+                    st["handshake_disconnects"] = st.get("handshake_disconnects", 0) + 1
+                elif st.get("handshake_disconnects", 0) > st.get("handshake_reconnects", 0):
+                    # connected anew after decode closed the connection: what was in flight is lost
+                    st["handshake_reconnects"] = st["handshake_disconnects"]
+                    raise _Busy("decode closed the control connection during the handshake")
+                continue
+            if tx._sock in ready:
+                break
+        if time.monotonic() < until:
+            continue
         if final is not None and time.monotonic() < final:
             return None
         raise PdkvTimeoutError(f"decode did not answer the handshake within {timeout_s}s (is it running?)")
     frames = tx._sock.recv_multipart()
     try:
-        msg = tx._codec.decode(frames)
+        msg = (Codec(tx.options.secret) if own else tx._codec).decode(frames)
     except ProtocolError:
         refusal = Codec(None).decode(frames) if is_unauthenticated(frames) else None  # sent unauthenticated
         if not isinstance(refusal, ErrorMsg):
             raise
         msg = refusal
     if isinstance(msg, ErrorMsg):
+        if msg.code == "busy":
+            raise _Busy(f"decode was busy: {msg.message}")
         raise PeerError(f"decode refused the session: {msg.message}")
     return msg

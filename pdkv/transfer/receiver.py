@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -132,6 +133,7 @@ class ReceiverCore:
         self._replies = Replies(self._send)
         self._peers: dict[bytes, Peer] = {}
         self._pending: dict[bytes, Handshake] = {}
+        self._dropped_at = -math.inf  # when a handshake was last dropped under load (max_handshakes)
         self._sessions: dict[bytes, bytes] = {}  # session id -> peer ident
         self._inflight: dict[str, Inflight] = {}
         self._by_token: dict[int, Inflight] = {}
@@ -282,7 +284,10 @@ class ReceiverCore:
             self._ch.send(lambda: [ident, *peer.codec.encode(msg)])
 
     def _connection_gone(self, ident: bytes) -> None:
-        """The control connection of ``ident``'s live session ended (the guard's monitor)."""
+        """The control connection ``ident`` ended (the guard's monitor): its handshake is
+        dropped; its session, or one its queued messages would make, ends once those are
+        served (:meth:`retire`)."""
+        self._pending.pop(ident, None)
         self._gone.setdefault(ident, time.monotonic())
 
     def on_session(self, ident: bytes) -> None:
