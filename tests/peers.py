@@ -246,7 +246,8 @@ def worker(a: argparse.Namespace) -> None:
 def hello_flood(a: argparse.Namespace) -> None:
     """Distinct Hellos of a real prefill, as captured off the wire (made here with the
     secret, as the prefill made them), replayed to ``--control`` at ``--rate`` a second,
-    each from a new connection, until killed; prints how many went every second."""
+    each from a new connection (from ``--source``), until killed; prints how many went
+    every second."""
     import zmq
 
     from pdkv.procs import boot_id
@@ -261,7 +262,7 @@ def hello_flood(a: argparse.Namespace) -> None:
         h = Hello(PROTOCOL_VERSION, "victim", 0, 1, layout_desc(lay), ["tcp"], boot_id(), os.getpid(), new_nonce())
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.connect(a.control)
+        s.connect(a.control.replace("tcp://", f"tcp://{a.source}:0;", 1) if a.source else a.control)
         s.send_multipart(codec.encode(h))
         socks.append(s)
         while len(socks) > 200:
@@ -296,6 +297,7 @@ if __name__ == "__main__":
     ap.add_argument("--nofile", type=int, default=0, help="decode: RLIMIT_NOFILE this many above the fds open")
     ap.add_argument("--auth-timeout", type=float, default=5.0)
     ap.add_argument("--rate", type=float, default=400.0, help="hello-flood: Hellos a second")
+    ap.add_argument("--source", default="", help="hello-flood: the address to connect from (e.g. 127.0.0.2)")
     ap.add_argument("--device", type=int, default=0, help="prefill --gpu: the CUDA device of the cache")
     ap.add_argument("--nhd", action="store_true", help="worker: a token-major layout")
     ap.add_argument(

@@ -1293,15 +1293,16 @@ def test_a_refusal_fails_the_request_it_names_by_field_alone(no_leaks):
 def test_a_flood_of_distinct_captured_hellos_keeps_no_good_peer_out(no_leaks):
     """A peer without the secret replays distinct captured Hellos (each one's nonce fresh,
     so each costs decode a handshake slot and a connection without a session) at 400 a
-    second, each from a new connection on the good peer's own address: every one of 20 good
-    handshakes in a row is served. Decode drops the oldest handshakes and connections past
-    its caps; a good peer whose handshake was dropped is told "busy" (not "wrong secret"),
-    or sees its connection closed, and says Hello again."""
+    second, each from a new connection (from 127.0.0.2: another host's address): every one
+    of 20 good handshakes in a row is served. Decode drops the oldest handshakes and
+    connections past its caps (the flood's own first, by max_pending_per_source); a good
+    peer whose handshake was dropped is told "busy" (not "wrong secret"), or sees its
+    connection closed, and says Hello again."""
     d, info = _spawn_decode("--secret", SECRET.hex(), "--timeout", "30")
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     flood = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "peers.py"), "hello-flood", "--control", info["control"]]
-        + ["--secret", SECRET.hex(), "--rate", "400"],
+        + ["--secret", SECRET.hex(), "--rate", "400", "--source", "127.0.0.2"],
         stdout=subprocess.PIPE,
         text=True,
         env=env,

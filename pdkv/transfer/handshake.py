@@ -65,6 +65,15 @@ _log = logging.getLogger(__name__)
 __all__ = ["answer_hello", "accept_session", "open_session", "Opener"]
 
 _HELLO_RETRY_S = 1.0  # a Hello unanswered this long is sent again (its connection may have been closed)
+# a connection lost (closed by decode, or before zmq's own handshake completed): what was in
+# flight on it is lost, and once zmq has connected anew the handshake starts again
+_LOST = int(
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CLOSED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def answer_hello(rx: ReceiverCore, ident: bytes, codec: Codec, h: Hello) -> None:
@@ -293,7 +302,7 @@ def open_session(tx: Opener, offer: list[str], timeout_s: float) -> None:
     # to the latest Hello counts. A Hello is also sent again at once when the connection
     # ends and zmq connects anew (decode closed it), and the whole handshake again when
     # decode answers "busy" (it dropped this handshake under load).
-    mon = tx._sock.get_monitor_socket(int(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED))
+    mon = tx._sock.get_monitor_socket(int(_LOST | zmq.EVENT_HANDSHAKE_SUCCEEDED))
     try:
         msg = _handshake(tx, hello, mon, deadline, timeout_s)
     finally:
@@ -408,7 +417,7 @@ def reply(
             if mon is not None and mon in ready:
                 ev = recv_monitor_message(mon)
                 st = tx.stats
-                if ev["event"] == zmq.EVENT_DISCONNECTED:
+                if ev["event"] & _LOST:
                     st["handshake_disconnects"] = st.get("handshake_disconnects", 0) + 1
                 elif st.get("handshake_disconnects", 0) > st.get("handshake_reconnects", 0):
                     # connected anew after decode closed the connection: what was in flight is lost
