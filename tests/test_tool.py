@@ -278,7 +278,8 @@ def test_prefill_mode_sums_up_when_decode_dies(tmp_path, no_leaks):
         (["--json", "/nonexistent/r.json"], "--json /nonexistent/r.json: no folder /nonexistent"),
         (["--plot", "x.svg"], "needs a .png or .html file name"),
         (["--buffer-gib", "100000"], "does not fit in /dev/shm"),
-        (["--secret", "short"], "at least 16"),
+        (["--secret", "a-secret-of-enough-length"], "--secret puts the secret on the command line"),
+        (["--secret-file", "/nonexistent/secret"], "--secret-file /nonexistent/secret: "),
         (["--trace", "/nonexistent"], "no such file"),
         (["--transport", "cuda_ipc", "--no-gpu"], "cannot run with --no-gpu"),
         (["--rdma-gid-index", "-1"], "--rdma-gid-index -1 must be in 0..65535"),
@@ -765,3 +766,63 @@ def test_a_signal_while_the_buffer_is_made_leaves_no_segment(sig, no_leaks):
     p.communicate(timeout=60)
     assert p.returncode in (-sig, 130, 1, 2), p.returncode
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
+
+
+def test_a_short_secret_from_a_file_or_the_environment_is_refused(tmp_path):
+    f = tmp_path / "secret"
+    f.write_text("short\n")
+    for args, env in ((["--secret-file", str(f)], {}), ([], {"PDKV_SECRET": "short"})):
+        p = subprocess.run(
+            [sys.executable, "-m", "pdkv.cli.transfer_tool", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env},
+        )
+        assert p.returncode == 2 and "the secret must be at least 16 characters" in p.stderr, p.stderr
+
+
+@pytest.mark.multiproc
+def test_no_secret_on_any_command_line_during_a_run(tmp_path, no_leaks):
+    """The tool with a secret (from a file; and from $PDKV_SECRET) and two prefill ranks:
+    while it runs, no process's command line holds the secret (every /proc/PID/cmdline
+    read, the children's among them), and the run passes."""
+    secret = "pdkv-test-secret-" + os.urandom(8).hex()
+    f = tmp_path / "secret"
+    f.write_text(secret + "\n")
+    for args, env in ((["--secret-file", str(f)], {}), ([], {"PDKV_SECRET": secret})):
+        out = tmp_path / "r.json"
+        p = subprocess.Popen(
+            [sys.executable, "-m", "pdkv.cli.transfer_tool", *SMALL, "--prefill-tp", "2", "--requests", "40"]
+            + ["--rate", "20", "--json", str(out), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+        )
+        seen, children = [], 0
+        try:
+            while p.poll() is None:
+                for pid in os.listdir("/proc"):
+                    if not pid.isdigit():
+                        continue
+                    try:
+                        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                            cmd = fh.read()
+                    except OSError:
+                        continue
+                    if b"prefill" in cmd and b"transfer_tool" in cmd:
+                        children += 1
+                    if secret.encode() in cmd:
+                        seen.append(cmd.replace(b"\0", b" ").decode(errors="replace"))
+                time.sleep(0.05)
+            o, e = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        assert not seen, f"the secret on a command line: {seen[:2]}"
+        assert children > 0, "no prefill child was seen running"
+        assert p.returncode == 0, o[-2000:] + e[-2000:]
+        rep = json.loads(out.read_text())
+        assert rep["requests_failed"] == 0 and rep["verify_errors"] == 0

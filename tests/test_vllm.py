@@ -138,8 +138,10 @@ def test_vllm_disaggregated_tokens_and_kv_equal_colocated(engines, colocated, tr
     assert prefill.ask(op="state")["vllm_free"] == prefill.ready["vllm_total"]
     assert st["buffer_total"] - st["buffer_free"] == need_blocks and st["pdkv_live"] == len(PROMPTS)
     for i, p in enumerate(pre["kv_params"]):
-        assert p["do_remote_prefill"] and p["pdkv_request_id"] == pids[i] and p["pdkv_tokens"] == len(PROMPTS[i])
-        buf = decode.buffer(pids[i])
+        # prefill mints the id (the client's its prefix) and a capability decode checks
+        assert p["do_remote_prefill"] and p["pdkv_request_id"].startswith(pids[i] + ".") and p["pdkv_cap"]
+        assert p["pdkv_tokens"] == len(PROMPTS[i])
+        buf = decode.buffer(p["pdkv_request_id"])
         assert buf.shape == sent[i].shape
         np.testing.assert_array_equal(buf[:, :-1], sent[i][:, :-1], err_msg=f"prompt {i}")
     # decode: one request at a time (so that each one's blocks are read before another reuses them)
@@ -180,7 +182,7 @@ def test_vllm_damaged_buffer_block_changes_the_result(engines, colocated):
     _idle(engines)
     pre = prefill.generate([PROMPTS[0]], 1, _remote(["damaged"]))
     sent = prefill.kv(pre["ids"][0], len(PROMPTS[0]))
-    assert decode.ask(op="damage", pid="damaged")["state"] == "received"
+    assert decode.ask(op="damage", pid=pre["kv_params"][0]["pdkv_request_id"])["state"] == "received"
     dec = decode.generate([PROMPTS[0]], 8, pre["kv_params"])
     got = decode.kv(dec["ids"][0], len(PROMPTS[0]))
     assert not np.array_equal(got[0, :-1], sent[0, :-1]), "layer 0 was damaged in the buffer but loaded intact"
@@ -196,7 +198,7 @@ def test_vllm_failed_load_fails_the_request_and_frees_everything(engines):
     prefill, decode = engines["shm"], engines["decode"]
     _idle(engines)
     pre = prefill.generate([PROMPTS[1]], 1, _remote(["dropped"]))
-    assert decode.ask(op="abort_pdkv", pid="dropped")["state"] == "received"
+    assert decode.ask(op="abort_pdkv", pid=pre["kv_params"][0]["pdkv_request_id"])["state"] == "received"
     dec = decode.generate([PROMPTS[1]], 8, pre["kv_params"])
     assert dec["finish"] == ["error"] and dec["tokens"] == [[]]
     st = _settled(decode, prefill)
@@ -233,19 +235,26 @@ def test_vllm_cancel_on_prefill_mid_prompt(engines):
     assert all(p["vllm_free"] == p["vllm_total"] for p in st["prefill"]), st
 
 
-def test_vllm_scheduler_asks_again_until_the_kv_is_in_the_buffer(engines, colocated):
-    """vLLM's scheduler meets a request whose KV prefill has not sent yet: the connector
-    answers None (ask later) and the request waits, holding no block and not yet waiting
-    for a load; once prefill sent it, the next steps load it and decode answers as the
-    colocated engine does."""
+def test_vllm_a_request_naming_anothers_kv_gets_none_of_it(engines, colocated):
+    """A client of decode's API names the pdkv id of another request's KV (ids are in logs
+    and on the wire), with a prompt of the same length or of another, without the
+    capability or with a made-up one: each is computed by decode itself, nothing of the
+    victim's KV is loaded, aborted or bound; the victim's own request then gives the
+    colocated tokens."""
     prefill, decode = engines["tcp"], engines["decode"]
     _idle(engines)
-    early = decode.generate([PROMPTS[0]], 8, [{"do_remote_prefill": True, "pdkv_request_id": "early"}], timeout=2)
-    assert early["tokens"] == [None] and early["unfinished"], early
+    pre = prefill.generate([PROMPTS[0]], 1, _remote(["victim"]))
+    victim = pre["kv_params"][0]
+    same_len = [t + 1 for t in PROMPTS[0]]
+    claims = [
+        (same_len, {**victim, "pdkv_cap": "0" * 32}),  # a made-up capability
+        (same_len, {k: v for k, v in victim.items() if k != "pdkv_cap"}),  # none
+        (PROMPTS[3], {**victim, "pdkv_cap": "f" * 32}),  # another prompt length
+    ]
+    local = decode.generate([p for p, _ in claims], 8, [c for _, c in claims])
+    assert all(t is not None and len(t) == 8 for t in local["tokens"]), local  # computed here, not failed
     st = decode.ask(op="state")
-    assert (st["waiting"], st["waiting_for_kv"], st["pdkv_live"]) == (1, 0, 0), st
-    assert st["vllm_free"] == st["vllm_total"], st
-    prefill.generate([PROMPTS[0]], 1, _remote(["early"]))
-    done = decode.ask(op="wait", ids=early["ids"], timeout=60)
-    assert done["tokens"] == [colocated[0]], done
+    assert st["pdkv_live"] == 1 and st["buffer_total"] - st["buffer_free"] == -(-len(PROMPTS[0]) // BLOCK), st
+    dec = decode.generate([PROMPTS[0]], 8, [victim])
+    assert dec["tokens"] == [colocated[0]], dec
     _settled(decode, prefill)

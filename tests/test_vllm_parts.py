@@ -12,15 +12,18 @@ import pytest
 
 from pdkv import CacheSpec, KVLayout, LayoutError, LayoutMismatchError
 from pdkv.integrations.vllm.consumer import DecodeSide, LoadWorker
-from pdkv.integrations.vllm.producer import SendWorker
+from pdkv.integrations.vllm.producer import PrefillSide, SendWorker
 from pdkv.integrations.vllm.settings import (
+    PARAM_CAP,
     PARAM_ID,
     Save,
     StepMeta,
+    binding_of,
     check_version,
     layout_for,
     order_of,
     parse_settings,
+    token_digest,
 )
 from pdkv.scheduling.lifecycle import State
 
@@ -42,7 +45,7 @@ def test_vllm_versions_out_of_range_refused_in_one_line(v):
     assert "\n" not in str(e.value)
 
 
-def test_vllm_settings_defaults_and_the_shared_instance_key(monkeypatch):
+def test_vllm_settings_defaults_and_no_instance_key_from_public_data(monkeypatch):
     monkeypatch.delenv("PDKV_SECRET", raising=False)
     s = parse_settings("kv_consumer", "e1", None)
     assert (s.control, s.transports, s.secret, s.buffer_blocks, s.load_timeout_s) == (
@@ -52,16 +55,20 @@ def test_vllm_settings_defaults_and_the_shared_instance_key(monkeypatch):
         0,
         60.0,
     )
-    assert s.instance == "vllm-e1" and len(s.instance_key) == 32
-    # every rank of one engine derives the same key; another engine, or a secret, another one
-    assert parse_settings("kv_producer", "e1", {}).instance_key == s.instance_key
-    assert parse_settings("kv_producer", "e2", {}).instance_key != s.instance_key
+    # no key unless configured: the scheduler half mints a random one (nothing public, the
+    # engine id or the instance name, determines it)
+    assert s.instance == "vllm-e1" and s.instance_key == b""
+    a, b = PrefillSide(parse_settings("kv_producer", "e1", {})), PrefillSide(parse_settings("kv_producer", "e1", {}))
+    assert len(a.instance_key) == 32 and a.instance_key != b.instance_key
+    assert a.step([], [], {}).instance_key == a.instance_key  # every step hands it to the workers
     with_secret = parse_settings("kv_producer", "e1", {"secret": "s3"})
-    assert with_secret.secret == b"s3" and with_secret.instance_key != s.instance_key
+    assert with_secret.secret == b"s3" and with_secret.instance_key == b""
     monkeypatch.setenv("PDKV_SECRET", "from-env")
     assert parse_settings("kv_producer", "e1", {}).secret == b"from-env"
     x = parse_settings("kv_consumer", "e", {"transports": "tcp, shm", "buffer_gib": 0.5, "buffer_blocks": 7})
     assert x.transports == ("tcp", "shm") and x.buffer_bytes == 1 << 29 and x.buffer_blocks == 7
+    y = parse_settings("kv_producer", "e", {"decode": "tcp://10.0.0.2:5000, tcp://[::1]:6000"})
+    assert y.decodes == ("tcp://10.0.0.2:5000", "tcp://[::1]:6000")
 
 
 _KEYS_SORTED = (
@@ -103,7 +110,10 @@ SHORT_KEY = "must be a string of at least 16 characters"
         ("kv_producer", {"instance_key": b"k" * 16}, f"{EXTRA}['instance_key'] {SHORT_KEY}"),
         ("kv_producer", {"kv_fused": "yes"}, f"{EXTRA}['kv_fused']='yes' must be 'row' or 'head'"),
         ("kv_producer", {"control": 5}, f"{EXTRA}['control']=5 must be a string"),
-        ("kv_producer", {"decode": 5}, f"{EXTRA}['decode']=5 must be a string"),
+        ("kv_producer", {"decode": 5}, f"{EXTRA}['decode']=5 must be an address or a list of them"),
+        ("kv_producer", {"decode": "garbage"}, f"{EXTRA}['decode'] names 'garbage': not a tcp://host:port address"),
+        ("kv_producer", {"decode": ["tcp://h:1", "ipc:///x"]},
+         f"{EXTRA}['decode'] names 'ipc:///x': not a tcp://host:port address"),
         ("kv_producer", {"transport": None}, f"{EXTRA}['transport']=None must be a string"),
         ("kv_producer", {"data_host": 127}, f"{EXTRA}['data_host']=127 must be a string"),
     ],
@@ -116,16 +126,14 @@ def test_vllm_settings_refusals_name_the_key(role, extra, msg):
 
 def test_vllm_settings_every_key_and_every_default(monkeypatch):
     import hashlib
-    import hmac
 
     from pdkv.integrations.vllm.settings import Settings
 
     monkeypatch.delenv("PDKV_SECRET", raising=False)
-    default_key = hmac.new(b"pdkv-vllm", b"instance-key:e1", hashlib.sha256).digest()
     assert parse_settings("kv_consumer", "e1", None) == Settings(
-        role="kv_consumer", engine_id="e1", control="tcp://127.0.0.1:0", decode="", buffer_bytes=1 << 30,
+        role="kv_consumer", engine_id="e1", control="tcp://127.0.0.1:0", decodes=(), buffer_bytes=1 << 30,
         buffer_blocks=0, transports=("shm", "tcp"), transport="auto", secret=None, instance="vllm-e1",
-        instance_key=default_key, reserve_timeout_s=30.0, load_timeout_s=60.0, lease_s=30.0, kv_fused="",
+        instance_key=b"", reserve_timeout_s=30.0, load_timeout_s=60.0, lease_s=30.0, kv_fused="",
         data_host="127.0.0.1",
     )  # fmt: skip
     given = {
@@ -135,7 +143,7 @@ def test_vllm_settings_every_key_and_every_default(monkeypatch):
         "data_host": "10.0.0.1",
     }  # fmt: skip
     assert parse_settings("kv_producer", "e2", given) == Settings(
-        role="kv_producer", engine_id="e2", control="tcp://0.0.0.0:7", decode="tcp://d:8", buffer_bytes=2 << 30,
+        role="kv_producer", engine_id="e2", control="tcp://0.0.0.0:7", decodes=("tcp://d:8",), buffer_bytes=2 << 30,
         buffer_blocks=0, transports=("tcp",), transport="tcp", secret=b"sesame", instance="p" * 64,
         instance_key=hashlib.sha256(b"k" * 16).digest(), reserve_timeout_s=1.0, load_timeout_s=2.5, lease_s=3.0,
         kv_fused="row", data_host="10.0.0.1",
@@ -145,9 +153,8 @@ def test_vllm_settings_every_key_and_every_default(monkeypatch):
     assert parse_settings("kv_producer", long_id, {}).instance == ("vllm-" + long_id)[:64]
     assert parse_settings("kv_producer", "e", {"kv_fused": "head"}).kv_fused == "head"
     assert parse_settings("kv_producer", "e", {"instance": "a"}).instance == "a"  # one character is enough
-    # with a secret, the default instance key is keyed by it
-    keyed = hmac.new(b"sesame", b"instance-key:e1", hashlib.sha256).digest()
-    assert parse_settings("kv_producer", "e1", {"secret": "sesame"}).instance_key == keyed
+    # a configured key is the same in every process that reads the configuration
+    assert PrefillSide(parse_settings("kv_producer", "e", given)).instance_key == hashlib.sha256(b"k" * 16).digest()
 
 
 def test_vllm_cache_orders():
@@ -192,6 +199,28 @@ def _layout():
     return layout_for(**LAY, order=("head", False))
 
 
+KEY = b"k" * 32  # the prefill engine's instance key, as its scheduler half hands it over
+
+
+def _prompt(n, start=0):
+    """A prompt of ``n`` token ids."""
+    return list(range(start, start + n))
+
+
+def _cap(pid):
+    return f"cap-of-{pid}"
+
+
+def _params(pid, cap=None):
+    """What prefill's answer carries for ``pid`` (decode's request shows it)."""
+    return {"do_remote_prefill": True, PARAM_ID: pid, PARAM_CAP: _cap(pid) if cap is None else cap}
+
+
+def _save(rid, pid, decode, tokens, blocks, start, end, prompt=None):
+    b = binding_of(_cap(pid), token_digest(_prompt(tokens) if prompt is None else prompt))
+    return Save(rid, pid, decode, tokens, blocks, start, end, b)
+
+
 class _Pair:
     """Decode's scheduler half and worker half (a host 'vLLM cache' of 16 blocks) and
     prefill's worker half, with this test calling them in vLLM's order."""
@@ -221,7 +250,8 @@ class _Pair:
         start = 0
         for n in chunks:
             end = min(start + n, tokens)
-            self.sender.start(StepMeta(saves=[Save(rid, pid, self.decode.control_address, tokens, blocks, start, end)]))
+            save = _save(rid, pid, self.decode.control_address, tokens, blocks, start, end)
+            self.sender.start(StepMeta(saves=[save], instance_key=KEY))
             for layer in range(self.lay.total_layers):
                 self.sender.save_layer(layer)
             self.sender.end_step()
@@ -279,13 +309,13 @@ def test_vllm_halves_carry_a_request_and_free_every_block(no_leaks):
     byte arrives where vLLM's block table says, and the buffer is empty again."""
     p = _Pair()
     try:
-        params = {"do_remote_prefill": True, PARAM_ID: "p1"}
-        assert p.decode.matched("v1", params, 20, 0) == (None, False)  # not reserved yet
+        params = _params("p1")
+        assert p.decode.matched("v1", params, _prompt(20), 0) == (None, False)  # not reserved yet
         p.prefill("a", "p1", (3, 7, 8), 20, chunks=[8, 8, 4])
         assert p.sent("a")
         assert p.sender.stats["received"] == 1
         assert p.decode.sched.request("p1").state is State.RECEIVED
-        assert p.decode.matched("v1", params, 20, 0) == (20, True)
+        assert p.decode.matched("v1", params, _prompt(20), 0) == (20, True)
         p.decode.allocated("v1", [10, 2, 5, 9], 20)  # vLLM's blocks (one more than the prompt needs)
         meta, errors = p.load("v1", None)
         assert [ld.blocks for ld in meta.loads] == [(10, 2, 5)] and errors == set()
@@ -303,8 +333,8 @@ def test_vllm_decode_local_prefix_hit_loads_only_the_rest(no_leaks):
     try:
         p.prefill("a", "p2", (1, 2, 3), 24)
         assert p.sent("a")
-        params = {"do_remote_prefill": True, PARAM_ID: "p2"}
-        assert p.decode.matched("v", params, 24, 8) == (16, True)  # vLLM holds the first block
+        params = _params("p2")
+        assert p.decode.matched("v", params, _prompt(24), 8) == (16, True)  # vLLM holds the first block
         p.decode.allocated("v", [6, 11, 12], 16)
         meta, _ = p.load("v", None)
         assert [(ld.blocks, len(ld.buffer_blocks)) for ld in meta.loads] == [((11, 12), 2)]
@@ -321,10 +351,10 @@ def test_vllm_decode_kv_that_never_comes_follows_the_failure_policy(recompute, n
     bound reported as a load error), so vLLM fails the request by its own rule."""
     p = _Pair(load_timeout_s=0.3, recompute=recompute)
     try:
-        params = {"do_remote_prefill": True, PARAM_ID: "never"}
-        assert p.decode.matched("v", params, 16, 0) == (None, False)
+        params = _params("never")
+        assert p.decode.matched("v", params, _prompt(16), 0) == (None, False)
         time.sleep(0.35)
-        got = p.decode.matched("v", params, 16, 0)
+        got = p.decode.matched("v", params, _prompt(16), 0)
         if recompute:
             assert got == (0, False)
             return
@@ -343,15 +373,17 @@ def test_vllm_decode_mismatched_prompt_and_unclaimed_kv_are_dropped(no_leaks):
         p.prefill("a", "p3", (1, 2), 16)
         p.prefill("b", "p4", (4,), 8)
         assert p.sent("a") and p.sent("b")
-        # the prompt decode got is not the one prefill sent: computed locally, KV dropped
-        assert p.decode.matched("v", {"do_remote_prefill": True, PARAM_ID: "p3"}, 17, 0) == (0, False)
-        assert p.decode.sched.request("p3").state is State.ABORTED
-        # p4: nobody asks; the sweeper drops it (vLLM may be idle: no step needed)
+        # the prompt decode got is not the one prefill sent: no proof, computed locally; the
+        # KV it named is left as it was (another request may be its own)
+        assert p.decode.matched("v", _params("p3"), _prompt(17), 0) == (0, False)
+        assert p.decode.sched.request("p3").state is State.RECEIVED and p.decode.refused == 1
+        # nobody proves p3 or p4 its own: the sweeper drops both (vLLM may be idle: no step needed)
         assert p.wait_state("p4", {State.ABORTED}, timeout=5)
+        assert p.wait_state("p3", {State.ABORTED}, timeout=5)
         assert p.decode.sched.buffer.num_free == 12
         # a request without pdkv's parameters is none of the connector's business
-        assert p.decode.matched("w", None, 8, 0) == (0, False)
-        assert p.decode.matched("w", {"do_remote_decode": True, PARAM_ID: "x"}, 8, 0) == (0, False)
+        assert p.decode.matched("w", None, _prompt(8), 0) == (0, False)
+        assert p.decode.matched("w", {"do_remote_decode": True, PARAM_ID: "x"}, _prompt(8), 0) == (0, False)
     finally:
         p.close()
 
@@ -364,10 +396,10 @@ def test_vllm_decode_finished_before_and_after_binding(no_leaks):
         p.prefill("a", "p5", (1,), 8)
         p.prefill("b", "p6", (2,), 8)
         assert p.sent("a") and p.sent("b")
-        assert p.decode.matched("va", {"do_remote_prefill": True, PARAM_ID: "p5"}, 8, 0) == (8, True)
+        assert p.decode.matched("va", _params("p5"), _prompt(8), 0) == (8, True)
         assert p.decode.finished("va") is False
         assert p.decode.sched.request("p5").state is State.ABORTED
-        assert p.decode.matched("vb", {"do_remote_prefill": True, PARAM_ID: "p6"}, 8, 0) == (8, True)
+        assert p.decode.matched("vb", _params("p6"), _prompt(8), 0) == (8, True)
         p.decode.allocated("vb", [3], 8)
         assert p.decode.finished("vb") is True
         p.load("vb", None)
@@ -381,7 +413,7 @@ def test_vllm_prefill_cut_short_ends_at_decode_and_settles(no_leaks):
     it failed, its buffer blocks come back, and prefill reports the request settled."""
     p = _Pair()
     try:
-        p.sender.start(StepMeta(saves=[Save("a", "p7", p.decode.control_address, 24, (1, 2), 0, 8)]))
+        p.sender.start(StepMeta(saves=[_save("a", "p7", p.decode.control_address, 24, (1, 2), 0, 8)], instance_key=KEY))
         for layer in range(2):
             p.sender.save_layer(layer)
         p.sender.end_step()
@@ -441,8 +473,8 @@ def test_vllm_deferred_request_waits_for_the_end_of_its_step(no_leaks):
     the values the step ended with."""
     p = _Pair()
     try:
-        save = Save("a", "late-layer", p.decode.control_address, 16, (1, 2), 0, 16)
-        p.sender.start(StepMeta(saves=[save]))  # no session yet: reserved from the background thread
+        save = _save("a", "late-layer", p.decode.control_address, 16, (1, 2), 0, 16)
+        p.sender.start(StepMeta(saves=[save], instance_key=KEY))  # no session yet: reserved from the background thread
         p.sender.save_layer(0)
         assert p.wait_state("late-layer", {State.RESERVED})  # granted while the forward runs
         time.sleep(0.2)
@@ -452,7 +484,7 @@ def test_vllm_deferred_request_waits_for_the_end_of_its_step(no_leaks):
         p.sender.save_layer(1)
         p.sender.end_step()
         assert p.sent("a")
-        assert p.decode.matched("v", {"do_remote_prefill": True, PARAM_ID: "late-layer"}, 16, 0) == (16, True)
+        assert p.decode.matched("v", _params("late-layer"), _prompt(16), 0) == (16, True)
         p.decode.allocated("v", [4, 5], 16)
         p.load("v", None)
         for src_b, dst_b in ((1, 4), (2, 5)):
@@ -487,7 +519,7 @@ def test_vllm_decode_too_few_blocks_fails_the_load_and_frees_the_buffer_at_once(
     try:
         p.prefill("a", "few", (1, 2), 16)
         assert p.sent("a")
-        assert p.decode.matched("v", {"do_remote_prefill": True, PARAM_ID: "few"}, 16, 0) == (16, True)
+        assert p.decode.matched("v", _params("few"), _prompt(16), 0) == (16, True)
         p.decode.allocated("v", [4], 16)  # one block for two
         assert p.decode.sched.request("few").state is State.ABORTED
         assert p.decode.sched.buffer.num_free == 12
@@ -633,3 +665,164 @@ def test_cache_spec_checks_the_stride_of_a_dimension_of_two():
     assert str(e.value) == (
         "vLLM's KV cache of layer 0 has strides (1024, 512, 32, 1); pdkv's head-major order expects (.., 256, 32, 1)"
     )
+
+
+# ------------------------------------------------------------------ hostile requests
+
+
+@pytest.mark.parametrize("how", ["same-length", "no-cap", "forged-cap", "other-length"])
+def test_vllm_a_request_naming_anothers_id_loads_nothing_of_it(how, no_leaks):
+    """A client's request names the victim's pdkv id: with another prompt of the same
+    length, without the capability, with a made-up one, or with another length. It is
+    computed here (nothing loaded), whether it asks before or after the KV arrived and
+    whether vLLM then finishes it; the victim's KV stays, and the victim's own request
+    loads it byte for byte."""
+    p = _Pair()
+    try:
+        victim = _prompt(20)
+        forged = {
+            "same-length": (_params("p1"), _prompt(20, start=1000)),
+            "no-cap": ({"do_remote_prefill": True, PARAM_ID: "p1"}, victim),
+            "forged-cap": (_params("p1", cap="guess"), victim),
+            "other-length": (_params("p1"), _prompt(12)),
+        }[how]
+        early = p.decode.matched("early", *forged, 0)  # before prefill's KV came
+        assert early == (None, False)
+        p.prefill("a", "p1", (3, 7, 8), 20)
+        assert p.sent("a") and p.decode.sched.request("p1").state is State.RECEIVED
+        assert p.decode.matched("early", *forged, 0) == (0, False)
+        assert p.decode.finished("early") is False  # vLLM ends it: nothing of p1 ends with it
+        assert p.decode.matched("late", *forged, 0) == (0, False)
+        assert p.decode.refused == 2
+        assert p.decode.sched.request("p1").state is State.RECEIVED
+        # the victim's own request: its KV, byte for byte
+        assert p.decode.matched("v1", _params("p1"), victim, 0) == (20, True)
+        p.decode.allocated("v1", [10, 2, 5], 20)
+        meta, errors = p.load("v1", None)
+        assert [ld.blocks for ld in meta.loads] == [(10, 2, 5)] and errors == set()
+        for src_b, dst_b in zip((3, 7, 8), (10, 2, 5)):
+            assert _block(p.cache, p.lay, dst_b) == _block(p.src, p.lay, src_b)
+    finally:
+        p.close()
+
+
+def test_vllm_prefill_mints_the_id_and_capability_a_client_only_hints(no_leaks):
+    """Two requests naming one pdkv id get two ids (the client's value their prefix) and
+    two capabilities; a name that is not printable is not kept at all."""
+    side = PrefillSide(parse_settings("kv_producer", "e", {"decode": "tcp://127.0.0.1:9"}))
+    ask = {"do_remote_decode": True, PARAM_ID: "shared"}
+    meta = side.step([("r1", ask, _prompt(8), [1], 0), ("r2", ask, _prompt(8), [2], 0)], [], {"r1": 8, "r2": 8})
+    ids = [s.pid for s in meta.saves]
+    assert ids[0] != ids[1] and all(i.startswith("shared.") for i in ids)
+    a, b = side.finished("r1")[1], side.finished("r2")[1]
+    assert a is not None and b is not None and a[PARAM_CAP] != b[PARAM_CAP] and len(a[PARAM_CAP]) == 32
+    assert meta.saves[0].binding == binding_of(a[PARAM_CAP], token_digest(_prompt(8)))
+    odd = side.step([("r3", {"do_remote_decode": True, PARAM_ID: "a\nb"}, _prompt(8), [3], 0)], [], {"r3": 8})
+    assert odd.saves[0].pid.startswith("vllm.")
+
+
+def test_vllm_a_computed_instance_key_joins_nothing(no_leaks):
+    """The key a peer holding the secret could compute from public data (the instance
+    name, the engine id) is not the engine's: a session showing it, under the engine's
+    instance name, is refused while the engine's session is live, and its reservation of
+    the engine's request never happens."""
+    import hashlib
+    import hmac
+
+    from pdkv import PrefillSender
+    from pdkv.errors import PeerError
+
+    p = _Pair()
+    try:
+        p.sender.start(StepMeta(saves=[_save("a", "p1", p.decode.control_address, 16, (1, 2), 0, 8)], instance_key=KEY))
+        for layer in range(2):
+            p.sender.save_layer(layer)
+        p.sender.end_step()
+        assert p.wait_state("p1", {State.RESERVED, State.RECEIVING})
+        guess = hmac.new(b"pdkv-vllm", b"instance-key:p", hashlib.sha256).digest()  # the old default
+        lay = _layout()
+        arr = np.zeros(lay.block_bytes * 4, np.uint8)
+        with pytest.raises(PeerError, match="another instance key"):
+            PrefillSender(
+                lay,
+                CacheSpec.for_buffer(lay, 4, arr.ctypes.data),
+                p.decode.control_address,
+                instance="vllm-p",
+                instance_key=guess,
+                transport="tcp",
+                timeout_s=5,
+            )
+        assert p.decode.sched.request("p1").state in (State.RESERVED, State.RECEIVING)
+    finally:
+        p.close()
+
+
+def test_vllm_pdkv_decode_naming_an_unlisted_address_connects_nowhere(no_leaks):
+    """A request's pdkv_decode names an address the operator did not configure (a
+    listener this test owns): prefill computes it here only, and nothing connects there."""
+    import socket
+
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen()
+    trap.setblocking(False)
+    try:
+        p = _Pair()
+        try:
+            side = PrefillSide(parse_settings("kv_producer", "e", {"decode": p.decode.control_address}))
+            there = f"tcp://127.0.0.1:{trap.getsockname()[1]}"
+            for addr in (there, "garbage", 5):
+                meta = side.step([("r", {"do_remote_decode": True, "pdkv_decode": addr}, _prompt(8), [1], 0)], [], {})
+                assert meta.saves == [] and side.finished("r") == (False, None)
+            assert side.refused == 3
+            # the configured one may be named, and is the default
+            for ask in (
+                {"do_remote_decode": True, "pdkv_decode": p.decode.control_address},
+                {"do_remote_decode": True},
+            ):
+                meta = side.step([("q", ask, _prompt(8), [1], 0)], [], {"q": 8})
+                assert [s.decode for s in meta.saves] == [p.decode.control_address]
+                side.finished("q")
+            time.sleep(0.2)
+            with pytest.raises(BlockingIOError):
+                trap.accept()  # nothing connected
+        finally:
+            p.close()
+    finally:
+        trap.close()
+
+
+def test_vllm_a_dead_decode_delays_no_request_to_another(no_leaks):
+    """Two configured decodes accept connections and never answer; a request to each is
+    in flight when a request to the live decode is made: that one completes at once (each
+    decode has its own background thread), and the dead ones fail alone, with the reason."""
+    import socket
+
+    dead = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        dead.append(s)
+    p = None
+    try:
+        addrs = [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in dead]
+        p = _Pair(extra={"decode": addrs})
+        for i, a in enumerate(addrs):
+            save = _save(f"d{i}", f"dead{i}", a, 8, (i + 1,), 0, 8)
+            p.sender.start(StepMeta(saves=[save], instance_key=KEY))
+            for layer in range(2):
+                p.sender.save_layer(layer)
+            p.sender.end_step()
+        t0 = time.monotonic()
+        p.prefill("g", "good", (5, 6), 16)
+        assert p.sent("g", timeout=10)
+        took = time.monotonic() - t0
+        assert p.sender.stats["received"] == 1 and took < 2.0, f"the good request took {took:.2f} s"
+        assert p.sent("d0", timeout=20) and p.sent("d1", timeout=20)
+        assert p.sender.stats["failed"] == 2
+    finally:
+        if p is not None:
+            p.close()
+        for s in dead:
+            s.close()

@@ -28,6 +28,7 @@ __all__ = [
     "MAX_IPC_HANDLE",
     "MAX_IPC_ENTRIES",
     "INSTANCE_KEY_BYTES",
+    "MAX_BINDING",
     "NONCE_BYTES",
     "GRANT_OUTCOMES",
     "OUTCOME_STATES",
@@ -37,12 +38,14 @@ __all__ = [
 # 4: OutcomeBatch, ReserveBatch, GrantBatch; 5: challenge-response handshake, typed nested
 # records, data connections authenticated by a MAC over decode's nonce; 6: a prefill
 # instance proves its identity (an instance key, masked under the session key, in Auth), the
-# Challenge echoes the Hello's nonce, Bye ends a session, every wire integer bounded
+# Challenge echoes the Hello's nonce, Bye ends a session, every wire integer bounded; 7: an
+# ErrorMsg names its request by field, a reservation carries an opaque binding
 PROTOCOL_VERSION = 7
 MAC_BYTES = 32  # HMAC-SHA256
 MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
 NONCE_BYTES = 16  # every nonce: Hello, Challenge, data connections
 INSTANCE_KEY_BYTES = 32  # a prefill instance's key (SenderOptions.instance_key), and its mask
+MAX_BINDING = 32  # bytes of a reservation's binding (opaque to pdkv: an engine's proof digest)
 
 MAX_ID = 256  # characters of a request id (at least 1, printable)
 MAX_NAME = 256  # characters of an instance's, a NIXL agent's or a segment's name, an address

@@ -26,6 +26,7 @@ from .limits import (
     INSTANCE_KEY_BYTES,
     MAX_BATCH_BLOCKS,
     MAX_BATCH_ITEMS,
+    MAX_BINDING,
     MAX_ERROR_MESSAGE,
     MAX_GRANT_BLOCKS,
     MAX_ID,
@@ -259,9 +260,17 @@ class Welcome(_Base, tag="welcome", frozen=True):
     nixl: NixlOffer | None = None  # nixl: decode's agent and its registered buffers
 
 
+_Binding = Annotated[bytes, msgspec.Meta(max_length=MAX_BINDING)]
+
+
 class ReserveReq(_Base, tag="reserve", frozen=True):
+    """prefill -> decode: blocks for ``num_tokens``. ``binding``: opaque bytes decode keeps
+    with the request (``RequestInfo.binding``), for an engine adapter to check a claim on
+    the request's KV against (the vLLM connector: a digest of a capability and the prompt)."""
+
     request_id: _Id
     num_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NUM_TOKENS)]
+    binding: _Binding = b""
 
 
 class ReserveBatch(_Base, tag="reserves", frozen=True):
@@ -272,6 +281,7 @@ class ReserveBatch(_Base, tag="reserves", frozen=True):
         list[tuple[_Id, Annotated[int, msgspec.Meta(ge=1, le=MAX_NUM_TOKENS)]]],
         msgspec.Meta(min_length=1, max_length=MAX_BATCH_ITEMS),
     ]
+    bindings: Annotated[list[_Binding], msgspec.Meta(max_length=MAX_BATCH_ITEMS)] = []  # none, or one per item
 
 
 class GrantMsg(_Base, tag="grant", frozen=True):
@@ -405,7 +415,8 @@ def to_plain(rec: msgspec.Struct | None) -> dict[str, Any]:
 def validate(m: Message) -> None:
     """What the schema cannot say; every bound of a single field is the schema's (``limits``):
     request ids and instance names printable, the version spoken, a rank below its TP size,
-    outcomes and states from their lists, a reservation batch naming each id once, a grant
+    outcomes and states from their lists, a reservation batch naming each id once (and
+    with no bindings or one per item), a grant
     batch's block ids together at most ``MAX_BATCH_BLOCKS``."""
     rid = getattr(m, "request_id", None)
     if rid is not None and not rid.isprintable():
@@ -428,6 +439,10 @@ def validate(m: Message) -> None:
                 raise ProtocolError(f"outcome state {state[:32]!r} is not one of {', '.join(OUTCOME_STATES)}")
     if isinstance(m, ReserveBatch) and len({r for r, _ in m.items}) != len(m.items):
         raise ProtocolError("reserve batch names a request id twice (one reservation is answered once)")
+    if isinstance(m, ReserveBatch) and m.bindings and len(m.bindings) != len(m.items):
+        raise ProtocolError(
+            f"reserve batch has {len(m.bindings)} bindings for {len(m.items)} items (none, or one each)"
+        )
     if isinstance(m, GrantBatch):
         n = sum(len(g.blocks) for g in m.items)
         if n > MAX_BATCH_BLOCKS:

@@ -228,6 +228,7 @@ class RequestInfo:
     reason: str
     peer: str = ""  # the prefill instance that reserved it (empty once ended)
     num_tokens: int | None = None  # the tokens prefill reserved for (None: reserved by blocks, or ended)
+    binding: bytes = b""  # what the reservation carried (empty once ended)
 
 
 class EventKind(str, enum.Enum):
@@ -319,6 +320,7 @@ class _Req:
     prefix: tuple[int, ...] = ()  # decode's own blocks for the prompt's start (DecodeScheduler.hold_prefix)
     release: Any = None  # called once with (rid, prefix) when the prefix is no longer needed
     writers: _Writers = field(default_factory=_Writers)
+    binding: bytes = b""  # opaque, from the reservation (an engine adapter's proof digest)
 
 
 @dataclass(slots=True, eq=False)

@@ -114,12 +114,15 @@ class DecodeScheduler(SchedulerCore):
         num_tokens: int | None = None,
         peer: str = "",
         gpu_ok: bool = True,
+        binding: bytes = b"",
     ) -> Reservation:
         """Reserve destination blocks for a request: GPU first (above the reserve), then
         the buffer, then queue or reject by policy.
 
         ``gpu_ok=False`` keeps this request in the buffer even with ``direct_to_gpu`` (a
         transport that can write host memory only); a queued request keeps it.
+        ``binding``: opaque bytes kept with the request while it lives
+        (:meth:`request`'s ``binding``), for an engine adapter to check claims against.
 
         Raises
         ------
@@ -138,6 +141,8 @@ class DecodeScheduler(SchedulerCore):
             num_blocks = -(-num_tokens // self.tokens_per_block)
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise RequestError(f"num_blocks={num_blocks!r} must be a positive integer")
+        if not isinstance(binding, bytes) or len(binding) > 32:
+            raise RequestError(f"binding must be at most 32 bytes, not {type(binding).__name__} of {len(binding)}")
         if not isinstance(gpu_ok, bool):
             raise RequestError(f"gpu_ok={gpu_ok!r} must be a bool")
         engine = self.options.bind == "engine"
@@ -164,7 +169,7 @@ class DecodeScheduler(SchedulerCore):
                     f"({gpu_cap} above the reserve)" + ("" if direct else f" or the buffer holds ({buf_cap})")
                 )
             self._tomb.pop(request_id, None)
-            req = _Req(request_id, n, num_tokens, peer, gpu_ok=gpu_ok)
+            req = _Req(request_id, n, num_tokens, peer, gpu_ok=gpu_ok, binding=bytes(binding))
             if hold is not None:
                 del self._holds[request_id]
                 req.prefix, req.release = hold.blocks, hold.release
@@ -578,6 +583,7 @@ class DecodeScheduler(SchedulerCore):
                 req.reason,
                 req.peer,
                 req.tokens,
+                req.binding,
             )
 
     def live_requests(self) -> list[str]:

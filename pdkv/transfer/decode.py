@@ -210,9 +210,10 @@ class DecodeReceiver(ReceiverCore):
             answer = Bye("session ended")
             self._ch.send(lambda: [peer.ident, *peer.codec.encode(answer)])
         elif isinstance(msg, ReserveReq):
-            self._on_reserve(peer, msg.request_id, msg.num_tokens)
+            self._on_reserve(peer, msg.request_id, msg.num_tokens, msg.binding)
         elif isinstance(msg, ReserveBatch):
-            self._each(peer, [(rid, (peer, rid, n)) for rid, n in msg.items], self._on_reserve)
+            binds = msg.bindings or [b""] * len(msg.items)
+            self._each(peer, [(rid, (peer, rid, n, b)) for (rid, n), b in zip(msg.items, binds)], self._on_reserve)
         elif isinstance(msg, LayerDone):
             self._layers_done(peer, msg.request_id, msg.token, msg.layers, msg.blocks)
         elif isinstance(msg, LayerBatch):
@@ -292,7 +293,7 @@ class DecodeReceiver(ReceiverCore):
             raise GrantViolation(f"request {rid!r}: the grant is not this session's")
         return inf
 
-    def _on_reserve(self, peer: Peer, rid: str, num_tokens: int) -> None:
+    def _on_reserve(self, peer: Peer, rid: str, num_tokens: int, binding: bytes = b"") -> None:
         key = (peer.instance, rid)
         with self.lock:
             g = self._grants.get(key)
@@ -336,6 +337,7 @@ class DecodeReceiver(ReceiverCore):
             num_tokens=num_tokens,
             peer=peer.instance,
             gpu_ok=self._transports[peer.transport].writes_gpu,
+            binding=binding,
         )
         if res.grant is None:
             _log.debug("reservation %r of %d blocks %s: %s", rid, nblk, res.outcome, res.reason)

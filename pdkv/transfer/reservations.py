@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 from ..errors import PdkvError, PdkvTimeoutError, RequestError
-from ..protocol import MAX_ID, MAX_NUM_TOKENS, Abort, Message, ReserveBatch, ReserveReq
+from ..protocol import MAX_BINDING, MAX_ID, MAX_NUM_TOKENS, Abort, Message, ReserveBatch, ReserveReq
 from .base import RequestOutcome, SendGrant, Waiter
 from .channel import SEND_BATCH
 
@@ -45,7 +45,7 @@ class Reservations:
         return res
 
     def reserve_many(
-        self, requests: Sequence[tuple[str, int]], timeout: float | None = None
+        self, requests: Sequence[tuple[str, int] | tuple[str, int, bytes]], timeout: float | None = None
     ) -> list[SendGrant | PdkvError]:
         """Reserve several requests at once: every request is sent before any answer is
         awaited, so their round trips overlap (one at a time costs a round trip each).
@@ -56,7 +56,7 @@ class Reservations:
         ``timeout`` bounds the whole call."""
         limit = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
-        ids = [r for r, _ in requests]
+        ids = [r[0] for r in requests]
         waiters = self._post_reservations(requests)
         out: list[SendGrant | PdkvError] = []
         for rid, w in zip(ids, waiters):
@@ -66,7 +66,9 @@ class Reservations:
             out.append(self._granted(rid, w))
         return out
 
-    def reserve_nowait(self, requests: Sequence[tuple[str, int]], timeout: float | None = None) -> None:
+    def reserve_nowait(
+        self, requests: Sequence[tuple[str, int] | tuple[str, int, bytes]], timeout: float | None = None
+    ) -> None:
         """Post reservations and return at once (for an engine loop that cannot wait):
         :meth:`poll_grant` answers each later. Checks as :meth:`reserve_many`; ``timeout``
         (default the sender's) bounds how long a grant may take: past it, the next poll
@@ -75,7 +77,7 @@ class Reservations:
         waiters = self._post_reservations(requests)
         deadline = time.monotonic() + limit
         with self._lock:
-            for (rid, _), w in zip(requests, waiters):
+            for (rid, *_), w in zip(requests, waiters):
                 self._polled[rid] = (w, deadline, limit)
 
     def poll_grant(self, request_id: str) -> SendGrant | PdkvError | None:
@@ -121,13 +123,18 @@ class Reservations:
                 self._resolved.pop(rid, None)
         return g  # type: ignore[no-any-return]
 
-    def _post_reservations(self, requests: Sequence[tuple[str, int]]) -> list[Waiter]:
-        """Check ``requests``, register their waiters and post them (no answer awaited)."""
+    def _post_reservations(self, requests: Sequence[tuple[str, int] | tuple[str, int, bytes]]) -> list[Waiter]:
+        """Check ``requests`` (``(id, tokens)``, or ``(id, tokens, binding)``: up to
+        ``MAX_BINDING`` opaque bytes decode keeps with the request), register their
+        waiters and post them (no answer awaited)."""
         self._check()
-        ids = [r for r, _ in requests]
+        ids = [r[0] for r in requests]
         if len(set(ids)) != len(ids):
             raise RequestError("reserve_many: a request id appears twice")
-        for rid, n in requests:
+        binds = [bytes(r[2]) if len(r) > 2 else b"" for r in requests]
+        for (rid, n, *_), b in zip(requests, binds):
+            if len(b) > MAX_BINDING:
+                raise RequestError(f"request {rid!r}: a binding of {len(b)} bytes (at most {MAX_BINDING})")
             if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID:
                 raise RequestError(f"request id {rid!r:.80} must be a string of 1-{MAX_ID} characters")
             if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_NUM_TOKENS:
@@ -143,11 +150,12 @@ class Reservations:
                 self._outcomes[rid] = Waiter()
                 waiters.append(w)
         if len(requests) == 1:
-            self.post(ReserveReq(*requests[0]))
+            self.post(ReserveReq(requests[0][0], requests[0][1], binds[0]))
         else:  # one message per SEND_BATCH requests; decode answers each with one GrantBatch
-            items = [(rid, n) for rid, n in requests]
+            items = [(r[0], r[1]) for r in requests]
+            bound = any(binds)
             for i in range(0, len(items), SEND_BATCH):
-                self.post(ReserveBatch(items[i : i + SEND_BATCH]))
+                self.post(ReserveBatch(items[i : i + SEND_BATCH], binds[i : i + SEND_BATCH] if bound else []))
         return waiters
 
     def wait_outcome(self, request_id: str, timeout: float | None = None) -> RequestOutcome:

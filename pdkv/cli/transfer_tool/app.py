@@ -115,7 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--rdma-gid-index", type=int, default=None, help="rdma: the GID index (default: RoCE v2 over IPv4 first)"
     )
-    g.add_argument("--secret", default="", help="shared secret (>= 16 characters) to authenticate the pair")
+    g.add_argument(
+        "--secret-file",
+        default=None,
+        help="a file holding the shared secret (>= 16 characters; one line) that authenticates the pair; "
+        "default $PDKV_SECRET, else none (loopback only). Never on a command line: other local users read those",
+    )
+    g.add_argument("--secret", default="", help=argparse.SUPPRESS)  # refused: see _check_args
     g = p.add_argument_group("layout")
     g.add_argument("--model", default="llama3-8b", help=f"layout preset: {', '.join(PRESETS)}")
     g.add_argument("--layers", type=int, help="cache layers (default: the preset's)")
@@ -261,6 +267,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _read_secret(path: str | None) -> str:
+    """The shared secret: the first line of ``path``, else ``$PDKV_SECRET``, else none."""
+    if path is None:
+        return os.environ.get("PDKV_SECRET", "")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(4096)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--secret-file {path}: {exc}") from None
+    lines = text.splitlines()
+    secret = lines[0].strip() if lines else ""
+    if not secret:
+        raise UsageError(f"--secret-file {path} is empty")
+    return secret
+
+
 def _check_args(a: argparse.Namespace) -> None:
     for name in ("requests", "concurrency", "prefill_tp", "decode_tp", "prefill_blocks"):
         if getattr(a, name) <= 0:
@@ -285,8 +307,14 @@ def _check_args(a: argparse.Namespace) -> None:
     _check_outputs(a)
     if (a.buffer_gib is not None and a.buffer_gib <= 0) or a.timeout <= 0 or a.time_scale <= 0:
         raise UsageError("--buffer-gib, --timeout and --time-scale must be positive")
+    if a.secret:
+        raise UsageError(
+            "--secret puts the secret on the command line, where any local user reads it (/proc/PID/cmdline): "
+            "give --secret-file PATH or $PDKV_SECRET"
+        )
+    a.secret = _read_secret(a.secret_file)
     if a.secret and len(a.secret) < 16:
-        raise UsageError("--secret must be at least 16 characters")
+        raise UsageError("the secret must be at least 16 characters")
     if a.mode == "plan":
         _check_plan_args(a)
     if a.mode == "prefill" and not a.connect:

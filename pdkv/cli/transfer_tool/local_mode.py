@@ -82,9 +82,7 @@ def _prefill_argv(a: argparse.Namespace, addr: str, rank: int) -> list[str]:
         v = getattr(a, attr)
         if v is not None and v != 0:
             argv += [opt, str(v)]
-    if a.secret:
-        argv += ["--secret", a.secret]
-    return argv
+    return argv  # the secret goes in the environment (PDKV_SECRET), never on a command line
 
 
 def run_local(a: argparse.Namespace, console: Any) -> int:
@@ -112,6 +110,9 @@ def run_local(a: argparse.Namespace, console: Any) -> int:
         # the ranks of the one prefill instance prove they are one with a key they share
         # (handed over in the environment, never on a command line other users can read)
         env = dict(os.environ, PYTHONUNBUFFERED="1", PDKV_INSTANCE_KEY=os.urandom(32).hex())
+        env.pop("PDKV_SECRET", None)
+        if a.secret:
+            env["PDKV_SECRET"] = a.secret
         for r in range(a.prefill_tp):
             procs.append(
                 subprocess.Popen(

@@ -190,7 +190,7 @@ class PdkvConnector(KVConnectorBase_V1):
         if self._decode is None:
             return 0, False
         prompt = request.prompt_token_ids or ()
-        return self._decode.matched(request.request_id, request.kv_transfer_params, len(prompt), num_computed_tokens)
+        return self._decode.matched(request.request_id, request.kv_transfer_params, prompt, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._decode is not None and num_external_tokens > 0:
@@ -205,7 +205,7 @@ class PdkvConnector(KVConnectorBase_V1):
             (
                 r.req_id,
                 (r.sampling_params.extra_args or {}).get("kv_transfer_params") if r.sampling_params else None,
-                len(r.prompt_token_ids or ()),
+                r.prompt_token_ids or (),
                 list(r.block_ids[0]),
                 r.num_computed_tokens,
             )

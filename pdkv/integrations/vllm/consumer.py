@@ -16,11 +16,12 @@ from vLLM's loop waits on the network or on prefill.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ from ...scheduling.blocks import BlockPool
 from ...scheduling.scheduler import DecodeScheduler, Event, EventKind, SchedulerOptions, State
 from ...swap.engine import SwapEngine
 from ...transfer import DecodeReceiver
-from .settings import PARAM_ID, Load, Settings, StepMeta
+from .settings import PARAM_CAP, PARAM_ID, Load, Settings, StepMeta, binding_of, token_digest
 
 __all__ = ["DecodeSide", "LoadWorker", "WorkerSwaps"]
 
@@ -85,6 +86,8 @@ class _Want:
     local: int = 0  # tokens vLLM computed itself (a local prefix hit, block-aligned)
     bound: tuple[int, ...] | None = None  # vLLM's blocks the load writes, once bound
     fail: bool = False  # the KV will not come: the load reports failure (kv_load_failure_policy='fail')
+    claim: bytes = b""  # the binding its pdkv_cap and prompt give (settings.binding_of)
+    proven: bool = False  # its claim matched the reservation's binding: the KV is its own
 
 
 class DecodeSide:
@@ -114,6 +117,7 @@ class DecodeSide:
             )
         self.settings, self.layouts, self.num_blocks = settings, layouts, n
         self.recompute, self.clock = recompute, clock
+        self.refused = 0  # requests that claimed KV they could not prove their own
         self.buffers: list[SharedBuffer] = []
         self.receiver: DecodeReceiver | None = None
         try:
@@ -163,19 +167,28 @@ class DecodeSide:
 
     # ------------------------------------------------------------------ vLLM's scheduler
     def matched(
-        self, req_id: str, params: Mapping[str, Any] | None, prompt_len: int, num_computed: int
+        self, req_id: str, params: Mapping[str, Any] | None, prompt: Sequence[int], num_computed: int
     ) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens``: ``(tokens, True)`` once prefill's KV is in the
         buffer, ``(None, False)`` while it is on its way, ``(0, False)`` for a request
-        without pdkv's parameters (or, with ``recompute``, whose KV will not come)."""
+        without pdkv's parameters (or, with ``recompute``, whose KV will not come).
+
+        The parameters come with a client's request: a hint. The KV goes only to a request
+        that proves it is the one prefill served: its ``pdkv_cap`` and its own prompt's
+        tokens must give the binding prefill's reservation carried (constant-time compare).
+        A request that fails the proof is computed here, and the request it named is left
+        as it was (nothing of it aborted, bound or loaded)."""
         pid = params.get(PARAM_ID) if params and params.get("do_remote_prefill") else None
         if not isinstance(pid, str) or not pid:
             return 0, False
+        prompt_len = len(prompt)
         now = self.clock()
         with self._wlock:
             w = self._wants.get(req_id)
             if w is None:
-                w = self._wants[req_id] = _Want(pid, now)
+                cap = params.get(PARAM_CAP) if params else None
+                claim = binding_of(cap, token_digest(prompt)) if isinstance(cap, str) and len(cap) <= 64 else b""
+                w = self._wants[req_id] = _Want(pid, now, claim=claim)
         w.local = num_computed  # what vLLM holds itself: a load (or its failure) covers the rest
         if w.fail:
             return prompt_len - num_computed, True
@@ -183,6 +196,10 @@ class DecodeSide:
             info = self.sched.request(pid)
         except RequestError:
             info = None  # prefill has not reserved yet
+        if info is not None and not w.proven and (info.state in _WAITING or info.state is State.RECEIVED):
+            if not w.claim or not hmac.compare_digest(w.claim, info.binding):
+                return self._refuse(req_id, w, "its pdkv_cap and prompt do not match what prefill reserved")
+            w.proven = True
         if info is None or info.state in _WAITING:
             if now - w.since <= self.settings.load_timeout_s:
                 return None, False
@@ -205,9 +222,19 @@ class DecodeSide:
             return 0, False
         return prompt_len - num_computed, True
 
+    def _refuse(self, req_id: str, w: _Want, why: str) -> tuple[int | None, bool]:
+        """A request that claims KV it cannot prove is its own: computed here; the request
+        it named goes on untouched."""
+        self.refused += 1
+        _log.warning("pdkv decode: request %s claims pdkv %.80r: %s; computed here", req_id, w.pid, why)
+        with self._wlock:
+            self._wants.pop(req_id, None)
+        return 0, False
+
     def _give_up(self, req_id: str, w: _Want, why: str, tokens: int) -> tuple[int | None, bool]:
         _log.warning("pdkv decode: request %s (pdkv %s): %s", req_id, w.pid, why)
-        self._abort(w.pid, why)
+        if w.proven:  # only the request prefill served may end its KV early
+            self._abort(w.pid, why)
         if self.recompute or tokens <= 0:
             with self._wlock:
                 del self._wants[req_id]
@@ -294,7 +321,7 @@ class DecodeSide:
                 del self._received[pid]
                 stale.append(pid)
         with self._wlock:
-            claimed = {w.pid for w in self._wants.values()}
+            claimed = {w.pid for w in self._wants.values() if w.proven}  # a claim without proof holds nothing
         for pid in stale:
             if pid not in claimed:
                 self._abort(pid, f"no vLLM request asked for it within load_timeout_s={limit}s")
@@ -309,7 +336,8 @@ class DecodeSide:
             return True
         with self._wlock:
             del self._wants[req_id]
-        self._abort(w.pid, "vLLM finished the request before its KV was loaded")
+        if w.proven:  # a request that never proved the KV its own ends nothing of it
+            self._abort(w.pid, "vLLM finished the request before its KV was loaded")
         return False
 
     def close(self) -> None:

@@ -19,17 +19,28 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import ClosedError, PdkvError, PeerError, RequestError
 from ...layout import CacheSpec, KVLayout
 from ...transfer import PrefillSender, RequestOutcome, SendGrant
-from .settings import PARAM_DECODE, PARAM_ID, PARAM_TOKENS, Save, Settings, StepMeta
+from .settings import (
+    PARAM_CAP,
+    PARAM_DECODE,
+    PARAM_ID,
+    PARAM_TOKENS,
+    Save,
+    Settings,
+    StepMeta,
+    binding_of,
+    token_digest,
+)
 
 __all__ = ["PrefillSide", "SendWorker"]
 
@@ -44,46 +55,78 @@ class _Track:
     prompt_len: int
     blocks: list[int]
     computed: int
+    cap: str = ""
+    binding: bytes = b""
     shipped: bool = False  # a worker saw it in a step's metadata
 
 
 class PrefillSide:
     """The scheduler half of a prefill engine: which requests go to decode, their blocks
-    and the tokens each step computes, for the workers' :class:`SendWorker`."""
+    and the tokens each step computes, for the workers' :class:`SendWorker`.
+
+    A request's ``kv_transfer_params`` come from a client: hints, never credentials. This
+    half mints each request's pdkv id (the client's ``pdkv_request_id``, when printable,
+    is kept as its prefix, for the logs) and a capability (128 random bits) that only the
+    answer's ``kv_transfer_params`` carry; the reservation carries a digest of the
+    capability and the prompt's tokens, which decode checks before it hands the KV to a
+    request. ``pdkv_decode`` may pick one of the configured decodes, never name another.
+    The engine's instance key (its identity at decode) is random unless configured, and
+    goes to the workers in every step's metadata."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._reqs: dict[str, _Track] = {}
+        self.instance_key = settings.instance_key or secrets.token_bytes(32)
+        self.refused = 0  # requests whose parameters named a decode not configured
+        self._warned: set[str] = set()
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned and len(self._warned) < 64:
+            self._warned.add(key)
+            _log.warning(msg, *args)
 
     def params_of(self, params: Mapping[str, Any] | None) -> tuple[str, str] | None:
-        """``(pdkv id, decode address)`` of a request that asks for remote decode."""
+        """``(pdkv id, decode address)`` of a request that asks for remote decode (a new
+        id each call), or None: it is computed here only."""
         if not params or not params.get("do_remote_decode"):
             return None
-        pid, decode = params.get(PARAM_ID), params.get(PARAM_DECODE) or self.settings.decode
-        if not isinstance(pid, str) or not pid or not isinstance(decode, str) or not decode:
+        decodes = self.settings.decodes
+        want = params.get(PARAM_DECODE)
+        if not decodes:
+            self._warn_once("none", "pdkv prefill: do_remote_decode, but extra config 'decode' names no decode")
+            return None
+        if want in (None, ""):
+            decode = decodes[0]
+        elif isinstance(want, str) and want in decodes:
+            decode = want
+        else:
+            self.refused += 1
             _log.warning(
-                "pdkv prefill: do_remote_decode without %s and a decode address (%s or extra config 'decode'): "
-                "the request is computed here only",
-                PARAM_ID,
+                "pdkv prefill: a request's %s names %.80r, not a configured decode: computed here only",
                 PARAM_DECODE,
+                want,
             )
             return None
-        return pid, decode
+        hint = params.get(PARAM_ID)
+        prefix = hint if isinstance(hint, str) and 0 < len(hint) <= 64 and hint.isprintable() else "vllm"
+        return f"{prefix}.{secrets.token_hex(12)}", decode
 
     def step(
         self,
-        new: Iterable[tuple[str, Mapping[str, Any] | None, int, list[int], int]],
+        new: Iterable[tuple[str, Mapping[str, Any] | None, Sequence[int], list[int], int]],
         cached: Iterable[tuple[str, list[int] | None, int, bool]],
         scheduled: Mapping[str, int],
     ) -> StepMeta:
         """``build_connector_meta``: ``new`` requests ``(id, kv_transfer_params, prompt
-        length, block ids, computed tokens)``, ``cached`` ones ``(id, new block ids,
+        token ids, block ids, computed tokens)``, ``cached`` ones ``(id, new block ids,
         computed tokens, resumed)`` (a resumed request's block ids replace its old ones),
         ``scheduled`` tokens per request this step."""
-        for rid, params, plen, blocks, computed in new:
+        for rid, params, prompt, blocks, computed in new:
             got = self.params_of(params)
             if got is not None:
-                self._reqs[rid] = _Track(got[0], got[1], plen, list(blocks), computed)
+                cap = secrets.token_hex(16)
+                binding = binding_of(cap, token_digest(prompt))
+                self._reqs[rid] = _Track(got[0], got[1], len(prompt), list(blocks), computed, cap, binding)
         for rid, more, computed, resumed in cached:
             t = self._reqs.get(rid)
             if t is not None:
@@ -94,18 +137,18 @@ class PrefillSide:
             n = scheduled.get(rid, 0)
             if n and t.computed < t.prompt_len:
                 end = min(t.computed + n, t.prompt_len)
-                saves.append(Save(rid, t.pid, t.decode, t.prompt_len, tuple(t.blocks), t.computed, end))
+                saves.append(Save(rid, t.pid, t.decode, t.prompt_len, tuple(t.blocks), t.computed, end, t.binding))
                 t.shipped = True
                 t.computed = end
-        return StepMeta(saves=saves)
+        return StepMeta(saves=saves, instance_key=self.instance_key)
 
     def finished(self, rid: str) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: keep the blocks while a worker sends them, and the
-        parameters decode's request needs."""
+        parameters decode's request needs (its id and capability)."""
         t = self._reqs.pop(rid, None)
         if t is None:
             return False, None
-        return t.shipped, {"do_remote_prefill": True, PARAM_ID: t.pid, PARAM_TOKENS: t.prompt_len}
+        return t.shipped, {"do_remote_prefill": True, PARAM_ID: t.pid, PARAM_TOKENS: t.prompt_len, PARAM_CAP: t.cap}
 
 
 @dataclass(eq=False)
@@ -144,24 +187,38 @@ class SendWorker:
         self._lock = threading.Lock()
         self._reqs: dict[str, _Out] = {}
         self._step: list[_Out] = []
-        self._jobs: queue.Queue[_Out | None] = queue.Queue()
+        # one background thread per decode (the configured ones only): a decode that is down
+        # or slow to answer holds its own requests, never another decode's
+        self._lanes: dict[str, tuple[queue.Queue[_Out | None], threading.Thread]] = {}
+        self._key = settings.instance_key  # else the scheduler half's, from the first step's metadata
         self._stop = threading.Event()
         self.recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.stats = {"direct": 0, "deferred": 0, "received": 0, "failed": 0}
-        self._thread = threading.Thread(target=self._run, name="pdkv-vllm-send", daemon=True)
-        self._thread.start()
 
     def _open(self, decode: str) -> PrefillSender:
         s = self.settings
+        if not self._key:
+            raise PdkvError("no instance key yet (the scheduler half sends it with each step)")
         return PrefillSender(
             self.layout,
             self.cache,
             decode,
             instance=s.instance,
-            instance_key=s.instance_key,
+            instance_key=self._key,
             secret=s.secret,
             transport=s.transport,
         )
+
+    def _put(self, r: _Out) -> None:
+        """Hand ``r`` to its decode's background thread (started on first use)."""
+        with self._lock:
+            lane = self._lanes.get(r.save.decode)
+            if lane is None:
+                q: queue.Queue[_Out | None] = queue.Queue()
+                t = threading.Thread(target=self._run, args=(q,), name="pdkv-vllm-send", daemon=True)
+                lane = self._lanes[r.save.decode] = (q, t)
+                t.start()
+        lane[0].put(r)
 
     # ------------------------------------------------------------------ vLLM's worker loop
     def start(self, meta: StepMeta) -> None:
@@ -169,6 +226,8 @@ class SendWorker:
         request is reserved at once where its decode's session is open (a message posted),
         else from the background thread, which opens the session first."""
         step, new = [], []
+        if meta.instance_key and not self._key:
+            self._key = meta.instance_key
         with self._lock:
             for s in meta.saves:
                 r = self._reqs.get(s.req_id)
@@ -184,7 +243,7 @@ class SendWorker:
                 step.append(r)
         for r, tx in new:
             if tx is None or not self._reserve(r, tx):
-                self._jobs.put(r)  # no session (or a broken one): the background thread opens one
+                self._put(r)  # no session (or a broken one): the background thread opens one
         self._step = step
 
     def _reserve(self, r: _Out, tx: PrefillSender) -> bool:
@@ -193,7 +252,9 @@ class SendWorker:
         error: the background thread opens a new one for the request. Any other refusal is
         the request's error."""
         try:
-            tx.reserve_nowait([(r.save.pid, r.save.prompt_len)], timeout=self.settings.reserve_timeout_s)
+            tx.reserve_nowait(
+                [(r.save.pid, r.save.prompt_len, r.save.binding)], timeout=self.settings.reserve_timeout_s
+            )
         except (PeerError, ClosedError) as exc:
             _log.info("pdkv prefill: the session with %s ended (%s): opening another", r.save.decode, exc)
             with self._lock:
@@ -248,7 +309,7 @@ class SendWorker:
                 continue
             r.computed = True
             if r.deferred:
-                self._jobs.put(r)
+                self._put(r)
                 continue
             try:
                 assert r.tx is not None
@@ -280,7 +341,7 @@ class SendWorker:
             if r is not None:
                 r.vllm_done = True
                 if not r.handed and not r.error:
-                    self._jobs.put(r)  # cut short: the background thread ends it at decode
+                    self._put(r)  # cut short: the background thread ends it at decode
         out = set()
         with self._lock:
             items = list(self._reqs.items())
@@ -314,31 +375,41 @@ class SendWorker:
         return r.outcome is not None
 
     # ------------------------------------------------------------------ background thread
-    def _run(self) -> None:
-        """Opens senders, posts reservations, sends deferred requests whole, ends requests
-        vLLM cut short: everything that may wait, away from vLLM's loop."""
+    def _run(self, jobs: queue.Queue[_Out | None]) -> None:
+        """One decode's background thread: opens its sender, posts reservations, sends
+        deferred requests whole, ends requests vLLM cut short: everything that may wait,
+        away from vLLM's loop."""
         waiting: list[_Out] = []
-        while not self._stop.is_set() and self._round(waiting, 0.002 if waiting else 0.1):
+        while not self._stop.is_set() and self._round(jobs, waiting, 0.002 if waiting else 0.1):
             pass
 
-    def _round(self, waiting: list[_Out], timeout: float) -> bool:
-        """One round of the background thread: take a job (waiting up to ``timeout``), move
+    def _round(self, jobs: queue.Queue[_Out | None], waiting: list[_Out], timeout: float) -> bool:
+        """One round of a background thread: take a job (waiting up to ``timeout``), move
         every waiting request on (``waiting`` keeps those with work left), close the senders
-        that left the pool. False when told to stop."""
+        that left the pool. False when told to stop. A request whose step raises fails
+        alone (the thread goes on)."""
         try:
-            r = self._jobs.get(timeout=timeout)  # 0: only what is queued now
+            r = jobs.get(timeout=timeout)  # 0: only what is queued now
             if r is None:
                 return False
             if r not in waiting:
                 waiting.append(r)
         except queue.Empty:
             pass
-        waiting[:] = [r for r in waiting if not self._advance(r)]
+        waiting[:] = [r for r in waiting if not self._advance_safely(r)]
         with self._lock:
             retired, self._retired = self._retired, []
         for tx in retired:
             tx.close()
         return True
+
+    def _advance_safely(self, r: _Out) -> bool:
+        try:
+            return self._advance(r)
+        except Exception as exc:  # never the thread: this request fails alone
+            r.error = r.error or f"sending failed: {type(exc).__name__}: {exc}"
+            _log.exception("pdkv prefill: request %s (pdkv %s): %s", r.save.req_id, r.save.pid, r.error)
+            return True
 
     def _advance(self, r: _Out) -> bool:
         """One step of a request's background work; True once nothing is left to do."""
@@ -350,7 +421,7 @@ class SendWorker:
                     tx = self._make(s.decode)
                     with self._lock:
                         self._senders[s.decode] = tx
-            except (PdkvError, OSError, ValueError) as exc:
+            except Exception as exc:  # PdkvError, OSError, zmq.ZMQError: this request alone
                 r.error = f"no session with decode {s.decode}: {exc}"
                 _log.warning("pdkv prefill: request %s: %s", s.req_id, r.error)
                 return True
@@ -358,6 +429,7 @@ class SendWorker:
                 if r.error:
                     return True
                 return False  # the pooled session had broken: a new one next round
+            s = r.save  # vLLM may have moved the request on while the session opened
         if r.error or r.handed:
             return True
         cut = r.vllm_done and not r.computed
@@ -384,8 +456,12 @@ class SendWorker:
 
     def close(self) -> None:
         self._stop.set()
-        self._jobs.put(None)
-        self._thread.join(timeout=10)
+        with self._lock:
+            lanes = list(self._lanes.values())
+        for q, _ in lanes:
+            q.put(None)
+        for _, t in lanes:
+            t.join(timeout=10)
         for tx in [*self._senders.values(), *self._retired]:
             tx.close()
         self._senders.clear()

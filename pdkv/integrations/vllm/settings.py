@@ -6,10 +6,11 @@ come in as plain attributes, so every rule here runs (and is tested) without vLL
 
 from __future__ import annotations
 
+import array
 import hashlib
-import hmac
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,9 @@ __all__ = [
     "PARAM_ID",
     "PARAM_DECODE",
     "PARAM_TOKENS",
+    "PARAM_CAP",
+    "token_digest",
+    "binding_of",
 ]
 
 # vLLM releases whose connector API and cache views this module follows: 0.32 runs in the
@@ -39,10 +43,34 @@ __all__ = [
 # binding before the forward, the same KVCacheLayout names and FlashAttention view
 TESTED = ((0, 32), (0, 34))
 
-# the keys a request's kv_transfer_params carry (besides vLLM's own do_remote_* flags)
-PARAM_ID = "pdkv_request_id"  # the request's id at pdkv (the proxy's choice; one per prompt)
-PARAM_DECODE = "pdkv_decode"  # decode's control address (prefill reserves there)
+# the keys a request's kv_transfer_params carry (besides vLLM's own do_remote_* flags). What
+# a client sends is a hint, never a credential: prefill mints the id and the capability
+PARAM_ID = "pdkv_request_id"  # the request's id at pdkv (prefill's; a client's value is kept as its prefix)
+PARAM_DECODE = "pdkv_decode"  # which configured decode (one of extra config 'decode'; no other)
 PARAM_TOKENS = "pdkv_tokens"  # the prompt tokens prefill sent (decode checks them)
+PARAM_CAP = "pdkv_cap"  # the request's capability: decode hands the KV only to a request showing it
+_BINDING = b"pdkv-vllm-binding-1"
+
+
+def token_digest(tokens: Sequence[int]) -> bytes:
+    """SHA-256 of a prompt's token ids (each as a signed 64-bit little-endian integer)."""
+    return hashlib.sha256(array.array("q", tokens).tobytes() if sys.byteorder == "little" else _le(tokens)).digest()
+
+
+def _le(tokens: Sequence[int]) -> bytes:
+    a = array.array("q", tokens)
+    a.byteswap()
+    return a.tobytes()
+
+
+def binding_of(cap: str, digest: bytes) -> bytes:
+    """What prefill's reservation carries to decode for a request (``ReserveReq.binding``):
+    a digest of its capability and its prompt's :func:`token_digest`. Decode recomputes it
+    from what a request claiming the KV shows (its ``pdkv_cap``, its own prompt) and
+    compares in constant time: only the request prefill served, with the same prompt,
+    matches."""
+    return hashlib.sha256(_BINDING + cap.encode() + b"\0" + digest).digest()
+
 
 # vLLM's KVCacheLayout names: the order of [L, B, H, N, C] in memory. Block-contiguous
 # orders only (B outside H and N); H before N is head-major
@@ -93,9 +121,10 @@ class Settings:
     ``buffer_blocks`` (the CPU buffer per TP rank), ``transports`` (served, default shm and
     tcp), ``data_host``, ``lease_s``, ``load_timeout_s`` (how long a request may wait for
     its KV before decode computes the prompt itself). Prefill (``kv_producer``): ``decode``
-    (decode's control address when a request's ``kv_transfer_params`` name none),
-    ``transport`` (default auto), ``instance`` and ``instance_key`` (default derived from
-    vLLM's engine id, and from the secret), ``reserve_timeout_s``. ``kv_fused`` overrides
+    (the decodes' control addresses, one or a list: the only places prefill connects to; a
+    request's ``pdkv_decode`` may pick one of them, the first by default), ``transport``
+    (default auto), ``instance`` (a label) and ``instance_key`` (the identity; default a
+    random key the scheduler half mints and hands its workers), ``reserve_timeout_s``. ``kv_fused`` overrides
     the cache order pdkv reads from vLLM (``head``: the CPU backend, ``row``: the GPU
     backends).
     """
@@ -103,7 +132,7 @@ class Settings:
     role: str
     engine_id: str
     control: str = "tcp://127.0.0.1:0"
-    decode: str = ""
+    decodes: tuple[str, ...] = ()
     buffer_bytes: int = GIB
     buffer_blocks: int = 0
     transports: tuple[str, ...] = ("shm", "tcp")
@@ -142,14 +171,11 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
     if not isinstance(instance, str) or not instance.isprintable() or not 0 < len(instance) <= 64:
         raise ValueError(f"kv_connector_extra_config['instance']={instance!r} must be 1-64 printable characters")
     key_s = extra.get("instance_key")
+    key = b""  # none set: the scheduler half mints a random one and hands it to its workers
     if key_s is not None:
         if not isinstance(key_s, str) or len(key_s) < 16:
             raise ValueError("kv_connector_extra_config['instance_key'] must be a string of at least 16 characters")
         key = hashlib.sha256(key_s.encode()).digest()
-    else:
-        # the same key in every TP rank of this engine (vLLM hands each worker the same engine
-        # id); unguessable from the engine id alone when there is a secret
-        key = hmac.new(secret or b"pdkv-vllm", f"instance-key:{engine_id}".encode(), hashlib.sha256).digest()
     transports = extra.get("transports", ("shm", "tcp"))
     if isinstance(transports, str):
         transports = tuple(t.strip() for t in transports.split(",") if t.strip())
@@ -163,14 +189,22 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
     fused = extra.get("kv_fused", "")
     if fused not in ("", "row", "head"):
         raise ValueError(f"kv_connector_extra_config['kv_fused']={fused!r} must be 'row' or 'head'")
-    for k in ("control", "decode", "transport", "data_host"):
+    for k in ("control", "transport", "data_host"):
         if k in extra and not isinstance(extra[k], str):
             raise ValueError(f"kv_connector_extra_config[{k!r}]={extra[k]!r} must be a string")
+    decodes = extra.get("decode", ())
+    if isinstance(decodes, str):
+        decodes = tuple(d.strip() for d in decodes.split(",") if d.strip())
+    if not isinstance(decodes, (list, tuple)) or not all(isinstance(d, str) for d in decodes):
+        raise ValueError(f"kv_connector_extra_config['decode']={decodes!r} must be an address or a list of them")
+    for d in decodes:
+        if not re.fullmatch(r"tcp://[A-Za-z0-9_.:\[\]-]+:\d{1,5}", d):
+            raise ValueError(f"kv_connector_extra_config['decode'] names {d!r}: not a tcp://host:port address")
     return Settings(
         role=role,
         engine_id=engine_id,
         control=extra.get("control", "tcp://127.0.0.1:0"),
-        decode=extra.get("decode", ""),
+        decodes=tuple(decodes),
         buffer_bytes=int(_positive(extra, "buffer_gib", 1.0) * GIB),
         buffer_blocks=blocks,
         transports=tuple(transports),
@@ -244,7 +278,8 @@ class Load:
 @dataclass(frozen=True)
 class Save:
     """Prefill: request ``req_id`` (``pid`` at decode ``decode``) of ``prompt_len``
-    tokens has vLLM blocks ``blocks``; this step computes tokens ``[start, end)``."""
+    tokens has vLLM blocks ``blocks``; this step computes tokens ``[start, end)``.
+    ``binding``: what its reservation carries (:func:`binding_of`)."""
 
     req_id: str
     pid: str
@@ -253,6 +288,7 @@ class Save:
     blocks: tuple[int, ...]
     start: int
     end: int
+    binding: bytes = b""
 
     @property
     def complete(self) -> bool:
@@ -263,9 +299,11 @@ class Save:
 @dataclass
 class StepMeta:
     """What one engine step hands the workers: decode's loads (and the buffers' names, one
-    per decode TP rank), prefill's saves."""
+    per decode TP rank), prefill's saves and the engine's instance key (every TP rank shows
+    the same one; minted by the scheduler half unless configured)."""
 
     buffers: Sequence[str] = ()
     buffer_blocks: int = 0
     loads: list[Load] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
+    instance_key: bytes = field(default=b"", repr=False)
