@@ -36,6 +36,9 @@ from pdkv.protocol import (
     NixlRegionDesc,
     Outcome,
     OutcomeBatch,
+    RdmaEndpointDesc,
+    RdmaOffer,
+    RdmaRegionDesc,
     ReserveBatch,
     ReserveReq,
     Welcome,
@@ -129,6 +132,10 @@ def ipc(**kw):
     rank = dict(rank=0, device_uuid="GPU-0", num_blocks=1, allocs=[IpcAlloc(handle=b"h" * 64, size=1)], regions=[])
     rank.update(kw)
     return welcome(cuda=IpcSection(ranks=[IpcRank(**rank)]))
+
+
+RDMA_EP = RdmaEndpointDesc(qpn=1, psn=1, lid=0, gid="g", mtu=4096)
+RDMA_REGION = RdmaRegionDesc(rank=0, addr=1, length=1, rkey=1)
 
 
 def _round_trip(msg):
@@ -233,6 +240,10 @@ BOUNDS = [
      L.MAX_IPC_HANDLE + 1, "$[1].cuda.ranks[0].allocs[0].handle"),
     ("MAX_IPC_ENTRIES", lambda n: ipc(regions=[[0, 0, 0]] * n), L.MAX_IPC_ENTRIES, L.MAX_IPC_ENTRIES + 1,
      "$[1].cuda.ranks[0].regions"),
+    ("MAX_TP: Welcome.rdma.regions", lambda n: welcome(rdma=RdmaOffer(endpoint=RDMA_EP, regions=[RDMA_REGION] * n)),
+     L.MAX_TP, L.MAX_TP + 1, "$[1].rdma.regions"),
+    ("MAX_NIXL_METADATA: NixlOffer.metadata", lambda n: welcome(nixl=NixlOffer(agent="d", metadata=b"m" * n,
+     regions=[])), L.MAX_NIXL_METADATA, L.MAX_NIXL_METADATA + 1, "$[1].nixl.metadata"),
     ("NONCE_BYTES", lambda n: Challenge(b"c" * n, b"n" * 16), L.NONCE_BYTES, L.NONCE_BYTES + 1, "$[1].nonce"),
     ("NONCE_BYTES, not fewer", lambda n: Challenge(b"c" * n, b"n" * 16), L.NONCE_BYTES, L.NONCE_BYTES - 1,
      "$[1].nonce"),
@@ -404,6 +415,59 @@ def test_a_frame_carries_a_mac_of_mac_bytes_or_none():
     assert not is_unauthenticated(Codec(SECRET).encode(Bye()))
     assert not is_unauthenticated(Codec(None).encode(Bye()) * 2)
     assert len(Codec(SECRET).encode(Bye())[0]) == len(Codec(None).encode(Bye())[0]) + L.MAC_BYTES
+
+
+def test_a_nested_unknown_field_and_a_trailing_envelope_element_are_refused():
+    """Every nested record refuses a key it does not know (a Hello whose layout has an extra
+    key), and the envelope refuses an element past (seq, message)."""
+    enc = msgspec.msgpack.Encoder()
+    good = msgspec.msgpack.decode(enc.encode(hello()))  # a dict, bytes kept
+    assert Codec(None).decode([pack_frame(b"", enc.encode([1, good]))]) == hello()
+    bad = {**good, "layout": {**good["layout"], "extra": 1}}
+    with pytest.raises(ProtocolError, match=r"unknown field `extra`.*layout"):
+        Codec(None).decode([pack_frame(b"", enc.encode([1, bad]))])
+    w = msgspec.msgpack.decode(enc.encode(welcome(rdma=RdmaOffer(endpoint=RDMA_EP, regions=[RDMA_REGION]))))
+    w["rdma"]["regions"][0]["extra"] = 1
+    with pytest.raises(ProtocolError, match=r"unknown field `extra`.*rdma.regions\[0\]"):
+        Codec(None).decode([pack_frame(b"", enc.encode([1, w]))])
+    with pytest.raises(ProtocolError, match="invalid message"):
+        Codec(None).decode([pack_frame(b"", enc.encode([1, good, "trailing"]))])
+
+
+def test_ipc_rank_allocs_at_their_first_refused_size():
+    """``IpcRank.allocs`` at MAX_IPC_ENTRIES decodes, one more is refused by the schema (the
+    schema read directly: that many entries pass the 1 MiB message cap, which the codec
+    checks first)."""
+    from pdkv.protocol.codec import _Envelope
+
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(_Envelope)
+    for n, ok in ((L.MAX_IPC_ENTRIES, True), (L.MAX_IPC_ENTRIES + 1, False)):
+        body = enc.encode([1, ipc(allocs=[IpcAlloc(handle=b"", size=0)] * n)])
+        if ok:
+            assert len(dec.decode(body).msg.cuda.ranks[0].allocs) == n
+        else:
+            with pytest.raises(msgspec.ValidationError, match=re.escape("$[1].cuda.ranks[0].allocs")):
+                dec.decode(body)
+
+
+def _records():
+    """Every struct class of the wire schema (messages and nested records)."""
+    import pdkv.protocol.messages as m
+
+    return [
+        c
+        for c in vars(m).values()
+        if isinstance(c, type) and issubclass(c, msgspec.Struct) and c.__module__ == m.__name__
+    ]
+
+
+@pytest.mark.parametrize("cls", _records(), ids=lambda c: c.__name__)
+def test_every_wire_record_is_frozen_and_refuses_unknown_fields(cls):
+    """A decoded message is never changed after its checks (frozen), and no record takes a
+    field the schema does not name."""
+    cfg = cls.__struct_config__
+    assert cfg.frozen, f"{cls.__name__} is not frozen"
+    assert cfg.forbid_unknown_fields, f"{cls.__name__} takes unknown fields"
 
 
 def test_schema_violations():

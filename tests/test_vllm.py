@@ -258,3 +258,57 @@ def test_vllm_a_request_naming_anothers_kv_gets_none_of_it(engines, colocated):
     dec = decode.generate([PROMPTS[0]], 8, [victim])
     assert dec["tokens"] == [colocated[0]], dec
     _settled(decode, prefill)
+
+
+@pytest.fixture(scope="module")
+def overload(model, engines, tmp_path_factory):
+    """A decode whose pdkv buffer holds 8 blocks (its vLLM cache 24) and a tcp prefill."""
+    logs = tmp_path_factory.mktemp("vllm-overload-logs")
+    control = f"tcp://127.0.0.1:{free_port()}"
+    kv_bytes = DECODE_BLOCKS * 2 * 2 * 2 * BLOCK * 64 * 4
+    cfg = {"control": control, "buffer_blocks": 8, "load_timeout_s": 20, "queue_timeout_s": 15}
+    with ThreadPoolExecutor(2) as pool:
+        d = pool.submit(Engine, model, "consumer", logs / "decode.log", cfg, kv_bytes=kv_bytes)
+        p = pool.submit(Engine, model, "producer", logs / "prefill.log", {"decode": control, "transport": "tcp"},
+                        max_batched=64)  # fmt: skip
+        out = {}
+        try:
+            out = {"decode": d.result(), "prefill": p.result()}
+        except BaseException:
+            for f in (d, p):
+                if f.done() and f.exception() is None:
+                    f.result().close()
+            raise
+    yield out
+    for e in out.values():
+        e.close()
+
+
+def test_vllm_a_burst_past_the_buffer_waits_and_every_answer_is_colocated(overload, colocated):
+    """Decode's buffer holds 8 blocks; a burst of 8 prompts needs 26 (decode's own cache 24).
+    The reservations past the buffer wait in decode's queue (prefill keeps their blocks);
+    decode loads what is buffered, which frees room, and the rest follow: every request
+    gives the colocated tokens, none fails and none waits load_timeout_s (20 s)."""
+    prefill, decode = overload["prefill"], overload["decode"]
+    prompts = PROMPTS * 2
+    t0 = time.monotonic()
+    # prefill's answers as a proxy gets them: when each request finished (prefill may still
+    # hold blocks whose KV waits in decode's queue)
+    pre = prefill.generate(prompts, 1, _remote([f"burst-{i}" for i in range(len(prompts))]), answered=True)
+    assert all(p and p["do_remote_prefill"] for p in pre["kv_params"]), pre["kv_params"]
+    held = prefill.ask(op="state")
+    st = decode.ask(op="state")
+    assert st["buffer_total"] == 8 and st["buffer_free"] < 8, st
+    dec = decode.generate(prompts, 8, pre["kv_params"], timeout=60)
+    took = time.monotonic() - t0
+    prefill.ask(op="wait", ids=pre["ids"], timeout=30)  # prefill steps on: its held blocks come back
+    assert dec["tokens"] == colocated * 2, dec
+    assert took < 20, f"the burst took {took:.1f} s"
+    st = _settled(decode, prefill, timeout=30)
+    assert st["decode"]["buffer_free"] == 8 and st["decode"]["pdkv_live"] == 0, st
+    assert all(p["vllm_free"] == p["vllm_total"] for p in st["prefill"]), st
+    assert decode.ask(op="state")["computed_here"] == 0, "a reservation was refused: the queue did not drain"
+    print(
+        f"burst of {len(prompts)} prompts (26 blocks) through an 8-block buffer: {took:.1f} s; prefill held "
+        f"{held['vllm_total'] - held['vllm_free']} blocks when its answers were out"
+    )

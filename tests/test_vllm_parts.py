@@ -73,7 +73,7 @@ def test_vllm_settings_defaults_and_no_instance_key_from_public_data(monkeypatch
 
 _KEYS_SORTED = (
     "['buffer_blocks', 'buffer_gib', 'control', 'data_host', 'decode', 'instance', 'instance_key', 'kv_fused', "
-    "'lease_s', 'load_timeout_s', 'reserve_timeout_s', 'secret', 'transport', 'transports']"
+    "'lease_s', 'load_timeout_s', 'queue_timeout_s', 'reserve_timeout_s', 'secret', 'transport', 'transports']"
 )
 EXTRA = "kv_connector_extra_config"
 SHORT_KEY = "must be a string of at least 16 characters"
@@ -225,11 +225,12 @@ class _Pair:
     """Decode's scheduler half and worker half (a host 'vLLM cache' of 16 blocks) and
     prefill's worker half, with this test calling them in vLLM's order."""
 
-    def __init__(self, *, load_timeout_s=20.0, recompute=False, sender=None, extra=None):
+    def __init__(self, *, load_timeout_s=20.0, queue_timeout_s=20.0, recompute=False, sender=None, extra=None):
         lay = _layout()
         self.lay = lay
+        cfg = {"buffer_blocks": 12, "load_timeout_s": load_timeout_s, "queue_timeout_s": queue_timeout_s}
         self.decode = DecodeSide(
-            parse_settings("kv_consumer", "d", {"buffer_blocks": 12, "load_timeout_s": load_timeout_s}),
+            parse_settings("kv_consumer", "d", cfg),
             [lay],
             recompute=recompute,
         )
@@ -445,16 +446,46 @@ def test_vllm_prefill_without_a_session_settles_and_frees(no_leaks):
         p.close()
 
 
-def test_vllm_prefill_grant_that_never_comes_fails_on_both_sides(no_leaks):
-    """Decode's buffer is full: prefill's reservation is rejected (decode rejects when
-    full), the request is settled as failed at once and vLLM frees prefill's blocks."""
-    p = _Pair()
+def test_vllm_a_full_buffer_queues_then_refuses_and_decode_computes_at_once(no_leaks):
+    """Decode's buffer is full: prefill's reservation waits in decode's queue (prefill keeps
+    its blocks: not settled), for queue_timeout_s; refused then, prefill settles it failed
+    and frees its blocks, and decode's request for it is computed there at once (it does
+    not wait load_timeout_s, 20 s here)."""
+    p = _Pair(queue_timeout_s=0.5)
     try:
         p.prefill("big", "p9", tuple(range(12)), 12 * 8)  # takes the whole buffer
         assert p.sent("big")
         p.prefill("a", "p10", (1,), 8)
-        assert p.sent("a")
+        assert not p.sent("a", timeout=0.2)  # queued: vLLM keeps prefill's blocks
+        assert p.decode.sched.request("p10").state is State.QUEUED
+        assert p.decode.matched("va", _params("p10"), _prompt(8), 0) == (None, False)  # proven, waiting
+        assert p.sent("a", timeout=5)
         assert p.sender.stats == {**p.sender.stats, "received": 1, "failed": 1}
+        t0 = time.monotonic()
+        assert p.decode.matched("va", _params("p10"), _prompt(8), 0) == (0, False)  # computed here
+        assert time.monotonic() - t0 < 1 and p.decode.computed_here == 1
+    finally:
+        p.close()
+
+
+def test_vllm_a_full_buffer_queues_until_decode_loads_and_frees_room(no_leaks):
+    """Decode's buffer is full; a second request's reservation waits in the queue until
+    decode's vLLM loads the first (its buffer blocks come back): then it is granted, sent
+    and loaded, byte for byte."""
+    p = _Pair()
+    try:
+        p.prefill("big", "p9", tuple(range(12)), 12 * 8)
+        assert p.sent("big")
+        p.prefill("a", "p10", (13,), 8)
+        assert not p.sent("a", timeout=0.2)
+        assert p.decode.matched("vbig", _params("p9"), _prompt(96), 0) == (96, True)
+        p.decode.allocated("vbig", list(range(12)), 96)
+        p.load("vbig", None)
+        assert p.sent("a", timeout=5) and p.sender.stats == {**p.sender.stats, "received": 2, "failed": 0}
+        assert p.decode.matched("va", _params("p10"), _prompt(8), 0) == (8, True)
+        p.decode.allocated("va", [15], 8)
+        meta, errors = p.load("va", None)
+        assert errors == set() and _block(p.cache, p.lay, 15) == _block(p.src, p.lay, 13)
     finally:
         p.close()
 

@@ -116,6 +116,8 @@ def main() -> int:
                 buffer_free=side.sched.buffer.num_free,
                 buffer_total=side.sched.buffer.num_total,
                 pdkv_live=len(side.sched.live_requests()),
+                computed_here=side.computed_here,
+                refused=side.refused,
             )
         return st
 
@@ -125,11 +127,15 @@ def main() -> int:
     finished: dict = {}  # every finished request's output, by the id given here (``wait`` reads it)
     first, held = {}, {}  # seconds from its generate's start: a request's first token; its blocks freed
 
-    def step_until(ids, t0, deadline, abort_after=None):
+    def step_until(ids, t0, deadline, abort_after=None, answered=False):
         """Step the engine until ``ids`` finished and the scheduler holds nothing more (prefill
-        keeps blocks while it sends), or the deadline."""
+        keeps blocks while it sends), or the deadline; ``answered``: only until ``ids``
+        finished (what an HTTP client gets: a proxy hands the answer to decode then, while
+        prefill may still hold the blocks; ``wait`` steps on later)."""
         steps = 0
         while (eng.has_unfinished_requests() or sched.has_requests()) and time.monotonic() < deadline:
+            if answered and all(r in finished for r in ids):
+                break
             for o in eng.step():
                 if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
                     first[o.request_id] = time.monotonic() - t0
@@ -173,7 +179,7 @@ def main() -> int:
                 eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
                 ids.append(rid)
             t0 = time.monotonic()
-            step_until(ids, t0, t0 + cmd.get("timeout", 120), cmd.get("abort_after"))
+            step_until(ids, t0, t0 + cmd.get("timeout", 120), cmd.get("abort_after"), cmd.get("answered", False))
             answer(results(ids, t0))
         elif op == "wait":  # step on until earlier requests finish
             t0 = time.monotonic()

@@ -118,6 +118,7 @@ class DecodeSide:
         self.settings, self.layouts, self.num_blocks = settings, layouts, n
         self.recompute, self.clock = recompute, clock
         self.refused = 0  # requests that claimed KV they could not prove their own
+        self.computed_here = 0  # requests whose KV decode's buffer refused (no room in time)
         self.buffers: list[SharedBuffer] = []
         self.receiver: DecodeReceiver | None = None
         try:
@@ -129,7 +130,15 @@ class DecodeSide:
                 gpu=None,
                 buffer=BlockPool(n, name="buffer"),
                 swap=self.swaps,
-                options=SchedulerOptions(bind="engine", direct_to_gpu=False, lease_s=settings.lease_s),
+                # a full buffer queues a reservation (prefill keeps its blocks meanwhile) for
+                # at most queue_timeout_s; refused then, the prompt is computed here at once
+                options=SchedulerOptions(
+                    bind="engine",
+                    direct_to_gpu=False,
+                    lease_s=settings.lease_s,
+                    on_full="queue",
+                    queue_timeout_s=settings.queue_timeout_s,
+                ),
             )
             self.receiver = DecodeReceiver(
                 self.sched,
@@ -206,6 +215,14 @@ class DecodeSide:
             return self._give_up(
                 req_id, w, f"no KV within load_timeout_s={self.settings.load_timeout_s}s", prompt_len - num_computed
             )
+        if info.state is State.REJECTED:  # refused (no room within queue_timeout_s): no KV will come
+            _log.info(
+                "pdkv decode: request %s (pdkv %s): its KV was refused (%s): computed here", req_id, pid, info.reason
+            )
+            self.computed_here += 1
+            with self._wlock:
+                self._wants.pop(req_id, None)
+            return 0, False
         if info.state is not State.RECEIVED:
             return self._give_up(req_id, w, f"its KV is {info.state.value}: {info.reason}", prompt_len - num_computed)
         if info.num_tokens != prompt_len:

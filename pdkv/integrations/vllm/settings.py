@@ -95,6 +95,7 @@ _KEYS = {
     "instance_key",
     "reserve_timeout_s",
     "load_timeout_s",
+    "queue_timeout_s",
     "lease_s",
     "kv_fused",
     "data_host",
@@ -120,7 +121,9 @@ class Settings:
     ``control`` (the endpoint decode binds, ``tcp://host:port``), ``buffer_gib`` or
     ``buffer_blocks`` (the CPU buffer per TP rank), ``transports`` (served, default shm and
     tcp), ``data_host``, ``lease_s``, ``load_timeout_s`` (how long a request may wait for
-    its KV before decode computes the prompt itself). Prefill (``kv_producer``): ``decode``
+    its KV before decode computes the prompt itself), ``queue_timeout_s`` (how long a
+    reservation waits for room in a full buffer before it is refused and decode computes
+    the prompt itself). Prefill (``kv_producer``): ``decode``
     (the decodes' control addresses, one or a list: the only places prefill connects to; a
     request's ``pdkv_decode`` may pick one of them, the first by default), ``transport``
     (default auto), ``instance`` (a label) and ``instance_key`` (the identity; default a
@@ -142,6 +145,7 @@ class Settings:
     instance_key: bytes = field(default=b"", repr=False)
     reserve_timeout_s: float = 30.0
     load_timeout_s: float = 60.0
+    queue_timeout_s: float = 20.0
     lease_s: float = 30.0
     kv_fused: str = ""
     data_host: str = "127.0.0.1"
@@ -214,6 +218,7 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
         instance_key=key,
         reserve_timeout_s=_positive(extra, "reserve_timeout_s", 30.0),
         load_timeout_s=_positive(extra, "load_timeout_s", 60.0),
+        queue_timeout_s=_positive(extra, "queue_timeout_s", 20.0),
         lease_s=_positive(extra, "lease_s", 30.0),
         kv_fused=fused,
         data_host=extra.get("data_host", "127.0.0.1"),
