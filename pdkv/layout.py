@@ -56,6 +56,9 @@ _ALIASES = {
     "fp8": "float8_e4m3",
     "float8": "float8_e4m3",
     "e4m3": "float8_e4m3",
+    "float8_e4m3fn": "float8_e4m3",  # torch's names (and the fnuz variants: the same 8 bits to copy)
+    "float8_e4m3fnuz": "float8_e4m3",
+    "float8_e5m2fnuz": "float8_e5m2",
     "e5m2": "float8_e5m2",
     "int8": "uint8",
 }
@@ -72,7 +75,8 @@ _MAX = {
 
 
 def _canon_dtype(dtype: str) -> str:
-    d = _ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    name = str(dtype).lower().removeprefix("torch.").removeprefix("paddle.")
+    d = _ALIASES.get(name, name)
     if d not in DTYPE_BITS:
         raise LayoutError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPE_BITS)}")
     return d

@@ -826,3 +826,105 @@ def test_no_secret_on_any_command_line_during_a_run(tmp_path, no_leaks):
         assert p.returncode == 0, o[-2000:] + e[-2000:]
         rep = json.loads(out.read_text())
         assert rep["requests_failed"] == 0 and rep["verify_errors"] == 0
+
+
+def _one_line_exit_2(args, **kw):
+    p = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli.transfer_tool", *args], capture_output=True, text=True, timeout=60, **kw
+    )
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+    return lines[0]
+
+
+def test_bad_traces_and_addresses_get_one_line_and_leave_nothing(tmp_path, no_leaks):
+    """A binary or broken-gzip trace, a data host this machine does not have: one line,
+    exit 2, no segment left (no_leaks) and no child left."""
+    import gzip
+
+    kids = _children()
+    binary = tmp_path / "t.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert "not UTF-8 text" in _one_line_exit_2(["--trace", str(binary)])
+    broken = tmp_path / "t.jsonl.gz"
+    broken.write_bytes(gzip.compress(b'{"timestamp": 0, "input_length": 8}\n' * 50)[:40])
+    assert f"--trace {broken}" in _one_line_exit_2(["--trace", str(broken)])
+    line = _one_line_exit_2(
+        ["decode", "--listen", "tcp://127.0.0.1:0", "--data-host", "10.99.99.99", "--model", "tiny"]
+        + ["--buffer-blocks", "8"]
+    )
+    assert "--data-host 10.99.99.99: cannot listen there" in line
+    assert _children() <= kids
+
+
+def _children():
+    """This process's children now (the resource tracker among them)."""
+    return {int(c) for c in os.listdir("/proc") if c.isdigit() and _child_of_us(int(c))}
+
+
+def _child_of_us(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+@pytest.mark.multiproc
+def test_a_gzip_trace_and_torchs_fp8_name_run(tmp_path, no_leaks):
+    """A gzip-compressed trace is read as the plain one; ``--dtype float8_e4m3fn`` (torch's
+    name, the help's example) is float8_e4m3."""
+    import gzip
+
+    trace = tmp_path / "t.jsonl.gz"
+    with gzip.open(trace, "wt") as f:
+        for i in range(6):
+            f.write(json.dumps({"timestamp": i * 10, "input_length": 64, "output_length": 1}) + "\n")
+    p, rep = run(["--model", "tiny", "--trace", str(trace), "--dtype", "float8_e4m3fn", "--timeout", "10"], tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert rep["requests"] == 6 and rep["requests_failed"] == 0 and rep["verify_errors"] == 0
+
+
+def test_decode_beyond_loopback_without_a_secret_warns_at_the_default_verbosity(tmp_path, no_leaks):
+    d = subprocess.Popen(
+        [sys.executable, "-m", "pdkv.cli.transfer_tool", "decode", "--listen", "tcp://0.0.0.0:0", "--model", "tiny"]
+        + ["--buffer-blocks", "8", "--duration", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PDKV_SECRET"},
+    )
+    out, err = d.communicate(timeout=60)
+    assert "listening beyond loopback" in err and "without a secret" in err, err
+    assert len([ln for ln in err.splitlines() if "without a secret" in ln]) == 1
+
+
+@pytest.mark.multiproc
+def test_ctrl_c_during_plans_measurement_leaves_no_segment_and_no_process(tmp_path, no_leaks):
+    """Ctrl-C while plan measures this host's bandwidth (its own run of the tool): the
+    measuring run is interrupted as Ctrl-C would, waited for, and nothing stays behind."""
+    kids = _children()
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 64}) + "\n" for i in range(20)))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pdkv.cli.transfer_tool", "plan", "--trace", str(trace), "--model", "tiny"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        mine = lambda: [n for n in os.listdir("/dev/shm") if n.startswith("pdkv-")]  # noqa: E731
+        before = set(mine())
+        while not (set(mine()) - before) and time.monotonic() < deadline:  # the measuring run's buffers exist
+            time.sleep(0.02)
+        assert set(mine()) - before, "the measurement never started"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err[-2000:])
+    assert not (set(mine()) - before), f"left in /dev/shm: {set(mine()) - before}"
+    assert _children() <= kids

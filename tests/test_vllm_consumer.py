@@ -18,7 +18,16 @@ from pdkv import CacheSpec, SharedBuffer
 from pdkv.errors import PdkvError
 from pdkv.integrations.vllm import consumer
 from pdkv.integrations.vllm.consumer import DecodeSide, LoadWorker, WorkerSwaps
-from pdkv.integrations.vllm.settings import PARAM_ID, Load, StepMeta, layout_for, parse_settings
+from pdkv.integrations.vllm.settings import (
+    PARAM_CAP,
+    PARAM_ID,
+    Load,
+    StepMeta,
+    binding_of,
+    layout_for,
+    parse_settings,
+    token_digest,
+)
 from pdkv.scheduling.lifecycle import State
 
 LAY = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=8, dtype="torch.float32", tp_size=1, tp_rank=0)
@@ -33,8 +42,17 @@ class Clock:
         return self.t
 
 
+def _cap(pid):
+    return f"cap-of-{pid}"
+
+
 def _params(pid):
-    return {"do_remote_prefill": True, PARAM_ID: pid}
+    """What prefill's answer carries: the id and the capability."""
+    return {"do_remote_prefill": True, PARAM_ID: pid, PARAM_CAP: _cap(pid) if isinstance(pid, str) else None}
+
+
+def _prompt(n):
+    return list(range(n))
 
 
 class Decode:
@@ -51,7 +69,8 @@ class Decode:
         self.sched = self.d.sched
 
     def reserve(self, pid, tokens):
-        res = self.sched.reserve(pid, num_tokens=tokens, peer="prefill-a")
+        binding = binding_of(_cap(pid), token_digest(_prompt(tokens)))  # what prefill's connector reserves with
+        res = self.sched.reserve(pid, num_tokens=tokens, peer="prefill-a", binding=binding)
         assert res.grant is not None
         return res.grant
 
@@ -87,7 +106,7 @@ def dec_recompute():
     [None, {}, {PARAM_ID: "x"}, {"do_remote_prefill": False, PARAM_ID: "x"}, _params(""), _params(7), _params(None)],
 )
 def test_requests_without_pdkvs_parameters_are_not_the_connectors(dec, params):
-    assert dec.d.matched("v", params, 16, 0) == (0, False)
+    assert dec.d.matched("v", params, _prompt(16), 0) == (0, False)
     assert dec.d._wants == {}
     dec.d.allocated("v", [1, 2], 16)
     assert dec.d.step_meta().loads == [] and dec.d.finished("v") is False
@@ -96,17 +115,17 @@ def test_requests_without_pdkvs_parameters_are_not_the_connectors(dec, params):
 def test_kv_on_its_way_is_asked_for_later_until_the_limit(dec):
     """Not reserved, then reserved, then receiving: 'ask later' up to load_timeout_s after
     vLLM first asked (the limit itself included), then received: the tokens to load."""
-    assert dec.d.matched("v", _params("p"), 20, 0) == (None, False)
+    assert dec.d.matched("v", _params("p"), _prompt(20), 0) == (None, False)
     dec.clock.t += LIMIT
-    assert dec.d.matched("v", _params("p"), 20, 0) == (None, False)
+    assert dec.d.matched("v", _params("p"), _prompt(20), 0) == (None, False)
     g = dec.reserve("p", 20)
-    assert dec.d.matched("v", _params("p"), 20, 0) == (None, False)
+    assert dec.d.matched("v", _params("p"), _prompt(20), 0) == (None, False)
     dec.sched.land_layers("p", g.token, [0])
     assert dec.state("p") is State.RECEIVING
-    assert dec.d.matched("v", _params("p"), 20, 0) == (None, False)
+    assert dec.d.matched("v", _params("p"), _prompt(20), 0) == (None, False)
     dec.sched.land_layers("p", g.token, [1])
     dec.sched.complete("p", g.token)
-    assert dec.d.matched("v", _params("p"), 20, 0) == (20, True)
+    assert dec.d.matched("v", _params("p"), _prompt(20), 0) == (20, True)
     assert dec.d._wants["v"].since == 1000.0 and dec.d._wants["v"].local == 0
 
 
@@ -117,17 +136,17 @@ def test_kv_that_never_comes_follows_the_failure_policy(recompute, caplog):
     is aborted at decode either way."""
     d = Decode(recompute=recompute)
     try:
-        assert d.d.matched("v", _params("p"), 20, 4) == (None, False)
+        assert d.d.matched("v", _params("p"), _prompt(20), 4) == (None, False)
         d.reserve("p", 20)
         d.clock.t += LIMIT + 0.001
-        got = d.d.matched("v", _params("p"), 20, 4)
+        got = d.d.matched("v", _params("p"), _prompt(20), 4)
         assert got == ((0, False) if recompute else (16, True))
         assert d.state("p") is State.ABORTED
         assert f"request v (pdkv p): no KV within load_timeout_s={LIMIT}s" in caplog.text
         if recompute:
             assert "v" not in d.d._wants
             return
-        assert d.d.matched("v", _params("p"), 20, 8) == (12, True)  # asked again: the same answer
+        assert d.d.matched("v", _params("p"), _prompt(20), 8) == (12, True)  # asked again: the same answer
         d.d.allocated("v", [4, 5, 6], 12)
         # nothing to copy: the load fails, its errors the blocks past what vLLM holds itself
         assert d.d.step_meta().loads == [Load("v", (), (5, 6))]
@@ -141,26 +160,28 @@ def test_kv_that_failed_or_does_not_match_the_prompt_is_given_up(dec_recompute, 
     d = dec_recompute
     g = d.reserve("p", 16)
     d.sched.fail("p", "prefill broke", g.token)
-    assert d.d.matched("v", _params("p"), 16, 0) == (0, False)
+    assert d.d.matched("v", _params("p"), _prompt(16), 0) == (0, False)
     assert "request v (pdkv p): its KV is failed: prefill broke" in caplog.text
     d.receive("q", 16)
-    assert d.d.matched("w", _params("q"), 17, 0) == (0, False)
-    assert "request w (pdkv q): prefill sent 16 tokens for a prompt of 17" in caplog.text
-    assert d.state("q") is State.ABORTED
-    assert d.sched.buffer.num_free == 10 and d.d._wants == {}  # q's back; p's quarantined (a failed grant)
+    # another prompt than prefill's: no proof that q is this request's, so it is computed
+    # here and q is left as it was (its own request may still come)
+    assert d.d.matched("w", _params("q"), _prompt(17), 0) == (0, False)
+    assert "request w claims pdkv 'q': its pdkv_cap and prompt do not match what prefill reserved" in caplog.text
+    assert d.state("q") is State.RECEIVED and d.d.refused == 1
+    assert d.sched.buffer.num_free == 8 and d.d._wants == {}  # q's held; p's quarantined (a failed grant)
 
 
 def test_fail_policy_with_nothing_left_to_load_computes_nothing(dec):
     """Under 'fail', a request whose whole prompt vLLM holds already is not failed: 0 tokens."""
     g = dec.reserve("p", 16)
     dec.sched.fail("p", "gone", g.token)
-    assert dec.d.matched("v", _params("p"), 16, 16) == (0, False)
+    assert dec.d.matched("v", _params("p"), _prompt(16), 16) == (0, False)
     assert dec.d._wants == {}
 
 
 def test_a_prompt_vllm_holds_whole_drops_the_kv(dec):
     dec.receive("p", 16)
-    assert dec.d.matched("v", _params("p"), 16, 16) == (0, False)
+    assert dec.d.matched("v", _params("p"), _prompt(16), 16) == (0, False)
     assert dec.state("p") is State.ABORTED
     assert dec.sched.request("p").reason == "decode holds the whole prompt already"
     assert dec.d._wants == {} and dec.sched.buffer.num_free == 12
@@ -178,7 +199,7 @@ def test_a_prompt_vllm_holds_whole_drops_the_kv(dec):
 def test_allocated_binds_the_blocks_past_the_local_prefix(dec, local, tokens, given, first, bound):
     dec.receive("p", tokens)
     received = dec.sched.request("p").buffer_blocks
-    assert dec.d.matched("v", _params("p"), tokens, local) == (tokens - local, True)
+    assert dec.d.matched("v", _params("p"), _prompt(tokens), local) == (tokens - local, True)
     dec.d.allocated("v", given, tokens - local)
     info = dec.sched.request("p")
     assert info.state is State.SWAPPING and info.gpu_blocks == bound and info.buffer_blocks == received[first:]
@@ -192,7 +213,7 @@ def test_allocated_binds_the_blocks_past_the_local_prefix(dec, local, tokens, gi
 
 def test_allocated_with_nothing_external_or_unknown_does_nothing(dec):
     dec.receive("p", 16)
-    dec.d.matched("v", _params("p"), 16, 0)
+    dec.d.matched("v", _params("p"), _prompt(16), 0)
     dec.d.allocated("v", [1, 2], 0)
     dec.d.allocated("other", [1, 2], 16)
     assert dec.d.step_meta().loads == [] and dec.d._wants["v"].bound is None
@@ -200,7 +221,7 @@ def test_allocated_with_nothing_external_or_unknown_does_nothing(dec):
 
 def test_too_few_blocks_fail_the_load_and_free_the_buffer_at_once(dec):
     dec.receive("p", 16)
-    dec.d.matched("v", _params("p"), 16, 0)
+    dec.d.matched("v", _params("p"), _prompt(16), 0)
     dec.d.allocated("v", [4], 16)
     assert dec.state("p") is State.ABORTED
     assert dec.sched.request("p").reason == "vLLM gave 1 blocks for 2"
@@ -210,7 +231,7 @@ def test_too_few_blocks_fail_the_load_and_free_the_buffer_at_once(dec):
 
 def test_a_request_that_ended_between_match_and_allocation_fails_its_load(dec, caplog):
     dec.receive("p", 16)
-    dec.d.matched("v", _params("p"), 16, 0)
+    dec.d.matched("v", _params("p"), _prompt(16), 0)
     dec.sched.abort("p", "operator")
     dec.d.allocated("v", [4, 5], 16)
     assert dec.d.step_meta().loads == [Load("v", (), (4, 5))]
@@ -227,8 +248,8 @@ def test_loaded_frees_the_buffer_and_reports_failed_copies(dec):
     errors fails the request at decode; a failed load (nothing bound) is only forgotten."""
     dec.receive("p", 16)
     dec.receive("q", 8)
-    dec.d.matched("v", _params("p"), 16, 0)
-    dec.d.matched("w", _params("q"), 8, 0)
+    dec.d.matched("v", _params("p"), _prompt(16), 0)
+    dec.d.matched("w", _params("q"), _prompt(8), 0)
     dec.d.allocated("v", [1, 2], 16)
     dec.d.allocated("w", [3], 8)
     dec.d.step_meta()
@@ -244,7 +265,7 @@ def test_loaded_frees_the_buffer_and_reports_failed_copies(dec):
 
 def test_loaded_before_any_binding_is_ignored(dec):
     dec.receive("p", 16)
-    dec.d.matched("v", _params("p"), 16, 0)
+    dec.d.matched("v", _params("p"), _prompt(16), 0)
     dec.d.loaded({"v"})
     assert dec.state("p") is State.RECEIVED and "v" not in dec.d._wants
 
@@ -254,7 +275,7 @@ def test_unclaimed_kv_is_swept_after_the_limit_and_claimed_kv_stays(dec, caplog)
     dec.receive("q", 8)
     dec.clock.t += 1
     dec.receive("r", 8)
-    dec.d.matched("v", _params("q"), 8, 0)  # q is claimed
+    dec.d.matched("v", _params("q"), _prompt(8), 0)  # q is claimed
     dec.clock.t += LIMIT - 1
     dec.d._sweep()  # p and q at exactly the limit: kept
     assert [dec.state(x) for x in "pqr"] == [State.RECEIVED] * 3
@@ -299,11 +320,11 @@ def test_finished_before_binding_drops_the_kv_after_keeps_the_blocks(dec):
     dec.receive("p", 8)
     dec.receive("q", 8)
     assert dec.d.finished("nobody") is False
-    dec.d.matched("a", _params("p"), 8, 0)
+    dec.d.matched("a", _params("p"), _prompt(8), 0)
     assert dec.d.finished("a") is False
     assert dec.state("p") is State.ABORTED
     assert dec.sched.request("p").reason == "vLLM finished the request before its KV was loaded"
-    dec.d.matched("b", _params("q"), 8, 0)
+    dec.d.matched("b", _params("q"), _prompt(8), 0)
     dec.d.allocated("b", [3], 8)
     assert dec.d.finished("b") is True  # a worker may still write block 3
     info = dec.sched.request("q")
@@ -560,41 +581,41 @@ def test_a_receiver_that_cannot_start_leaves_nothing(no_leaks):
 
 
 def test_give_up_reasons_and_the_fail_policys_answers(dec, caplog):
-    """Under 'fail': the request is aborted at decode with the reason logged, and vLLM is
-    told the tokens left are coming (the load then fails), even just one; a mismatched
-    prompt the same."""
-    assert dec.d.matched("v", _params("p"), 17, 16) == (None, False)
-    dec.receive("p", 16)
-    assert dec.d.matched("v", _params("p"), 17, 16) == (1, True)  # prefill sent 16 of 17 tokens
-    assert dec.sched.request("p").reason == "prefill sent 16 tokens for a prompt of 17"
+    """Under 'fail': KV that will not come (here: prefill's transfer failed) is aborted at
+    decode with the reason logged, and vLLM is told the tokens left are coming (the load
+    then fails), even just one; a prompt that is not prefill's is no claim at all."""
+    assert dec.d.matched("v", _params("p"), _prompt(17), 16) == (None, False)
+    g = dec.reserve("p", 17)
+    dec.sched.fail("p", "prefill broke", g.token)
+    assert dec.d.matched("v", _params("p"), _prompt(17), 16) == (1, True)  # the load of the last token fails
     dec.receive("q", 16)
-    assert dec.d.matched("w", _params("q"), 17, 4) == (13, True)
-    dec.d.allocated("w", [1, 2, 3], 13)
-    assert dec.d.step_meta().loads == [Load("w", (), (1, 2, 3))]
+    assert dec.d.matched("w", _params("q"), _prompt(17), 4) == (0, False)  # not q's prompt: computed here
+    assert dec.state("q") is State.RECEIVED
     assert logged(caplog) == [
-        "pdkv decode: request v (pdkv p): prefill sent 16 tokens for a prompt of 17",
-        "pdkv decode: request w (pdkv q): prefill sent 16 tokens for a prompt of 17",
-    ]  # and no binding was tried for w
+        "pdkv decode: request v (pdkv p): its KV is failed: prefill broke",
+        "pdkv decode: request w claims pdkv 'q': its pdkv_cap and prompt do not match what prefill reserved; "
+        "computed here",
+    ]
 
 
 def test_too_few_blocks_are_not_bound_again(dec, caplog):
     dec.receive("p", 16)
-    dec.d.matched("v", _params("p"), 16, 0)
+    dec.d.matched("v", _params("p"), _prompt(16), 0)
     dec.d.allocated("v", [4], 16)
     assert logged(caplog) == []  # failed at once: no binding of an aborted request tried
 
 
 def test_a_timed_out_request_is_aborted_with_its_reason(dec):
-    dec.d.matched("v", _params("p"), 16, 0)
+    dec.d.matched("v", _params("p"), _prompt(16), 0)
     dec.reserve("p", 16)
     dec.clock.t += LIMIT + 1
-    dec.d.matched("v", _params("p"), 16, 0)
+    dec.d.matched("v", _params("p"), _prompt(16), 0)
     assert dec.sched.request("p").reason == f"no KV within load_timeout_s={LIMIT}s"
 
 
 def test_one_token_to_load_is_bound(dec):
     dec.receive("p", 17)
-    assert dec.d.matched("v", _params("p"), 17, 16) == (1, True)
+    assert dec.d.matched("v", _params("p"), _prompt(17), 16) == (1, True)
     dec.d.allocated("v", [8, 9, 10], 1)
     (ld,) = dec.d.step_meta().loads
     assert ld.blocks == (10,) and len(ld.buffer_blocks) == 1
@@ -602,7 +623,7 @@ def test_one_token_to_load_is_bound(dec):
 
 def test_a_bind_that_fails_is_logged(dec, caplog):
     dec.receive("p", 16)
-    dec.d.matched("v", _params("p"), 16, 0)
+    dec.d.matched("v", _params("p"), _prompt(16), 0)
     dec.sched.abort("p", "operator")
     dec.d.allocated("v", [4, 5], 16)
     assert logged(caplog) == [
@@ -612,7 +633,7 @@ def test_a_bind_that_fails_is_logged(dec, caplog):
 
 def test_loaded_goes_on_past_loads_it_does_not_know(dec):
     dec.receive("p", 8)
-    dec.d.matched("v", _params("p"), 8, 0)
+    dec.d.matched("v", _params("p"), _prompt(8), 0)
     dec.d.allocated("v", [3], 8)
     dec.d.step_meta()
     dec.d.loaded(["unknown", "v"], invalid_blocks=[3])

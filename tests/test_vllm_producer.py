@@ -12,6 +12,7 @@ worker with its thread against a real receiver."""
 from __future__ import annotations
 
 import logging
+import queue
 import time
 
 import numpy as np
@@ -23,6 +24,7 @@ from pdkv.errors import ClosedError, PdkvError, PdkvTimeoutError, PeerError, Req
 from pdkv.integrations.vllm import producer
 from pdkv.integrations.vllm.producer import PrefillSide, SendWorker
 from pdkv.integrations.vllm.settings import (
+    PARAM_CAP,
     PARAM_DECODE,
     PARAM_ID,
     PARAM_TOKENS,
@@ -38,59 +40,88 @@ LAY = dict(num_layers=3, kv_heads=2, head_dim=16, block_size=8, dtype="torch.flo
 D1, D2 = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
 
 
-def _remote(pid, decode="tcp://d:1"):
+DEC = "tcp://d:1"  # the decode the scheduler half is configured with
+
+
+def _remote(pid, decode=DEC):
     return {"do_remote_decode": True, PARAM_ID: pid, PARAM_DECODE: decode}
 
 
+def _side(**extra):
+    return PrefillSide(parse_settings("kv_producer", "e", {"decode": DEC, **extra}))
+
+
+def _toks(n):
+    return list(range(n))
+
+
+def _pids(side):
+    """The pdkv id the scheduler half minted for each request it tracks."""
+    return {rid: t.pid for rid, t in side._reqs.items()}
+
+
+def _saved(m, side_pids, rid, *rest):
+    """The Save the scheduler half makes for ``rid``: its minted id, the configured decode."""
+    t = [s for s in m.saves if s.req_id == rid]
+    assert len(t) == 1
+    return t[0] == Save(rid, side_pids[rid], DEC, *rest, t[0].binding)
+
+
 def test_prefill_side_tracks_chunks_blocks_and_hands_decode_its_params():
-    side = PrefillSide(parse_settings("kv_producer", "e", {}))
+    side = _side()
     m = side.step(
-        [("a", _remote("pa"), 20, [4, 5], 0), ("plain", None, 9, [7], 0), ("b", _remote("pb"), 5, [9], 0)],
+        [
+            ("a", _remote("pa"), _toks(20), [4, 5], 0),
+            ("plain", None, _toks(9), [7], 0),
+            ("b", _remote("pb"), _toks(5), [9], 0),
+        ],
         [],
         {"a": 16, "plain": 9, "b": 5},
     )
-    assert m.saves == [Save("a", "pa", "tcp://d:1", 20, (4, 5), 0, 16), Save("b", "pb", "tcp://d:1", 5, (9,), 0, 5)]
+    pids = _pids(side)
+    assert pids["a"].startswith("pa.") and pids["b"].startswith("pb.") and "plain" not in pids
+    assert [s.req_id for s in m.saves] == ["a", "b"]
+    assert _saved(m, pids, "a", 20, (4, 5), 0, 16) and _saved(m, pids, "b", 5, (9,), 0, 5)
     assert not m.saves[0].complete and m.saves[1].complete
     m = side.step([], [("a", [6], 16, False), ("plain", None, 9, False)], {"a": 4})
-    assert m.saves == [Save("a", "pa", "tcp://d:1", 20, (4, 5, 6), 16, 20)] and m.saves[0].complete
+    assert _saved(m, pids, "a", 20, (4, 5, 6), 16, 20) and m.saves[0].complete
     # a resumed request's blocks replace the old ones; nothing more is saved once computed
     m = side.step([], [("a", [1, 2, 3], 20, True)], {"a": 1})
     assert m.saves == []
-    assert side.finished("a") == (True, {"do_remote_prefill": True, PARAM_ID: "pa", PARAM_TOKENS: 20})
+    cap = side._reqs["a"].cap
+    assert side.finished("a") == (
+        True,
+        {"do_remote_prefill": True, PARAM_ID: pids["a"], PARAM_TOKENS: 20, PARAM_CAP: cap},
+    )
     assert side.finished("a") == (False, None) and side.finished("plain") == (False, None)
     # seen but never scheduled: vLLM frees its blocks at once
-    side.step([("c", _remote("pc"), 8, [1], 0)], [], {})
-    assert side.finished("c") == (False, {"do_remote_prefill": True, PARAM_ID: "pc", PARAM_TOKENS: 8})
+    side.step([("c", _remote("pc"), _toks(8), [1], 0)], [], {})
+    pc, cap = side._reqs["c"].pid, side._reqs["c"].cap
+    assert side.finished("c") == (False, {"do_remote_prefill": True, PARAM_ID: pc, PARAM_TOKENS: 8, PARAM_CAP: cap})
 
 
-def test_prefill_side_without_an_id_or_decode_computes_locally(caplog):
+def test_prefill_side_without_a_configured_decode_computes_locally(caplog):
     side = PrefillSide(parse_settings("kv_producer", "e", {}))
     for params in ({"do_remote_decode": True}, {"do_remote_decode": True, PARAM_ID: "x"}, {PARAM_ID: "x"}):
-        assert side.step([("r", params, 8, [1], 0)], [], {"r": 8}).saves == []
-    assert (
-        logged(caplog)
-        == [
-            f"pdkv prefill: do_remote_decode without {PARAM_ID} and a decode address ({PARAM_DECODE} or extra config "
-            "'decode'): the request is computed here only"
-        ]
-        * 2
-    )
-    with_default = PrefillSide(parse_settings("kv_producer", "e", {"decode": "tcp://d:2"}))
-    assert with_default.step([("r", {"do_remote_decode": True, PARAM_ID: "x"}, 8, [1], 0)], [], {"r": 8}).saves
+        assert side.step([("r", params, _toks(8), [1], 0)], [], {"r": 8}).saves == []
+    assert logged(caplog) == ["pdkv prefill: do_remote_decode, but extra config 'decode' names no decode"]  # once
+    # with one configured, an id is not needed (the scheduler half mints it)
+    assert _side().step([("r", {"do_remote_decode": True}, _toks(8), [1], 0)], [], {"r": 8}).saves
 
 
 def test_prefill_side_resumed_mid_prompt_takes_its_new_blocks_and_goes_on():
     """A request preempted mid-prompt and resumed: its block ids are replaced (not
     appended), and the next save starts where vLLM says it is computed; a cached request
     with no new blocks keeps its own."""
-    side = PrefillSide(parse_settings("kv_producer", "e", {}))
-    side.step([("a", _remote("pa"), 32, [4, 5], 0)], [], {"a": 8})
+    side = _side()
+    side.step([("a", _remote("pa"), _toks(32), [4, 5], 0)], [], {"a": 8})
+    pids = _pids(side)
     m = side.step([], [("a", None, 8, False)], {"a": 8})
-    assert m.saves == [Save("a", "pa", "tcp://d:1", 32, (4, 5), 8, 16)]
+    assert _saved(m, pids, "a", 32, (4, 5), 8, 16)
     m = side.step([], [("a", [9, 10], 8, True)], {"a": 16})  # resumed: recomputes from token 8
-    assert m.saves == [Save("a", "pa", "tcp://d:1", 32, (9, 10), 8, 24)]
+    assert _saved(m, pids, "a", 32, (9, 10), 8, 24)
     m = side.step([], [("a", None, 24, True)], {"a": 8})  # resumed with no blocks listed: none kept
-    assert m.saves == [Save("a", "pa", "tcp://d:1", 32, (), 24, 32)] and m.saves[0].complete
+    assert _saved(m, pids, "a", 32, (), 24, 32) and m.saves[0].complete
     m = side.step([], [("gone", [1], 0, False)], {"gone": 8})  # not ours: ignored
     assert m.saves == []
 
@@ -98,23 +129,25 @@ def test_prefill_side_resumed_mid_prompt_takes_its_new_blocks_and_goes_on():
 @pytest.mark.parametrize(
     "params",
     [
-        {"do_remote_decode": True, PARAM_ID: "", PARAM_DECODE: "tcp://d:1"},
-        {"do_remote_decode": True, PARAM_ID: 7, PARAM_DECODE: "tcp://d:1"},
-        {"do_remote_decode": True, PARAM_ID: "x", PARAM_DECODE: ""},
+        {"do_remote_decode": True, PARAM_ID: "x", PARAM_DECODE: "tcp://elsewhere:1"},
         {"do_remote_decode": True, PARAM_ID: "x", PARAM_DECODE: 5},
-        {"do_remote_decode": False, PARAM_ID: "x", PARAM_DECODE: "tcp://d:1"},
+        {"do_remote_decode": False, PARAM_ID: "x", PARAM_DECODE: DEC},
         {},
         None,
     ],
 )
-def test_prefill_side_params_that_do_not_ask_for_remote_decode(params):
-    assert PrefillSide(parse_settings("kv_producer", "e", {})).params_of(params) is None
+def test_prefill_side_params_that_do_not_ask_for_a_configured_decode(params):
+    assert _side().params_of(params) is None
 
 
-def test_prefill_side_params_address_from_the_request_or_the_configuration():
-    side = PrefillSide(parse_settings("kv_producer", "e", {"decode": "tcp://conf:1"}))
-    assert side.params_of({"do_remote_decode": True, PARAM_ID: "x"}) == ("x", "tcp://conf:1")
-    assert side.params_of(_remote("y", "tcp://req:2")) == ("y", "tcp://req:2")
+def test_prefill_side_params_pick_among_the_configured_decodes():
+    side = _side(decode=[DEC, "tcp://d:2"])
+    pid, decode = side.params_of({"do_remote_decode": True, PARAM_ID: "x"})
+    assert pid.startswith("x.") and decode == DEC  # the first by default
+    assert side.params_of(_remote("y", "tcp://d:2"))[1] == "tcp://d:2"
+    for bad in ("", 7, "a\nb", "z" * 65):  # an id a client names is only a prefix, when printable and short
+        pid, _ = side.params_of({"do_remote_decode": True, PARAM_ID: bad})
+        assert pid.startswith("vllm.")
 
 
 class FakeTx:
@@ -178,9 +211,12 @@ class Worker:
             self.txs.setdefault(decode, []).append(tx)
             return tx
 
+        jobs: queue.Queue = queue.Queue()
+        self.jobs = jobs
+
         class _Manual(SendWorker):
-            def _run(self) -> None:  # the test runs the rounds
-                return None
+            def _put(self, r) -> None:  # one queue, whose rounds the test runs
+                jobs.put(r)
 
         self.w = _Manual(settings, self.lay, CacheSpec.for_buffer(self.lay, 16, 1 << 20), sender=opener)
         self.waiting: list = []
@@ -190,10 +226,10 @@ class Worker:
 
     def rounds(self, n=1):
         """The background thread's rounds: every queued job taken, then ``n`` more rounds."""
-        while not self.w._jobs.empty():
-            assert self.w._round(self.waiting, 0)
+        while not self.jobs.empty():
+            assert self.w._round(self.jobs, self.waiting, 0)
         for _ in range(n):
-            assert self.w._round(self.waiting, 0)
+            assert self.w._round(self.jobs, self.waiting, 0)
 
     def calls(self):
         out, self.log[:] = list(self.log), []
@@ -234,14 +270,14 @@ def test_first_request_opens_a_session_then_reserves_from_the_pool_at_once(wk):
     wk.w.start(StepMeta(saves=[save("a", "P1")]))
     assert wk.calls() == []  # nothing done on vLLM's thread
     wk.rounds()
-    assert wk.calls() == [(D1, "open"), (D1, "reserve", (("P1", 20),), 7.5)]
+    assert wk.calls() == [(D1, "open"), (D1, "reserve", (("P1", 20, b""),), 7.5)]
     wk.w.start(StepMeta(saves=[save("b", "P2", plen=9)]))
-    assert wk.calls() == [(D1, "reserve", (("P2", 9),), 7.5)]
+    assert wk.calls() == [(D1, "reserve", (("P2", 9, b""),), 7.5)]
     wk.rounds()
     assert wk.calls() == []
     wk.w.start(StepMeta(saves=[save("c", "P3", decode=D2)]))  # another decode: its own session
     wk.rounds()
-    assert wk.calls() == [(D2, "open"), (D2, "reserve", (("P3", 20),), 7.5)]
+    assert wk.calls() == [(D2, "open"), (D2, "reserve", (("P3", 20, b""),), 7.5)]
     assert list(wk.w._senders) == [D1, D2]
 
 
@@ -360,7 +396,7 @@ def test_reservation_refused_by_the_sender_is_the_requests_error(wk, caplog):
     wk.tx().fail["reserve"] = RequestError("request 'P2' is already reserved")
     wk.calls()
     wk.step(save("b", "P2"))
-    assert wk.calls() == [(D1, "reserve", (("P2", 20),), 7.5)]  # no layer, no confirmation
+    assert wk.calls() == [(D1, "reserve", (("P2", 20, b""),), 7.5)]  # no layer, no confirmation
     assert wk.w.finished({"b"}) == {"b"}
     assert logged(caplog)[0] == "pdkv prefill: request b: reservation refused: request 'P2' is already reserved"
     wk.rounds()
@@ -379,13 +415,13 @@ def test_a_broken_pooled_session_is_retired_closed_and_replaced(wk, exc):
     old.fail["reserve"] = exc
     wk.calls()
     wk.w.start(StepMeta(saves=[save("b", "P2", plen=8, blocks=(4,))]))
-    assert wk.calls() == [(D1, "reserve", (("P2", 8),), 7.5)]
+    assert wk.calls() == [(D1, "reserve", (("P2", 8, b""),), 7.5)]
     assert D1 not in wk.w._senders and wk.w._retired == [old]
     wk.rounds()
     new = wk.tx()
     assert new is not old and wk.w._senders[D1] is new and wk.w._retired == []
     calls = wk.calls()
-    assert (D1, "open") in calls and (D1, "reserve", (("P2", 8),), 7.5) in calls
+    assert (D1, "open") in calls and (D1, "reserve", (("P2", 8, b""),), 7.5) in calls
     assert calls[-1] == (D1, "close") and sum(c[1] == "close" for c in calls) == 1
     new.grants["P2"] = grant("P2")
     for layer in range(3):
@@ -404,13 +440,13 @@ def test_broken_session_found_by_the_background_thread_retries_next_round(wk):
     wk.w._senders[D1] = old  # pooled, and about to fail
     r = wk.w._reqs["a"]
     r.tx = None  # as if a's reservation had not been posted yet
-    wk.w._jobs.put(r)
+    wk.jobs.put(r)
     wk.calls()
-    wk.w._round(wk.waiting, 0)
-    assert wk.calls() == [(D1, "reserve", (("P1", 20),), 7.5), (D1, "close")]
+    wk.w._round(wk.jobs, wk.waiting, 0)
+    assert wk.calls() == [(D1, "reserve", (("P1", 20, b""),), 7.5), (D1, "close")]
     assert r.error == "" and wk.waiting == [r]
-    wk.w._round(wk.waiting, 0)
-    assert wk.calls()[:2] == [(D1, "open"), (D1, "reserve", (("P1", 20),), 7.5)]
+    wk.w._round(wk.jobs, wk.waiting, 0)
+    assert wk.calls()[:2] == [(D1, "open"), (D1, "reserve", (("P1", 20, b""),), 7.5)]
     assert r.tx is wk.tx() and r.tx is not old
 
 
@@ -604,7 +640,7 @@ def test_a_handed_request_is_not_queued_again_when_vllm_finishes_it(wk):
     wk.tx().grants["P"] = grant("P")
     wk.step(save(plen=8, blocks=(5,)))
     assert wk.w.finished({"a"}) == set()
-    assert wk.w._jobs.empty()
+    assert wk.jobs.empty()
     wk.calls()
     wk.rounds()
     assert wk.calls() == []
@@ -630,7 +666,7 @@ def test_a_request_seen_again_keeps_its_state_and_takes_the_new_save(wk):
     r = wk.w._reqs["a"]
     wk.w.start(StepMeta(saves=[save(plen=24, start=8, end=16)]))
     assert wk.w._reqs["a"] is r and r.save.start == 8 and wk.w._step == [r]
-    assert wk.w._jobs.empty()  # not queued again
+    assert wk.jobs.empty()  # not queued again
 
 
 def test_close_closes_every_sender_pooled_and_retired():
@@ -646,7 +682,8 @@ def test_close_closes_every_sender_pooled_and_retired():
 
 
 def test_the_background_thread_stops_on_close_and_ends_its_rounds():
-    """The real thread: a round returns False on the stop sentinel; close() ends it."""
+    """The real threads (one per decode, started on first use): a round returns False on
+    the stop sentinel; close() ends every one."""
     log: list = []
     lay = layout_for(**LAY, order=("head", False))
     w = SendWorker(
@@ -655,12 +692,16 @@ def test_the_background_thread_stops_on_close_and_ends_its_rounds():
         CacheSpec.for_buffer(lay, 16, 1 << 20),
         sender=lambda d: FakeTx(d, log),
     )
-    assert w._thread.is_alive()
+    assert w._lanes == {}  # no thread before a request needs one
+    w.start(StepMeta(saves=[save("a", "P1"), save("b", "P2", decode=D2)], instance_key=b"k" * 32))
+    threads = [t for _, t in w._lanes.values()]
+    assert len(threads) == 2 and all(t.is_alive() for t in threads)
     w.close()
-    assert not w._thread.is_alive()
-    w._jobs.put(None)
-    assert w._round([], 0) is False
-    assert w._round([], 0) is True  # an empty queue: a round with nothing to do
+    assert not any(t.is_alive() for t in threads)
+    q: queue.Queue = queue.Queue()
+    q.put(None)
+    assert w._round(q, [], 0) is False
+    assert w._round(q, [], 0) is True  # an empty queue: a round with nothing to do
 
 
 # ---- what each call leaves behind: the background thread's list, counts, a second request
@@ -669,18 +710,27 @@ def test_the_background_thread_stops_on_close_and_ends_its_rounds():
 def test_prefill_side_goes_on_from_where_its_last_save_ended():
     """A request scheduled again without vLLM listing it among the cached ones: its next
     save starts where the last one ended."""
-    side = PrefillSide(parse_settings("kv_producer", "e", {}))
-    side.step([("a", _remote("pa"), 24, [4, 5, 6], 0)], [], {"a": 8})
+    side = _side()
+    side.step([("a", _remote("pa"), _toks(24), [4, 5, 6], 0)], [], {"a": 8})
     m = side.step([], [], {"a": 8})
-    assert m.saves == [Save("a", "pa", "tcp://d:1", 24, (4, 5, 6), 8, 16)]
+    assert _saved(m, _pids(side), "a", 24, (4, 5, 6), 8, 16)
 
 
-def test_the_worker_thread_is_named_and_does_not_keep_the_process():
-    wk = Worker()
+def test_the_worker_threads_are_named_and_do_not_keep_the_process():
+    log: list = []
+    lay = layout_for(**LAY, order=("head", False))
+    w = SendWorker(
+        parse_settings("kv_producer", "p", {}),
+        lay,
+        CacheSpec.for_buffer(lay, 16, 1 << 20),
+        sender=lambda d: FakeTx(d, log),
+    )
     try:
-        assert wk.w._thread.name == "pdkv-vllm-send" and wk.w._thread.daemon is True
+        w.start(StepMeta(saves=[save("a", "P1")], instance_key=b"k" * 32))
+        ((_, t),) = w._lanes.values()
+        assert t.name == "pdkv-vllm-send" and t.daemon is True
     finally:
-        wk.w.close()
+        w.close()
 
 
 def test_saving_or_ending_a_step_before_any_metadata_does_nothing(wk):
@@ -696,7 +746,7 @@ def test_a_reservation_posted_from_vllms_thread_leaves_nothing_for_the_backgroun
     wk.rounds()
     assert wk.waiting == []
     wk.w.start(StepMeta(saves=[save("b", "P2")]))
-    assert wk.w._jobs.empty() and wk.w._reqs["b"].tx is wk.tx()
+    assert wk.jobs.empty() and wk.w._reqs["b"].tx is wk.tx()
 
 
 def test_each_request_of_a_step_is_handled_whatever_the_one_before_it(wk):
@@ -799,7 +849,7 @@ def test_a_round_waits_for_a_job_at_most_its_timeout():
     wk = Worker()
     try:
         t0 = time.monotonic()
-        assert wk.w._round([], 0.05) is True
+        assert wk.w._round(wk.jobs, [], 0.05) is True
         assert 0.04 < time.monotonic() - t0 < 2
     finally:
         wk.w.close()

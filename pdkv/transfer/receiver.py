@@ -167,6 +167,9 @@ class ReceiverCore:
             )
             self._router.bind(opts.control)
             self.control_address = bytes(self._router.getsockopt(zmq.LAST_ENDPOINT)).decode()
+            for e in entries:
+                self._transports[e.name] = e.receiver(self)
+            # said once everything listens (a listener that failed is the error, alone)
             if opts.secret is None and not (_loopback(opts.control) and opts.data_host.startswith("127.")):
                 _log.warning(
                     "pdkv decode: listening beyond loopback (control %s, data %s) without a secret: "
@@ -175,8 +178,6 @@ class ReceiverCore:
                     self.control_address,
                     opts.data_host,
                 )
-            for e in entries:
-                self._transports[e.name] = e.receiver(self)
         except BaseException:
             self.stopping.set()
             for tr in self._transports.values():

@@ -263,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--metrics-addr", default="127.0.0.1", help="decode: the metrics endpoint's address")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    g.add_argument("-v", "--verbose", action="count", default=0, help="log pdkv's messages (-v info, -vv debug)")
+    g.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log pdkv's messages (warnings always; -v info, -vv debug)"
+    )
     return p
 
 
@@ -473,15 +475,19 @@ def _help_for(parser: argparse.ArgumentParser, mode: str) -> None:
 
 
 def _configure_logging(verbose: int) -> None:
-    """``-v``: pdkv's info messages on stderr; ``-vv``: debug. Without it pdkv logs nothing."""
-    if verbose:
-        import logging
+    """pdkv's warnings on stderr, one line each (a decode listening beyond loopback without
+    a secret says so at once); ``-v``: its info messages too, timestamped; ``-vv``: debug."""
+    import logging
 
-        h = logging.StreamHandler(sys.stderr)
+    h = logging.StreamHandler(sys.stderr)
+    log = logging.getLogger("pdkv")
+    if verbose:
         h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        log = logging.getLogger("pdkv")
-        log.addHandler(h)
         log.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+    else:
+        h.setFormatter(logging.Formatter("pdkv-transfer-test: %(levelname)s: %(message)s"))
+        log.setLevel(logging.WARNING)
+    log.addHandler(h)
 
 
 def _check_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import zmq
 
 from ... import _ffi
 from ...buffer.segments import available_memory
@@ -224,21 +225,28 @@ class DecodeSide:
                 ),
                 listener=self._on_event,
             )
-            self.rx = DecodeReceiver(
-                self.sched,
-                self.lays,
-                self.bufs,
-                nb,
-                control=listen,
-                data_host=a.data_host,
-                secret=a.secret.encode() if a.secret else None,
-                auto_tick=True,
-                transports=served_transports(a.transport, ipc),
-                gpu_caches=gspecs if ipc else None,
-                peer_timeout_s=a.timeout,
-                rdma_device=a.rdma_device,
-                rdma_gid_index=a.rdma_gid_index,
-            )
+            try:
+                self.rx = DecodeReceiver(
+                    self.sched,
+                    self.lays,
+                    self.bufs,
+                    nb,
+                    control=listen,
+                    data_host=a.data_host,
+                    secret=a.secret.encode() if a.secret else None,
+                    auto_tick=True,
+                    transports=served_transports(a.transport, ipc),
+                    gpu_caches=gspecs if ipc else None,
+                    peer_timeout_s=a.timeout,
+                    rdma_device=a.rdma_device,
+                    rdma_gid_index=a.rdma_gid_index,
+                )
+            except zmq.ZMQError as exc:  # the control endpoint
+                raise UsageError(f"--listen {listen}: {exc}") from None
+            except OSError as exc:
+                if exc.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE, errno.EACCES):
+                    raise
+                raise UsageError(f"--data-host {a.data_host}: cannot listen there ({exc.strerror})") from None
         except BaseException:
             self.close()
             raise

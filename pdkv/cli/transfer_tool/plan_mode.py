@@ -293,6 +293,31 @@ def size_from_trace(
     return instances, gpu_blocks, lines
 
 
+def _stop_child(child: Any) -> None:
+    """Interrupt the measuring run as Ctrl-C would and wait for it (bounded) to clean up;
+    killed only if it does not end in time; what it left in /dev/shm is removed."""
+    import signal
+    import subprocess
+
+    if child.poll() is None:
+        child.send_signal(signal.SIGINT)
+        try:
+            child.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+    import contextlib
+    import os
+
+    from ...buffer.sweeper import SHM_DIR
+
+    # what it made is named after it (pdkv-<pid>-...); it is reaped, so nothing maps them
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(f"pdkv-{child.pid}-"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+
+
 def measure_rates(a: Any, console: Any) -> tuple[float, float]:
     """Transfer and swap bandwidth of this host for the layout, in bytes/s: a short loopback
     run of the transfer test (16 requests of about 2 GiB in all, sent at once, not verified): the
@@ -319,9 +344,18 @@ def measure_rates(a: Any, console: Any) -> tuple[float, float]:
             if getattr(a, attr) is not None:
                 argv += [opt, str(getattr(a, attr))]
         console.print(f"measuring this host's transfer and swap bandwidth (16 requests of {tokens} tokens) ...")
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-        if p.returncode != 0 or not os.path.exists(out):
-            last = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or ["no output"]
+        # its own session: a Ctrl-C here is handed to it as one, and waited for, so that it
+        # stops its ranks and removes its buffers itself (killed at once, it left them)
+        child = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        try:
+            stdout, stderr = child.communicate(timeout=600)
+        except BaseException:
+            _stop_child(child)
+            raise
+        if child.returncode != 0 or not os.path.exists(out):
+            last = (stderr.strip() or stdout.strip()).splitlines()[-1:] or ["no output"]
             raise UsageError(
                 f"measuring the bandwidth failed ({last[0]}); give --bandwidth-gbps and --swap-gbps instead"
             )

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 import numpy as np
 
@@ -92,10 +93,14 @@ class TraceRequest:
 
 
 def read_trace(path: str, limit: int = 0, time_scale: float = 1.0) -> list[TraceRequest]:
-    """A Mooncake-format JSONL trace; every line checked, errors name the line."""
+    """A Mooncake-format JSONL trace (gzip-compressed too); every line checked, errors name
+    the line."""
     out: list[TraceRequest] = []
     try:
-        with open(path) as f:
+        with open(path, "rb") as raw:
+            gz = raw.read(2) == b"\x1f\x8b"
+        f: IO[str] = gzip.open(path, "rt", encoding="utf-8") if gz else open(path, encoding="utf-8")  # noqa: SIM115
+        with f:
             for i, line in enumerate(f, 1):
                 if limit and len(out) >= limit:
                     break
@@ -123,8 +128,10 @@ def read_trace(path: str, limit: int = 0, time_scale: float = 1.0) -> list[Trace
                         "output_length >= 0 (integers) and hash_ids (a list of integers)"
                     )
                 out.append(TraceRequest(f"t{i - 1}", ts / 1000.0 * time_scale, n_in, n_out, tuple(hashes)))
-    except OSError as exc:
-        raise UsageError(f"--trace {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--trace {path}: not UTF-8 text (JSON lines, plain or gzip): {exc.reason}") from None
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise UsageError(f"--trace {path}: {getattr(exc, 'strerror', None) or exc}") from None
     if not out:
         raise UsageError(f"--trace {path}: no requests")
     return out
