@@ -56,12 +56,10 @@ _ALIASES = {
     "fp8": "float8_e4m3",
     "float8": "float8_e4m3",
     "e4m3": "float8_e4m3",
-    "float8_e4m3fn": "float8_e4m3",  # torch's names (and the fnuz variants: the same 8 bits to copy)
-    "float8_e4m3fnuz": "float8_e4m3",
-    "float8_e5m2fnuz": "float8_e5m2",
     "e5m2": "float8_e5m2",
     "int8": "uint8",
 }
+_ALIASES |= {"float8_e4m3fn": "float8_e4m3", "float8_e4m3fnuz": "float8_e4m3", "float8_e5m2fnuz": "float8_e5m2"}
 _SCALE_BYTES = 2  # bfloat16 scale per (head, token)
 KV_FUSED = ("", "row", "head")
 _MAX = {

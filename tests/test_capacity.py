@@ -275,12 +275,16 @@ def test_a_measured_rate_of_zero_is_a_usage_error(link, swap, monkeypatch):
     from pdkv.cli.transfer_tool.plan_mode import measure_rates
     from pdkv.cli.transfer_tool.workload import UsageError
 
-    def fake_run(argv, **kw):
-        with open(argv[argv.index("--json") + 1], "w") as f:
-            json.dump({"link_GBps": link, "swap_GBps": swap}, f)
-        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+    class FakeRun:  # the measuring run, as Popen: it writes its report and ends
+        def __init__(self, argv, **kw):
+            with open(argv[argv.index("--json") + 1], "w") as f:
+                json.dump({"link_GBps": link, "swap_GBps": swap}, f)
+            self.returncode = 0
 
-    monkeypatch.setattr(subprocess, "run", fake_run)
+        def communicate(self, timeout=None):
+            return "", ""
+
+    monkeypatch.setattr(subprocess, "Popen", FakeRun)
     a = types.SimpleNamespace(
         model="tiny", decode_tp=1, layers=None, kv_heads=None, head_dim=None, tokens_per_block=None, dtype=None
     )

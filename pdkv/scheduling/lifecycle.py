@@ -322,6 +322,14 @@ class _Req:
     writers: _Writers = field(default_factory=_Writers)
     binding: bytes = b""  # opaque, from the reservation (an engine adapter's proof digest)
 
+    def info(self) -> RequestInfo:
+        """The snapshot :meth:`DecodeScheduler.request` hands out (under its lock)."""
+        bufs, gpus = tuple(self.buffer_blocks or ()), tuple(self.gpu_blocks or ())
+        return RequestInfo(
+            self.rid, self.state, self.location, self.n, self.nlanded, bufs, gpus, self.reason, self.peer,
+            self.tokens, self.binding,
+        )  # fmt: skip
+
 
 @dataclass(slots=True, eq=False)
 class _Quarantine:

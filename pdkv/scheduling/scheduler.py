@@ -141,10 +141,10 @@ class DecodeScheduler(SchedulerCore):
             num_blocks = -(-num_tokens // self.tokens_per_block)
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise RequestError(f"num_blocks={num_blocks!r} must be a positive integer")
-        if not isinstance(binding, bytes) or len(binding) > 32:
-            raise RequestError(f"binding must be at most 32 bytes, not {type(binding).__name__} of {len(binding)}")
         if not isinstance(gpu_ok, bool):
             raise RequestError(f"gpu_ok={gpu_ok!r} must be a bool")
+        if not isinstance(binding, bytes) or len(binding) > 32:
+            raise RequestError(f"binding={binding!r:.80} must be bytes, at most 32")
         engine = self.options.bind == "engine"
         direct = self.options.direct_to_gpu and gpu_ok and not engine
         gpu_cap = self.gpu.num_total - self.options.gpu_reserve_blocks
@@ -572,19 +572,7 @@ class DecodeScheduler(SchedulerCore):
                 if tomb is None:
                     raise RequestError(f"unknown request {request_id!r}")
                 return RequestInfo(request_id, tomb[0], "", 0, 0, (), (), tomb[1])
-            return RequestInfo(
-                req.rid,
-                req.state,
-                req.location,
-                req.n,
-                req.nlanded,
-                tuple(req.buffer_blocks or ()),
-                tuple(req.gpu_blocks or ()),
-                req.reason,
-                req.peer,
-                req.tokens,
-                req.binding,
-            )
+            return req.info()
 
     def live_requests(self) -> list[str]:
         with self._lock:
