@@ -59,6 +59,9 @@ _RECEIVER = {  # DecodeReceiver.stats key -> (metric, help)
     "frames_rejected": ("frames_rejected", "tcp data frames rejected"),
 }
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+MAX_PEER_LABELS = 64  # distinct peer names the ended-requests counter labels, at most
+MAX_SCRAPES = 8  # metrics connections served at once (a thread each)
+SCRAPE_TIMEOUT_S = 5.0  # a metrics connection idle this long is closed
 
 
 class _Exposed:
@@ -74,13 +77,47 @@ class _Exposed:
         return str(generate_latest(self.registry).decode())
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``addr:port`` (0: any free port) from a daemon thread; the port."""
-        from prometheus_client import start_http_server
+        """Serve ``/metrics`` on ``addr:port`` (0: any free port) from a daemon thread; the
+        port. prometheus_client's WSGI app behind a server that holds at most
+        ``MAX_SCRAPES`` connections at once (more are closed at once) and closes one idle
+        for ``SCRAPE_TIMEOUT_S``: a client holding connections open holds no thread past that."""
+        import socket
+        import socketserver
+        from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+        from prometheus_client import make_wsgi_app
 
         if self._server is not None:
             raise RuntimeError("already serving")
-        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
-        return int(self._server.server_port)
+
+        class _Quiet(WSGIRequestHandler):
+            timeout = SCRAPE_TIMEOUT_S  # the socket's, for every read and write
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+                return None
+
+        class _Server(socketserver.ThreadingMixIn, WSGIServer):
+            address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            daemon_threads = True
+            slots = threading.BoundedSemaphore(MAX_SCRAPES)
+
+            def process_request(self, request: Any, client_address: Any) -> None:
+                if not self.slots.acquire(blocking=False):
+                    self.shutdown_request(request)  # as many scrapes as it serves: this one waits for none
+                    return
+                super().process_request(request, client_address)
+
+            def process_request_thread(self, request: Any, client_address: Any) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    self.slots.release()
+
+        server = _Server((addr, port), _Quiet)
+        server.set_app(make_wsgi_app(self.registry))
+        threading.Thread(target=server.serve_forever, name="pdkv-metrics", daemon=True).start()
+        self._server = server
+        return int(server.server_port)
 
     def close(self) -> None:
         """Stop serving."""
@@ -118,7 +155,8 @@ class DecodeMetrics(_Exposed):
         )
         self.ended = Counter(
             "pdkv_decode_requests_ended",
-            "Requests that ended without being served, by outcome and peer",
+            "Requests that ended without being served, by outcome and peer (the first "
+            f"{MAX_PEER_LABELS} peer names, then other)",
             ["outcome", "peer"],
             registry=self.registry,
         )
@@ -126,9 +164,20 @@ class DecodeMetrics(_Exposed):
         self._granted: dict[str, float] = {}
         self._received: dict[str, float] = {}
         self._peer: dict[str, str] = {}
+        self._labels: set[str] = set()  # the peer names labels were made for (MAX_PEER_LABELS)
         self.registry.register(_Collector(self))
         scheduler.add_listener(self._on_event)
         self._listening = True
+
+    def _label(self, peer: str) -> str:
+        """A peer's ``peer`` label: its name for the first MAX_PEER_LABELS names seen, then
+        ``other`` (a peer chooses its name: it may not grow the series without bound)."""
+        if peer in self._labels or not peer:
+            return peer
+        if len(self._labels) >= MAX_PEER_LABELS:
+            return "other"
+        self._labels.add(peer)
+        return peer
 
     def _on_event(self, ev: Event) -> None:
         rid, kind = ev.request_id, ev.kind
@@ -136,7 +185,7 @@ class DecodeMetrics(_Exposed):
             if kind in ("reserved", "granted"):
                 self._granted[rid] = ev.t
                 try:
-                    self._peer[rid] = self.scheduler.request(rid).peer
+                    self._peer[rid] = self._label(self.scheduler.request(rid).peer)
                 except Exception:  # already ended: no peer to name
                     self._peer[rid] = ""
             elif kind == "received":

@@ -213,7 +213,8 @@ DECODE_HELP = {
     "pdkv_decode_frames_rejected": "tcp data frames rejected",
     "pdkv_decode_grant_to_received_seconds": "Grant to every layer received, per request",
     "pdkv_decode_swap_seconds": "Received in the buffer to ready in GPU blocks, per request (swap wait and copy)",
-    "pdkv_decode_requests_ended": "Requests that ended without being served, by outcome and peer",
+    "pdkv_decode_requests_ended": "Requests that ended without being served, by outcome and peer (the first 64 "
+    "peer names, then other)",
 }
 
 
@@ -427,3 +428,52 @@ def test_serve_on_loopback_once_and_close_twice():
     m.close()  # a second close does nothing
     port = m.serve(0)  # and it may serve again
     m.close()
+
+
+def test_peers_cannot_grow_the_ended_counters_labels_without_bound():
+    """A peer chooses its name: 200 names ending requests make at most 64 name labels, then
+    every other peer is ``other``."""
+    from pdkv.metrics import MAX_PEER_LABELS
+    from pdkv.scheduling.lifecycle import Event, EventKind
+
+    sched = _Sched(SCHED_FIGURES)
+    sched.peers = {f"r{i}": f"peer-{i}" for i in range(200)}
+    m = DecodeMetrics(sched)
+    on = sched.listeners[0]
+    for i in range(200):
+        on(Event(EventKind.RESERVED, f"r{i}", t=1.0))
+        on(Event(EventKind.FAILED, f"r{i}", t=2.0, reason="x"))
+    got, _ = _samples(m.text())
+    peers = {dict(lb)["peer"]: v for (n, lb), v in got.items() if n == "pdkv_decode_requests_ended_total"}
+    assert len(peers) == MAX_PEER_LABELS + 1 and peers["other"] == 200 - MAX_PEER_LABELS
+    assert sum(peers.values()) == 200
+    m.close()
+
+
+def test_idle_metrics_connections_hold_a_bounded_number_of_threads(monkeypatch):
+    """50 connections opened and left idle: at most MAX_SCRAPES of them hold a thread (the
+    rest are closed at once), each closed after SCRAPE_TIMEOUT_S; then a scrape is served."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from pdkv import metrics as mod
+
+    monkeypatch.setattr(mod, "SCRAPE_TIMEOUT_S", 0.5)
+    m = DecodeMetrics(_Sched(SCHED_FIGURES))
+    port = m.serve(0)
+    base = threading.active_count()
+    idle = []
+    try:
+        for _ in range(50):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        time.sleep(0.3)
+        assert threading.active_count() - base <= mod.MAX_SCRAPES
+        time.sleep(1.0)  # past the idle timeout: every held connection closed
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert b"pdkv_decode_buffer_blocks" in r.read()
+    finally:
+        for s in idle:
+            s.close()
+        m.close()
