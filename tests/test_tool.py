@@ -862,12 +862,16 @@ def _children():
     return {int(c) for c in os.listdir("/proc") if c.isdigit() and _child_of_us(int(c))}
 
 
-def _child_of_us(pid):
+def _parent_of(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+            return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
-        return False
+        return None
+
+
+def _child_of_us(pid):
+    return _parent_of(pid) == os.getpid()
 
 
 @pytest.mark.multiproc
@@ -912,13 +916,17 @@ def test_ctrl_c_during_plans_measurement_leaves_no_segment_and_no_process(tmp_pa
         stderr=subprocess.PIPE,
         text=True,
     )
+    measuring: set[int] = set()  # the measuring run: plan's child
+
+    def theirs():
+        return [n for n in os.listdir("/dev/shm") if any(n.startswith(f"pdkv-{k}-") for k in measuring)]
+
     try:
         deadline = time.monotonic() + 60
-        mine = lambda: [n for n in os.listdir("/dev/shm") if n.startswith("pdkv-")]  # noqa: E731
-        before = set(mine())
-        while not (set(mine()) - before) and time.monotonic() < deadline:  # the measuring run's buffers exist
+        while not theirs() and time.monotonic() < deadline:  # its buffers exist: it is measuring
+            measuring |= {int(c) for c in os.listdir("/proc") if c.isdigit() and _parent_of(int(c)) == p.pid}
             time.sleep(0.02)
-        assert set(mine()) - before, "the measurement never started"
+        assert theirs(), "the measurement never started"
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=90)
     finally:
@@ -926,5 +934,6 @@ def test_ctrl_c_during_plans_measurement_leaves_no_segment_and_no_process(tmp_pa
             p.kill()
             p.communicate()
     assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err[-2000:])
-    assert not (set(mine()) - before), f"left in /dev/shm: {set(mine()) - before}"
+    assert not theirs(), f"left in /dev/shm: {theirs()}"
+    assert not [k for k in measuring if os.path.exists(f"/proc/{k}")], "the measuring run is alive"
     assert _children() <= kids
