@@ -112,6 +112,35 @@ def test_close_with_live_view_is_busy_and_recoverable(no_leaks):
     b.unlink()
 
 
+def test_a_view_only_garbage_holds_does_not_make_close_busy(no_leaks):
+    """The teardown race of a caught exception: its frames (a reference cycle) hold a view
+    of the buffer until the cyclic collector runs, which may be later than close(). close()
+    collects once before it says busy. Made to happen with the collector off."""
+    import gc
+
+    b = SharedBuffer.create(8192)
+
+    def fail_holding_a_view():
+        view = np.frombuffer(b.buf, dtype=np.uint8)[:16]  # noqa: F841 (held by the frame)
+        raise ValueError("refused")
+
+    try:
+        fail_holding_a_view()
+    except ValueError as exc:
+        err = exc
+    cycle = {"err": err}
+    cycle["self"] = cycle  # the exception (its traceback, the frame, the view) only in a cycle
+    del err, cycle
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        b.close()  # BusyError before: the view lived until the next collection
+    finally:
+        if was:
+            gc.enable()
+    b.unlink()
+
+
 def test_finalizer_unlinks_forgotten_owner(no_leaks):
     import gc
 

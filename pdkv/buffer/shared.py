@@ -8,6 +8,7 @@ the swap engine's kernels read it directly; on a CPU-only host it works unpinned
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import mmap
 import os
@@ -434,7 +435,13 @@ class SharedBuffer:
             _ffi.cuda.host_unregister(pinned_addr)
             self._pinned = False
         try:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:
+                # views that only unreachable cycles hold (a caught exception's frames, say)
+                # go with a collection; live ones do not
+                gc.collect()
+                self._mm.close()
         except BufferError:
             # a view is still alive: put everything back as it was and say so
             if pinned_addr is not None:
