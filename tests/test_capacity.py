@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from extras import need
 from hypothesis import given, settings
@@ -524,3 +525,59 @@ def test_prefix_savings_worked_by_hand():
         "requests_with_hash_ids": 3, "blocks_total": 16, "blocks_not_transferred": 4, "fraction_not_transferred": 0.25,
     }  # fmt: skip
     assert prefix_savings([], 300)["fraction_not_transferred"] == 0.0
+
+
+def _cfg(**kw):
+    from pdkv.cli.transfer_tool.capacity import PlanConfig
+
+    lay = KVLayout(num_layers=32, kv_heads=8, head_dim=128, tokens_per_block=16)  # 2 MiB a block
+    base = dict(layout=lay, decode_tp=1, gpu_blocks=1000, prefill_tokens_per_s=1e9, token_s=0.0)
+    base.update(kw)
+    return PlanConfig(**base)
+
+
+def _trace(arrivals, tokens=1600, out=1):
+    from pdkv.cli.transfer_tool.workload import TraceRequest
+
+    return [TraceRequest(f"t{i}", t, tokens, out) for i, t in enumerate(arrivals)]
+
+
+def test_the_planner_names_a_link_that_saturates_and_the_rate_that_would_not():
+    """One request a second of 100 blocks (200 MiB, 0.21 GB/s) for an hour: a 0.1 GB/s link
+    saturates on average (2.1x) and the line says which rate would carry it at 80 %; a
+    1 GB/s link says nothing; a one-minute burst of ten a second over that hour saturates
+    a 1 GB/s link in its busiest window only."""
+    from pdkv.cli.transfer_tool.plan_mode import load_warnings
+
+    steady = _trace(np.arange(3600.0))
+    lines = load_warnings(steady, _cfg(bandwidth=0.1e9))
+    link = [ln for ln in lines if "link saturates" in ln]
+    assert len(link) == 1 and "0.21 GB/s of KV on average" in link[0] and "(2.1x)" in link[0], lines
+    assert "a link of about 0.3 GB/s" in link[0] and "no buffer size shortens it" in link[0]
+    assert not [ln for ln in load_warnings(steady, _cfg(bandwidth=1e9)) if "link" in ln]
+    burst = _trace(np.concatenate([np.arange(0, 60, 0.1), [3600.0]]))
+    lines = load_warnings(burst, _cfg(bandwidth=1e9))
+    assert len(lines) == 1 and lines[0].startswith("the link saturates in bursts: in the trace's busiest 60 s"), lines
+    assert "2.10 GB/s" in lines[0]
+
+
+def test_decode_overload_is_judged_in_the_busiest_window_not_the_whole_trace():
+    """A minute where requests hold 3,000 blocks for 10 s each (the pool has 1,000), in an
+    otherwise idle hour: the whole-trace average is below the pool, the busiest window is
+    not, and the line says so."""
+    from pdkv.cli.transfer_tool.plan_mode import load_warnings
+
+    trace = _trace(np.concatenate([np.arange(0, 60, 1 / 3), [3600.0]]), out=1000)  # 10 s held each
+    lines = load_warnings(trace, _cfg(token_s=0.01, bandwidth=100e9))
+    assert len(lines) == 1 and lines[0].startswith("decode is overloaded: in the trace's busiest 60 s"), lines
+
+
+def test_plan_on_a_trace_its_link_cannot_carry_names_the_link_not_the_buffer(capsys):
+    """The shipped trace over a link far too slow for it: the plan says the link saturates,
+    by how much and the rate that would carry it, and its advice names the link instead of
+    larger buffers or more GPU memory."""
+    argv = ["plan", "--trace", TRACE, "--bandwidth-gbps", "0.05", "--swap-gbps", "50", "--gpu-gib", "24"]
+    assert tool_main([*argv, "--prefill-instances", "3", "--buffer-sweep", "0,1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
+    assert "the link saturates: the trace needs" in out and "no buffer size shortens it: a link of about" in out
+    assert "more decode GPU memory" not in out

@@ -71,6 +71,7 @@ def advise(
     target_wait_ms: float | None,
     fraction: float,
     target_ttft_ms: float | None,
+    saturated: str = "",
 ) -> dict[str, Any]:
     """The recommendation against the no-buffer row (``rows[0]``): the target (given, or
     ``fraction`` of the no-buffer p99 wait), the smallest buffer meeting it, what it changes
@@ -120,10 +121,15 @@ def advise(
     out["best"] = best
     if best is None:
         top = rows[-1]
+        fix = (
+            f"{saturated} saturates (above): no buffer size and no GPU memory fixes that"
+            if saturated
+            else "try larger sizes (--buffer-sweep), a looser target (--target-wait-ms, --target-wait-fraction), "
+            "or more decode GPU memory"
+        )
         lines.append(
             f"no buffer in the sweep meets {what}: the largest, {top['buffer_gib']:.1f} GiB, gives p99 wait "
-            f"{top['prefill_wait_ms_p99']:.0f} ms and p99 TTFT {top['ttft_ms_p99']:.0f} ms: try larger sizes "
-            "(--buffer-sweep), a looser target (--target-wait-ms, --target-wait-fraction), or more decode GPU memory"
+            f"{top['prefill_wait_ms_p99']:.0f} ms and p99 TTFT {top['ttft_ms_p99']:.0f} ms: {fix}"
         )
         return dict(out, lines=lines)
     if best["buffer_blocks"] == 0:
@@ -207,8 +213,10 @@ def write_plan_plot(
 
 
 def load_warnings(trace: Sequence[TraceRequest], cfg: PlanConfig) -> list[str]:
-    """Offered load of prefill compute and of decode's GPU pool over the trace's span: above
-    1 the queue grows without bound and every figure measures that queue, not the buffer."""
+    """Offered load of prefill compute over the trace's span, of decode's GPU pool in its
+    busiest window, and of the link on average and in its busiest window: above 1 a queue
+    grows and every figure measures that queue, not the buffer. One line each that
+    saturates, with the figure that would fix it."""
     span = max(r.arrival for r in trace) - min(r.arrival for r in trace)
     if span <= 0:
         return []
@@ -219,12 +227,33 @@ def load_warnings(trace: Sequence[TraceRequest], cfg: PlanConfig) -> list[str]:
             f"prefill is overloaded: {work / span:.1f}x its capacity over the trace's {span:.0f} s "
             "(TTFT is prefill queueing; add --prefill-instances or raise --prefill-tokens-per-s)"
         )
-    held = sum(cfg.layout.blocks_for_tokens(r.input_tokens) * r.output_tokens * cfg.token_s for r in trace)
-    if held / span > cfg.gpu_blocks:
+    blocks = np.array([cfg.layout.blocks_for_tokens(r.input_tokens) for r in trace], dtype=np.float64)
+    arrive = np.array([r.arrival for r in trace]) - min(r.arrival for r in trace)
+    held_s = np.array([r.output_tokens * cfg.token_s for r in trace])
+    held = busiest(arrive, arrive + held_s, blocks, WINDOW_S) if cfg.token_s else 0.0
+    if held > cfg.gpu_blocks:  # judged in the busiest window, not over the whole trace
         out.append(
-            f"decode is overloaded: requests hold {held / span:,.0f} GPU blocks on average, the pool has "
-            f"{cfg.gpu_blocks} (any buffer fills; raise --gpu-gib)"
+            f"decode is overloaded: in the trace's busiest {WINDOW_S:.0f} s requests hold {held:,.0f} GPU blocks "
+            f"on average, the pool has {cfg.gpu_blocks} (any buffer fills; raise --gpu-gib to about "
+            f"{held * cfg.layout.block_bytes / (1 << 30) / LOAD:.0f} GiB a rank)"
         )
+    if cfg.bandwidth > 0:
+        per_block = cfg.layout.block_bytes * cfg.decode_tp
+        avg = float(blocks.sum()) * per_block / span
+        peak = busiest(arrive, arrive + 1, blocks * per_block, WINDOW_S)
+        if avg > cfg.bandwidth:
+            out.append(
+                f"the link saturates: the trace needs {avg / 1e9:.2f} GB/s of KV on average ({peak / 1e9:.2f} in its "
+                f"busiest {WINDOW_S:.0f} s), the link carries {cfg.bandwidth / 1e9:.2f} ({avg / cfg.bandwidth:.1f}x); "
+                "TTFT is the link's queue and no buffer size shortens it: a link of about "
+                f"{avg / LOAD / 1e9:.1f} GB/s, or the requests split over more decode instances, would"
+            )
+        elif peak > cfg.bandwidth:
+            out.append(
+                f"the link saturates in bursts: in the trace's busiest {WINDOW_S:.0f} s it needs {peak / 1e9:.2f} GB/s "
+                f"of KV, the link carries {cfg.bandwidth / 1e9:.2f} ({avg / 1e9:.2f} on average); transfers queue "
+                "in those spells whatever the buffer"
+            )
     return out
 
 
@@ -442,8 +471,11 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
     console.print(head)
     for line in sized:
         console.print(line)
-    for line in load_warnings(trace, cfg):
+    warnings = load_warnings(trace, cfg)
+    for line in warnings:
         console.print(f"[yellow]{line}[/yellow]")
+    saturated = next(("the link" for w in warnings if w.startswith("the link saturates:")), "")
+    saturated = saturated or next(("prefill" for w in warnings if w.startswith("prefill is overloaded")), "")
     tb = Table(
         title="what the decode buffer buys (buffer 0: prefill waits for decode GPU blocks)",
         box=box.SIMPLE,
@@ -458,7 +490,7 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
     console.print(tb)
     if skipped:
         console.print(f"left out: buffers of {skipped} blocks hold less than the largest request ({need} blocks)")
-    rec = advise(trace, cfg, rows_ok, a.target_wait_ms, a.target_wait_fraction, a.target_ttft_ms)
+    rec = advise(trace, cfg, rows_ok, a.target_wait_ms, a.target_wait_fraction, a.target_ttft_ms, saturated)
     for line in rec["lines"]:
         console.print(line)
     best = rec["best"]
