@@ -285,6 +285,10 @@ def test_prefill_mode_sums_up_when_decode_dies(tmp_path, no_leaks):
         (["--rdma-gid-index", "-1"], "--rdma-gid-index -1 must be in 0..65535"),
         (["--streams", "0"], "--streams 0 must be in 1..64"),
         (["--streams", "65"], "--streams 65 must be in 1..64"),
+        (["plan", "--trace", "t", "--metrics-port", "9400"], "--metrics-port does not apply to plan mode"),
+        (["--connect", "tcp://h:1"], "--connect does not apply to local mode (only to prefill)"),
+        (["decode", "--listen", "tcp://127.0.0.1:0", "--bandwidth-gbps", "1"], "--bandwidth-gbps does not apply"),
+        (["prefill", "--connect", "tcp://h:1", "--listen=tcp://h:2"], "--listen does not apply to prefill mode"),
     ],
 )
 def test_bad_flags_get_one_line(args, msg, tmp_path):

@@ -285,7 +285,36 @@ def _read_secret(path: str | None) -> str:
     return secret
 
 
+_PLAN_ONLY = (
+    "--bandwidth-gbps --buffer-sweep --direct-to-gpu --gpu-gib --prefill-instances --prefill-overhead-ms "
+    "--prefill-tokens-per-s --swap-gbps --target-ttft-ms --target-wait-fraction --target-wait-ms"
+).split()
+# a flag that applies to some modes only: given to another, it is refused by name
+_MODES_OF = {
+    **dict.fromkeys(_PLAN_ONLY, ("plan",)),
+    **dict.fromkeys(("--sweep-tokens-per-block", "--sweep-transports", "--sweep-reps"), ("sweep",)),
+    "--rank": ("prefill",),
+    "--connect": ("prefill",),
+    "--expect-requests": ("decode",),
+    "--listen": ("local", "decode"),
+    "--data-host": ("local", "decode"),
+    **dict.fromkeys(("--metrics-port", "--metrics-addr", "--secret-file"), ("local", "decode", "prefill")),
+}
+
+
+def _check_modes(a: argparse.Namespace) -> None:
+    for tok in getattr(a, "argv", ()):
+        if tok == "--":
+            break
+        flag = tok.split("=", 1)[0]
+        modes = _MODES_OF.get(flag)
+        if modes is not None and a.mode not in modes:
+            which = modes[0] if len(modes) == 1 else ", ".join(modes[:-1]) + " and " + modes[-1]
+            raise UsageError(f"{flag} does not apply to {a.mode} mode (only to {which})")
+
+
 def _check_args(a: argparse.Namespace) -> None:
+    _check_modes(a)
     for name in ("requests", "concurrency", "prefill_tp", "decode_tp", "prefill_blocks"):
         if getattr(a, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
