@@ -1009,7 +1009,7 @@ def test_counters_accumulate():
     assert s.prometheus().startswith("# TYPE pdkv_")
 
 
-def test_a_queue_deadline_is_inclusive_and_a_rejected_reuse_is_unknown():
+def test_a_queue_deadline_is_inclusive_and_a_rejected_reuse_is_remembered_as_rejected():
     clock = Clock()
     s = DecodeScheduler(
         num_layers=1,
@@ -1026,10 +1026,13 @@ def test_a_queue_deadline_is_inclusive_and_a_rejected_reuse_is_unknown():
     s.tick()
     assert s.request("q").state is State.REJECTED
     s.reserve("z", num_blocks=1)  # the queue is empty again: z waits
-    assert s.reserve("q", num_blocks=1).outcome == "rejected"  # queue full; q's old tombstone is gone
-    with pytest.raises(RequestError) as e:
-        s.request("q")
-    assert str(e.value) == "unknown request 'q'"
+    assert s.reserve("q", num_blocks=1).outcome == "rejected"  # queue full
+    # its tombstone is this refusal's (whoever asks for q's KV learns it will not come)
+    info = s.request("q")
+    assert (info.state, info.reason) == (State.REJECTED, "queue full")
+    with pytest.raises(RequestError, match="more than the GPU pool can ever give"):
+        s.reserve("big", num_blocks=3)
+    assert s.request("big").state is State.REJECTED  # refused for good, remembered too
 
 
 def test_two_tickets_on_one_request_both_hold_its_blocks():

@@ -518,13 +518,11 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         cap = self.GPU - o.gpu_reserve_blocks
         ns = n - p  # only the suffix is granted
         if ns > cap or (not direct and ns > m.total["buffer"]):
-            _raises(
-                RequestError(
-                    f"request {rid!r} needs {ns} blocks: more than the GPU pool can ever give "
-                    f"({cap} above the reserve)" + ("" if direct else f" or the buffer holds ({m.total['buffer']})")
-                ),
-                lambda: self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok),
+            why = f"request {rid!r} needs {ns} blocks: more than the GPU pool can ever give " + (
+                f"({cap} above the reserve)" + ("" if direct else f" or the buffer holds ({m.total['buffer']})")
             )
+            _raises(RequestError(why), lambda: self.s.reserve(rid, num_blocks=n, peer=peer, gpu_ok=gpu_ok))
+            m.entomb(rid, State.REJECTED, why, self.clock.t)  # refused for good: its tombstone says so
             return
         self.last_rid = rid
         req = MReq(rid, ns, peer, gpu_ok)
@@ -546,6 +544,7 @@ class SchedulerModelMachine(RuleBasedStateMachine):
         else:
             m.m["reservations_rejected"] += 1
             want, why = "rejected", "queue full" if o.on_full == "queue" else "no free GPU or buffer blocks"
+            m.entomb(rid, State.REJECTED, why, now)
             m.release_prefix(rid, req.prefix)
         if p and want != "rejected":
             m.m["prefix_blocks_reused"] += p

