@@ -997,3 +997,53 @@ def test_stale_note_names_the_dead_processes_buffers(monkeypatch):
     assert sweeper.stale_note().startswith("4 pdkv buffer(s)")
     monkeypatch.setattr(sweeper, "scan_segments", lambda: [segs[2]])
     assert sweeper.stale_note() is None
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("how", ["SIGKILL to the group", "SIGTERM", "close"])
+def test_a_watched_buffer_is_gone_however_its_process_ends(how, no_leaks):
+    """A process makes a buffer and watches it (as vLLM's decode connector does), then is
+    killed with its whole process group, or ends on SIGTERM's default action, or closes the
+    buffer itself: the buffer is gone within the watcher's bound in every case."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import json, sys, time\n"
+        "from pdkv import SharedBuffer\n"
+        "from pdkv.buffer import reaper\n"
+        "b = SharedBuffer.create(1 << 20)\n"
+        "w = reaper.watch([b.name])\n"
+        "print(json.dumps(b.name), flush=True)\n"
+        "if sys.stdin.readline().strip() == 'close':\n"
+        "    b.close(); b.unlink(); w.close()\n"
+        "else:\n"
+        "    time.sleep(60)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        name = json.loads(p.stdout.readline())
+        assert os.path.exists(f"/dev/shm/{name}")
+        if how == "close":
+            p.stdin.write("close\n")
+            p.stdin.flush()
+        elif how == "SIGTERM":
+            p.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+        deadline = time.monotonic() + 15
+        while any(n.startswith(name) for n in os.listdir("/dev/shm")):
+            assert time.monotonic() < deadline, f"{name} is still in /dev/shm ({how})"
+            time.sleep(0.1)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdin.close()
+        p.stdout.close()

@@ -1,6 +1,8 @@
 """The decode instance's pinned shared-memory buffer: segments striped over several files
 and mapped as one range (``shared``), their names and origin records (``segments``), and
-the sweeper that finds and removes the buffers of provably dead creators (``sweeper``).
+the sweeper that finds and removes the buffers of provably dead creators (``sweeper``), and
+a watcher process that runs it for one process's buffers once that process is gone
+(``reaper``).
 
 May import: ``pdkv.errors``, ``pdkv.procs``, ``pdkv._ffi``.
 """

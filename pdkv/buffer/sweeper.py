@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .. import _ffi
@@ -145,14 +146,19 @@ def scan_segments(shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
     return out
 
 
-def clean(*, dry_run: bool = True, shm_dir: str = SHM_DIR, tag: str | None = None) -> CleanReport:
+def clean(
+    *, dry_run: bool = True, shm_dir: str = SHM_DIR, tag: str | None = None, names: Collection[str] | None = None
+) -> CleanReport:
     """Remove the stale buffers (stripes first, the origin record last); report the rest.
     ``tag``: only buffers whose name carries it (``pdkv-<pid>-<tag>...``, from
-    ``$PDKV_SHM_TAG`` at creation), so that one deployment or test run cleans its own."""
+    ``$PDKV_SHM_TAG`` at creation), so that one deployment or test run cleans its own;
+    ``names``: only these buffers."""
     removed: list[str] = []
     skipped: list[tuple[str, str]] = []
     for seg in scan_segments(shm_dir):
         if tag is not None and not has_tag(seg.name, tag):
+            continue
+        if names is not None and seg.name not in names:
             continue
         if not seg.stale:
             if seg.verdict == "unproven":

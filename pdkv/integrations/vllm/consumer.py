@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...buffer import reaper
 from ...buffer.shared import SharedBuffer
 from ...buffer.sweeper import stale_note
 from ...errors import PdkvError, RequestError
@@ -124,6 +125,8 @@ class DecodeSide:
         try:
             for layout in layouts:
                 self.buffers.append(SharedBuffer.create(CacheSpec.buffer_bytes(layout, n)))
+            # removes them if this process ends without close() (SIGKILL of vLLM's process group)
+            self._watch = reaper.watch([b.name for b in self.buffers])
             self.swaps = WorkerSwaps()
             self.sched = DecodeScheduler(
                 layout=lay,
@@ -373,6 +376,9 @@ class DecodeSide:
                 b.unlink()
             except FileNotFoundError:
                 pass
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.close()
 
 
 class LoadWorker:
