@@ -581,3 +581,24 @@ def test_plan_on_a_trace_its_link_cannot_carry_names_the_link_not_the_buffer(cap
     out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
     assert "the link saturates: the trace needs" in out and "no buffer size shortens it: a link of about" in out
     assert "more decode GPU memory" not in out
+
+
+def test_a_recommendation_says_if_it_fills_what_decode_sees_and_if_its_alternative_fits_a_gpu(monkeypatch):
+    """The recommended size that itself fills is said to; decode's first step is reported
+    beside TTFT; the same memory as GPU KV cache is marked infeasible past one GPU's memory."""
+    from pdkv.cli.transfer_tool import plan_mode
+
+    alt = dict(prefill_wait_ms_p99=7.0, ttft_ms_p50=40.0, ttft_ms_p99=90.0)
+    monkeypatch.setattr(plan_mode, "simulate", lambda t, c, nb: type("R", (), {"figures": lambda self: alt})())
+    lay = KVLayout(num_layers=32, kv_heads=8, head_dim=128, tokens_per_block=16)  # 2 MiB a block
+    c = PlanConfig(layout=lay, decode_tp=1, gpu_blocks=60_000)  # 117 GiB of GPU KV cache a rank
+    start = dict(decode_start_ms_p50=5544.0, decode_start_ms_p99=9000.0)
+    rows = [
+        _row(0.0, 0, 1000.0, 50.0, 2000.0, **start),
+        _row(61.6, 31_540, 0.0, 45.0, 300.0, queued=41, peak_buffer_occupancy=1.0,
+             decode_start_ms_p50=5707.0, decode_start_ms_p99=8800.0),
+    ]  # fmt: skip
+    text = " ".join(plan_mode.advise([], c, rows, None, 0.1, None)["lines"])
+    assert "decode's first step (the request's start at decode), without -> with it: p50 5544 -> 5707 ms" in text
+    assert "the recommended size itself fills: peak 100%, 41 requests queued for its room" in text
+    assert "not feasible on one GPU: 179 GiB of KV cache a rank is more than an H200's 141 GiB" in text

@@ -155,6 +155,17 @@ def advise(
         f"{best['ttft_ms_p99']:.0f} ms; it costs {best['buffer_gib']:.2f} GiB of pinned host memory a rank and no "
         f"GPU memory (GPU KV cache {cfg.gpu_blocks * bb / gib:.1f} GiB a rank either way)"
     )
+    if "decode_start_ms_p50" in best:  # TTFT is prefill's first token; decode's first step may differ
+        lines.append(
+            f"decode's first step (the request's start at decode), without -> with it: p50 "
+            f"{base['decode_start_ms_p50']:.0f} -> {best['decode_start_ms_p50']:.0f} ms, p99 "
+            f"{base['decode_start_ms_p99']:.0f} -> {best['decode_start_ms_p99']:.0f} ms"
+        )
+    if best["peak_buffer_occupancy"] >= 0.99 or best["queued"]:
+        lines.append(
+            f"[yellow]the recommended size itself fills: peak {best['peak_buffer_occupancy']:.0%}, {best['queued']} "
+            "requests queued for its room (the next size up queues fewer)[/yellow]"
+        )
     if best["buffer_blocks"]:
         more = dataclasses.replace(cfg, gpu_blocks=cfg.gpu_blocks + best["buffer_blocks"])
         alt = simulate(trace, more, 0).figures()
@@ -162,10 +173,17 @@ def advise(
             "gpu_gib": more.gpu_blocks * bb / gib,
             **{k: alt[k] for k in ("prefill_wait_ms_p99", "ttft_ms_p50", "ttft_ms_p99")},
         }
+        per_rank = more.gpu_blocks * bb / gib
         lines.append(
-            f"the same {best['buffer_gib']:.2f} GiB as GPU KV cache instead ({more.gpu_blocks * bb / gib:.1f} GiB a "
+            f"the same {best['buffer_gib']:.2f} GiB as GPU KV cache instead ({per_rank:.1f} GiB a "
             f"rank, no buffer): p99 prefill wait {alt['prefill_wait_ms_p99']:.0f} ms, TTFT p50 "
             f"{alt['ttft_ms_p50']:.0f} ms, p99 {alt['ttft_ms_p99']:.0f} ms"
+            + (
+                f" (not feasible on one GPU: {per_rank:.0f} GiB of KV cache a rank is more than an H200's "
+                f"{LARGEST_GPU_GIB} GiB of memory)"
+                if per_rank > LARGEST_GPU_GIB
+                else ""
+            )
         )
     return dict(out, lines=lines)
 
@@ -258,6 +276,7 @@ def load_warnings(trace: Sequence[TraceRequest], cfg: PlanConfig) -> list[str]:
 
 
 LOAD = 0.8  # the load a capacity derived from the trace runs at
+LARGEST_GPU_GIB = 141  # an H200's memory: a GPU KV cache a rank above it is no real alternative
 WINDOW_S = 60.0  # ... in the trace's busiest window of this length: a buffer absorbs shorter bursts
 
 
