@@ -264,7 +264,13 @@ def test_plan_measures_the_bandwidth_when_not_given(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     c = json.loads(out.read_text())["config"]
     assert c["bandwidth_measured"] and c["bandwidth_GBps"] > 0 and c["swap_GBps"] > 0
-    assert "(measured here)" in p.stdout
+    # the median of three runs of this host's loopback, the spread said, not taken for a real link
+    assert len(c["bandwidth_runs_GBps"]) == 3 and sorted(c["bandwidth_runs_GBps"])[1] == pytest.approx(
+        c["bandwidth_GBps"], rel=0.01
+    )
+    text = " ".join(p.stdout.split())
+    assert "measured here: this host's loopback, the median of 3 runs, link" in text
+    assert "not a production link: give --bandwidth-gbps and --swap-gbps for yours" in text
 
 
 @pytest.mark.parametrize("link, swap", [(0.0, 3.0), (2.0, 0.0)])

@@ -366,7 +366,21 @@ def _stop_child(child: Any) -> None:
                 os.unlink(os.path.join(SHM_DIR, name))
 
 
-def measure_rates(a: Any, console: Any) -> tuple[float, float]:
+MEASURE_REPS = 3  # runs of the loopback measurement: its median is used, its spread said
+
+
+def measure_rates(a: Any, console: Any) -> tuple[float, float, list[float], list[float]]:
+    """This host's loopback rates, bytes/s: the median of MEASURE_REPS runs of
+    :func:`measure_once`, and every run's link and swap rates (GB/s)."""
+    links, swaps = [], []
+    for _ in range(MEASURE_REPS):
+        link, swap = measure_once(a, console)
+        links.append(link / 1e9)
+        swaps.append(swap / 1e9)
+    return float(np.median(links)) * 1e9, float(np.median(swaps)) * 1e9, links, swaps
+
+
+def measure_once(a: Any, console: Any) -> tuple[float, float]:
     """Transfer and swap bandwidth of this host for the layout, in bytes/s: a short loopback
     run of the transfer test (16 requests of about 2 GiB in all, sent at once, not verified): the
     link's rate over the time prefill was writing (the transfer span would also count the time
@@ -418,6 +432,17 @@ def measure_rates(a: Any, console: Any) -> tuple[float, float]:
     return link * 1e9, swap * 1e9
 
 
+def _measured_note(runs: dict[str, list[float]]) -> str:
+    link, swap = runs.get("bandwidth_runs_GBps", []), runs.get("swap_runs_GBps", [])
+    if not link:
+        return " (measured here)"
+    return (
+        f" (measured here: this host's loopback, the median of {len(link)} runs, link {min(link):.2f}-"
+        f"{max(link):.2f}, swap {min(swap):.2f}-{max(swap):.2f} GB/s; not a production link: give "
+        "--bandwidth-gbps and --swap-gbps for yours)"
+    )
+
+
 def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
     import time
 
@@ -456,9 +481,11 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
     bw = a.bandwidth_gbps * 1e9 if a.bandwidth_gbps else 0.0
     swap_bw = a.swap_gbps * 1e9 if a.swap_gbps else 0.0
     measured = not (bw and swap_bw)
+    runs: dict[str, list[float]] = {}
     if measured:
-        mbw, mswap = measure_rates(a, console)
+        mbw, mswap, links, swaps = measure_rates(a, console)
         bw, swap_bw = bw or mbw, swap_bw or mswap
+        runs = {"bandwidth_runs_GBps": links, "swap_runs_GBps": swaps}
     cfg = dataclasses.replace(
         base_cfg, gpu_blocks=gpu_blocks, prefill_instances=instances, bandwidth=bw, swap_bandwidth=swap_bw
     )
@@ -483,7 +510,7 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
         f"{a.model} ({lay.total_layers} layers, {lay.block_bytes * a.decode_tp / (1 << 20):.2f} MiB a block of "
         f"{lay.tokens_per_block} tokens, decode TP {a.decode_tp}); {len(trace)} requests of {a.trace}; "
         f"{instances} prefill instance(s) at {compute}; link {bw / 1e9:.2f} GB/s, swap "
-        f"{swap_bw / 1e9:.2f} GB/s{' (measured here)' if measured else ''}; decode {a.token_ms} ms a token, "
+        f"{swap_bw / 1e9:.2f} GB/s{_measured_note(runs) if measured else ''}; decode {a.token_ms} ms a token, "
         f"{gpu_blocks} GPU blocks ({gpu_blocks * lay.block_bytes / (1 << 30):.1f} GiB a rank); "
         + ("transfers into GPU blocks while they last" if a.direct_to_gpu else "every transfer through the buffer")
     )
@@ -538,6 +565,7 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
             "bandwidth_GBps": bw / 1e9,
             "swap_GBps": swap_bw / 1e9,
             "bandwidth_measured": measured,
+            **runs,
             "token_ms": a.token_ms,
             "direct_to_gpu": a.direct_to_gpu,
             "time_scale": a.time_scale,
