@@ -191,6 +191,7 @@ class SchedulerCore:
         ``tombstone_s`` ago (a steady rate holds a steady number)."""
         tomb = self._tomb
         now = self.clock()
+        tomb.pop(rid, None)  # a request ended again (refused anew) is the newest, not its old place
         tomb[rid] = (state, reason, now)
         cut = now - self.options.tombstone_s
         while tomb and (len(tomb) > self.options.max_tombstones or next(iter(tomb.values()))[2] < cut):
