@@ -867,11 +867,10 @@ def _children():
 
 
 def _parent_of(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    from pdkv.procs import _stat_fields
+
+    f = _stat_fields(pid)  # from the state on: the parent's pid is the next field
+    return int(f[1]) if f is not None else None
 
 
 def _child_of_us(pid):

@@ -11,13 +11,12 @@ prefill (64 tokens a step), so long prompts go out chunk by chunk.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from extras import need
-from vllm_engine import Engine, free_port, tiny_llama
+from vllm_engine import Engine, free_port, start_engines, tiny_llama
 
 need("vllm", "vllm")
 torch = need("torch", "vllm")
@@ -48,20 +47,7 @@ def engines(model, tmp_path_factory):
         "tcp": ("producer", {"decode": control, "transport": "tcp"}, {"max_batched": 64}),
         "colocated": ("none", {}, {"max_batched": 64}),  # the same chunks as prefill: the same numerics
     }
-    with ThreadPoolExecutor(len(specs)) as pool:
-        futs = {
-            k: pool.submit(Engine, model, role, logs / f"{k}.log", extra, **kw)
-            for k, (role, extra, kw) in specs.items()
-        }
-        out = {}
-        try:
-            for k, f in futs.items():
-                out[k] = f.result()
-        except BaseException:
-            for f in futs.values():
-                if f.done() and f.exception() is None:
-                    f.result().close()
-            raise
+    out = start_engines(model, specs, logs)
     yield out
     for e in out.values():
         e.close()
@@ -267,18 +253,11 @@ def overload(model, engines, tmp_path_factory):
     control = f"tcp://127.0.0.1:{free_port()}"
     kv_bytes = DECODE_BLOCKS * 2 * 2 * 2 * BLOCK * 64 * 4
     cfg = {"control": control, "buffer_blocks": 8, "load_timeout_s": 20, "queue_timeout_s": 15}
-    with ThreadPoolExecutor(2) as pool:
-        d = pool.submit(Engine, model, "consumer", logs / "decode.log", cfg, kv_bytes=kv_bytes)
-        p = pool.submit(Engine, model, "producer", logs / "prefill.log", {"decode": control, "transport": "tcp"},
-                        max_batched=64)  # fmt: skip
-        out = {}
-        try:
-            out = {"decode": d.result(), "prefill": p.result()}
-        except BaseException:
-            for f in (d, p):
-                if f.done() and f.exception() is None:
-                    f.result().close()
-            raise
+    specs = {
+        "decode": ("consumer", cfg, {"kv_bytes": kv_bytes}),
+        "prefill": ("producer", {"decode": control, "transport": "tcp"}, {"max_batched": 64}),
+    }
+    out = start_engines(model, specs, logs)
     yield out
     for e in out.values():
         e.close()

@@ -681,17 +681,20 @@ def test_close_closes_every_sender_pooled_and_retired():
     assert wk.w._senders == {} and wk.w._retired == []
 
 
+def _threaded(make=None):
+    """A SendWorker with its real background threads, its senders scripted (FakeTx)."""
+    log: list = []
+    lay = layout_for(**LAY, order=("head", False))
+    return SendWorker(
+        parse_settings("kv_producer", "p", {}), lay, CacheSpec.for_buffer(lay, 16, 1 << 20),
+        sender=make or (lambda d: FakeTx(d, log)),
+    )  # fmt: skip
+
+
 def test_the_background_thread_stops_on_close_and_ends_its_rounds():
     """The real threads (one per decode, started on first use): a round returns False on
     the stop sentinel; close() ends every one."""
-    log: list = []
-    lay = layout_for(**LAY, order=("head", False))
-    w = SendWorker(
-        parse_settings("kv_producer", "p", {}),
-        lay,
-        CacheSpec.for_buffer(lay, 16, 1 << 20),
-        sender=lambda d: FakeTx(d, log),
-    )
+    w = _threaded()
     assert w._lanes == {}  # no thread before a request needs one
     w.start(StepMeta(saves=[save("a", "P1"), save("b", "P2", decode=D2)], instance_key=b"k" * 32))
     threads = [t for _, t in w._lanes.values()]
@@ -717,14 +720,7 @@ def test_prefill_side_goes_on_from_where_its_last_save_ended():
 
 
 def test_the_worker_threads_are_named_and_do_not_keep_the_process():
-    log: list = []
-    lay = layout_for(**LAY, order=("head", False))
-    w = SendWorker(
-        parse_settings("kv_producer", "p", {}),
-        lay,
-        CacheSpec.for_buffer(lay, 16, 1 << 20),
-        sender=lambda d: FakeTx(d, log),
-    )
+    w = _threaded()
     try:
         w.start(StepMeta(saves=[save("a", "P1")], instance_key=b"k" * 32))
         ((_, t),) = w._lanes.values()
@@ -861,14 +857,13 @@ def test_the_background_thread_moves_a_waiting_request_on_within_milliseconds():
 
     log: list = []
     txs = []
-    lay = layout_for(**LAY, order=("head", False))
 
     def make(decode):
         t = FakeTx(decode, log)
         txs.append(t)
         return t
 
-    w = SendWorker(parse_settings("kv_producer", "p", {}), lay, CacheSpec.for_buffer(lay, 16, 1 << 20), sender=make)
+    w = _threaded(make)
     try:
         w.start(StepMeta(saves=[save(plen=8, blocks=(5,))]))
         for layer in range(3):

@@ -322,3 +322,26 @@ class Engine:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def start_engines(model: Path, specs: dict[str, tuple[str, dict, dict]], logs: Path) -> dict[str, Engine]:
+    """Engines started together (each takes ~20 s on two cores): ``specs`` maps a name to
+    ``(role, kv_connector_extra_config, Engine keywords)``; each logs to ``logs/<name>.log``.
+    If one fails to start, those that did are closed and the error raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futs = {
+            k: pool.submit(Engine, model, role, logs / f"{k.replace(' ', '-')}.log", extra, **kw)
+            for k, (role, extra, kw) in specs.items()
+        }
+        out = {}
+        try:
+            for k, f in futs.items():
+                out[k] = f.result()
+        except BaseException:
+            for f in futs.values():
+                if f.done() and f.exception() is None:
+                    f.result().close()
+            raise
+    return out

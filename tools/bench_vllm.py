@@ -36,12 +36,11 @@ import json
 import shutil
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from vllm_engine import Engine, free_port, tiny_llama  # noqa: E402
+from vllm_engine import Engine, free_port, start_engines, tiny_llama  # noqa: E402
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -81,13 +80,9 @@ def main() -> int:
     }
     engines: dict[str, Engine] = {}
     try:
-        with ThreadPoolExecutor(len(specs)) as pool:
-            futs = {
-                k: pool.submit(Engine, model, role, work / f"{k.replace(' ', '-')}.log", extra, **kv, **more)
-                for k, (role, extra, more) in specs.items()
-            }
-            for k, f in futs.items():
-                engines[k] = f.result()
+        engines = start_engines(
+            model, {k: (role, extra, {**kv, **more}) for k, (role, extra, more) in specs.items()}, work
+        )
         pairs = {
             "pdkv shm": ("pdkv prefill shm", "pdkv decode"),
             "pdkv tcp": ("pdkv prefill tcp", "pdkv decode"),
@@ -160,13 +155,9 @@ def overload(a: argparse.Namespace) -> int:
         specs[f"prefill {name}"] = ("producer", {"decode": control, "transport": "tcp"}, {})
     engines: dict[str, Engine] = {}
     try:
-        with ThreadPoolExecutor(len(specs)) as pool:
-            futs = {
-                k: pool.submit(Engine, model, role, work / f"{k.replace(' ', '-')}.log", extra, **kv, **more)
-                for k, (role, extra, more) in specs.items()
-            }
-            for k, f in futs.items():
-                engines[k] = f.result()
+        engines = start_engines(
+            model, {k: (role, extra, {**kv, **more}) for k, (role, extra, more) in specs.items()}, work
+        )
         rows = {k: {"ttft": [], "hold": [], "same": [], "here": []} for k in ["colocated", *policies]}
         for rep in range(a.reps):
             prompts = [

@@ -361,10 +361,8 @@ def _handshake(
                 if ch.hello_nonce not in nonces:
                     raise ProtocolError("challenge to a hello this sender did not send")
             nonce = nonces[-1]
-            # from here on the session key: HMAC(secret, our nonce, decode's fresh nonce)
-            session = Codec(tx.options.secret)
-            session.continue_from(tx._codec)
-            tx._codec = session
+            # from here on the session key: HMAC(secret, our nonce, decode's fresh nonce); the
+            # codec has only sent so far (each Challenge was read with a codec of its own)
             tx._codec.set_session(nonce, ch.nonce)
             key = mask_instance_key(
                 instance_key_of(tx.instance, tx.options.instance_key), tx._codec.key, nonce, ch.nonce

@@ -6,14 +6,14 @@ come in as plain attributes, so every rule here runs (and is tested) without vLL
 
 from __future__ import annotations
 
-import array
 import hashlib
 import os
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ...errors import LayoutError
 from ...layout import GIB, KVLayout
@@ -54,13 +54,7 @@ _BINDING = b"pdkv-vllm-binding-1"
 
 def token_digest(tokens: Sequence[int]) -> bytes:
     """SHA-256 of a prompt's token ids (each as a signed 64-bit little-endian integer)."""
-    return hashlib.sha256(array.array("q", tokens).tobytes() if sys.byteorder == "little" else _le(tokens)).digest()
-
-
-def _le(tokens: Sequence[int]) -> bytes:
-    a = array.array("q", tokens)
-    a.byteswap()
-    return a.tobytes()
+    return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).digest()
 
 
 def binding_of(cap: str, digest: bytes) -> bytes:
