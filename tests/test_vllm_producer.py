@@ -91,13 +91,14 @@ def test_prefill_side_tracks_chunks_blocks_and_hands_decode_its_params():
     cap = side._reqs["a"].cap
     assert side.finished("a") == (
         True,
-        {"do_remote_prefill": True, PARAM_ID: pids["a"], PARAM_TOKENS: 20, PARAM_CAP: cap},
+        {"do_remote_prefill": True, "do_remote_decode": False, PARAM_ID: pids["a"], PARAM_TOKENS: 20, PARAM_CAP: cap},
     )
     assert side.finished("a") == (False, None) and side.finished("plain") == (False, None)
     # seen but never scheduled: vLLM frees its blocks at once
     side.step([("c", _remote("pc"), _toks(8), [1], 0)], [], {})
     pc, cap = side._reqs["c"].pid, side._reqs["c"].cap
-    assert side.finished("c") == (False, {"do_remote_prefill": True, PARAM_ID: pc, PARAM_TOKENS: 8, PARAM_CAP: cap})
+    want = {"do_remote_prefill": True, "do_remote_decode": False, PARAM_ID: pc, PARAM_TOKENS: 8, PARAM_CAP: cap}
+    assert side.finished("c") == (False, want)
 
 
 def test_prefill_side_without_a_configured_decode_computes_locally(caplog):
@@ -142,11 +143,11 @@ def test_prefill_side_params_that_do_not_ask_for_a_configured_decode(params):
 
 def test_prefill_side_params_pick_among_the_configured_decodes():
     side = _side(decode=[DEC, "tcp://d:2"])
-    pid, decode = side.params_of({"do_remote_decode": True, PARAM_ID: "x"})
-    assert pid.startswith("x.") and decode == DEC  # the first by default
+    pid, decode, cap = side.params_of({"do_remote_decode": True, PARAM_ID: "x"})
+    assert pid.startswith("x.") and decode == DEC and cap == ""  # the first by default; a capability minted later
     assert side.params_of(_remote("y", "tcp://d:2"))[1] == "tcp://d:2"
     for bad in ("", 7, "a\nb", "z" * 65):  # an id a client names is only a prefix, when printable and short
-        pid, _ = side.params_of({"do_remote_decode": True, PARAM_ID: bad})
+        pid, _, _ = side.params_of({"do_remote_decode": True, PARAM_ID: bad})
         assert pid.startswith("vllm.")
 
 

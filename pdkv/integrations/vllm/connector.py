@@ -123,6 +123,12 @@ class PdkvConnector(KVConnectorBase_V1):
         )
 
     @property
+    def pull_address(self) -> str:
+        """Prefill's pull endpoint (the scheduler side of a ``kv_producer`` with ``pull``)."""
+        assert self._prefill is not None, "the pull address is the prefill scheduler side's"
+        return self._prefill.pull_address
+
+    @property
     def control_address(self) -> str:
         """Decode's control endpoint (the scheduler side of a ``kv_consumer``)."""
         assert self._decode is not None, "the control address is the decode scheduler side's"
@@ -235,7 +241,7 @@ class PdkvConnector(KVConnectorBase_V1):
         return False, None
 
     def shutdown(self) -> None:
-        for part in (self._sender, self._loader, self._decode):
+        for part in (self._sender, self._loader, self._decode, self._prefill):
             if part is not None:
                 part.close()
-        self._sender = self._loader = self._decode = None
+        self._sender = self._loader = self._decode = self._prefill = None

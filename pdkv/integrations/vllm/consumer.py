@@ -34,7 +34,19 @@ from ...scheduling.blocks import BlockPool
 from ...scheduling.scheduler import DecodeScheduler, Event, EventKind, SchedulerOptions, State
 from ...swap.engine import SwapEngine
 from ...transfer import DecodeReceiver
-from .settings import PARAM_CAP, PARAM_ID, Load, Settings, StepMeta, binding_of, token_digest
+from ..pull import PullClient, PullResult
+from .settings import (
+    PARAM_CAP,
+    PARAM_ID,
+    PARAM_PULL,
+    PARAM_TRANSFER,
+    Load,
+    Settings,
+    StepMeta,
+    binding_of,
+    token_digest,
+    transfer_pid,
+)
 
 __all__ = ["DecodeSide", "LoadWorker", "WorkerSwaps"]
 
@@ -89,6 +101,7 @@ class _Want:
     fail: bool = False  # the KV will not come: the load reports failure (kv_load_failure_policy='fail')
     claim: bytes = b""  # the binding its pdkv_cap and prompt give (settings.binding_of)
     proven: bool = False  # its claim matched the reservation's binding: the KV is its own
+    pull: PullResult | None = None  # its ask to prefill to send the KV here (pull style)
 
 
 class DecodeSide:
@@ -120,6 +133,8 @@ class DecodeSide:
         self.recompute, self.clock = recompute, clock
         self.refused = 0  # requests that claimed KV they could not prove their own
         self.computed_here = 0  # requests whose KV decode's buffer refused (no room in time)
+        self.pull_failed = 0  # requests whose pull prefill refused or did not answer
+        self.puller: PullClient | None = None
         self.buffers: list[SharedBuffer] = []
         self.receiver: DecodeReceiver | None = None
         try:
@@ -158,6 +173,9 @@ class DecodeSide:
             self.close()
             raise
         self.control_address = self.receiver.control_address
+        self.advertised = settings.advertise or self.control_address  # how prefill knows this decode
+        if settings.prefills:  # pull style: decode asks one of these prefills for a request's KV
+            self.puller = PullClient(settings.prefills, secret=settings.secret)
         self._wants: dict[str, _Want] = {}
         self._loads: list[Load] = []
         # received requests by pdkv id -> when: one that no vLLM request asks for within
@@ -190,7 +208,12 @@ class DecodeSide:
         tokens must give the binding prefill's reservation carried (constant-time compare).
         A request that fails the proof is computed here, and the request it named is left
         as it was (nothing of it aborted, bound or loaded)."""
-        pid = params.get(PARAM_ID) if params and params.get("do_remote_prefill") else None
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if PARAM_TRANSFER in params:  # a router's shared id: the pdkv id and the capability
+            pid, cap = transfer_pid(params[PARAM_TRANSFER]), params[PARAM_TRANSFER]
+        else:
+            pid, cap = params.get(PARAM_ID), params.get(PARAM_CAP)
         if not isinstance(pid, str) or not pid:
             return 0, False
         prompt_len = len(prompt)
@@ -198,9 +221,15 @@ class DecodeSide:
         with self._wlock:
             w = self._wants.get(req_id)
             if w is None:
-                cap = params.get(PARAM_CAP) if params else None
-                claim = binding_of(cap, token_digest(prompt)) if isinstance(cap, str) and len(cap) <= 64 else b""
+                claim = binding_of(cap, token_digest(prompt)) if isinstance(cap, str) and len(cap) <= 128 else b""
                 w = self._wants[req_id] = _Want(pid, now, claim=claim)
+                new = True
+            else:
+                new = False
+        if new and PARAM_PULL in params:
+            why = self._pull(w, params[PARAM_PULL])
+            if why:
+                return self._refuse(req_id, w, why)
         w.local = num_computed  # what vLLM holds itself: a load (or its failure) covers the rest
         if w.fail:
             return prompt_len - num_computed, True
@@ -212,6 +241,13 @@ class DecodeSide:
             if not w.claim or not hmac.compare_digest(w.claim, info.binding):
                 return self._refuse(req_id, w, "its pdkv_cap and prompt do not match what prefill reserved")
             w.proven = True
+        if info is None and w.pull is not None and w.pull.done and w.pull.error:
+            self.pull_failed += 1  # nothing was reserved for it here: computed here at once
+            why = w.pull.error
+            _log.warning("pdkv decode: request %s (pdkv %s): pull refused: %s; computed here", req_id, pid, why)
+            with self._wlock:
+                self._wants.pop(req_id, None)
+            return 0, False
         if info is None or info.state in _WAITING:
             if now - w.since <= self.settings.load_timeout_s:
                 return None, False
@@ -241,6 +277,16 @@ class DecodeSide:
                 del self._wants[req_id]
             return 0, False
         return prompt_len - num_computed, True
+
+    def _pull(self, w: _Want, address: object) -> str:
+        """Ask the prefill at ``address`` (one of extra config 'prefill') to send ``w``'s KV
+        here (never waits); what is wrong, or ''."""
+        if self.puller is None or not isinstance(address, str) or address not in self.puller.allowed:
+            return f"{PARAM_PULL} {str(address)[:80]!r} is not a configured prefill (extra config 'prefill')"
+        if not w.claim:
+            return "it shows no capability"
+        w.pull = self.puller.pull(address, w.pid, w.claim, self.advertised)
+        return ""
 
     def _refuse(self, req_id: str, w: _Want, why: str) -> tuple[int | None, bool]:
         """A request that claims KV it cannot prove is its own: computed here; the request
@@ -365,6 +411,9 @@ class DecodeSide:
         if stop is not None:
             stop.set()
             self._sweeper.join(timeout=5)
+        puller = getattr(self, "puller", None)
+        if puller is not None:
+            puller.close()
         if self.receiver is not None:
             self.receiver.close()
         for b in self.buffers:

@@ -17,6 +17,7 @@ belongs to the worker half (:meth:`SendWorker.close`).
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
 import secrets
@@ -30,16 +31,20 @@ from typing import Any
 from ...errors import ClosedError, PdkvError, PeerError, RequestError
 from ...layout import CacheSpec, KVLayout
 from ...transfer import PrefillSender, RequestOutcome, SendGrant
+from ..pull import PullReq, PullServer
 from .settings import (
     PARAM_CAP,
     PARAM_DECODE,
     PARAM_ID,
+    PARAM_PULL,
     PARAM_TOKENS,
+    PARAM_TRANSFER,
     Save,
     Settings,
     StepMeta,
     binding_of,
     token_digest,
+    transfer_pid,
 )
 
 __all__ = ["PrefillSide", "SendWorker"]
@@ -58,6 +63,16 @@ class _Track:
     cap: str = ""
     binding: bytes = b""
     shipped: bool = False  # a worker saw it in a step's metadata
+    pull: bool = False  # no decode named: kept after vLLM finishes it until a decode pulls it
+
+
+@dataclass
+class _Held:
+    """A finished request whose blocks wait for a decode's pull."""
+
+    rid: str
+    track: _Track
+    deadline: float
 
 
 class PrefillSide:
@@ -70,33 +85,55 @@ class PrefillSide:
     answer's ``kv_transfer_params`` carry; the reservation carries a digest of the
     capability and the prompt's tokens, which decode checks before it hands the KV to a
     request. ``pdkv_decode`` may pick one of the configured decodes, never name another.
-    The engine's instance key (its identity at decode) is random unless configured, and
-    goes to the workers in every step's metadata."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    Three ways a request reaches decode. *Push*: the decode is known before prefill runs
+    (``pdkv_decode``, or the first configured decode when no pull endpoint is configured),
+    and each layer goes out as it is computed. *Shared id*: a router that dispatches the
+    prefill and decode requests at once gives both the same ``transfer_id``, the id and
+    capability of both (pushed as above). *Pull*: with extra config ``pull`` set, a request
+    that names no decode (NixlConnector's protocol: the router picks the decode after
+    prefill answered) keeps its blocks when vLLM finishes it, for ``pull_timeout_s``; the
+    answer names this engine's pull endpoint, and the decode that gets the request asks it
+    for the KV (:mod:`pdkv.integrations.pull`), which is then sent whole to that decode if
+    it is a configured one. The engine's instance key (its identity at decode) is random
+    unless configured, and goes to the workers in every step's metadata."""
+
+    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings, self.clock = settings, clock
         self._reqs: dict[str, _Track] = {}
         self.instance_key = settings.instance_key or secrets.token_bytes(32)
         self.refused = 0  # requests whose parameters named a decode not configured
         self._warned: set[str] = set()
+        self._lock = threading.Lock()  # _held and _pulls: vLLM's thread and the pull server's
+        self._held: dict[str, _Held] = {}  # by pdkv id
+        self._pulls: list[Save] = []
+        self.pulled = self.expired = 0
+        self.server = PullServer(settings.pull, self._on_pull, secret=settings.secret) if settings.pull else None
+
+    @property
+    def pull_address(self) -> str:
+        """The pull endpoint decodes ask (its port resolved), or '' when not configured."""
+        return self.server.address if self.server is not None else ""
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned and len(self._warned) < 64:
             self._warned.add(key)
             _log.warning(msg, *args)
 
-    def params_of(self, params: Mapping[str, Any] | None) -> tuple[str, str] | None:
-        """``(pdkv id, decode address)`` of a request that asks for remote decode (a new
-        id each call), or None: it is computed here only."""
+    def params_of(self, params: Mapping[str, Any] | None) -> tuple[str, str, str] | None:
+        """``(pdkv id, decode address or '' to be pulled, capability or '' to mint)`` of a
+        request that asks for remote decode (a new id each call but for a shared
+        ``transfer_id``), or None: it is computed here only."""
         if not params or not params.get("do_remote_decode"):
             return None
         decodes = self.settings.decodes
         want = params.get(PARAM_DECODE)
+        tid = params.get(PARAM_TRANSFER)
         if not decodes:
             self._warn_once("none", "pdkv prefill: do_remote_decode, but extra config 'decode' names no decode")
             return None
         if want in (None, ""):
-            decode = decodes[0]
+            decode = "" if self.server is not None and tid is None else decodes[0]
         elif isinstance(want, str) and want in decodes:
             decode = want
         else:
@@ -107,9 +144,19 @@ class PrefillSide:
                 want,
             )
             return None
+        if tid is not None:
+            pid = transfer_pid(tid)
+            if pid is None:
+                self.refused += 1
+                _log.warning(
+                    "pdkv prefill: a request's %s is not 16-128 printable characters: computed here only",
+                    PARAM_TRANSFER,
+                )
+                return None
+            return pid, decode, str(tid)
         hint = params.get(PARAM_ID)
         prefix = hint if isinstance(hint, str) and 0 < len(hint) <= 64 and hint.isprintable() else "vllm"
-        return f"{prefix}.{secrets.token_hex(12)}", decode
+        return f"{prefix}.{secrets.token_hex(12)}", decode, ""
 
     def step(
         self,
@@ -120,16 +167,21 @@ class PrefillSide:
         """``build_connector_meta``: ``new`` requests ``(id, kv_transfer_params, prompt
         token ids, block ids, computed tokens)``, ``cached`` ones ``(id, new block ids,
         computed tokens, resumed)`` (a resumed request's block ids replace its old ones),
-        ``scheduled`` tokens per request this step."""
+        ``scheduled`` tokens per request this step. Pulled requests go out whole; held ones
+        whose pull did not come within ``pull_timeout_s`` are freed."""
         for rid, params, prompt, blocks, computed in new:
             got = self.params_of(params)
             if got is not None:
-                cap = secrets.token_hex(16)
+                pid, decode, cap = got
+                cap = cap or secrets.token_hex(16)
                 binding = binding_of(cap, token_digest(prompt))
-                self._reqs[rid] = _Track(got[0], got[1], len(prompt), list(blocks), computed, cap, binding)
+                self._reqs[rid] = _Track(
+                    pid, decode, len(prompt), list(blocks), computed, cap, binding, pull=not decode
+                )
         for rid, more, computed, resumed in cached:
-            t = self._reqs.get(rid)
-            if t is not None:
+            c = self._reqs.get(rid)
+            if c is not None:
+                t = c
                 t.blocks = list(more or ()) if resumed else t.blocks + list(more or ())
                 t.computed = computed
         saves = []
@@ -137,18 +189,81 @@ class PrefillSide:
             n = scheduled.get(rid, 0)
             if n and t.computed < t.prompt_len:
                 end = min(t.computed + n, t.prompt_len)
-                saves.append(Save(rid, t.pid, t.decode, t.prompt_len, tuple(t.blocks), t.computed, end, t.binding))
-                t.shipped = True
+                if not t.pull:
+                    saves.append(Save(rid, t.pid, t.decode, t.prompt_len, tuple(t.blocks), t.computed, end, t.binding))
+                    t.shipped = True
                 t.computed = end
-        return StepMeta(saves=saves, instance_key=self.instance_key)
+        now, drops = self.clock(), []
+        with self._lock:
+            saves += self._pulls
+            self._pulls = []
+            for pid, h in list(self._held.items()):
+                if now > h.deadline:
+                    del self._held[pid]
+                    drops.append(h.rid)
+                    self.expired += 1
+                    _log.warning(
+                        "pdkv prefill: request %s (pdkv %s): no decode pulled it within pull_timeout_s=%gs; freed",
+                        h.rid,
+                        pid,
+                        self.settings.pull_timeout_s,
+                    )
+        return StepMeta(saves=saves, drops=drops, instance_key=self.instance_key)
 
     def finished(self, rid: str) -> tuple[bool, dict[str, Any] | None]:
-        """``request_finished``: keep the blocks while a worker sends them, and the
-        parameters decode's request needs (its id and capability)."""
+        """``request_finished``: keep the blocks while a worker sends them (or, for a pull,
+        until a decode pulls or ``pull_timeout_s`` passes), and answer the parameters
+        decode's request needs (its id and capability; a pull's endpoint)."""
         t = self._reqs.pop(rid, None)
         if t is None:
             return False, None
-        return t.shipped, {"do_remote_prefill": True, PARAM_ID: t.pid, PARAM_TOKENS: t.prompt_len, PARAM_CAP: t.cap}
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            PARAM_ID: t.pid,
+            PARAM_TOKENS: t.prompt_len,
+            PARAM_CAP: t.cap,
+        }
+        if not t.pull:
+            return t.shipped, params
+        if t.computed < t.prompt_len:  # cut short: there is no KV to pull
+            return False, None
+        with self._lock:
+            self._held[t.pid] = _Held(rid, t, self.clock() + self.settings.pull_timeout_s)
+        host, _, port = self.pull_address.removeprefix("tcp://").rpartition(":")
+        # NixlConnector's fields too, for routers that look for them (remote_* name this engine)
+        params.update(
+            {
+                PARAM_PULL: self.pull_address,
+                "remote_engine_id": self.settings.engine_id,
+                "remote_host": host,
+                "remote_port": int(port),
+                "remote_block_ids": [],
+            }
+        )
+        return True, params
+
+    def _on_pull(self, r: PullReq) -> str:
+        """The pull server's thread: a decode asks for ``r.pid`` (error, or '' when sent)."""
+        if r.decode not in self.settings.decodes:
+            return f"decode {r.decode[:80]!r} is not one this prefill sends to (extra config 'decode')"
+        with self._lock:
+            h = self._held.get(r.pid)
+            if h is None:
+                return f"pdkv {r.pid[:80]!r} is not held here (unknown, pulled already, or expired)"
+            if not hmac.compare_digest(r.binding, h.track.binding):
+                return "the binding does not match the request's (wrong capability or prompt)"
+            del self._held[r.pid]
+            t = h.track
+            self._pulls.append(
+                Save(h.rid, t.pid, r.decode, t.prompt_len, tuple(t.blocks), 0, t.prompt_len, t.binding, pulled=True)
+            )
+            self.pulled += 1
+        return ""
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
 
 
 @dataclass(eq=False)
@@ -194,6 +309,7 @@ class SendWorker:
         self._stop = threading.Event()
         self.recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.stats = {"direct": 0, "deferred": 0, "received": 0, "failed": 0}
+        self._dropped: set[str] = set()  # held for a pull that never came: vLLM may free them
 
     def _open(self, decode: str) -> PrefillSender:
         s = self.settings
@@ -225,16 +341,22 @@ class SendWorker:
         """``bind_connector_metadata`` (before the forward): this step's saves; a new
         request is reserved at once where its decode's session is open (a message posted),
         else from the background thread, which opens the session first."""
-        step, new = [], []
+        step, new, pulled = [], [], []
         if meta.instance_key and not self._key:
             self._key = meta.instance_key
         with self._lock:
+            self._dropped.update(meta.drops)
             for s in meta.saves:
                 r = self._reqs.get(s.req_id)
                 self.recent[s.req_id] = s.blocks
                 self.recent.move_to_end(s.req_id)  # a request still being computed stays
                 while len(self.recent) > RECENT:
                     self.recent.popitem(last=False)
+                if s.pulled:  # vLLM finished it: sent whole from the background thread
+                    if r is None:
+                        r = self._reqs[s.req_id] = _Out(s, deferred=True, computed=True, vllm_done=True)
+                        pulled.append(r)
+                    continue
                 if r is None:
                     r = self._reqs[s.req_id] = _Out(s)
                     new.append((r, self._senders.get(s.decode)))
@@ -244,6 +366,8 @@ class SendWorker:
         for r, tx in new:
             if tx is None or not self._reserve(r, tx):
                 self._put(r)  # no session (or a broken one): the background thread opens one
+        for r in pulled:
+            self._put(r)
         self._step = step
 
     def _reserve(self, r: _Out, tx: PrefillSender) -> bool:
@@ -342,8 +466,8 @@ class SendWorker:
                 r.vllm_done = True
                 if not r.handed and not r.error:
                     self._put(r)  # cut short: the background thread ends it at decode
-        out = set()
         with self._lock:
+            out, self._dropped = self._dropped, set()
             items = list(self._reqs.items())
         for rid, r in items:
             if not r.vllm_done or not self._settled(r):

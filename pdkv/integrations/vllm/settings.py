@@ -32,6 +32,9 @@ __all__ = [
     "PARAM_DECODE",
     "PARAM_TOKENS",
     "PARAM_CAP",
+    "PARAM_PULL",
+    "PARAM_TRANSFER",
+    "transfer_pid",
     "token_digest",
     "binding_of",
 ]
@@ -49,7 +52,20 @@ PARAM_ID = "pdkv_request_id"  # the request's id at pdkv (prefill's; a client's 
 PARAM_DECODE = "pdkv_decode"  # which configured decode (one of extra config 'decode'; no other)
 PARAM_TOKENS = "pdkv_tokens"  # the prompt tokens prefill sent (decode checks them)
 PARAM_CAP = "pdkv_cap"  # the request's capability: decode hands the KV only to a request showing it
+PARAM_PULL = "pdkv_pull"  # prefill's pull endpoint: decode asks it for the KV (one of decode's 'prefill')
+# a router-chosen id shared by the prefill and decode requests it dispatches at once (push
+# before prefill answered): both sides derive the pdkv id from it, and it is the capability
+PARAM_TRANSFER = "transfer_id"
 _BINDING = b"pdkv-vllm-binding-1"
+
+
+def transfer_pid(transfer_id: object) -> str | None:
+    """The pdkv id both sides derive from a router's ``transfer_id`` (a one-way digest: the
+    id itself, a capability, never travels), or None when it is not 16-128 printable
+    characters (too short to be unguessable)."""
+    if not isinstance(transfer_id, str) or not 16 <= len(transfer_id) <= 128 or not transfer_id.isprintable():
+        return None
+    return "xfer." + hashlib.sha256(b"pdkv-transfer-id\0" + transfer_id.encode()).hexdigest()[:32]
 
 
 def token_digest(tokens: Sequence[int]) -> bytes:
@@ -93,6 +109,10 @@ _KEYS = {
     "lease_s",
     "kv_fused",
     "data_host",
+    "pull",
+    "prefill",
+    "pull_timeout_s",
+    "advertise",
 }
 
 
@@ -143,6 +163,10 @@ class Settings:
     lease_s: float = 30.0
     kv_fused: str = ""
     data_host: str = "127.0.0.1"
+    pull: str = ""
+    prefills: tuple[str, ...] = ()
+    pull_timeout_s: float = 120.0
+    advertise: str = ""
 
 
 def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:
@@ -190,14 +214,13 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
     for k in ("control", "transport", "data_host"):
         if k in extra and not isinstance(extra[k], str):
             raise ValueError(f"kv_connector_extra_config[{k!r}]={extra[k]!r} must be a string")
-    decodes = extra.get("decode", ())
-    if isinstance(decodes, str):
-        decodes = tuple(d.strip() for d in decodes.split(",") if d.strip())
-    if not isinstance(decodes, (list, tuple)) or not all(isinstance(d, str) for d in decodes):
-        raise ValueError(f"kv_connector_extra_config['decode']={decodes!r} must be an address or a list of them")
-    for d in decodes:
-        if not re.fullmatch(r"tcp://[A-Za-z0-9_.:\[\]-]+:\d{1,5}", d):
-            raise ValueError(f"kv_connector_extra_config['decode'] names {d!r}: not a tcp://host:port address")
+    decodes, prefills = _addresses(extra, "decode"), _addresses(extra, "prefill")
+    advertise = extra.get("advertise", "")
+    if advertise and not (isinstance(advertise, str) and _ADDRESS.fullmatch(advertise)):
+        raise ValueError(f"kv_connector_extra_config['advertise']={advertise!r} must be a tcp://host:port address")
+    pull = extra.get("pull", "")
+    if pull and not (isinstance(pull, str) and _ADDRESS.fullmatch(pull)):
+        raise ValueError(f"kv_connector_extra_config['pull']={pull!r} must be a tcp://host:port address (port 0: any)")
     return Settings(
         role=role,
         engine_id=engine_id,
@@ -216,7 +239,27 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
         lease_s=_positive(extra, "lease_s", 30.0),
         kv_fused=fused,
         data_host=extra.get("data_host", "127.0.0.1"),
+        pull=pull,
+        prefills=prefills,
+        pull_timeout_s=_positive(extra, "pull_timeout_s", 120.0),
+        advertise=advertise,
     )
+
+
+_ADDRESS = re.compile(r"tcp://[A-Za-z0-9_.:\[\]-]+:\d{1,5}")
+
+
+def _addresses(extra: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    """One ``tcp://host:port`` or a list of them (a comma-separated string too)."""
+    v = extra.get(key, ())
+    if isinstance(v, str):
+        v = tuple(d.strip() for d in v.split(",") if d.strip())
+    if not isinstance(v, (list, tuple)) or not all(isinstance(d, str) for d in v):
+        raise ValueError(f"kv_connector_extra_config[{key!r}]={v!r} must be an address or a list of them")
+    for d in v:
+        if not _ADDRESS.fullmatch(d):
+            raise ValueError(f"kv_connector_extra_config[{key!r}] names {d!r}: not a tcp://host:port address")
+    return tuple(v)
 
 
 def order_of(kv_cache_layout: str | None, cpu: bool, kv_fused: str = "") -> tuple[str, bool]:
@@ -288,6 +331,7 @@ class Save:
     start: int
     end: int
     binding: bytes = b""
+    pulled: bool = False  # computed and finished in vLLM already: a decode pulled it, sent whole
 
     @property
     def complete(self) -> bool:
@@ -305,4 +349,5 @@ class StepMeta:
     buffer_blocks: int = 0
     loads: list[Load] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
+    drops: list[str] = field(default_factory=list)  # prefill: held for a pull that never came, freed
     instance_key: bytes = field(default=b"", repr=False)

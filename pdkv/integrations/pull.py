@@ -1,0 +1,267 @@
+"""Pull: decode asks prefill for a request's KV after prefill answered (the routers that
+speak NixlConnector's protocol pick the decode only then). Prefill keeps the request's
+blocks and serves a :class:`PullServer`; a decode that receives the request sends a
+:class:`PullReq` naming the request, the binding its client's capability and prompt give,
+and decode's own control address. Prefill checks all three (the request is held here, the
+binding is the one its reservation will carry, the address is a configured decode) and then
+sends the KV as it always does: reserved in that decode's CPU buffer, written whole, the
+binding checked again at decode. So a pull moves nothing by itself: it only tells prefill
+which of its configured decodes to send to.
+
+Engine-neutral (no engine's objects): the vLLM connector's halves use it, and any engine
+adapter may. One small message each way over ZeroMQ (ROUTER at prefill, DEALER at decode),
+msgpack by msgspec with a strict schema, at most :data:`MAX_MSG` bytes, an HMAC-SHA256 over
+it when the pair shares a secret. Nothing waits without a bound: a pull that gets no answer
+within its timeout fails (decode then computes the prompt itself).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from ..errors import PdkvError
+
+__all__ = ["MAX_MSG", "PullReq", "PullAnswer", "PullServer", "PullClient", "PullResult"]
+
+_log = logging.getLogger(__name__)
+MAX_MSG = 4096  # a pull is ~200 bytes; anything longer is dropped unread
+_MAC = b"pdkv-pull-1"
+
+
+class PullReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode -> prefill: send ``pid`` to the decode at ``decode``; ``binding`` proves the
+    asker holds the request's capability and prompt."""
+
+    pid: str
+    binding: bytes
+    decode: str
+    nonce: bytes
+    mac: bytes = b""
+
+
+class PullAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill -> decode: ``error`` empty when prefill will send."""
+
+    nonce: bytes
+    error: str = ""
+    mac: bytes = b""
+
+
+def _mac(secret: bytes | None, *parts: bytes) -> bytes:
+    if not secret:
+        return b""
+    h = hmac.new(secret, _MAC, hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(4, "little") + p)
+    return h.digest()
+
+
+def _req_mac(secret: bytes | None, r: PullReq) -> bytes:
+    return _mac(secret, r.pid.encode(), r.binding, r.decode.encode(), r.nonce)
+
+
+def _answer_mac(secret: bytes | None, a: PullAnswer) -> bytes:
+    return _mac(secret, b"answer", a.nonce, a.error.encode())
+
+
+def _check(r: PullReq) -> str:
+    """What is wrong with a well-formed request's fields, or ''."""
+    if not 0 < len(r.pid) <= 128 or not r.pid.isprintable():
+        return "pid must be 1-128 printable characters"
+    if len(r.binding) != 32:
+        return "binding must be 32 bytes"
+    if not 0 < len(r.decode) <= 256 or not r.decode.isprintable():
+        return "decode must be an address"
+    if len(r.nonce) != 16:
+        return "nonce must be 16 bytes"
+    return ""
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec_req = msgspec.msgpack.Decoder(PullReq)
+_dec_answer = msgspec.msgpack.Decoder(PullAnswer)
+
+
+class PullServer:
+    """Prefill's pull endpoint: binds ``bind`` (``tcp://host:port``, port 0 for any) and
+    answers each :class:`PullReq` with what ``on_pull(req)`` returns (an error, or '' when
+    prefill will send), from a thread of its own. A message that is too long, malformed or
+    not authenticated gets no answer and changes nothing. Ownership: the socket and the
+    thread (:meth:`close`)."""
+
+    def __init__(self, bind: str, on_pull: Callable[[PullReq], str], *, secret: bytes | None = None) -> None:
+        self._on_pull, self._secret = on_pull, secret
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG)
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            self._ctx.term()
+            raise PdkvError(f"pull endpoint {bind}: {exc}") from exc
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.served = self.refused = self.dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdkv-pull-server", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(100):
+                    continue
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as exc:
+                if self._stop.is_set() or exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                self.dropped += 1
+                continue
+            try:
+                self._serve(frames)
+            except Exception:  # never the thread: one message fails alone
+                self.dropped += 1
+                _log.exception("pdkv pull: a request failed")
+
+    def _serve(self, frames: list[bytes]) -> None:
+        if len(frames) != 2 or len(frames[1]) > MAX_MSG:
+            self.dropped += 1
+            return
+        try:
+            r = _dec_req.decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.dropped += 1
+            return
+        if not hmac.compare_digest(r.mac, _req_mac(self._secret, r)):
+            self.dropped += 1  # no answer: the sender is not one of ours
+            return
+        error = _check(r) or self._on_pull(r)
+        if error:
+            self.refused += 1
+        else:
+            self.served += 1
+        a = PullAnswer(nonce=r.nonce, error=error)
+        a = PullAnswer(nonce=a.nonce, error=a.error, mac=_answer_mac(self._secret, a))
+        try:
+            self._sock.send_multipart([frames[0], _enc.encode(a)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.dropped += 1  # the asker is gone; it times out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+@dataclass
+class PullResult:
+    """One pull's answer: ``done`` once known; ``error`` empty when prefill will send."""
+
+    done: bool = False
+    error: str = ""
+    since: float = field(default_factory=time.monotonic)
+
+
+class PullClient:
+    """Decode's side: :meth:`pull` posts a request (never waits) and returns a
+    :class:`PullResult` that a thread of this client fills within ``timeout_s``. Only
+    addresses in ``allowed`` are ever connected to. Ownership: the sockets and the thread
+    (:meth:`close`)."""
+
+    def __init__(self, allowed: tuple[str, ...], *, secret: bytes | None = None, timeout_s: float = 10.0) -> None:
+        self.allowed, self._secret, self.timeout_s = frozenset(allowed), secret, timeout_s
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._jobs: queue.Queue[tuple[str, PullReq, PullResult] | None] = queue.Queue()
+        self._socks: dict[str, zmq.Socket[bytes]] = {}
+        self._pending: dict[bytes, tuple[PullResult, float]] = {}
+        self._thread = threading.Thread(target=self._run, name="pdkv-pull-client", daemon=True)
+        self._thread.start()
+
+    def pull(self, address: str, pid: str, binding: bytes, decode: str) -> PullResult:
+        """Ask the prefill at ``address`` to send ``pid`` to ``decode``."""
+        res = PullResult()
+        if address not in self.allowed:
+            res.done, res.error = True, f"{address!r} is not a configured prefill"
+            return res
+        r = PullReq(pid=pid, binding=binding, decode=decode, nonce=secrets.token_bytes(16))
+        r = PullReq(pid=r.pid, binding=r.binding, decode=r.decode, nonce=r.nonce, mac=_req_mac(self._secret, r))
+        self._jobs.put((address, r, res))
+        return res
+
+    def _sock(self, address: str) -> zmq.Socket[bytes]:
+        s = self._socks.get(address)
+        if s is None:
+            s = self._socks[address] = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_MSG)
+            s.connect(address)
+        return s
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        while True:
+            try:
+                job = self._jobs.get(timeout=0.01 if self._pending else 0.2)
+                if job is None:
+                    return
+                address, r, res = job
+                s = self._sock(address)
+                if s not in [p[0] for p in poller.sockets]:
+                    poller.register(s, zmq.POLLIN)
+                s.send(_enc.encode(r), zmq.NOBLOCK)
+                self._pending[r.nonce] = (res, time.monotonic() + self.timeout_s)
+            except queue.Empty:
+                pass
+            except zmq.ZMQError as exc:  # a full queue to an unreachable prefill
+                res.done, res.error = True, f"pull not sent: {exc}"
+            for s, _ in poller.poll(0) if self._pending else ():
+                self._read(s)
+            now = time.monotonic()
+            for nonce, (res, deadline) in list(self._pending.items()):
+                if now > deadline:
+                    del self._pending[nonce]
+                    res.done, res.error = True, f"no answer from prefill within {self.timeout_s:g} s"
+
+    def _read(self, s: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                frames = s.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            try:
+                if len(frames) != 1:
+                    continue
+                a = _dec_answer.decode(frames[0])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            got = self._pending.get(a.nonce)
+            if got is None or not hmac.compare_digest(a.mac, _answer_mac(self._secret, a)):
+                continue
+            del self._pending[a.nonce]
+            got[0].error, got[0].done = a.error, True
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+        for s in self._socks.values():
+            s.close(linger=0)
+        self._ctx.term()
+        for res, _ in self._pending.values():
+            res.done, res.error = True, "the pull client closed"
