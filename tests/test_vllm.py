@@ -291,3 +291,94 @@ def test_vllm_a_burst_past_the_buffer_waits_and_every_answer_is_colocated(overlo
         f"burst of {len(prompts)} prompts (26 blocks) through an 8-block buffer: {took:.1f} s; prefill held "
         f"{held['vllm_total'] - held['vllm_free']} blocks when its answers were out"
     )
+
+
+# what vLLM's NixlConnector-protocol routers send prefill (vLLM's example proxy, vllm-router's
+# PD mode, llm-d's sidecar), unchanged: no pdkv key
+NIXL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@pytest.fixture(scope="module")
+def routed(model, engines, tmp_path_factory):
+    """One prefill with a pull endpoint and two decodes, each a configured decode of
+    prefill and each listing prefill's pull endpoint: what an operator sets up behind a
+    router that picks the decode after prefill answered."""
+    logs = tmp_path_factory.mktemp("vllm-routed-logs")
+    pull = f"tcp://127.0.0.1:{free_port()}"
+    controls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    kv_bytes = DECODE_BLOCKS * 2 * 2 * 2 * BLOCK * 64 * 4
+    dec = {"buffer_blocks": 64, "load_timeout_s": 20, "prefill": [pull]}
+    specs = {
+        "prefill": ("producer", {"decode": controls, "pull": pull, "transport": "tcp"}, {"max_batched": 64}),
+        "a": ("consumer", {**dec, "control": controls[0]}, {"kv_bytes": kv_bytes}),
+        "b": ("consumer", {**dec, "control": controls[1]}, {"kv_bytes": kv_bytes}),
+    }
+    out = start_engines(model, specs, logs)
+    yield out
+    for e in out.values():
+        e.close()
+
+
+def _together(*calls):
+    """Run each ``(engine, kwargs)`` ask at once (each engine answers one at a time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futs = [pool.submit(e.ask, **kw) for e, kw in calls]
+        return [f.result() for f in futs]
+
+
+def test_vllm_nixl_protocol_router_round_robin_after_prefill_answered(routed, colocated):
+    """A router speaking NixlConnector's protocol exactly: each prompt to prefill with its
+    parameters (max_tokens 1), then, once prefill answered, to decode a or b in turn with
+    prefill's kv_transfer_params untouched. Each decode pulls its requests' KV into its own
+    buffer: the tokens are the colocated run's, no request was computed at decode or
+    refused, and every block on every side is free afterwards."""
+    prefill, a, b = routed["prefill"], routed["a"], routed["b"]
+    pre = prefill.generate(PROMPTS, 1, [dict(NIXL) for _ in PROMPTS], answered=True)
+    params = pre["kv_params"]
+    assert all(p and p["do_remote_prefill"] and p["pdkv_pull"] for p in params), params
+    assert all(p["remote_host"] == "127.0.0.1" and p["remote_port"] for p in params), params
+    picks = [(a, [0, 2]), (b, [1, 3])]  # round robin
+    calls = [
+        (d, dict(op="generate", prompts=[PROMPTS[i] for i in ix], max_tokens=8, params=[params[i] for i in ix]))
+        for d, ix in picks
+    ]
+    *outs, _ = _together(*calls, (prefill, dict(op="wait", ids=pre["ids"], timeout=60)))
+    tokens = [None] * len(PROMPTS)
+    for (_, ix), out in zip(picks, outs):
+        for i, t in zip(ix, out["tokens"]):
+            tokens[i] = t
+    assert tokens == colocated, outs
+    for d in (a, b):
+        st = _settled(d, prefill, timeout=30)
+        assert st["decode"]["computed_here"] == st["decode"]["refused"] == st["decode"]["pull_failed"] == 0, st
+        assert st["decode"]["buffer_free"] == st["decode"]["buffer_total"] and st["decode"]["pdkv_live"] == 0, st
+    assert all(p["vllm_free"] == p["vllm_total"] for p in st["prefill"]), st
+
+
+def test_vllm_push_with_a_shared_transfer_id_dispatched_at_once(routed, colocated):
+    """A router that picks decode b first and sends both requests at once with the same
+    transfer_id: decode waits for the KV, prefill pushes each layer to b; the tokens are
+    the colocated run's and nothing is held afterwards."""
+    prefill, b = routed["prefill"], routed["b"]
+    tids = [f"route-{i}-{time.monotonic_ns():x}" for i in range(len(PROMPTS))]
+    control = b.ready["control"]
+    pre_params = [{"do_remote_decode": True, "transfer_id": t, "pdkv_decode": control} for t in tids]
+    dec_params = [{"do_remote_prefill": True, "transfer_id": t} for t in tids]
+    dec, pre = _together(
+        (b, dict(op="generate", prompts=PROMPTS, max_tokens=8, params=dec_params)),
+        (prefill, dict(op="generate", prompts=PROMPTS, max_tokens=1, params=pre_params)),
+    )
+    assert dec["tokens"] == colocated, dec
+    st = _settled(b, prefill, timeout=30)
+    assert st["decode"]["computed_here"] == st["decode"]["refused"] == 0, st
+    assert st["decode"]["buffer_free"] == st["decode"]["buffer_total"], st
+    assert all(p["vllm_free"] == p["vllm_total"] for p in st["prefill"]), st

@@ -118,6 +118,7 @@ def main() -> int:
                 pdkv_live=len(side.sched.live_requests()),
                 computed_here=side.computed_here,
                 refused=side.refused,
+                pull_failed=side.pull_failed,
             )
         return st
 
