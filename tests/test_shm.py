@@ -999,12 +999,34 @@ def test_stale_note_names_the_dead_processes_buffers(monkeypatch):
     assert sweeper.stale_note() is None
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process descended from ``pid`` (by /proc's parent links), as psutil's
+    ``children(recursive=True)`` finds them."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        at = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == at]
+        out += kids
+        todo += kids
+    return out
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("how", ["SIGKILL to the group", "SIGTERM", "close"])
+@pytest.mark.parametrize("how", ["SIGKILL to the group", "SIGTERM", "close", "every descendant killed"])
 def test_a_watched_buffer_is_gone_however_its_process_ends(how, no_leaks):
     """A process makes a buffer and watches it (as vLLM's decode connector does), then is
     killed with its whole process group, or ends on SIGTERM's default action, or closes the
-    buffer itself: the buffer is gone within the watcher's bound in every case."""
+    buffer itself, or is killed with every process descended from it (vLLM's server does
+    that to its engine core on shutdown): the buffer is gone within the watcher's bound in
+    every case."""
     import json
     import signal
     import subprocess
@@ -1034,6 +1056,10 @@ def test_a_watched_buffer_is_gone_however_its_process_ends(how, no_leaks):
             p.stdin.flush()
         elif how == "SIGTERM":
             p.send_signal(signal.SIGTERM)
+        elif how == "every descendant killed":
+            for pid in _descendants(p.pid):
+                os.kill(pid, signal.SIGKILL)
+            p.kill()
         else:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(30)

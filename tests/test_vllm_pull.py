@@ -188,7 +188,7 @@ def test_nixl_protocol_pull_round_robin_each_kv_reaches_the_decode_that_serves_i
                 assert c.block(d.cache, t) == c.block(c.src, s)
             assert other.side.sched.live_requests() == [] and other.side.sched.buffer.num_free == 12
             assert d.side.sched.buffer.num_free == 12  # loaded: its buffer blocks went back
-        assert c.prefill.pulled == 4 and c.worker.stats["received"] == 4
+        assert c.prefill.desk.pulled == 4 and c.worker.stats["received"] == 4
     finally:
         c.close()
 
@@ -212,7 +212,7 @@ def test_a_pull_that_does_not_prove_the_request_moves_nothing(no_leaks):
         assert d1.side.puller._socks.keys() <= {c.prefill.pull_address}
         # the victim's own decode pulls it
         assert c.matched(d0, "v", answer, prompt) == (20, True)
-        assert c.prefill.pulled == 1
+        assert c.prefill.desk.pulled == 1
         # the same answer again (a replay, another decode): held no more
         assert c.matched(d1, "again", answer, prompt) == (0, False)
         assert c.step_prefill_until_sent("victim")
@@ -231,7 +231,7 @@ def test_a_pull_naming_a_decode_prefill_does_not_send_to_is_refused(no_leaks):
         d = c.decodes[0]
         d.side.advertised = "tcp://127.0.0.1:1"  # a decode prefill is not configured to send to
         assert c.matched(d, "v", answer, prompt) == (0, False) and d.side.pull_failed == 1
-        assert c.prefill.server.refused == 1 and c.prefill.pulled == 0
+        assert c.prefill.server.refused == 1 and c.prefill.desk.pulled == 0
     finally:
         c.close()
 
@@ -246,7 +246,7 @@ def test_a_pull_that_never_comes_frees_prefills_blocks_after_its_timeout(no_leak
         assert "r" not in c.worker.finished(set())  # held
         clock.t += 31
         meta = c.prefill.step([], [], {})
-        assert meta.drops == ["r"] and c.prefill.expired == 1
+        assert meta.drops == ["r"] and c.prefill.desk.expired == 1
         c.worker.start(meta)
         assert c.worker.finished(set()) == {"r"}  # vLLM frees the blocks
     finally:

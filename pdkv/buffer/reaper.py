@@ -10,6 +10,7 @@ the pipe after them: the watcher finds nothing to do.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -34,21 +35,20 @@ class Watch:
         stdin: IO[bytes] | None = self._proc.stdin
         if stdin is not None and not stdin.closed:
             stdin.close()
-        try:
-            self._proc.wait(REAP_S + 5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
 
 
 def watch(names: Sequence[str]) -> Watch:
-    """Start a watcher of the buffers ``names`` (made by this process)."""
+    """Start a watcher of the buffers ``names`` (made by this process). The watcher is
+    nobody's child here: the process started forks it and exits, so an engine that kills
+    its process tree on shutdown (vLLM's server force-kills every descendant of its engine
+    core) does not reach it."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdkv.buffer.reaper", *names],
+        [sys.executable, "-m", "pdkv.buffer.reaper", "--detach", *names],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         start_new_session=True,  # a signal to this process's group does not reach it
     )
+    proc.wait()  # the go-between exits once the watcher is forked
     return Watch(proc)
 
 
@@ -65,4 +65,9 @@ def _reap(names: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _reap(sys.argv[1:])
+    args = sys.argv[1:]
+    if args[:1] == ["--detach"]:
+        args = args[1:]
+        if os.fork() > 0:
+            os._exit(0)  # the go-between: the watcher goes on as init's child
+    _reap(args)

@@ -32,7 +32,7 @@ import zmq
 
 from ..errors import PdkvError
 
-__all__ = ["MAX_MSG", "PullReq", "PullAnswer", "PullServer", "PullClient", "PullResult"]
+__all__ = ["MAX_MSG", "PullReq", "PullAnswer", "PullServer", "PullClient", "PullResult", "Held", "PullDesk"]
 
 _log = logging.getLogger(__name__)
 MAX_MSG = 4096  # a pull is ~200 bytes; anything longer is dropped unread
@@ -265,3 +265,59 @@ class PullClient:
         self._ctx.term()
         for res, _ in self._pending.values():
             res.done, res.error = True, "the pull client closed"
+
+
+@dataclass(frozen=True)
+class Held:
+    """A request prefill computed and keeps for a pull: the engine's id ``rid``, the pdkv
+    id, its prompt length, blocks and binding, and when it is given up."""
+
+    rid: str
+    pid: str
+    prompt_len: int
+    blocks: tuple[int, ...]
+    binding: bytes
+    deadline: float
+
+
+class PullDesk:
+    """Prefill's held requests and the pulls that came for them (the pull server's thread
+    calls :meth:`on_pull`; the engine's loop calls :meth:`hold` and :meth:`take`). A pull
+    is served once, for a held request, with its binding, naming one of ``decodes``."""
+
+    def __init__(self, decodes: tuple[str, ...]) -> None:
+        self.decodes = frozenset(decodes)
+        self._lock = threading.Lock()
+        self._held: dict[str, Held] = {}
+        self._pulled: list[tuple[Held, str]] = []
+        self.pulled = self.expired = 0
+
+    def hold(self, h: Held) -> None:
+        with self._lock:
+            self._held[h.pid] = h
+
+    def on_pull(self, r: PullReq) -> str:
+        """A :class:`PullServer`'s ``on_pull``: '' when the request will be sent to ``r.decode``."""
+        if r.decode not in self.decodes:
+            return f"decode {r.decode[:80]!r} is not one this prefill sends to (extra config 'decode')"
+        with self._lock:
+            h = self._held.get(r.pid)
+            if h is None:
+                return f"pdkv {r.pid[:80]!r} is not held here (unknown, pulled already, or expired)"
+            if not hmac.compare_digest(r.binding, h.binding):
+                return "the binding does not match the request's (wrong capability or prompt)"
+            del self._held[r.pid]
+            self._pulled.append((h, r.decode))
+            self.pulled += 1
+        return ""
+
+    def take(self, now: float) -> tuple[list[tuple[Held, str]], list[Held]]:
+        """The requests pulled since the last call (each with its decode) and those whose
+        deadline passed unpulled (no longer held)."""
+        with self._lock:
+            pulled, self._pulled = self._pulled, []
+            gone = [h for h in self._held.values() if now > h.deadline]
+            for h in gone:
+                del self._held[h.pid]
+            self.expired += len(gone)
+        return pulled, gone

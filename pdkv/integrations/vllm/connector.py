@@ -19,9 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...errors import LayoutError
 from ...layout import KVLayout
+from ..tally import merge
 from .consumer import DecodeSide, LoadWorker
 from .producer import PrefillSide, SendWorker
 from .settings import StepMeta, check_version, layout_for, order_of, parse_settings
+from .stats_hooks import PdkvPromMetrics, PdkvStats
 from .views import cache_spec
 
 __all__ = ["PdkvConnector", "PdkvMeta"]
@@ -239,6 +241,30 @@ class PdkvConnector(KVConnectorBase_V1):
         if self._decode is not None:
             return self._decode.finished(request.request_id), None
         return False, None
+
+    # ------------------------------------------------------------------ vLLM's stats
+    def get_kv_connector_stats(self) -> PdkvStats | None:
+        """Each step, in the workers and the scheduler: what this side counted since."""
+        data: dict[str, Any] = {}
+        for part in (self._decode, self._prefill, self._sender, self._loader):
+            if part is not None:
+                data = merge(data, part.take_stats())
+        stats = PdkvStats(data=data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdkvStats | None:
+        return PdkvStats(data=data) if data is not None else PdkvStats(data={"c": {}, "s": {}, "g": {}})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PdkvPromMetrics:
+        return PdkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for part in (self._sender, self._loader, self._decode, self._prefill):

@@ -35,6 +35,7 @@ from ...scheduling.scheduler import DecodeScheduler, Event, EventKind, Scheduler
 from ...swap.engine import SwapEngine
 from ...transfer import DecodeReceiver
 from ..pull import PullClient, PullResult
+from ..tally import Tally
 from .settings import (
     PARAM_CAP,
     PARAM_ID,
@@ -102,6 +103,7 @@ class _Want:
     claim: bytes = b""  # the binding its pdkv_cap and prompt give (settings.binding_of)
     proven: bool = False  # its claim matched the reservation's binding: the KV is its own
     pull: PullResult | None = None  # its ask to prefill to send the KV here (pull style)
+    ready: bool = False  # vLLM was told the KV is here (its wait is sampled once)
 
 
 class DecodeSide:
@@ -134,6 +136,9 @@ class DecodeSide:
         self.refused = 0  # requests that claimed KV they could not prove their own
         self.computed_here = 0  # requests whose KV decode's buffer refused (no room in time)
         self.pull_failed = 0  # requests whose pull prefill refused or did not answer
+        self.tally = Tally()  # what vLLM's stats hooks read (take_stats)
+        self._said: dict[str, int] = {}  # the counters and gauges as last taken
+        self._granted_at: OrderedDict[str, float] = OrderedDict()  # pdkv id -> when its blocks were granted
         self.puller: PullClient | None = None
         self.buffers: list[SharedBuffer] = []
         self.receiver: DecodeReceiver | None = None
@@ -276,6 +281,9 @@ class DecodeSide:
             with self._wlock:
                 del self._wants[req_id]
             return 0, False
+        if not w.ready:
+            w.ready = True
+            self.tally.sample("wait_s", now - w.since)
         return prompt_len - num_computed, True
 
     def _pull(self, w: _Want, address: object) -> str:
@@ -359,9 +367,44 @@ class DecodeSide:
         self._drain()
 
     def _on_event(self, ev: Event) -> None:
+        now = self.clock()
         if ev.kind is EventKind.RECEIVED:
             with self._rlock:
-                self._received[ev.request_id] = self.clock()
+                self._received[ev.request_id] = now
+                t = self._granted_at.pop(ev.request_id, None)
+            self.tally.count("received")
+            if t is not None:
+                self.tally.sample("grant_to_received_s", now - t)
+        elif ev.kind in (EventKind.RESERVED, EventKind.GRANTED):
+            with self._rlock:
+                self._granted_at[ev.request_id] = now
+                while len(self._granted_at) > 65536:
+                    self._granted_at.popitem(last=False)
+        elif ev.kind in (EventKind.FAILED, EventKind.EXPIRED, EventKind.ABORTED, EventKind.REJECTED):
+            with self._rlock:
+                self._granted_at.pop(ev.request_id, None)
+            self.tally.count(f"ended_{ev.kind.value}")
+
+    def take_stats(self) -> dict[str, Any]:
+        """What vLLM's stats hooks read: events since the last call (counters, latency
+        samples) and the buffer's occupancy when it changed."""
+        now = {
+            "refused_proof": self.refused,
+            "refused_full": self.computed_here,
+            "pull_failed": self.pull_failed,
+        }
+        for k, v in now.items():
+            if v != self._said.get(k, 0):
+                self.tally.count(k, v - self._said.get(k, 0))
+                self._said[k] = v
+        pool = self.sched.buffer
+        assert pool is not None  # the buffer scheduler's pool (engine-bound mode has one)
+        gauges = {"buffer_used_blocks": pool.num_total - pool.num_free, "buffer_total_blocks": pool.num_total}
+        for k, v in gauges.items():
+            if self._said.get(k) != v:
+                self.tally.gauge(k, v)
+                self._said[k] = v
+        return self.tally.take()
 
     def _drain(self) -> None:
         self.sched.tick()
@@ -440,9 +483,10 @@ class LoadWorker:
         self.layout, self.cache = layout, cache
         self._buffer: SharedBuffer | None = None
         self._engine: SwapEngine | None = None
-        self._pending: list[tuple[Load, Any]] = []
+        self._pending: list[tuple[Load, Any, float]] = []
         self._finished: set[str] = set()
         self._errors: set[int] = set()
+        self.tally = Tally()
         self.recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     def _swap(self, meta: StepMeta) -> SwapEngine:
@@ -475,26 +519,34 @@ class LoadWorker:
             except (PdkvError, OSError, ValueError) as exc:  # a buffer gone, renamed or of another size
                 self._fail(ld, str(exc))
                 continue
-            self._pending.append((ld, h))
+            self._pending.append((ld, h, time.monotonic()))
 
     def _fail(self, ld: Load, why: str) -> None:
         _log.warning("pdkv decode: load of %s failed: %s", ld.req_id, why)
+        self.tally.count("load_failed")
         self._errors.update(ld.blocks)
         self._finished.add(ld.req_id)
 
     def finished(self) -> set[str]:
         """``get_finished``'s receiving half: the loads done since the last call."""
-        keep = []
-        for ld, h in self._pending:
+        keep, now = [], time.monotonic()
+        for ld, h, t0 in self._pending:
             if not h.done():
-                keep.append((ld, h))
+                keep.append((ld, h, t0))
             elif h.error is not None:
                 self._fail(ld, str(h.error))
             else:
                 self._finished.add(ld.req_id)
+                self.tally.count("loads")
+                self.tally.count("bytes_loaded", len(ld.blocks) * self.layout.block_bytes)
+                self.tally.sample("load_s", now - t0)
         self._pending = keep
         out, self._finished = self._finished, set()
         return out
+
+    def take_stats(self) -> dict[str, Any]:
+        """What vLLM's stats hooks read since the last call (:class:`~pdkv.integrations.tally.Tally`)."""
+        return self.tally.take()
 
     def load_errors(self) -> set[int]:
         """``get_block_ids_with_load_errors``: blocks whose load failed since the last call."""
@@ -503,7 +555,7 @@ class LoadWorker:
 
     def close(self) -> None:
         deadline = time.monotonic() + 10  # a copy still running writes vLLM's blocks: let it end
-        for _, h in self._pending:
+        for _, h, _ in self._pending:
             while not h.done() and time.monotonic() < deadline:
                 time.sleep(0.001)
         self._pending = []

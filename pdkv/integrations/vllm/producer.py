@@ -17,7 +17,6 @@ belongs to the worker half (:meth:`SendWorker.close`).
 
 from __future__ import annotations
 
-import hmac
 import logging
 import queue
 import secrets
@@ -31,7 +30,8 @@ from typing import Any
 from ...errors import ClosedError, PdkvError, PeerError, RequestError
 from ...layout import CacheSpec, KVLayout
 from ...transfer import PrefillSender, RequestOutcome, SendGrant
-from ..pull import PullReq, PullServer
+from ..pull import Held, PullDesk, PullServer
+from ..tally import Tally
 from .settings import (
     PARAM_CAP,
     PARAM_DECODE,
@@ -66,15 +66,6 @@ class _Track:
     pull: bool = False  # no decode named: kept after vLLM finishes it until a decode pulls it
 
 
-@dataclass
-class _Held:
-    """A finished request whose blocks wait for a decode's pull."""
-
-    rid: str
-    track: _Track
-    deadline: float
-
-
 class PrefillSide:
     """The scheduler half of a prefill engine: which requests go to decode, their blocks
     and the tokens each step computes, for the workers' :class:`SendWorker`.
@@ -104,11 +95,9 @@ class PrefillSide:
         self.instance_key = settings.instance_key or secrets.token_bytes(32)
         self.refused = 0  # requests whose parameters named a decode not configured
         self._warned: set[str] = set()
-        self._lock = threading.Lock()  # _held and _pulls: vLLM's thread and the pull server's
-        self._held: dict[str, _Held] = {}  # by pdkv id
-        self._pulls: list[Save] = []
-        self.pulled = self.expired = 0
-        self.server = PullServer(settings.pull, self._on_pull, secret=settings.secret) if settings.pull else None
+        self.desk = PullDesk(settings.decodes)  # requests held for a pull, and the pulls that came
+        self._said: dict[str, int] = {}
+        self.server = PullServer(settings.pull, self.desk.on_pull, secret=settings.secret) if settings.pull else None
 
     @property
     def pull_address(self) -> str:
@@ -193,21 +182,17 @@ class PrefillSide:
                     saves.append(Save(rid, t.pid, t.decode, t.prompt_len, tuple(t.blocks), t.computed, end, t.binding))
                     t.shipped = True
                 t.computed = end
-        now, drops = self.clock(), []
-        with self._lock:
-            saves += self._pulls
-            self._pulls = []
-            for pid, h in list(self._held.items()):
-                if now > h.deadline:
-                    del self._held[pid]
-                    drops.append(h.rid)
-                    self.expired += 1
-                    _log.warning(
-                        "pdkv prefill: request %s (pdkv %s): no decode pulled it within pull_timeout_s=%gs; freed",
-                        h.rid,
-                        pid,
-                        self.settings.pull_timeout_s,
-                    )
+        pulled, gone = self.desk.take(self.clock())
+        for h, decode in pulled:  # sent whole to the decode that asked
+            saves.append(Save(h.rid, h.pid, decode, h.prompt_len, h.blocks, 0, h.prompt_len, h.binding, pulled=True))
+        for h in gone:
+            _log.warning(
+                "pdkv prefill: request %s (pdkv %s): no decode pulled it within pull_timeout_s=%gs; freed",
+                h.rid,
+                h.pid,
+                self.settings.pull_timeout_s,
+            )
+        drops = [h.rid for h in gone]
         return StepMeta(saves=saves, drops=drops, instance_key=self.instance_key)
 
     def finished(self, rid: str) -> tuple[bool, dict[str, Any] | None]:
@@ -228,8 +213,8 @@ class PrefillSide:
             return t.shipped, params
         if t.computed < t.prompt_len:  # cut short: there is no KV to pull
             return False, None
-        with self._lock:
-            self._held[t.pid] = _Held(rid, t, self.clock() + self.settings.pull_timeout_s)
+        deadline = self.clock() + self.settings.pull_timeout_s
+        self.desk.hold(Held(rid, t.pid, t.prompt_len, tuple(t.blocks), t.binding, deadline))
         host, _, port = self.pull_address.removeprefix("tcp://").rpartition(":")
         # NixlConnector's fields too, for routers that look for them (remote_* name this engine)
         params.update(
@@ -243,23 +228,19 @@ class PrefillSide:
         )
         return True, params
 
-    def _on_pull(self, r: PullReq) -> str:
-        """The pull server's thread: a decode asks for ``r.pid`` (error, or '' when sent)."""
-        if r.decode not in self.settings.decodes:
-            return f"decode {r.decode[:80]!r} is not one this prefill sends to (extra config 'decode')"
-        with self._lock:
-            h = self._held.get(r.pid)
-            if h is None:
-                return f"pdkv {r.pid[:80]!r} is not held here (unknown, pulled already, or expired)"
-            if not hmac.compare_digest(r.binding, h.track.binding):
-                return "the binding does not match the request's (wrong capability or prompt)"
-            del self._held[r.pid]
-            t = h.track
-            self._pulls.append(
-                Save(h.rid, t.pid, r.decode, t.prompt_len, tuple(t.blocks), 0, t.prompt_len, t.binding, pulled=True)
-            )
-            self.pulled += 1
-        return ""
+    def take_stats(self) -> dict[str, Any]:
+        """What vLLM's stats hooks read: pulls served, held requests freed unpulled and
+        requests refused for naming an unlisted decode, since the last call."""
+        c = {}
+        for k, v in (
+            ("pulled", self.desk.pulled),
+            ("pull_expired", self.desk.expired),
+            ("refused_decode", self.refused),
+        ):
+            if v != self._said.get(k, 0):
+                c[k] = v - self._said.get(k, 0)
+                self._said[k] = v
+        return {"c": c, "s": {}, "g": {}}
 
     def close(self) -> None:
         if self.server is not None:
@@ -309,6 +290,7 @@ class SendWorker:
         self._stop = threading.Event()
         self.recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.stats = {"direct": 0, "deferred": 0, "received": 0, "failed": 0}
+        self.tally = Tally()  # what vLLM's stats hooks read
         self._dropped: set[str] = set()  # held for a pull that never came: vLLM may free them
 
     def _open(self, decode: str) -> PrefillSender:
@@ -477,10 +459,21 @@ class SendWorker:
                 del self._reqs[rid]
             ok = r.outcome is not None and r.outcome.state == "received"
             self.stats["received" if ok else "failed"] += 1
+            if ok:
+                nb = -(-r.save.prompt_len // self.layout.tokens_per_block)
+                self.tally.count("sent")
+                self.tally.count("bytes_sent", nb * self.layout.block_bytes)
+                self.tally.sample("send_s", time.monotonic() - r.since)
+            else:
+                self.tally.count("send_failed")
             if not ok:
                 why = r.error or (r.outcome.reason if r.outcome else "")
                 _log.warning("pdkv prefill: request %s (pdkv %s) not received: %s", rid, r.save.pid, why)
         return out
+
+    def take_stats(self) -> dict[str, Any]:
+        """What vLLM's stats hooks read since the last call (:class:`~pdkv.integrations.tally.Tally`)."""
+        return self.tally.take()
 
     def _settled(self, r: _Out) -> bool:
         """Whether the request's end is known (its outcome taken, or its error without a

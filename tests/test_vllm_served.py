@@ -1,0 +1,123 @@
+"""pdkv behind vLLM's own OpenAI servers (``api_server``, the CPU build), as an operator
+deploys it: a colocated server, a prefill and a decode joined by pdkv's connector (pull
+style), and a router that speaks NixlConnector's request protocol exactly. The answers are
+the colocated server's, and vLLM's ``/metrics`` on both shows pdkv's series.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from extras import need
+from vllm_engine import free_port, tiny_llama
+from vllm_serve import nixl_route, start_servers, with_tokenizer
+
+need("vllm", "vllm")
+need("torch", "vllm")
+need("transformers", "vllm")
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
+
+PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((70, 96, 131, 33))]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = with_tokenizer(tiny_llama(tmp_path_factory.mktemp("tiny-llama-served")))
+    logs = tmp_path_factory.mktemp("vllm-served-logs")
+    pull, control = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    kv_bytes = 24 * 2 * 2 * 2 * 32 * 64 * 4
+    specs = {
+        "colocated": (model, free_port(), logs / "colocated.log", {}),
+        "prefill": (
+            model,
+            free_port(),
+            logs / "prefill.log",
+            {"connector": "pdkv", "role": "producer", "extra": {"decode": control, "pull": pull}},
+        ),
+        "decode": (
+            model,
+            free_port(),
+            logs / "decode.log",
+            {
+                "connector": "pdkv",
+                "role": "consumer",
+                "kv_bytes": kv_bytes,
+                "extra": {"control": control, "prefill": pull, "buffer_blocks": 64, "load_timeout_s": 20},
+            },
+        ),
+    }
+    out = start_servers(specs)
+    yield out
+    for s in out.values():
+        s.close()
+    # decode's buffer: removed by its watcher once the server's processes are gone
+    deadline = time.monotonic() + 15
+    while any(n.startswith("pdkv-") and os.environ.get("PDKV_SHM_TAG", "") in n for n in os.listdir("/dev/shm")):
+        assert time.monotonic() < deadline, f"decode's buffer outlived its server: {os.listdir('/dev/shm')}"
+        time.sleep(0.2)
+
+
+def test_vllm_served_pair_behind_a_nixl_protocol_router_answers_as_colocated_and_reports_metrics(served: dict):
+    """Each prompt through the router (prefill with NixlConnector's parameters, then decode
+    with prefill's answer): decode's text is the colocated server's; decode's /metrics
+    counts every request received and loaded, with its bytes and latency histograms, and
+    prefill's counts every request sent and pulled."""
+    colo, prefill, decode = served["colocated"], served["prefill"], served["decode"]
+    for p in PROMPTS:
+        want = colo.complete(p, 8)["choices"][0]["text"]
+        got = nixl_route(prefill, decode, p, 8)
+        assert got["choices"][0]["text"] == want, got
+    n = len(PROMPTS)
+    d = _metrics_until(decode, lambda m: m.get("vllm:pdkv_loads_total") == n)
+    pm = _metrics_until(prefill, lambda m: m.get("vllm:pdkv_sent_total") == n)
+    blocks = sum(-(-len(p) // 32) for p in PROMPTS)
+    assert d["vllm:pdkv_received_total"] == n and d["vllm:pdkv_loads_total"] == n, d
+    assert d["vllm:pdkv_bytes_loaded_total"] == blocks * 2 * 2 * 2 * 32 * 64 * 4, d  # layers x K,V x heads x ...
+    assert d["vllm:pdkv_load_s_count"] == n and d["vllm:pdkv_wait_s_count"] == n, d
+    assert d["vllm:pdkv_grant_to_received_s_count"] == n, d
+    assert d["vllm:pdkv_refused_proof_total"] == d["vllm:pdkv_load_failed_total"] == 0, d
+    assert d["vllm:pdkv_buffer_total_blocks"] == 64, d
+    assert pm["vllm:pdkv_sent_total"] == n and pm["vllm:pdkv_pulled_total"] == n, pm
+    assert pm["vllm:pdkv_send_s_count"] == n and pm["vllm:pdkv_send_failed_total"] == 0, pm
+
+
+def test_vllm_served_decode_refusing_a_claim_counts_it(served: dict):
+    """A client of decode's API that names another request's KV with another prompt gets
+    an answer computed by decode (prefill refuses the pull: the binding differs), decode's
+    /metrics counts the refusal, and the victim's own request then loads its KV."""
+    prefill, decode = served["prefill"], served["decode"]
+    before = decode.metrics()
+    kv = prefill.complete(PROMPTS[0], 1, {"do_remote_decode": True})["kv_transfer_params"]
+    thief = decode.complete([t + 1 for t in PROMPTS[0]], 4, kv)
+    assert len(thief["choices"][0]["text"].split()) == 4
+    victim = decode.complete(PROMPTS[0], 4, kv)
+    assert victim["choices"][0]["text"] == served["colocated"].complete(PROMPTS[0], 4)["choices"][0]["text"]
+    after = _metrics_until(decode, lambda m: m["vllm:pdkv_loads_total"] > before["vllm:pdkv_loads_total"])
+    assert after["vllm:pdkv_pull_failed_total"] == before["vllm:pdkv_pull_failed_total"] + 1, after
+    assert after["vllm:pdkv_loads_total"] == before["vllm:pdkv_loads_total"] + 1, after
+
+
+def _metrics_until(server, ok, timeout=10.0):
+    """/metrics once ``ok`` holds (vLLM's loggers record each engine step's stats)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if ok(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def test_tokenizer_words_are_token_ids(tmp_path: Path):
+    """The served tests' tokenizer: token i is the word t<i> (so texts compare as tokens);
+    a word that starts with a special token's text is still one word."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 16}')
+    tok = AutoTokenizer.from_pretrained(with_tokenizer(model))
+    assert tok("t3 t15 t10")["input_ids"] == [3, 15, 10] and tok.decode([4, 5]) == "t4 t5"
