@@ -101,7 +101,8 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"vLLM's server exited (rc {self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
+                tail = self.log.read_text()[-4000:]
+                raise AssertionError(f"vLLM's server exited (rc {self.proc.returncode}):\n{tail}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
