@@ -341,3 +341,54 @@ def test_step_meta_of_a_pull_is_a_whole_send_to_the_pulling_decode():
         assert c.step_prefill_until_sent("r")
     finally:
         c.close()
+
+
+def test_a_pull_with_a_local_prefix_hit_receives_and_loads_only_the_rest(no_leaks):
+    """Decode's prefix cache holds the first 2 of a 3-block prompt (vLLM's num_computed 16):
+    decode holds that prefix for the claim before it pulls, prefill's grant skips it, and
+    only the last block travels and is loaded, byte-equal to prefill's."""
+    c = _Cluster()
+    try:
+        prompt = list(range(20))
+        _, answer = c.run_prefill("r", dict(NIXL), prompt, (4, 5, 6))
+        d = c.decodes[0]
+        d.side.take_stats()
+        assert d.side.matched("v", answer, prompt, 16) == (None, False)
+        deadline = time.monotonic() + 10
+        while (got := d.side.matched("v", answer, prompt, 16)) == (None, False) and time.monotonic() < deadline:
+            c.pump()
+            time.sleep(0.005)
+        assert got == (4, True)  # the 4 tokens vLLM does not hold
+        assert c.step_prefill_until_sent("r")
+        st = d.side.take_stats()
+        assert st["c"]["bytes_received"] == c.lay.block_bytes, st  # one block of three
+        d.side.allocated("v", [9, 10, 11], 4)
+        assert "v" in d.load("v", (11,))
+        assert c.block(d.cache, 11) == c.block(c.src, 6)
+        assert c.block(d.cache, 9) == bytes(len(c.block(d.cache, 9)))  # vLLM's own: not written
+        assert d.side.sched.buffer.num_free == 12 and d.side.sched.live_requests() == []
+    finally:
+        c.close()
+
+
+def test_a_thiefs_prefix_hold_does_not_break_the_victims_request(no_leaks):
+    """A thief names the victim's answer with a prefix hit of its own and a wrong prompt:
+    its hold is bound to its claim, so the victim's reservation does not take it; the
+    victim's request gets its whole KV and loads it."""
+    c = _Cluster()
+    try:
+        prompt = list(range(20))
+        _, answer = c.run_prefill("victim", dict(NIXL), prompt, (1, 2, 3))
+        d = c.decodes[0]
+        thief = [99] * 16 + prompt[16:]
+        deadline = time.monotonic() + 10
+        while (got := d.side.matched("thief", answer, thief, 16)) == (None, False) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert got == (0, False) and d.side.pull_failed == 1
+        assert c.matched(d, "v", answer, prompt) == (20, True)
+        assert c.step_prefill_until_sent("victim")
+        d.side.allocated("v", [4, 5, 6], 20)
+        assert "v" in d.load("v", (4, 5, 6))
+        assert c.block(d.cache, 4) == c.block(c.src, 1) and c.block(d.cache, 6) == c.block(c.src, 3)
+    finally:
+        c.close()

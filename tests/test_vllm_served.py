@@ -28,7 +28,7 @@ PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((70, 96, 131, 33)
 def served(tmp_path_factory):
     model = with_tokenizer(tiny_llama(tmp_path_factory.mktemp("tiny-llama-served")))
     logs = tmp_path_factory.mktemp("vllm-served-logs")
-    pull, control = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pull, control, control_pc = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
     kv_bytes = 24 * 2 * 2 * 2 * 32 * 64 * 4
     specs = {
         "colocated": (model, free_port(), logs / "colocated.log", {}),
@@ -36,7 +36,7 @@ def served(tmp_path_factory):
             model,
             free_port(),
             logs / "prefill.log",
-            {"connector": "pdkv", "role": "producer", "extra": {"decode": control, "pull": pull}},
+            {"connector": "pdkv", "role": "producer", "extra": {"decode": [control, control_pc], "pull": pull}},
         ),
         "decode": (
             model,
@@ -47,6 +47,18 @@ def served(tmp_path_factory):
                 "role": "consumer",
                 "kv_bytes": kv_bytes,
                 "extra": {"control": control, "prefill": pull, "buffer_blocks": 64, "load_timeout_s": 20},
+            },
+        ),
+        "decode_pc": (  # vLLM's default: prefix caching on
+            model,
+            free_port(),
+            logs / "decode-prefix-caching.log",
+            {
+                "connector": "pdkv",
+                "role": "consumer",
+                "kv_bytes": kv_bytes,
+                "prefix_caching": True,
+                "extra": {"control": control_pc, "prefill": pull, "buffer_blocks": 64, "load_timeout_s": 20},
             },
         ),
     }
@@ -99,6 +111,30 @@ def test_vllm_served_decode_refusing_a_claim_counts_it(served: dict):
     after = _metrics_until(decode, lambda m: m["vllm:pdkv_loads_total"] > before["vllm:pdkv_loads_total"])
     assert after["vllm:pdkv_pull_failed_total"] == before["vllm:pdkv_pull_failed_total"] + 1, after
     assert after["vllm:pdkv_loads_total"] == before["vllm:pdkv_loads_total"] + 1, after
+
+
+def test_vllm_served_decode_prefix_cache_receives_and_loads_only_the_suffix(served: dict):
+    """Decode with vLLM's prefix caching on: two prompts sharing their first 96 tokens
+    (3 blocks). The first's KV comes whole; for the second, decode's cache holds the shared
+    blocks, decode holds them for its claim before it pulls, and prefill sends only the
+    rest: pdkv's counters show the second request's bytes are its 2 suffix blocks, and both
+    answers are the colocated server's."""
+    colo, prefill, decode = served["colocated"], served["prefill"], served["decode_pc"]
+    shared = list(range(200, 296))
+    first, second = shared + list(range(10, 50)), shared + list(range(60, 100))  # 136 tokens: 5 blocks each
+    block = 2 * 2 * 2 * 32 * 64 * 4  # layers x K,V x heads x tokens x dim x 4
+    base = decode.metrics()
+    for i, p in enumerate((first, second)):
+        got = nixl_route(prefill, decode, p, 8)
+        assert got["choices"][0]["text"] == colo.complete(p, 8)["choices"][0]["text"], got
+        m = _metrics_until(
+            decode, lambda m, i=i: m.get("vllm:pdkv_loads_total", 0) >= base.get("vllm:pdkv_loads_total", 0) + i + 1
+        )
+        if i == 0:
+            assert m["vllm:pdkv_bytes_received_total"] - base.get("vllm:pdkv_bytes_received_total", 0) == 5 * block, m
+            mid = m
+    assert m["vllm:pdkv_bytes_received_total"] - mid["vllm:pdkv_bytes_received_total"] == 2 * block, m
+    assert m["vllm:pdkv_bytes_loaded_total"] - mid["vllm:pdkv_bytes_loaded_total"] == 2 * block, m
 
 
 def _metrics_until(server, ok, timeout=10.0):

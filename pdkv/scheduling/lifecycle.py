@@ -351,6 +351,7 @@ class _Hold:
     blocks: tuple[int, ...]
     release: Any
     deadline: float
+    binding: bytes = b""  # when set, only a reservation with this binding claims it
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,6 +154,7 @@ class DecodeScheduler(SchedulerCore):
             if request_id in self._reqs:
                 raise RequestError(f"request {request_id!r} is already live ({self._reqs[request_id].state.value})")
             hold = self._holds.get(request_id)
+            hold = hold if hold is None or hold.binding in (b"", binding) else None  # another claim's: kept
             p = len(hold.blocks) if hold is not None else 0
             if p >= num_blocks:
                 raise RequestError(
@@ -201,10 +202,7 @@ class DecodeScheduler(SchedulerCore):
         return res
 
     def hold_prefix(
-        self,
-        request_id: str,
-        blocks: Sequence[int],
-        release: Release | None = None,
+        self, request_id: str, blocks: Sequence[int], release: Release | None = None, *, binding: bytes = b""
     ) -> None:
         """Decode's prefix cache already holds the first ``len(blocks)`` blocks of
         ``request_id``'s prompt (GPU block ids of the engine's, in order): when prefill
@@ -216,7 +214,8 @@ class DecodeScheduler(SchedulerCore):
         ``release(request_id, blocks)`` exactly once, with no lock held, when it no longer
         needs them: at :meth:`finish`, when the request fails, expires, is aborted or
         rejected, at :meth:`drop_prefix`, or when no reservation claimed the hold within
-        ``lease_s``. Call it before prefill reserves the request.
+        ``lease_s``. Call it before prefill reserves the request. With ``binding``, only a
+        reservation carrying the same binding claims the hold (another gets its whole prompt).
 
         Raises RequestError for a live or already held request, or block ids that are not
         distinct GPU block ids (with a :class:`BlockPool` as the GPU pool: ids it does not
@@ -228,7 +227,7 @@ class DecodeScheduler(SchedulerCore):
             ids = tuple(int(b) for b in blocks)
         except (TypeError, ValueError):
             raise RequestError(f"request {request_id!r}: prefix blocks must be integers") from None
-        total = self.gpu.num_total
+        total = self.gpu.num_total if self.options.bind != "engine" else 1 << 62  # engine mode: its own ids
         if not ids or len(set(ids)) != len(ids) or any(not 0 <= b < total for b in ids):
             raise RequestError(
                 f"request {request_id!r}: a prefix must be distinct GPU block ids in [0, {total}), got {list(ids)[:8]}"
@@ -245,7 +244,7 @@ class DecodeScheduler(SchedulerCore):
         with self._lock:
             if request_id in self._reqs or request_id in self._holds:
                 raise RequestError(f"request {request_id!r} is already live or holds a prefix")
-            self._holds[request_id] = _Hold(ids, release, self.clock() + self.options.lease_s)
+            self._holds[request_id] = _Hold(ids, release, self.clock() + self.options.lease_s, bytes(binding))
 
     def drop_prefix(self, request_id: str) -> None:
         """Give back a prefix held for a request prefill has not reserved: its release runs

@@ -104,6 +104,7 @@ class _Want:
     proven: bool = False  # its claim matched the reservation's binding: the KV is its own
     pull: PullResult | None = None  # its ask to prefill to send the KV here (pull style)
     ready: bool = False  # vLLM was told the KV is here (its wait is sampled once)
+    held: int = 0  # blocks of its prompt vLLM holds already (a prefix hit) that prefill skips
 
 
 class DecodeSide:
@@ -138,7 +139,8 @@ class DecodeSide:
         self.pull_failed = 0  # requests whose pull prefill refused or did not answer
         self.tally = Tally()  # what vLLM's stats hooks read (take_stats)
         self._said: dict[str, int] = {}  # the counters and gauges as last taken
-        self._granted_at: OrderedDict[str, float] = OrderedDict()  # pdkv id -> when its blocks were granted
+        # pdkv id -> when its blocks were granted, and how many (a held prefix is not)
+        self._granted_at: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self.puller: PullClient | None = None
         self.buffers: list[SharedBuffer] = []
         self.receiver: DecodeReceiver | None = None
@@ -231,6 +233,8 @@ class DecodeSide:
                 new = True
             else:
                 new = False
+        if new:
+            self._hold_prefix(w, num_computed, prompt_len)
         if new and PARAM_PULL in params:
             why = self._pull(w, params[PARAM_PULL])
             if why:
@@ -286,6 +290,19 @@ class DecodeSide:
             self.tally.sample("wait_s", now - w.since)
         return prompt_len - num_computed, True
 
+    def _hold_prefix(self, w: _Want, num_computed: int, prompt_len: int) -> None:
+        """vLLM's prefix cache holds the prompt's first blocks and prefill has not reserved
+        yet (a pull, or a shared transfer_id): prefill then sends only the rest."""
+        tpb = self.layouts[0].tokens_per_block
+        k = num_computed // tpb
+        if not w.claim or not 0 < k < -(-prompt_len // tpb):
+            return
+        try:  # placeholder ids (engine mode counts them); claimed only by a reservation bound as this claim
+            self.sched.hold_prefix(w.pid, range(k), binding=w.claim)
+        except RequestError:
+            return  # reserved already (the KV comes whole) or held by another claim
+        w.held = k
+
     def _pull(self, w: _Want, address: object) -> str:
         """Ask the prefill at ``address`` (one of extra config 'prefill') to send ``w``'s KV
         here (never waits); what is wrong, or ''."""
@@ -340,7 +357,9 @@ class DecodeSide:
             self._loads.append(Load(req_id, (), blocks))
             return
         try:
-            bufs = self.sched.bind(w.pid, blocks, first_block=first)
+            if first < w.held:  # vLLM lost part of the prefix prefill skipped: the KV is incomplete
+                raise RequestError(f"vLLM holds {first} blocks of the {w.held} prefill skipped")
+            bufs = self.sched.bind(w.pid, blocks, first_block=first - w.held)
         except PdkvError as exc:  # it expired or was aborted since matched(): the load fails
             _log.warning("pdkv decode: request %s (pdkv %s) could not be bound: %s", req_id, w.pid, exc)
             self._loads.append(Load(req_id, (), blocks))
@@ -371,13 +390,15 @@ class DecodeSide:
         if ev.kind is EventKind.RECEIVED:
             with self._rlock:
                 self._received[ev.request_id] = now
-                t = self._granted_at.pop(ev.request_id, None)
+                got = self._granted_at.pop(ev.request_id, None)
             self.tally.count("received")
-            if t is not None:
-                self.tally.sample("grant_to_received_s", now - t)
+            if got is not None:
+                self.tally.sample("grant_to_received_s", now - got[0])
+                self.tally.count("bytes_received", got[1] * sum(lay.block_bytes for lay in self.layouts))
         elif ev.kind in (EventKind.RESERVED, EventKind.GRANTED):
+            n = len(ev.grant.blocks) if ev.grant is not None else 0
             with self._rlock:
-                self._granted_at[ev.request_id] = now
+                self._granted_at[ev.request_id] = (now, n)
                 while len(self._granted_at) > 65536:
                     self._granted_at.popitem(last=False)
         elif ev.kind in (EventKind.FAILED, EventKind.EXPIRED, EventKind.ABORTED, EventKind.REJECTED):

@@ -26,6 +26,7 @@ COUNTERS = {
     "pull_expired": "prefill: requests held for a pull that never came (freed after pull_timeout_s)",
     "refused_decode": "prefill: requests naming a decode not configured (computed here only)",
     "received": "decode: requests whose KV landed in the buffer",
+    "bytes_received": "decode: bytes of KV received into the buffer (all ranks; a held prefix is not sent)",
     "loads": "decode: requests copied from the buffer into vLLM's blocks",
     "load_failed": "decode: loads that failed (vLLM applies kv_load_failure_policy)",
     "bytes_loaded": "decode: bytes copied from the buffer into vLLM's blocks (this engine's ranks)",
