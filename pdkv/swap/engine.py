@@ -126,6 +126,10 @@ class SwapEngine:
         Whether ``buffer`` is registered with CUDA; GPU strategies refuse otherwise.
     layerwise:
         Default for :meth:`submit`: one completion per layer.
+    max_ctas:
+        The kernel's grid at most this many CTAs (each loops over its share of the pieces):
+        fewer SMs taken from a decode step running beside the swap, at some bandwidth
+        (``tools/bench_interference.py`` measures both). Default: one CTA per piece.
 
     The engine is a :class:`~pdkv.scheduling.scheduler.SwapBackend`: :meth:`submit` copies buffer
     blocks into GPU blocks. Ownership: the engine owns its stream, events and staging
@@ -143,11 +147,15 @@ class SwapEngine:
         buffer_pinned: bool = True,
         layerwise: bool = False,
         host_threads: int = 2,
+        max_ctas: int | None = None,
     ) -> None:
         if buffer.layout.block_bytes != gpu.layout.block_bytes or buffer.layout.tensors != gpu.layout.tensors:
             raise SwapError("buffer and GPU cache have different layouts")
         if strategy not in ("auto", "kernel", "batch", "memcpy", "host"):
             raise ValueError(f"strategy={strategy!r} must be auto, kernel, batch, memcpy or host")
+        if max_ctas is not None and (not isinstance(max_ctas, int) or isinstance(max_ctas, bool) or max_ctas < 1):
+            raise ValueError(f"max_ctas={max_ctas!r} must be a positive integer")
+        self._ctas = max_ctas
         if device is None:
             device = gpu.device
         elif gpu.device is not None and gpu.device != device:
@@ -197,7 +205,7 @@ class SwapEngine:
                 self._fn = _ffi.cuda.compile_kernel(KERNEL_SOURCE, "pdkv_copy", device)
                 # one CTA per chunk measured best on an H200 (exp: 50 vs 46.5 GB/s at
                 # 16 KiB for a persistent 4-per-SM grid); the loop covers huge plans
-                self._max_grid = (1 << 31) - 1
+                self._max_grid = self._ctas or (1 << 31) - 1
             except CudaUnavailableError:
                 strategy = "batch"
         if strategy == "batch" and not _ffi.cuda.batch_copy_supported():
