@@ -28,7 +28,7 @@ PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((70, 96, 131, 33)
 def served(tmp_path_factory):
     model = with_tokenizer(tiny_llama(tmp_path_factory.mktemp("tiny-llama-served")))
     logs = tmp_path_factory.mktemp("vllm-served-logs")
-    pull, control, control_pc = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    pull, control, control_pc, control_tp = (f"tcp://127.0.0.1:{free_port()}" for _ in range(4))
     kv_bytes = 24 * 2 * 2 * 2 * 32 * 64 * 4
     specs = {
         "colocated": (model, free_port(), logs / "colocated.log", {}),
@@ -36,7 +36,11 @@ def served(tmp_path_factory):
             model,
             free_port(),
             logs / "prefill.log",
-            {"connector": "pdkv", "role": "producer", "extra": {"decode": [control, control_pc], "pull": pull}},
+            {
+                "connector": "pdkv",
+                "role": "producer",
+                "extra": {"decode": [control, control_pc, control_tp], "pull": pull},
+            },
         ),
         "decode": (
             model,
@@ -48,6 +52,24 @@ def served(tmp_path_factory):
                 "kv_bytes": kv_bytes,
                 "extra": {"control": control, "prefill": pull, "buffer_blocks": 64, "load_timeout_s": 20},
             },
+        ),
+        "decode_tp2": (  # tensor_parallel_size=2: one worker process per rank, one KV head each
+            model,
+            free_port(),
+            logs / "decode-tp2.log",
+            {
+                "connector": "pdkv",
+                "role": "consumer",
+                "kv_bytes": kv_bytes,
+                "tp": 2,
+                "extra": {"control": control_tp, "prefill": pull, "buffer_blocks": 64, "load_timeout_s": 20},
+            },
+        ),
+        "prefill_tp2": (  # pushes to the TP-1 decode
+            model,
+            free_port(),
+            logs / "prefill-tp2.log",
+            {"connector": "pdkv", "role": "producer", "tp": 2, "extra": {"decode": control}},
         ),
         "decode_pc": (  # vLLM's default: prefix caching on
             model,
@@ -66,6 +88,10 @@ def served(tmp_path_factory):
     yield out
     for s in out.values():
         s.close()
+    # vLLM's own TP segments outlive a SIGTERM of its server: not pdkv's, removed here
+    for n in os.listdir("/dev/shm"):
+        if n.startswith("vllm_dist_"):
+            os.unlink(f"/dev/shm/{n}")
     # decode's buffer: removed by its watcher once the server's processes are gone
     deadline = time.monotonic() + 15
     while any(n.startswith("pdkv-") and os.environ.get("PDKV_SHM_TAG", "") in n for n in os.listdir("/dev/shm")):
@@ -135,6 +161,22 @@ def test_vllm_served_decode_prefix_cache_receives_and_loads_only_the_suffix(serv
             mid = m
     assert m["vllm:pdkv_bytes_received_total"] - mid["vllm:pdkv_bytes_received_total"] == 2 * block, m
     assert m["vllm:pdkv_bytes_loaded_total"] - mid["vllm:pdkv_bytes_loaded_total"] == 2 * block, m
+
+
+def test_vllm_served_heterogeneous_tp_both_ways(served: dict):
+    """Prefill TP 1 -> decode TP 2 (pull, each decode rank receiving its KV head) and
+    prefill TP 2 -> decode TP 1 (push, both prefill ranks writing their head into one
+    buffer): every answer is the colocated server's and nothing is refused or failed."""
+    colo = served["colocated"]
+    for p in PROMPTS:
+        want = colo.complete(p, 8)["choices"][0]["text"]
+        assert nixl_route(served["prefill"], served["decode_tp2"], p, 8)["choices"][0]["text"] == want
+        assert nixl_route(served["prefill_tp2"], served["decode"], p, 8)["choices"][0]["text"] == want
+    d2 = _metrics_until(served["decode_tp2"], lambda m: m.get("vllm:pdkv_loads_total", 0) >= 2 * len(PROMPTS))
+    assert d2["vllm:pdkv_loads_total"] == 2 * len(PROMPTS), d2  # one load a rank a request
+    assert d2["vllm:pdkv_load_failed_total"] == d2["vllm:pdkv_pull_failed_total"] == 0, d2
+    p2 = _metrics_until(served["prefill_tp2"], lambda m: m.get("vllm:pdkv_sent_total", 0) >= 2 * len(PROMPTS))
+    assert p2["vllm:pdkv_sent_total"] == 2 * len(PROMPTS) and p2["vllm:pdkv_send_failed_total"] == 0, p2
 
 
 def _metrics_until(server, ok, timeout=10.0):

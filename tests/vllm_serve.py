@@ -73,6 +73,7 @@ class Server:
         kv_bytes: int = 32 << 20,
         prefix_caching: bool = False,
         max_num_seqs: int = 8,
+        tp: int = 1,
     ) -> None:
         self.url, self.log = f"http://127.0.0.1:{port}", log
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
@@ -80,6 +81,8 @@ class Server:
         args += ["--max-model-len", "512", "--max-num-seqs", str(max_num_seqs), "--enforce-eager", "--seed", "0"]
         args += ["--kv-cache-memory-bytes", str(kv_bytes)]
         args += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+        if tp > 1:  # one worker process per rank
+            args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
         kind = {"producer": "kv_producer", "consumer": "kv_consumer"}.get(role, "")
         if connector == "pdkv":
             cfg = {
