@@ -323,6 +323,7 @@ class FakeStreamCuda:
             "memcpy_async",
         ):
             monkeypatch.setattr(_ffi.cuda, name, getattr(self, name))
+        monkeypatch.setattr(_ffi.libcuda, "memcpy_batch_arrays", self.memcpy_batch_arrays)
 
     def device_count(self):
         return 2
@@ -383,6 +384,10 @@ class FakeStreamCuda:
     def memcpy_batch_async(self, dsts, srcs, sizes, stream):
         self._submit()
         self.queue.extend(zip(dsts, srcs, sizes))
+
+    def memcpy_batch_arrays(self, dsts, srcs, sizes, stream):
+        assert all(a.dtype == np.uint64 and a.flags.c_contiguous for a in (dsts, srcs, sizes))
+        self.memcpy_batch_async(dsts.tolist(), srcs.tolist(), sizes.tolist(), stream)
 
     def memcpy_async(self, dst, src, n, stream):
         self._submit()
@@ -547,6 +552,53 @@ def test_cuda_kernel_capped_at_few_ctas_copies_every_block(ctas, cuda_device, no
                 host[:] = 0
                 eng.copy(dst, src, direction="d2h").wait(30)
             np.testing.assert_array_equal(host, want)  # there and back: every block where it began
+        finally:
+            _ffi.cuda.free(dptr)
+        del host
+
+
+def test_decode_priority_moves_small_pieces_on_the_copy_engines(monkeypatch):
+    """priority='decode': where auto would run the kernel (pieces far under 128 KiB), the
+    copy goes to the copy engines instead (no kernel launched), and every pair lands."""
+    fake = FakeStreamCuda()
+    fake.install(monkeypatch)
+    monkeypatch.setattr(_ffi.cuda, "launch", lambda *a, **k: pytest.fail("the kernel ran"))
+    L = lay(num_layers=2)
+    buf, gpu = HostCache(L, 64), HostCache(L, 64)
+    buf.arr[:] = np.random.default_rng(9).integers(0, 256, buf.arr.size, dtype=np.uint8)
+    with SwapEngine(buf.spec, gpu.spec, strategy="batch", priority="decode") as eng:
+        eng.strategy, eng._auto = "kernel", True  # what auto resolves to on a GPU with NVRTC
+        eng.copy(list(range(32)), list(range(32, 64))).wait(10)
+    assert fake.submits >= 1
+    for b in range(32):
+        np.testing.assert_array_equal(gpu.block(1, 1, 32 + b), buf.block(1, 1, b))
+    with pytest.raises(ValueError, match="priority='fast' must be 'throughput' or 'decode'"):
+        SwapEngine(buf.spec, gpu.spec, priority="fast")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("priority", ["throughput", "decode"])
+def test_cuda_auto_under_each_priority_copies_every_block(priority, cuda_device, no_leaks):
+    """The kernel (throughput) and the copy engines by libcuda's batch call (decode), both
+    ways, byte for byte, with 4 KiB pieces."""
+    L = lay(num_layers=2, kv_heads=1, head_dim=128, tokens_per_block=8)
+    n = 256
+    size = L.block_bytes * n
+    rng = np.random.default_rng(4)
+    with SharedBuffer.create(size, require_pinned=True) as sb:
+        host = np.frombuffer(sb.buf, dtype=np.uint8)
+        host[:] = rng.integers(0, 256, size, dtype=np.uint8)
+        want = host.copy()
+        bspec = CacheSpec.for_buffer(L, n, sb.address)
+        dptr = _ffi.cuda.malloc(size)
+        try:
+            gspec = CacheSpec.for_buffer(L, n, dptr)
+            src, dst = rng.permutation(n).tolist(), rng.permutation(n).tolist()
+            with SwapEngine(bspec, gspec, priority=priority) as eng:
+                eng.copy(src, dst).wait(30)
+                host[:] = 0
+                eng.copy(dst, src, direction="d2h").wait(30)
+            np.testing.assert_array_equal(host, want)
         finally:
             _ffi.cuda.free(dptr)
         del host

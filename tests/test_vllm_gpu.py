@@ -16,7 +16,7 @@ import pytest
 
 from pdkv import CacheSpec, KVLayout, PrefillSender, tp_segments
 from pdkv.integrations.vllm.consumer import DecodeSide, LoadWorker
-from pdkv.integrations.vllm.settings import PARAM_ID, parse_settings
+from pdkv.integrations.vllm.settings import PARAM_CAP, PARAM_ID, binding_of, parse_settings, token_digest
 from pdkv.integrations.vllm.views import cache_spec
 
 pytestmark = [pytest.mark.cuda]
@@ -71,16 +71,19 @@ def test_vllm_swap_into_cuda_caches_every_byte(torch_cuda, order, P, no_leaks):
     ]
     try:
         src_blocks, tokens = [5, 2, 9, 10, 11], 5 * N - 3
+        prompt = list(range(tokens))
+        binding = binding_of("cap", token_digest(prompt))  # what prefill's scheduler half mints
         for tx in txs:
-            tx.reserve("r", tokens)
+            (grant,) = tx.reserve_many([("r", tokens, binding)])
+            assert not isinstance(grant, BaseException), grant
         for layer in range(L):
             for tx in txs:
                 tx.send_layer(layer, [("r", src_blocks)])
         for tx in txs:
             tx.finish("r")
         assert all(tx.wait_outcome("r", 10).state == "received" for tx in txs)
-        params = {"do_remote_prefill": True, PARAM_ID: "r"}
-        assert decode.matched("v", params, tokens, 0) == (tokens, True)
+        params = {"do_remote_prefill": True, PARAM_ID: "r", PARAM_CAP: "cap"}
+        assert decode.matched("v", params, prompt, 0) == (tokens, True)
         vblocks = [17, 3, 4, 22, 0]
         decode.allocated("v", vblocks + [8], tokens)
         meta = decode.step_meta()

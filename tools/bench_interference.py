@@ -11,15 +11,16 @@ projection and the gated MLP; ``--layers`` layers a step (weights shared across 
 
 For each batch size, in one run: the step alone, then the step while pdkv's swap engine
 copies scattered blocks from a pinned buffer into another GPU allocation as fast as it can,
-per strategy: the NVRTC kernel (one CTA a piece, what ``auto`` picks under 128 KiB), the
-kernel capped at ``--ctas`` CTAs, the copy engines (one ``cudaMemcpyBatchAsync`` a call) on
-one stream and on ``--streams`` streams. Each strategy's window is bracketed by a baseline
+per strategy: ``auto`` with priority ``throughput`` (the NVRTC kernel, one CTA a piece,
+under 128 KiB pieces; the copy engines above), ``auto`` with priority ``decode`` (the copy
+engines, libcuda's ``cuMemcpyBatchAsync``, at every size), the kernel capped at ``--ctas``
+CTAs, and the copy engines on ``--streams`` streams. Each strategy's window is bracketed by a baseline
 window of its own (the step alone just before), so drift reads as drift, not as
 interference. Printed: step p50/p99 and their inflation over the bracketing baseline, and
 the swap's bandwidth during the window against the one-large-copy ceiling of the same run.
 
 Needs a CUDA GPU and torch.
-    python tools/bench_interference.py [--batch 64,256] [--ctx 1024] [--kib 16] [--steps 150]
+    python tools/bench_interference.py [--batch 64,256] [--ctx 1024] [--kib 16] [--steps 150] [--swap-only]
 """
 
 from __future__ import annotations
@@ -181,9 +182,9 @@ def main() -> int:
         ts.append(time.perf_counter() - t0)
     ceiling = a.blocks * size / statistics.median(ts[1:]) / 1e9
     strategies = {
-        "kernel": lambda: [pdkv.SwapEngine(bspec, gspec, strategy="kernel")],
+        "auto (throughput)": lambda: [pdkv.SwapEngine(bspec, gspec, priority="throughput")],
+        "auto (decode)": lambda: [pdkv.SwapEngine(bspec, gspec, priority="decode")],
         f"kernel {a.ctas} CTAs": lambda: [pdkv.SwapEngine(bspec, gspec, strategy="kernel", max_ctas=a.ctas)],
-        "copy engines": lambda: [pdkv.SwapEngine(bspec, gspec, strategy="batch")],
         f"copy engines x{a.streams}": lambda: [
             pdkv.SwapEngine(bspec, gspec, strategy="batch") for _ in range(a.streams)
         ],

@@ -126,6 +126,12 @@ class SwapEngine:
         Whether ``buffer`` is registered with CUDA; GPU strategies refuse otherwise.
     layerwise:
         Default for :meth:`submit`: one completion per layer.
+    priority:
+        ``throughput`` (``auto`` picks the kernel under 128 KiB pieces host->GPU, 256 KiB
+        GPU->host: the fastest copy) or ``decode`` (``auto`` moves host<->GPU copies on the
+        copy engines at every piece size: no SM is taken from a decode step running beside
+        the swap, at a lower rate for small pieces; H100: decode step p99 +2-4 % against
+        +700-900 % with the kernel, ``tools/bench_interference.py``).
     max_ctas:
         The kernel's grid at most this many CTAs (each loops over its share of the pieces):
         fewer SMs taken from a decode step running beside the swap, at some bandwidth
@@ -148,6 +154,7 @@ class SwapEngine:
         layerwise: bool = False,
         host_threads: int = 2,
         max_ctas: int | None = None,
+        priority: Literal["throughput", "decode"] = "throughput",
     ) -> None:
         if buffer.layout.block_bytes != gpu.layout.block_bytes or buffer.layout.tensors != gpu.layout.tensors:
             raise SwapError("buffer and GPU cache have different layouts")
@@ -156,6 +163,9 @@ class SwapEngine:
         if max_ctas is not None and (not isinstance(max_ctas, int) or isinstance(max_ctas, bool) or max_ctas < 1):
             raise ValueError(f"max_ctas={max_ctas!r} must be a positive integer")
         self._ctas = max_ctas
+        if priority not in ("throughput", "decode"):
+            raise ValueError(f"priority={priority!r} must be 'throughput' or 'decode'")
+        self.priority = priority
         if device is None:
             device = gpu.device
         elif gpu.device is not None and gpu.device != device:
@@ -352,7 +362,7 @@ class SwapEngine:
             and strategy == "kernel"
             and plan.pieces
             and min_piece is not None
-            and plan.nbytes >= min_piece * plan.pieces
+            and (self.priority == "decode" or plan.nbytes >= min_piece * plan.pieces)
             and _ffi.cuda.batch_copy_supported()
         ):
             strategy = "batch"  # large pieces: the copy engines beat the kernel (0.98 vs 0.92 at 512 KiB)
@@ -396,8 +406,11 @@ class SwapEngine:
                 for (a, b), ev in zip(groups, events):
                     if strategy == "batch":
                         for x, y in _batch_spans(a, b):
-                            _ffi.cuda.memcpy_batch_async(
-                                plan.dst[x:y].tolist(), plan.src[x:y].tolist(), plan.lengths[x:y].tolist(), stream
+                            _ffi.libcuda.memcpy_batch_arrays(
+                                np.ascontiguousarray(plan.dst[x:y], np.uint64),
+                                np.ascontiguousarray(plan.src[x:y], np.uint64),
+                                np.ascontiguousarray(plan.lengths[x:y], np.uint64),
+                                stream,
                             )
                             queued = True
                     else:

@@ -151,7 +151,7 @@ class PdkvConnector(KVConnectorBase_V1):
         if self._producer:
             self._sender = SendWorker(self._settings, layout, spec)
         else:
-            self._loader = LoadWorker(layout, spec)
+            self._loader = LoadWorker(layout, spec, priority=self._settings.swap_priority)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)

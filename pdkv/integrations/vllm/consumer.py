@@ -498,10 +498,12 @@ class LoadWorker:
     """The worker half of a decode engine, one per TP rank: copies buffer blocks into the
     rank's vLLM cache (``cache``, :class:`~pdkv.CacheSpec` of vLLM's tensors) and reports
     each request once its copy is done (or failed: its blocks are then load errors).
+    ``priority``: the swap engine's (``decode``, the default: the copy engines, no SM taken
+    from vLLM's decode steps; ``throughput``: the kernel for small pieces).
     Ownership: the buffer mapping and the swap engine are this object's (:meth:`close`)."""
 
-    def __init__(self, layout: KVLayout, cache: CacheSpec) -> None:
-        self.layout, self.cache = layout, cache
+    def __init__(self, layout: KVLayout, cache: CacheSpec, *, priority: str = "decode") -> None:
+        self.layout, self.cache, self.priority = layout, cache, priority
         self._buffer: SharedBuffer | None = None
         self._engine: SwapEngine | None = None
         self._pending: list[tuple[Load, Any, float]] = []
@@ -519,7 +521,8 @@ class LoadWorker:
             buf = SharedBuffer.open(name, expect_size=size)
             try:
                 spec = CacheSpec.for_buffer(self.layout, meta.buffer_blocks, buf.address)
-                self._engine = SwapEngine(spec, self.cache, buffer_pinned=buf.pinned)
+                pri = "decode" if self.priority == "decode" else "throughput"
+                self._engine = SwapEngine(spec, self.cache, buffer_pinned=buf.pinned, priority=pri)
             except BaseException:
                 buf.close()  # the next load opens it again: no mapping left behind
                 raise

@@ -113,6 +113,7 @@ _KEYS = {
     "prefill",
     "pull_timeout_s",
     "advertise",
+    "swap_priority",
 }
 
 
@@ -167,6 +168,7 @@ class Settings:
     prefills: tuple[str, ...] = ()
     pull_timeout_s: float = 120.0
     advertise: str = ""
+    swap_priority: str = "decode"
 
 
 def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:
@@ -215,6 +217,11 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
         if k in extra and not isinstance(extra[k], str):
             raise ValueError(f"kv_connector_extra_config[{k!r}]={extra[k]!r} must be a string")
     decodes, prefills = _addresses(extra, "decode"), _addresses(extra, "prefill")
+    swap_priority = extra.get("swap_priority", "decode")
+    if swap_priority not in ("decode", "throughput"):
+        raise ValueError(
+            f"kv_connector_extra_config['swap_priority']={swap_priority!r} must be 'decode' or 'throughput'"
+        )
     advertise = extra.get("advertise", "")
     if advertise and not (isinstance(advertise, str) and _ADDRESS.fullmatch(advertise)):
         raise ValueError(f"kv_connector_extra_config['advertise']={advertise!r} must be a tcp://host:port address")
@@ -243,6 +250,7 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
         prefills=prefills,
         pull_timeout_s=_positive(extra, "pull_timeout_s", 120.0),
         advertise=advertise,
+        swap_priority=swap_priority,
     )
 
 
