@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ...buffer import reaper
 from ...buffer.shared import SharedBuffer
@@ -521,7 +521,7 @@ class LoadWorker:
             buf = SharedBuffer.open(name, expect_size=size)
             try:
                 spec = CacheSpec.for_buffer(self.layout, meta.buffer_blocks, buf.address)
-                pri = "decode" if self.priority == "decode" else "throughput"
+                pri: Literal["throughput", "decode"] = "decode" if self.priority == "decode" else "throughput"
                 self._engine = SwapEngine(spec, self.cache, buffer_pinned=buf.pinned, priority=pri)
             except BaseException:
                 buf.close()  # the next load opens it again: no mapping left behind
