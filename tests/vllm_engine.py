@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--max-batched", type=int, default=0)
     ap.add_argument("--connector", choices=["pdkv", "example"], default="pdkv")
     ap.add_argument("--storage", default="", help="vLLM's ExampleConnector: its shared storage folder")
+    ap.add_argument("--max-seqs", type=int, default=8)
+    ap.add_argument("--time-hooks", action="store_true", help="time each connector hook and each engine step")
     a = ap.parse_args()
     # the engine core in this process; one unbound thread: every engine computes in the same
     # order whatever else runs (the tests start four on two cores), so equal inputs give
@@ -82,7 +84,7 @@ def main() -> int:
         dtype="float32",
         block_size=32,
         max_model_len=512,
-        max_num_seqs=8,
+        max_num_seqs=a.max_seqs,
         kv_cache_memory_bytes=a.kv_bytes,
         enforce_eager=True,
         enable_prefix_caching=False,
@@ -124,6 +126,9 @@ def main() -> int:
 
     answer({"ready": True, "control": side.control_address if side is not None else "", **free_blocks()})
     eng = llm.llm_engine
+    timing = {"hooks": {}, "steps": 0, "step_s": 0.0}
+    if a.time_hooks and connector is not None:  # every hook of both halves, and each step
+        _time_hooks(connector, worker_connector(), eng, timing)
     seq = 0
     finished: dict = {}  # every finished request's output, by the id given here (``wait`` reads it)
     first, held = {}, {}  # seconds from its generate's start: a request's first token; its blocks freed
@@ -212,6 +217,9 @@ def main() -> int:
             del raw
         elif op == "state":
             answer(free_blocks())
+        elif op == "hooks":  # what the hooks and the steps took since the last ask
+            answer({**timing, "hooks": dict(timing["hooks"])})
+            timing.update(hooks={}, steps=0, step_s=0.0)
         elif op in ("damage", "abort_pdkv"):
             info = side.sched.request(cmd["pid"])
             if op == "abort_pdkv":
@@ -226,6 +234,63 @@ def main() -> int:
             answer({"state": info.state.value, "blocks": list(info.buffer_blocks)})
     llm.llm_engine.engine_core.shutdown()
     return 0
+
+
+HOOKS = {
+    "scheduler": (
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "update_connector_output",
+        "request_finished",
+        "get_kv_connector_stats",
+    ),
+    "worker": (
+        "bind_connector_metadata",
+        "start_load_kv",
+        "save_kv_layer",
+        "wait_for_save",
+        "get_finished",
+        "get_block_ids_with_load_errors",
+        "get_kv_connector_stats",
+    ),
+}
+
+
+def _time_hooks(sched_conn, worker_conn, eng, timing: dict) -> None:
+    """Wrap each connector hook (on the two instances) and the engine's step with a timer
+    adding into ``timing``: hooks[side.name] = [seconds, calls]; steps; step_s."""
+    import functools
+
+    def wrap(obj, side, name):
+        fn = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                h = timing["hooks"].setdefault(f"{side}.{name}", [0.0, 0])
+                h[0] += time.perf_counter() - t0
+                h[1] += 1
+
+        setattr(obj, name, timed)
+
+    for side, obj in (("scheduler", sched_conn), ("worker", worker_conn)):
+        for name in HOOKS[side]:
+            wrap(obj, side, name)
+    step = eng.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        try:
+            return step()
+        finally:
+            timing["steps"] += 1
+            timing["step_s"] += time.perf_counter() - t0
+
+    eng.step = timed_step
 
 
 # ---------------------------------------------------------------------- the client side

@@ -59,7 +59,9 @@ def post(url: str, body: dict, timeout: float = 120.0) -> dict:
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` on ``port``, logging to ``log``.
     ``connector``: ``pdkv`` (with ``role`` producer/consumer and ``extra``), ``example``
-    (vLLM's ExampleConnector, its storage ``extra['shared_storage_path']``) or ``none``."""
+    (vLLM's ExampleConnector, its storage ``extra['shared_storage_path']``), ``nixl``
+    (vLLM's NixlConnector, ``kv_both`` with its KV buffer in host memory, its side channel
+    on ``extra['side_channel_port']``) or ``none``."""
 
     def __init__(
         self,
@@ -95,7 +97,13 @@ class Server:
         elif connector == "example":
             cfg = {"kv_connector": "ExampleConnector", "kv_role": kind, "kv_connector_extra_config": extra or {}}
             args += ["--kv-transfer-config", json.dumps(cfg)]
+        elif connector == "nixl":  # vLLM's own, over UCX on this host; its KV in host memory
+            cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+            args += ["--kv-transfer-config", json.dumps(cfg)]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        if connector == "nixl":
+            env.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str((extra or {})["side_channel_port"]))
+            env.setdefault("UCX_TLS", "tcp,cma,self,sm")
         self._err = log.open("w")
         # its own process group: the engine core and any worker go with it
         self.proc = subprocess.Popen(args, stdout=self._err, stderr=subprocess.STDOUT, env=env, start_new_session=True)

