@@ -387,6 +387,9 @@ class _Engine:
         self.handles.append(h)
         return h
 
+    def copy(self, buf, blocks):  # a step's loads as one copy
+        return self.submit("*", buf, blocks)
+
     def close(self):
         self.closed += 1
 
@@ -403,16 +406,20 @@ def _meta(*loads):
 
 
 def test_load_worker_reports_each_load_once_its_copy_is_done():
+    """A step's loads go as one copy; each load is reported once, when that copy is done;
+    a later step's load is a copy of its own."""
     e = _Engine()
     w = _worker(e)
     w.start(_meta(Load("a", (0, 1), (5, 6)), Load("b", (2,), (7,))))
-    assert e.calls == [("a", (0, 1), (5, 6)), ("b", (2,), (7,))]
+    assert e.calls == [("*", (0, 1, 2), (5, 6, 7))]
+    w.start(_meta(Load("c", (3,), (8,))))
+    assert e.calls[1:] == [("c", (3,), (8,))]
     assert w.finished() == set() and w.load_errors() == set()
     e.handles[1].is_done = True
-    assert w.finished() == {"b"}
+    assert w.finished() == {"c"}
     assert w.finished() == set()
     e.handles[0].is_done = True
-    assert w.finished() == {"a"} and w.load_errors() == set()
+    assert w.finished() == {"a", "b"} and w.load_errors() == set()
     w.close()
     assert e.closed == 0  # the stand-in engine is not the worker's (only _swap's is)
 
@@ -685,14 +692,14 @@ def test_load_worker_failures_are_logged_whole(caplog):
 def test_load_worker_goes_on_after_a_load_it_cannot_submit():
     class Picky(_Engine):
         def submit(self, rid, buf, blocks):
-            if rid == "bad":
+            if rid in ("bad", "*"):  # the step's copy holds the bad load's blocks too
                 raise PdkvError("no such blocks")
             return super().submit(rid, buf, blocks)
 
     e = Picky()
     w = _worker(e)
     w.start(_meta(Load("bad", (0,), (1,)), Load("good", (2,), (3,))))
-    assert e.calls == [("good", (2,), (3,))]
+    assert e.calls == [("good", (2,), (3,))]  # refused as one copy, retried load by load
     e.handles[0].is_done = True
     assert w.finished() == {"bad", "good"} and w.load_errors() == {1}
 

@@ -126,7 +126,7 @@ def main() -> int:
 
     answer({"ready": True, "control": side.control_address if side is not None else "", **free_blocks()})
     eng = llm.llm_engine
-    timing = {"hooks": {}, "steps": 0, "step_s": 0.0}
+    timing = {"hooks": {}, "steps": 0, "step_s": 0.0, "per_step": [], "in_step": 0.0}
     if a.time_hooks and connector is not None:  # every hook of both halves, and each step
         _time_hooks(connector, worker_connector(), eng, timing)
     seq = 0
@@ -219,7 +219,7 @@ def main() -> int:
             answer(free_blocks())
         elif op == "hooks":  # what the hooks and the steps took since the last ask
             answer({**timing, "hooks": dict(timing["hooks"])})
-            timing.update(hooks={}, steps=0, step_s=0.0)
+            timing.update(hooks={}, steps=0, step_s=0.0, per_step=[])
         elif op in ("damage", "abort_pdkv"):
             info = side.sched.request(cmd["pid"])
             if op == "abort_pdkv":
@@ -259,7 +259,8 @@ HOOKS = {
 
 def _time_hooks(sched_conn, worker_conn, eng, timing: dict) -> None:
     """Wrap each connector hook (on the two instances) and the engine's step with a timer
-    adding into ``timing``: hooks[side.name] = [seconds, calls]; steps; step_s."""
+    adding into ``timing``: hooks[side.name] = [seconds, calls]; steps; step_s; per_step
+    (each step's seconds and its hooks' seconds)."""
     import functools
 
     def wrap(obj, side, name):
@@ -271,9 +272,11 @@ def _time_hooks(sched_conn, worker_conn, eng, timing: dict) -> None:
             try:
                 return fn(*args, **kw)
             finally:
+                dt = time.perf_counter() - t0
                 h = timing["hooks"].setdefault(f"{side}.{name}", [0.0, 0])
-                h[0] += time.perf_counter() - t0
+                h[0] += dt
                 h[1] += 1
+                timing["in_step"] += dt
 
         setattr(obj, name, timed)
 
@@ -283,12 +286,15 @@ def _time_hooks(sched_conn, worker_conn, eng, timing: dict) -> None:
     step = eng.step
 
     def timed_step():
+        timing["in_step"] = 0.0
         t0 = time.perf_counter()
         try:
             return step()
         finally:
+            dt = time.perf_counter() - t0
             timing["steps"] += 1
-            timing["step_s"] += time.perf_counter() - t0
+            timing["step_s"] += dt
+            timing["per_step"].append((dt, timing["in_step"]))  # (the step, its hooks), seconds
 
     eng.step = timed_step
 
@@ -333,7 +339,8 @@ class Engine:
         args = [sys.executable, str(Path(__file__).resolve()), "--model", str(model), "--role", role]
         args += ["--extra", json.dumps(extra or {})]
         for k, v in kw.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
+            flag = f"--{k.replace('_', '-')}"
+            args += [flag] if v is True else [] if v is False else [flag, str(v)]
         self.log = log
         self._err = log.open("w")
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)

@@ -269,23 +269,29 @@ def hooks(a: argparse.Namespace) -> int:
                 return 1
             for side in ("prefill", "decode"):
                 h = eng[side].ask(op="hooks")
-                total = sum(v[0] for v in h["hooks"].values())
+                # steps that computed (an engine waiting for KV steps empty, in well under 1 ms)
+                work = [(s_, k) for s_, k in h["per_step"] if s_ > 0.002]
+                total = sum(k for _, k in work)
+                worst = max(work, key=lambda x: x[1]) if work else (0.0, 0.0)
                 top = sorted(h["hooks"].items(), key=lambda kv: -kv[1][0])[:3]
                 rows.append(
                     {
                         "in_flight": n,
                         "engine": side,
-                        "steps": h["steps"],
-                        "step_ms": 1000 * h["step_s"] / max(1, h["steps"]),
-                        "hooks_ms_per_step": 1000 * total / max(1, h["steps"]),
-                        "fraction": total / h["step_s"] if h["step_s"] else 0.0,
-                        "top": {k: round(1000 * v[0] / max(1, h["steps"]), 4) for k, v in top},
+                        "steps": len(work),
+                        "step_ms_p50": 1000 * _pct([s_ for s_, _ in work], 0.5),
+                        "hooks_ms_p50": 1000 * _pct([k for _, k in work], 0.5),
+                        "fraction": total / sum(s_ for s_, _ in work) if work else 0.0,
+                        "worst_step": [round(1000 * worst[0], 2), round(1000 * worst[1], 2)],
+                        "top_ms": {k: round(1000 * v[0], 3) for k, v in top},
                     }
                 )
                 r = rows[-1]
                 print(
-                    f"{n:>4} in flight, {side:>7}: {r['steps']:>4} steps, step {r['step_ms']:8.2f} ms, hooks "
-                    f"{r['hooks_ms_per_step']:7.3f} ms a step ({100 * r['fraction']:.2f} %); most: {r['top']}",
+                    f"{n:>4} in flight, {side:>7}: {r['steps']:>3} steps, step p50 {r['step_ms_p50']:8.2f} ms, "
+                    f"hooks p50 {r['hooks_ms_p50']:7.3f} ms; all hooks / all steps {100 * r['fraction']:.2f} %; "
+                    f"worst step {r['worst_step'][0]} ms with {r['worst_step'][1]} ms of hooks; "
+                    f"most (ms in all): {r['top_ms']}",
                     flush=True,
                 )
     finally:

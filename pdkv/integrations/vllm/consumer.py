@@ -530,14 +530,31 @@ class LoadWorker:
         return self._engine
 
     def start(self, meta: StepMeta) -> None:
-        """``start_load_kv``: submit this step's loads (asynchronous)."""
+        """``start_load_kv``: submit this step's loads (asynchronous), all of them as one
+        copy (one plan and one launch for the step: 256 loads a step cost 48 ms of vLLM's
+        loop one by one on the CPU build, ``tools/bench_vllm.py --hooks``); a copy the
+        engine refuses is retried load by load, so that a bad one fails alone."""
+        todo = []
         for ld in meta.loads:
             self.recent[ld.req_id] = ld.blocks
             while len(self.recent) > RECENT:
                 self.recent.popitem(last=False)
             if not ld.buffer_blocks:
                 self._fail(ld, "its KV did not arrive")
-                continue
+            else:
+                todo.append(ld)
+        if len(todo) > 1:
+            try:
+                h = self._swap(meta).copy(
+                    [b for ld in todo for b in ld.buffer_blocks], [b for ld in todo for b in ld.blocks]
+                )
+            except (PdkvError, OSError, ValueError):
+                pass  # one by one below: the load at fault fails alone
+            else:
+                now = time.monotonic()
+                self._pending += [(ld, h, now) for ld in todo]
+                return
+        for ld in todo:
             try:
                 h = self._swap(meta).submit(ld.req_id, ld.buffer_blocks, ld.blocks)
             except (PdkvError, OSError, ValueError) as exc:  # a buffer gone, renamed or of another size
@@ -554,8 +571,12 @@ class LoadWorker:
     def finished(self) -> set[str]:
         """``get_finished``'s receiving half: the loads done since the last call."""
         keep, now = [], time.monotonic()
+        done: dict[int, bool] = {}  # a step's loads share one copy: asked once a call
         for ld, h, t0 in self._pending:
-            if not h.done():
+            d = done.get(id(h))
+            if d is None:
+                d = done[id(h)] = h.done()
+            if not d:
                 keep.append((ld, h, t0))
             elif h.error is not None:
                 self._fail(ld, str(h.error))
