@@ -58,10 +58,11 @@ def post(url: str, body: dict, timeout: float = 120.0) -> dict:
 
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` on ``port``, logging to ``log``.
-    ``connector``: ``pdkv`` (with ``role`` producer/consumer and ``extra``), ``example``
-    (vLLM's ExampleConnector, its storage ``extra['shared_storage_path']``), ``nixl``
-    (vLLM's NixlConnector, ``kv_both`` with its KV buffer in host memory, its side channel
-    on ``extra['side_channel_port']``) or ``none``."""
+        ``connector``: ``pdkv`` (with ``role`` producer/consumer and ``extra``), ``example``
+        (vLLM's ExampleConnector, its storage ``extra['shared_storage_path']``), ``multi`` (vLLM's
+    MultiConnector: pdkv with ``extra`` and an ExampleConnector on ``shared_storage_path``), ``nixl``
+        (vLLM's NixlConnector, ``kv_both`` with its KV buffer in host memory, its side channel
+        on ``extra['side_channel_port']``) or ``none``."""
 
     def __init__(
         self,
@@ -96,6 +97,24 @@ class Server:
             args += ["--kv-transfer-config", json.dumps(cfg)]
         elif connector == "example":
             cfg = {"kv_connector": "ExampleConnector", "kv_role": kind, "kv_connector_extra_config": extra or {}}
+            args += ["--kv-transfer-config", json.dumps(cfg)]
+        elif connector == "multi":  # vLLM's MultiConnector: pdkv first, then vLLM's ExampleConnector
+            ex = dict(extra or {})
+            storage = ex.pop("shared_storage_path")
+            subs = [
+                {
+                    "kv_connector": "PdkvConnector",
+                    "kv_connector_module_path": "pdkv.integrations.vllm",
+                    "kv_role": kind,
+                    "kv_connector_extra_config": ex,
+                },
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": kind,
+                    "kv_connector_extra_config": {"shared_storage_path": storage},
+                },
+            ]
+            cfg = {"kv_connector": "MultiConnector", "kv_role": kind, "kv_connector_extra_config": {"connectors": subs}}
             args += ["--kv-transfer-config", json.dumps(cfg)]
         elif connector == "nixl":  # vLLM's own, over UCX on this host; its KV in host memory
             cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}

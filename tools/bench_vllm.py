@@ -13,9 +13,8 @@ prefill with one token, then decode with what prefill answered. Per request:
 - prefill block hold: from the batch's start until prefill's vLLM freed the request's
   blocks (for pdkv: when decode's outcome says its CPU buffer holds the KV).
 Compared: pdkv over shm and over tcp, and vLLM's ExampleConnector (shared storage:
-safetensors files per layer in a folder, here in /dev/shm), the one of vLLM's own
-connectors this CPU build runs; its NixlConnector supports device types cuda, tpu and xpu
-only (``nixl/utils.py``: ``_NIXL_SUPPORTED_DEVICE``), so it does not start on a CPU host.
+safetensors files per layer in a folder, here in /dev/shm), offline engines stepped by
+hand; vLLM's NixlConnector, which needs NIXL beside vLLM, is in ``--served``.
 
 ``--overload N``: instead, pdkv over tcp into a decode whose buffer holds N blocks (less
 than a batch needs), under each full-buffer policy: the reservation waits in decode's queue
@@ -73,6 +72,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="--served: requests in flight at most")
     ap.add_argument("--len-div", type=int, default=40, help="--served: divide the trace's prompt lengths by this")
     ap.add_argument("--max-new", type=int, default=16, help="--served: new tokens at most")
+    ap.add_argument("--pairs", default="", help="--served: which pairs besides colocated (default all)")
     a = ap.parse_args()
     try:
         import vllm  # noqa: F401

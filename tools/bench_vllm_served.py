@@ -11,7 +11,9 @@ pair at a time): a colocated server (the requests straight to it), pdkv pull (pr
 pull endpoint: the router's protocol as NixlConnector routers speak it), pdkv push (prefill
 configured with the decode), vLLM's ExampleConnector (shared storage in /dev/shm) and
 vLLM's NixlConnector (``kv_both``, KV buffer in host memory, UCX on this host; where NIXL is
-installed beside vLLM, else the row says it did not start).
+installed beside vLLM, else the row says it did not start; vLLM 0.32's CPU build admits the
+cpu platform in its device table, so nothing of vLLM is changed). Equal decode memory:
+pdkv's decode has 96 vLLM blocks and a 256-block buffer, NixlConnector's decode 352 blocks.
 Per pair: TTFT (dispatch to decode's first streamed token) and ITL (gaps between decode's
 streamed tokens) p50 and p99, failed requests, texts equal to the colocated server's, and
 prefill's block-seconds (its ``vllm:kv_cache_usage_perc`` sampled every 50 ms x its
@@ -171,6 +173,8 @@ def served(a: Any) -> int:
     rows, reference = [], None
     storage = Path(tempfile.mkdtemp(prefix="pdkv-example-", dir="/dev/shm"))
     pairs = ["colocated", "pdkv pull", "pdkv push", "ExampleConnector", "NixlConnector"]
+    if a.pairs:  # colocated always: the reference texts
+        pairs = ["colocated"] + [p for p in pairs[1:] if p in a.pairs.split(",")]
     for name in pairs:
         logs = work / name.replace(" ", "-")
         logs.mkdir()
@@ -199,13 +203,18 @@ def served(a: Any) -> int:
                     },
                 ),
             }
-        elif name == "NixlConnector":
+        elif name == "NixlConnector":  # decode's blocks: pdkv decode's blocks plus its buffer (equal memory)
+            big = kv + 256 * 2 * 2 * 2 * BLOCK * 64 * 4
             specs = {
                 k: (
                     model,
                     free_port(),
                     logs / f"{k}.log",
-                    {"connector": "nixl", "extra": {"side_channel_port": free_port()}, "kv_bytes": kv},
+                    {
+                        "connector": "nixl",
+                        "extra": {"side_channel_port": free_port()},
+                        "kv_bytes": kv if k == "prefill" else big,
+                    },
                 )
                 for k in ("prefill", "decode")
             }
