@@ -28,8 +28,7 @@ PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((70, 96, 131, 33)
 def served(tmp_path_factory):
     model = with_tokenizer(tiny_llama(tmp_path_factory.mktemp("tiny-llama-served")))
     logs = tmp_path_factory.mktemp("vllm-served-logs")
-    pull, control, control_pc, control_tp, control_mc = (f"tcp://127.0.0.1:{free_port()}" for _ in range(5))
-    storage = tmp_path_factory.mktemp("example-storage")
+    pull, control, control_pc, control_tp = (f"tcp://127.0.0.1:{free_port()}" for _ in range(4))
     kv_bytes = 24 * 2 * 2 * 2 * 32 * 64 * 4
     specs = {
         "colocated": (model, free_port(), logs / "colocated.log", {}),
@@ -40,7 +39,7 @@ def served(tmp_path_factory):
             {
                 "connector": "pdkv",
                 "role": "producer",
-                "extra": {"decode": [control, control_pc, control_tp, control_mc], "pull": pull},
+                "extra": {"decode": [control, control_pc, control_tp], "pull": pull},
             },
         ),
         "decode": (
@@ -71,23 +70,6 @@ def served(tmp_path_factory):
             free_port(),
             logs / "prefill-tp2.log",
             {"connector": "pdkv", "role": "producer", "tp": 2, "extra": {"decode": control}},
-        ),
-        "decode_multi": (  # under vLLM's MultiConnector, beside its ExampleConnector
-            model,
-            free_port(),
-            logs / "decode-multi.log",
-            {
-                "connector": "multi",
-                "role": "consumer",
-                "kv_bytes": kv_bytes,
-                "extra": {
-                    "control": control_mc,
-                    "prefill": pull,
-                    "buffer_blocks": 64,
-                    "load_timeout_s": 20,
-                    "shared_storage_path": str(storage),
-                },
-            },
         ),
         "decode_pc": (  # vLLM's default: prefix caching on
             model,
@@ -195,15 +177,6 @@ def test_vllm_served_heterogeneous_tp_both_ways(served: dict):
     assert d2["vllm:pdkv_load_failed_total"] == d2["vllm:pdkv_pull_failed_total"] == 0, d2
     p2 = _metrics_until(served["prefill_tp2"], lambda m: m.get("vllm:pdkv_sent_total", 0) >= 2 * len(PROMPTS))
     assert p2["vllm:pdkv_sent_total"] == 2 * len(PROMPTS) and p2["vllm:pdkv_send_failed_total"] == 0, p2
-
-
-def test_vllm_served_decode_under_multiconnector(served: dict):
-    """pdkv as the first of vLLM's MultiConnector on decode (an ExampleConnector beside it,
-    which finds nothing): the router's requests load pdkv's KV and answer as colocated."""
-    colo, prefill, decode = served["colocated"], served["prefill"], served["decode_multi"]
-    for p in PROMPTS[:2]:
-        want = colo.complete(p, 8)["choices"][0]["text"]
-        assert nixl_route(prefill, decode, p, 8)["choices"][0]["text"] == want
 
 
 def _metrics_until(server, ok, timeout=10.0):

@@ -31,6 +31,16 @@ __all__ = ["PdkvConnector", "PdkvMeta"]
 _log = logging.getLogger(__name__)
 
 
+def _register() -> None:
+    """Name pdkv's connector in vLLM's registry too (it is loaded by module path): vLLM's
+    MultiConnector rebuilds each sub-connector's stats by registered name, and without
+    this its log and /metrics handler fails on pdkv's stats."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if "PdkvConnector" not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector("PdkvConnector", __name__, "PdkvConnector")
+
+
 @dataclass
 class PdkvMeta(KVConnectorMetadata):
     """One step's loads (decode) or saves (prefill), for every worker."""
@@ -271,3 +281,6 @@ class PdkvConnector(KVConnectorBase_V1):
             if part is not None:
                 part.close()
         self._sender = self._loader = self._decode = self._prefill = None
+
+
+_register()
