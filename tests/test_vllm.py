@@ -315,12 +315,14 @@ def routed(model, engines, tmp_path_factory):
     controls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     kv_bytes = DECODE_BLOCKS * 2 * 2 * 2 * BLOCK * 64 * 4
     dec = {"buffer_blocks": 64, "load_timeout_s": 20, "prefill": [pull]}
+    dead = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]  # configured, nothing listens there
     specs = {
-        "prefill": ("producer", {"decode": controls, "pull": pull, "transport": "tcp"}, {"max_batched": 64}),
+        "prefill": ("producer", {"decode": controls + dead, "pull": pull, "transport": "tcp"}, {"max_batched": 64}),
         "a": ("consumer", {**dec, "control": controls[0]}, {"kv_bytes": kv_bytes}),
         "b": ("consumer", {**dec, "control": controls[1]}, {"kv_bytes": kv_bytes}),
     }
     out = start_engines(model, specs, logs)
+    out["prefill"].dead = dead
     yield out
     for e in out.values():
         e.close()
@@ -382,3 +384,42 @@ def test_vllm_push_with_a_shared_transfer_id_dispatched_at_once(routed, colocate
     assert st["decode"]["computed_here"] == st["decode"]["refused"] == 0, st
     assert st["decode"]["buffer_free"] == st["decode"]["buffer_total"], st
     assert all(p["vllm_free"] == p["vllm_total"] for p in st["prefill"]), st
+
+
+def test_vllm_unlisted_malformed_and_dead_decodes_fail_alone(routed, colocated):
+    """Through real engines: a request naming an unlisted decode (a listener the test owns)
+    or a malformed address is computed by prefill alone and nothing connects to the
+    listener; requests naming two configured decodes that are dead fail alone, and a good
+    request after them completes within its normal time with the colocated tokens; every
+    prefill block is free again."""
+    import socket
+
+    prefill, a = routed["prefill"], routed["a"]
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(8)
+    trap.setblocking(False)
+    try:
+        bad = [
+            {"do_remote_decode": True, "pdkv_decode": f"tcp://127.0.0.1:{trap.getsockname()[1]}"},
+            {"do_remote_decode": True, "pdkv_decode": "not an address"},
+            *({"do_remote_decode": True, "pdkv_decode": d} for d in prefill.dead),
+        ]
+        pre_bad = prefill.generate(PROMPTS, 1, bad, answered=True)
+        assert pre_bad["kv_params"][:2] == [None, None], pre_bad["kv_params"]  # computed by prefill alone
+        t0 = time.monotonic()
+        good = prefill.generate([PROMPTS[0]], 1, [dict(NIXL)], answered=True)
+        dec, _ = _together(
+            (a, dict(op="generate", prompts=[PROMPTS[0]], max_tokens=8, params=good["kv_params"])),
+            (prefill, dict(op="wait", ids=good["ids"], timeout=60)),
+        )
+        took = time.monotonic() - t0
+        assert dec["tokens"] == [colocated[0]], dec
+        assert took < 15, f"the good request took {took:.1f} s behind the dead decodes"
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nothing connected to the unlisted address
+        prefill.ask(op="wait", ids=pre_bad["ids"], timeout=90)
+        st = prefill.ask(op="state")
+        assert st["vllm_free"] == st["vllm_total"], st
+    finally:
+        trap.close()

@@ -16,7 +16,7 @@ from vllm_engine import free_port
 
 from pdkv import CacheSpec, SharedBuffer
 from pdkv.errors import PdkvError
-from pdkv.integrations.vllm import consumer
+from pdkv.integrations.vllm import consumer, loader
 from pdkv.integrations.vllm.consumer import DecodeSide, LoadWorker, WorkerSwaps
 from pdkv.integrations.vllm.settings import (
     PARAM_CAP,
@@ -445,11 +445,11 @@ def test_load_worker_that_cannot_swap_fails_the_load(exc, caplog):
 
 
 def test_load_worker_recent_is_bounded(monkeypatch):
-    monkeypatch.setattr(consumer, "RECENT", 2)
+    monkeypatch.setattr(loader, "RECENT", 2)
     w = _worker(_Engine())
     w.start(_meta(*(Load(f"r{i}", (i,), (i + 1,)) for i in range(4))))
     assert list(w.recent.items()) == [("r2", (3,)), ("r3", (4,))]
-    assert consumer.RECENT == 2
+    assert loader.RECENT == 2
 
 
 def test_load_worker_close_waits_for_running_copies_a_bounded_time(monkeypatch):
@@ -463,8 +463,8 @@ def test_load_worker_close_waits_for_running_copies_a_bounded_time(monkeypatch):
         return clock[0]
 
     sleeps = []
-    monkeypatch.setattr(consumer.time, "monotonic", mono)
-    monkeypatch.setattr(consumer.time, "sleep", sleeps.append)
+    monkeypatch.setattr(loader.time, "monotonic", mono)
+    monkeypatch.setattr(loader.time, "sleep", sleeps.append)
     w.close()  # never done: gives up after 10 s
     assert sleeps == [0.001, 0.001] and w._pending == []
 
