@@ -529,15 +529,12 @@ def test_cuda_copy_handles_polled_from_several_threads_at_once(cuda_device, no_l
             _ffi.cuda.free(dptr)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("ctas", [1, 3])
-def test_cuda_kernel_capped_at_few_ctas_copies_every_block(ctas, cuda_device, no_leaks):
-    """max_ctas: each CTA loops over its share of the pieces; every scattered block lands,
-    both ways, byte for byte."""
+def _round_trip_every_block(n: int, seed: int, **engine_kw) -> None:
+    """Scattered blocks of a pinned buffer to GPU blocks and back with a SwapEngine built
+    with ``engine_kw``: every block ends where it began, byte for byte."""
     L = lay(num_layers=2, kv_heads=1, head_dim=128, tokens_per_block=8)
-    n = 64
     size = L.block_bytes * n
-    rng = np.random.default_rng(ctas)
+    rng = np.random.default_rng(seed)
     with SharedBuffer.create(size, require_pinned=True) as sb:
         host = np.frombuffer(sb.buf, dtype=np.uint8)
         host[:] = rng.integers(0, 256, size, dtype=np.uint8)
@@ -547,14 +544,22 @@ def test_cuda_kernel_capped_at_few_ctas_copies_every_block(ctas, cuda_device, no
         try:
             gspec = CacheSpec.for_buffer(L, n, dptr)
             src, dst = rng.permutation(n).tolist(), rng.permutation(n).tolist()
-            with SwapEngine(bspec, gspec, strategy="kernel", max_ctas=ctas) as eng:
+            with SwapEngine(bspec, gspec, **engine_kw) as eng:
                 eng.copy(src, dst).wait(30)
                 host[:] = 0
                 eng.copy(dst, src, direction="d2h").wait(30)
-            np.testing.assert_array_equal(host, want)  # there and back: every block where it began
+            np.testing.assert_array_equal(host, want)
         finally:
             _ffi.cuda.free(dptr)
         del host
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ctas", [1, 3])
+def test_cuda_kernel_capped_at_few_ctas_copies_every_block(ctas, cuda_device, no_leaks):
+    """max_ctas: each CTA loops over its share of the pieces; every scattered block lands,
+    both ways, byte for byte."""
+    _round_trip_every_block(64, ctas, strategy="kernel", max_ctas=ctas)
 
 
 def test_decode_priority_moves_small_pieces_on_the_copy_engines(monkeypatch):
@@ -581,24 +586,4 @@ def test_decode_priority_moves_small_pieces_on_the_copy_engines(monkeypatch):
 def test_cuda_auto_under_each_priority_copies_every_block(priority, cuda_device, no_leaks):
     """The kernel (throughput) and the copy engines by libcuda's batch call (decode), both
     ways, byte for byte, with 4 KiB pieces."""
-    L = lay(num_layers=2, kv_heads=1, head_dim=128, tokens_per_block=8)
-    n = 256
-    size = L.block_bytes * n
-    rng = np.random.default_rng(4)
-    with SharedBuffer.create(size, require_pinned=True) as sb:
-        host = np.frombuffer(sb.buf, dtype=np.uint8)
-        host[:] = rng.integers(0, 256, size, dtype=np.uint8)
-        want = host.copy()
-        bspec = CacheSpec.for_buffer(L, n, sb.address)
-        dptr = _ffi.cuda.malloc(size)
-        try:
-            gspec = CacheSpec.for_buffer(L, n, dptr)
-            src, dst = rng.permutation(n).tolist(), rng.permutation(n).tolist()
-            with SwapEngine(bspec, gspec, priority=priority) as eng:
-                eng.copy(src, dst).wait(30)
-                host[:] = 0
-                eng.copy(dst, src, direction="d2h").wait(30)
-            np.testing.assert_array_equal(host, want)
-        finally:
-            _ffi.cuda.free(dptr)
-        del host
+    _round_trip_every_block(256, 4, priority=priority)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from extras import need
 from vllm_engine import Engine, free_port, start_engines, tiny_llama
+from vllm_serve import NIXL
 
 need("vllm", "vllm")
 torch = need("torch", "vllm")
@@ -291,18 +292,6 @@ def test_vllm_a_burst_past_the_buffer_waits_and_every_answer_is_colocated(overlo
         f"burst of {len(prompts)} prompts (26 blocks) through an 8-block buffer: {took:.1f} s; prefill held "
         f"{held['vllm_total'] - held['vllm_free']} blocks when its answers were out"
     )
-
-
-# what vLLM's NixlConnector-protocol routers send prefill (vLLM's example proxy, vllm-router's
-# PD mode, llm-d's sidecar), unchanged: no pdkv key
-NIXL = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 @pytest.fixture(scope="module")

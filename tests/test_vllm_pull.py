@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 import pytest
+from vllm_engine import free_port
+from vllm_serve import NIXL
 
 from pdkv import CacheSpec
 from pdkv.integrations.vllm.consumer import DecodeSide, LoadWorker
@@ -32,15 +34,6 @@ from pdkv.integrations.vllm.settings import (
 from pdkv.scheduling.lifecycle import State
 
 LAY = dict(num_layers=2, kv_heads=2, head_dim=16, block_size=8, dtype="torch.float32", tp_size=1, tp_rank=0)
-# what vLLM's NixlConnector-protocol routers send prefill, unchanged
-NIXL = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def _layout():
@@ -91,21 +84,13 @@ class _Decode:
         self.side.close()
 
 
-def _port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Cluster:
     """One prefill (scheduler half with its pull endpoint, one worker) and two decodes,
     each a configured decode of prefill and each listing prefill's pull endpoint."""
 
     def __init__(self, *, pull_timeout_s=60.0, clock=None):
         self.lay = lay = _layout()
-        controls = [f"tcp://127.0.0.1:{_port()}" for _ in range(2)]
+        controls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
         cfg = {"decode": controls, "pull": "tcp://127.0.0.1:0", "pull_timeout_s": pull_timeout_s}
         self.prefill = PrefillSide(parse_settings("kv_producer", "p", cfg), clock=clock or time.monotonic)
         self.decodes = []

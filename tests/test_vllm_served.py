@@ -6,14 +6,12 @@ the colocated server's, and vLLM's ``/metrics`` on both shows pdkv's series.
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 import pytest
 from extras import need
 from vllm_engine import free_port, tiny_llama
-from vllm_serve import nixl_route, start_servers, with_tokenizer
+from vllm_serve import nixl_route, start_servers, stop_servers, with_tokenizer
 
 need("vllm", "vllm")
 need("torch", "vllm")
@@ -86,17 +84,7 @@ def served(tmp_path_factory):
     }
     out = start_servers(specs)
     yield out
-    for s in out.values():
-        s.close()
-    # vLLM's own TP segments outlive a SIGTERM of its server: not pdkv's, removed here
-    for n in os.listdir("/dev/shm"):
-        if n.startswith("vllm_dist_"):
-            os.unlink(f"/dev/shm/{n}")
-    # decode's buffer: removed by its watcher once the server's processes are gone
-    deadline = time.monotonic() + 15
-    while any(n.startswith("pdkv-") and os.environ.get("PDKV_SHM_TAG", "") in n for n in os.listdir("/dev/shm")):
-        assert time.monotonic() < deadline, f"decode's buffer outlived its server: {os.listdir('/dev/shm')}"
-        time.sleep(0.2)
+    stop_servers(out)
 
 
 def test_vllm_served_pair_behind_a_nixl_protocol_router_answers_as_colocated_and_reports_metrics(served: dict):
@@ -110,8 +98,8 @@ def test_vllm_served_pair_behind_a_nixl_protocol_router_answers_as_colocated_and
         got = nixl_route(prefill, decode, p, 8)
         assert got["choices"][0]["text"] == want, got
     n = len(PROMPTS)
-    d = _metrics_until(decode, lambda m: m.get("vllm:pdkv_loads_total") == n)
-    pm = _metrics_until(prefill, lambda m: m.get("vllm:pdkv_sent_total") == n)
+    d = decode.metrics_until(lambda m: m.get("vllm:pdkv_loads_total") == n)
+    pm = prefill.metrics_until(lambda m: m.get("vllm:pdkv_sent_total") == n)
     blocks = sum(-(-len(p) // 32) for p in PROMPTS)
     assert d["vllm:pdkv_received_total"] == n and d["vllm:pdkv_loads_total"] == n, d
     assert d["vllm:pdkv_bytes_loaded_total"] == blocks * 2 * 2 * 2 * 32 * 64 * 4, d  # layers x K,V x heads x ...
@@ -134,7 +122,7 @@ def test_vllm_served_decode_refusing_a_claim_counts_it(served: dict):
     assert len(thief["choices"][0]["text"].split()) == 4
     victim = decode.complete(PROMPTS[0], 4, kv)
     assert victim["choices"][0]["text"] == served["colocated"].complete(PROMPTS[0], 4)["choices"][0]["text"]
-    after = _metrics_until(decode, lambda m: m["vllm:pdkv_loads_total"] > before["vllm:pdkv_loads_total"])
+    after = decode.metrics_until(lambda m: m["vllm:pdkv_loads_total"] > before["vllm:pdkv_loads_total"])
     assert after["vllm:pdkv_pull_failed_total"] == before["vllm:pdkv_pull_failed_total"] + 1, after
     assert after["vllm:pdkv_loads_total"] == before["vllm:pdkv_loads_total"] + 1, after
 
@@ -153,9 +141,8 @@ def test_vllm_served_decode_prefix_cache_receives_and_loads_only_the_suffix(serv
     for i, p in enumerate((first, second)):
         got = nixl_route(prefill, decode, p, 8)
         assert got["choices"][0]["text"] == colo.complete(p, 8)["choices"][0]["text"], got
-        m = _metrics_until(
-            decode, lambda m, i=i: m.get("vllm:pdkv_loads_total", 0) >= base.get("vllm:pdkv_loads_total", 0) + i + 1
-        )
+        want = base.get("vllm:pdkv_loads_total", 0) + i + 1
+        m = decode.metrics_until(lambda m, want=want: m.get("vllm:pdkv_loads_total", 0) >= want)
         if i == 0:
             assert m["vllm:pdkv_bytes_received_total"] - base.get("vllm:pdkv_bytes_received_total", 0) == 5 * block, m
             mid = m
@@ -172,21 +159,11 @@ def test_vllm_served_heterogeneous_tp_both_ways(served: dict):
         want = colo.complete(p, 8)["choices"][0]["text"]
         assert nixl_route(served["prefill"], served["decode_tp2"], p, 8)["choices"][0]["text"] == want
         assert nixl_route(served["prefill_tp2"], served["decode"], p, 8)["choices"][0]["text"] == want
-    d2 = _metrics_until(served["decode_tp2"], lambda m: m.get("vllm:pdkv_loads_total", 0) >= 2 * len(PROMPTS))
+    d2 = served["decode_tp2"].metrics_until(lambda m: m.get("vllm:pdkv_loads_total", 0) >= 2 * len(PROMPTS))
     assert d2["vllm:pdkv_loads_total"] == 2 * len(PROMPTS), d2  # one load a rank a request
     assert d2["vllm:pdkv_load_failed_total"] == d2["vllm:pdkv_pull_failed_total"] == 0, d2
-    p2 = _metrics_until(served["prefill_tp2"], lambda m: m.get("vllm:pdkv_sent_total", 0) >= 2 * len(PROMPTS))
+    p2 = served["prefill_tp2"].metrics_until(lambda m: m.get("vllm:pdkv_sent_total", 0) >= 2 * len(PROMPTS))
     assert p2["vllm:pdkv_sent_total"] == 2 * len(PROMPTS) and p2["vllm:pdkv_send_failed_total"] == 0, p2
-
-
-def _metrics_until(server, ok, timeout=10.0):
-    """/metrics once ``ok`` holds (vLLM's loggers record each engine step's stats)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if ok(m) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.2)
 
 
 def test_tokenizer_words_are_token_ids(tmp_path: Path):

@@ -9,13 +9,10 @@ CPU platform ("CPU Offloading is currently only supported on CUDA-alike and XPU 
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
 from extras import need
 from vllm_engine import free_port, tiny_llama
-from vllm_serve import nixl_route, start_servers, with_tokenizer
+from vllm_serve import nixl_route, start_servers, stop_servers, with_tokenizer
 
 need("vllm", "vllm")
 need("torch", "vllm")
@@ -56,12 +53,7 @@ def multi(tmp_path_factory):
     }
     out = start_servers(specs)
     yield out
-    for s in out.values():
-        s.close()
-    deadline = time.monotonic() + 15
-    while any(n.startswith("pdkv-") and os.environ.get("PDKV_SHM_TAG", "") in n for n in os.listdir("/dev/shm")):
-        assert time.monotonic() < deadline, f"decode's buffer outlived its server: {os.listdir('/dev/shm')}"
-        time.sleep(0.2)
+    stop_servers(out)
 
 
 def test_vllm_served_decode_under_multiconnector(multi: dict):
@@ -72,7 +64,5 @@ def test_vllm_served_decode_under_multiconnector(multi: dict):
     for p in PROMPTS:
         want = colo.complete(p, 8)["choices"][0]["text"]
         assert nixl_route(prefill, decode, p, 8)["choices"][0]["text"] == want
-    deadline = time.monotonic() + 10
-    while decode.metrics().get("vllm:pdkv_loads_total", 0) < len(PROMPTS) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert decode.metrics().get("vllm:pdkv_loads_total") == len(PROMPTS)
+    m = decode.metrics_until(lambda m: m.get("vllm:pdkv_loads_total", 0) >= len(PROMPTS))
+    assert m.get("vllm:pdkv_loads_total") == len(PROMPTS), m

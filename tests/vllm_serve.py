@@ -167,6 +167,16 @@ class Server:
                 out[key] = out.get(key, 0.0) + float(value)
         return out
 
+    def metrics_until(self, ok: Any, timeout: float = 10.0) -> dict[str, float]:
+        """:meth:`metrics` once ``ok`` holds (vLLM's loggers record each engine step's
+        stats), or at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if ok(m) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
     def close(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -192,6 +202,21 @@ def start_servers(specs: dict[str, tuple[Path, int, Path, dict]]) -> dict[str, S
             s.close()
         raise
     return out
+
+
+def stop_servers(servers: dict[str, Server]) -> None:
+    """Stop every server (SIGTERM) and check that decode's pdkv buffers went with them
+    (their watcher removes them once the server's processes are gone); vLLM's own TP
+    segments, which outlive a SIGTERM of its server, are removed here."""
+    for s in servers.values():
+        s.close()
+    for n in os.listdir("/dev/shm"):
+        if n.startswith("vllm_dist_"):
+            os.unlink(f"/dev/shm/{n}")
+    tag, deadline = os.environ.get("PDKV_SHM_TAG", ""), time.monotonic() + 15
+    while any(n.startswith("pdkv-") and tag in n for n in os.listdir("/dev/shm")):
+        assert time.monotonic() < deadline, f"decode's buffer outlived its server: {os.listdir('/dev/shm')}"
+        time.sleep(0.2)
 
 
 def nixl_route(prefill: Server, decode: Server, prompt: list[int], max_tokens: int) -> dict:

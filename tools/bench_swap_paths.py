@@ -12,7 +12,6 @@ Needs a CUDA GPU (sm_90+ for the bulk-copy rows) and torch.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import time
 
@@ -75,41 +74,12 @@ tma_copy(const unsigned long long* __restrict__ src, const unsigned long long* _
 """
 
 
-class _Attrs(ctypes.Structure):  # CUmemcpyAttributes
-    _fields_ = [
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocType", ctypes.c_int),
-        ("srcLocId", ctypes.c_int),
-        ("dstLocType", ctypes.c_int),
-        ("dstLocId", ctypes.c_int),
-        ("flags", ctypes.c_uint),
-    ]
-
-
 def driver_batch():
-    """cuMemcpyBatchAsync from libcuda by ctypes: fn(dsts, srcs, sizes, stream) with numpy arrays."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    attrs = _Attrs(1, 0, 0, 0, 0, 1)  # order: stream; flags: prefer overlap with compute
-    idx = ctypes.c_size_t(0)
-    fail = ctypes.c_size_t(0)
-    try:
-        f = lib.cuMemcpyBatchAsync_v2
-        v2 = True
-    except AttributeError:
-        f = lib.cuMemcpyBatchAsync
-        v2 = False
-    vp = ctypes.c_void_p
+    """cuMemcpyBatchAsync handed numpy arrays by address: pdkv's own call
+    (``pdkv._ffi.libcuda``, what its batch strategy runs), fn(dsts, srcs, sizes, stream)."""
+    from pdkv._ffi import libcuda
 
-    def call(d: np.ndarray, s: np.ndarray, n: np.ndarray, stream: int) -> None:
-        args = [vp(d.ctypes.data), vp(s.ctypes.data), vp(n.ctypes.data), ctypes.c_size_t(d.size)]
-        args += [ctypes.byref(attrs), ctypes.byref(idx), ctypes.c_size_t(1)]
-        if not v2:
-            args.append(ctypes.byref(fail))
-        r = f(*args, vp(stream))
-        if r != 0:
-            raise RuntimeError(f"cuMemcpyBatchAsync: CUresult {r}")
-
-    return call, ("cuMemcpyBatchAsync_v2" if v2 else "cuMemcpyBatchAsync")
+    return libcuda.memcpy_batch_arrays, "cuMemcpyBatchAsync by address (pdkv._ffi.libcuda)"
 
 
 def one_direction(torch, host, gpu, hi, gi, size, direction, rate, tma, batch, pdkv_kernel, streams, joins):
