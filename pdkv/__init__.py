@@ -32,7 +32,7 @@ from .scheduling.scheduler import (
 )
 from .swap import CopyHandle, CopyPlan, SwapEngine, SwapGroup, plan_copy
 from .transfer import DecodeReceiver, PrefillSender, ReceiverOptions, RequestOutcome, SenderOptions, SendGrant
-from .transfer import rdma_qp as rdma  # noqa: F401  (pdkv.rdma: the RDMA queue-pair layer)
+from .transfer.transports import rdma_qp as rdma  # noqa: F401  (pdkv.rdma: the RDMA queue-pair layer)
 
 # a library logs only where the application configured logging (no last-resort output)
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())

@@ -29,7 +29,7 @@ def prefill(a: argparse.Namespace) -> None:
         spec = CacheSpec.for_buffer(lay, 64, ptr, device=a.device)
     secret = bytes.fromhex(a.secret) if a.secret else None
     if a.send_delay:  # a slow link: each staged frame's send takes this long
-        from pdkv.transfer import tcp
+        from pdkv.transfer.transports import tcp
 
         push = tcp._push_staged
 

@@ -16,7 +16,7 @@ from test_transfer import BASE, _lines, _spawn, clean_killed_segment, expected_b
 from pdkv import BlockPool, CacheSpec, DecodeScheduler, KVLayout, SchedulerOptions, SharedBuffer, SwapEngine, _ffi
 from pdkv.errors import LayoutError, PeerError, ProtocolError
 from pdkv.transfer import DecodeReceiver, PrefillSender
-from pdkv.transfer.ipc_export import IpcMapping, export_gpu_caches, parse_ipc_section
+from pdkv.transfer.transports.ipc_export import IpcMapping, export_gpu_caches, parse_ipc_section
 
 
 class FakeIpc:

@@ -1,4 +1,4 @@
-"""The session handshake (transfer/handshake.py) on both sides, in one process and fast:
+"""The session handshake (transfer/sessions/handshake.py) on both sides, in one process and fast:
 decode's answers to every Hello and Auth it must refuse, each refusal's exact words, what a
 session it accepts is made of; and prefill's side against a scripted decode (a ROUTER
 socket) that answers out of order, refuses, goes silent or names a transport never offered.
@@ -36,8 +36,8 @@ from pdkv.protocol import (
     mask_instance_key,
     new_nonce,
 )
-from pdkv.transfer import handshake
-from pdkv.transfer.identity import instance_key_of, key_fingerprint
+from pdkv.transfer.sessions import handshake
+from pdkv.transfer.sessions.identity import instance_key_of, key_fingerprint
 
 SECRET = b"k" * 32
 
@@ -482,7 +482,7 @@ from pdkv.protocol import (  # noqa: E402
     RdmaEndpointDesc,
     RdmaOffer,
 )
-from pdkv.transfer.base import ReceiverTransport, SenderTransport  # noqa: E402
+from pdkv.transfer.transports.base import ReceiverTransport, SenderTransport  # noqa: E402
 
 FAKE: dict = {}  # how the fake transport behaves in this test; what it saw
 
@@ -748,7 +748,7 @@ def test_an_identity_refusal_is_logged(caplog):
 def test_auto_leaves_a_transport_whose_software_is_missing_out_of_the_offer(fake, monkeypatch, caplog):
     """transport=auto: a transport that cannot be made for lack of software (NIXL) is left
     out of the Hello with a warning; named, or the only one, it is the error."""
-    from pdkv.transfer import base as registry
+    from pdkv.transfer.transports import base as registry
 
     fake["unavailable"] = "NIXL is not installed"
     monkeypatch.setattr(registry, "auto_offer", lambda cache: ["fake", "tcp"])
@@ -782,7 +782,7 @@ def test_the_hello_carries_the_offered_transports_fields_and_the_welcome_picks_o
         "cuda": CudaDesc(device_uuid="GPU-abc"),
         "nixl": NixlHello(agent="prefill-agent", metadata=b"x"),
     }
-    from pdkv.transfer import base as registry
+    from pdkv.transfer.transports import base as registry
 
     made_tcp = []
     real_get = registry.get

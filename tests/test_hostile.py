@@ -862,7 +862,7 @@ def test_a_pid_beyond_any_process_is_refused_and_a_broken_check_stops_no_other(m
         silent = RawSession(dec.rx.control_address, lay, instance="silent", ctx=ctx)
         silent.send(ReserveReq("s", 8))
         assert silent.recv().outcome == "buffer"
-        from pdkv.transfer import decode as decode_mod
+        from pdkv.transfer.sessions import decode as decode_mod
 
         real = decode_mod.pid_alive
         for p in dec.rx._peers.values():
@@ -874,7 +874,7 @@ def test_a_pid_beyond_any_process_is_refused_and_a_broken_check_stops_no_other(m
                 raise OverflowError("as os.kill raised for 2**63 - 1")
             return real(pid)
 
-        monkeypatch.setattr("pdkv.transfer.decode.pid_alive", pid_alive)
+        monkeypatch.setattr("pdkv.transfer.sessions.decode.pid_alive", pid_alive)
         wait_until(lambda: dec.sched.request("s").state is State.FAILED, 5, "the silent peer fenced")
         bad.close()
         silent.close()

@@ -65,7 +65,7 @@ def test_nixl_every_byte(P, D, nhd, prepared, monkeypatch, no_leaks):
     number of requests and layers), and through lists built per write (a cache whose
     prepared lists would pass PREPARED_MAX)."""
     from pdkv import _ffi
-    from pdkv.transfer import nixl
+    from pdkv.transfer.transports import nixl
 
     if not prepared:
         monkeypatch.setattr(nixl, "PREPARED_MAX", 0)
@@ -115,7 +115,7 @@ def test_nixl_gpu_source_rule(monkeypatch):
     """A GPU cache is staged unless the host has an RDMA device (or gpudirect says)."""
     from pdkv import _ffi
     from pdkv.transfer import SenderOptions
-    from pdkv.transfer.nixl import gpu_source_staged
+    from pdkv.transfer.transports.nixl import gpu_source_staged
 
     monkeypatch.setattr(_ffi.verbs, "rdma_devices", lambda: [])
     o = SenderOptions
@@ -143,7 +143,7 @@ def test_nixl_auto_offers_it_only_on_an_rdma_host_and_skips_missing_software(mon
         pytest.skip("pyverbs is installed: the missing-software case needs a host without it")
     dec = Decode(transports=("tcp", "nixl"))
     try:
-        with caplog.at_level("WARNING", logger="pdkv.transfer.handshake"):
+        with caplog.at_level("WARNING", logger="pdkv.transfer.sessions.handshake"):
             tx = PrefillSender(lay, spec, dec.rx.control_address, transport="auto", instance="pf", timeout_s=5)
         with tx:
             assert tx.transport == "nixl"
@@ -181,7 +181,7 @@ def test_nixl_hostile_agent_metadata_is_refused_and_changes_nothing(no_leaks):
 
     from pdkv.errors import PeerError
     from pdkv.protocol import MAX_NIXL_METADATA, NixlHello
-    from pdkv.transfer import nixl
+    from pdkv.transfer.transports import nixl
 
     dec = Decode(transports=("nixl",))
     try:

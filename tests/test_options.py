@@ -10,7 +10,7 @@ import pytest
 
 from pdkv import ReceiverOptions, SenderOptions
 from pdkv.layout import CacheSpec, KVLayout
-from pdkv.transfer import options as opts
+from pdkv.transfer.sessions import options as opts
 
 POSITIVE = "must be a positive number"
 

@@ -25,7 +25,7 @@ from pdkv import (
 )
 from pdkv.errors import PdkvTimeoutError, PeerError, ProtocolError, RdmaError, RdmaUnavailableError
 from pdkv.transfer import DecodeReceiver, PrefillSender
-from pdkv.transfer.rdma_qp import (
+from pdkv.transfer.transports.rdma_qp import (
     CompletionTracker,
     EndpointInfo,
     RdmaTarget,

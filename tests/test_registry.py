@@ -122,7 +122,7 @@ def test_auto_offers_a_registered_transport_by_its_rank(pycopy):
 
 
 def test_the_registry_refuses_by_name():
-    from pdkv.transfer.tcp import TcpReceiver, TcpSender
+    from pdkv.transfer.transports.tcp import TcpReceiver, TcpSender
 
     with pytest.raises(ValueError, match="already registered"):
         transfer.register(TcpSender, TcpReceiver)
@@ -136,7 +136,7 @@ def test_the_registry_refuses_by_name():
     with pytest.raises(ValueError, match="same non-empty name"):
         transfer.register(Odd, Other)
     with pytest.raises(ValueError, match="'odd' is not registered"):
-        transfer.base.get("odd")
+        transfer.transports.base.get("odd")
     with pytest.raises(ValueError, match="no transport 'odd'"):
         transfer.unregister("odd")
     assert transfer.names() == ["cuda_ipc", "shm", "rdma", "nixl", "tcp"]  # by auto_rank

@@ -1,4 +1,4 @@
-"""Staged sends (pdkv.transfer.staging): a cache's layers gathered into a staging ring and
+"""Staged sends (pdkv.transfer.transports.staging): a cache's layers gathered into a staging ring and
 sent from there. On CPU CI the swap engine's host strategy stands in for the GPU gather
 (``staging="always"`` on a host cache); the ``cuda`` tests run the same path from GPU
 caches. Every test name contains ``staged``."""
@@ -29,8 +29,8 @@ from test_transfer import (
 
 from pdkv import CacheSpec, PrefillSender, State
 from pdkv.errors import ClosedError, PdkvTimeoutError, TransferError
-from pdkv.transfer import tcp
-from pdkv.transfer.staging import StagedSends, StagingRing, chunk_ranges, default_slot_bytes
+from pdkv.transfer.transports import tcp
+from pdkv.transfer.transports.staging import StagedSends, StagingRing, chunk_ranges, default_slot_bytes
 
 BLOCK = 4096  # bytes of one block of one layer (test_transfer.BASE: 2 tensors x 2 KiB)
 
@@ -745,7 +745,7 @@ def test_staged_rdma_gpudirect_refused_stages_or_fails_as_asked(monkeypatch, no_
 
     from pdkv.errors import RdmaError
     from pdkv.transfer import SenderOptions
-    from pdkv.transfer.rdma import RdmaSender
+    from pdkv.transfer.transports.rdma import RdmaSender
 
     fabric = fake_verbs.install(monkeypatch)
     fabric.gpudirect = None

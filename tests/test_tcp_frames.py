@@ -25,9 +25,9 @@ from pdkv.errors import ClosedError, GrantViolation, PdkvTimeoutError, PeerError
 from pdkv.protocol import GrantMsg, ReserveReq
 from pdkv.scheduling.lifecycle import State
 from pdkv.transfer import FRAME_HEADER, FRAME_ITEM
-from pdkv.transfer import tcp as tcpmod
-from pdkv.transfer.sockets import _POLL_S, kernel_timeouts
-from pdkv.transfer.tcp import MAX_FRAME_ITEMS, MAX_FRAME_PAYLOAD
+from pdkv.transfer.transports import tcp as tcpmod
+from pdkv.transfer.transports.sockets import _POLL_S, kernel_timeouts
+from pdkv.transfer.transports.tcp import MAX_FRAME_ITEMS, MAX_FRAME_PAYLOAD
 
 TB = 2048  # a tensor's block: 4 heads x 8 tokens x 32 x 2 bytes
 ROW = dict(length=64, count=8, dstride=256)  # one head of a token-major block: 8 rows of 64 B, 256 B apart

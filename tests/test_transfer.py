@@ -548,7 +548,7 @@ def test_default_copy_threads_follow_the_cpus_this_process_may_use(monkeypatch):
 
 @pytest.mark.multiproc
 def test_shm_copy_threads_share_the_gather(monkeypatch, no_leaks):
-    import pdkv.transfer.hostcopy as hc
+    import pdkv.transfer.transports.hostcopy as hc
 
     monkeypatch.setattr(hc, "GATHER_PIECE", 8 << 10)  # many small takes, so that every thread gets some
     dec = Decode(nb=256, transports=("shm",))
@@ -608,7 +608,7 @@ def test_many_engine_threads_share_one_sender(transport, no_leaks):
 def test_channel_wake_after_close_touches_no_reused_fd(tmp_path):
     import zmq
 
-    from pdkv.transfer.channel import Channel as _Channel
+    from pdkv.transfer.sessions.channel import Channel as _Channel
 
     ctx = zmq.Context()
     try:
@@ -652,7 +652,7 @@ class _TrickleSocket:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 300), max_size=1500), st.lists(st.integers(1, 5000), min_size=1, max_size=8))
 def test_sendmsg_all_sends_every_byte_in_order_through_partial_sends(sizes, caps):
-    from pdkv.transfer.sockets import sendmsg_all as _sendmsg_all
+    from pdkv.transfer.transports.sockets import sendmsg_all as _sendmsg_all
 
     rng = np.random.default_rng(len(sizes))
     bufs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
@@ -785,7 +785,7 @@ class _Planner:
     """A prefill rank's planning and host copying, writing into ``dsts`` (no session)."""
 
     def __init__(self, src_lay, dst_lays, src, dsts, nb, threads=1):
-        from pdkv.transfer.hostcopy import HostCopier
+        from pdkv.transfer.transports.hostcopy import HostCopier
 
         self.src_lay, self.dst_lay = src_lay, dst_lays[0]
         self.cache = CacheSpec.for_buffer(src_lay, nb, src.ctypes.data)
@@ -910,7 +910,7 @@ def test_a_tcp_run_longer_than_a_frame_arrives_in_several(monkeypatch, no_leaks)
     """A long request's blocks, contiguous on both sides, are one run: it used to go as one
     item in one frame, which decode refuses past MAX_FRAME_PAYLOAD (the connection dropped
     and the request failed). Limits scaled down here: frames of 16 KiB, refused past 64 KiB."""
-    import pdkv.transfer.tcp as tr
+    import pdkv.transfer.transports.tcp as tr
 
     monkeypatch.setattr(tr, "MAX_FRAME_PAYLOAD", 64 << 10)
     monkeypatch.setattr(tr, "_FRAME_BYTES", 16 << 10)
@@ -941,7 +941,7 @@ def test_a_reservation_larger_than_one_grant_can_carry_is_refused_by_name(monkey
     """A grant is one message; prefill refuses one of more than MAX_GRANT_BLOCKS ids as a
     protocol violation. Decode refuses such a reservation up front (holding nothing) instead
     of sending it. Limit scaled down to 4 blocks here."""
-    import pdkv.transfer.decode as tr
+    import pdkv.transfer.sessions.decode as tr
 
     monkeypatch.setattr(tr, "MAX_GRANT_BLOCKS", 4)
     dec = Decode(nb=16)
@@ -988,7 +988,7 @@ def test_grants_decided_together_go_out_in_batches_within_the_limits():
     """512 grants or MAX_BATCH_BLOCKS block ids a GrantBatch at most; a grant larger than
     that alone goes as a plain GrantMsg; every message passes the receiving side's checks."""
     from pdkv.protocol import MAX_BATCH_BLOCKS, Codec, GrantBatch, GrantMsg
-    from pdkv.transfer.channel import Replies
+    from pdkv.transfer.sessions.channel import Replies
 
     sent = []
     replies = Replies(lambda ident, m: sent.append((ident, m)))  # the receiver's batching of grants
@@ -1019,7 +1019,7 @@ def test_grants_decided_together_go_out_in_batches_within_the_limits():
 @given(sizes=st.lists(st.one_of(st.integers(0, 40), st.integers(20000, 70000)), min_size=1, max_size=1200))
 def test_grant_batches_keep_every_grant_in_order_within_the_limits(sizes):
     from pdkv.protocol import MAX_BATCH_BLOCKS, GrantBatch, GrantMsg
-    from pdkv.transfer.channel import Replies
+    from pdkv.transfer.sessions.channel import Replies
 
     sent = []
     replies = Replies(lambda ident, m: sent.append(m))
@@ -1167,7 +1167,7 @@ def fused_every_byte(transport, P, D, src, dst):
 def test_outcomes_taken_by_callback_leave_no_record_per_request(monkeypatch, no_leaks):
     """A sender whose outcomes go to ``on_outcome`` never calls wait_outcome: it keeps the
     newest MAX_RESOLVED outcomes for a late ask, and nothing per request beyond them."""
-    import pdkv.transfer.prefill as prefill_mod
+    import pdkv.transfer.sessions.prefill as prefill_mod
 
     monkeypatch.setattr(prefill_mod, "MAX_RESOLVED", 4)
     dec = Decode()

@@ -34,7 +34,7 @@ from pdkv.integrations.vllm.settings import (
     parse_settings,
 )
 from pdkv.transfer import RequestOutcome, SendGrant
-from pdkv.transfer.identity import instance_key_of, key_fingerprint
+from pdkv.transfer.sessions.identity import instance_key_of, key_fingerprint
 
 LAY = dict(num_layers=3, kv_heads=2, head_dim=16, block_size=8, dtype="torch.float32", tp_size=1, tp_rank=0)
 D1, D2 = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"

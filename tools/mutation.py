@@ -25,7 +25,7 @@ Not part of CI (it takes tens of minutes on 2 cores). Needs ``pip install mutmut
     python tools/mutation.py scheduling.scheduler --mutants survivors.txt   # only these, against the module's tests
     python tools/mutation.py --keep DIR --write-table   # every module; its rows into tests/README.md
 
-A module named ``path:Class`` (``transfer.tcp:TcpReceiver``) is that class of the module
+A module named ``path:Class`` (``transfer.transports.tcp:TcpReceiver``) is that class of the module
 alone: only its mutants are run and counted.
 
 ``--check-table`` says which rows still stand for the checkout (the module, its tests and
@@ -393,7 +393,7 @@ def _lines_of(text: str, prefix: str) -> list[str]:
 
 
 def source_of(module: str) -> str:
-    """A table key's source file: ``transfer.tcp:TcpReceiver`` -> ``pdkv/transfer/tcp.py``."""
+    """A table key's source file: ``transfer.transports.tcp:TcpReceiver`` -> ``pdkv/transfer/transports/tcp.py``."""
     return "pdkv/" + module.partition(":")[0].replace(".", "/") + ".py"
 
 

@@ -15,7 +15,7 @@ observed on the host).
 What is exported:
 
 - a GPU cache: one CUDA IPC handle per allocation holding it, plus each (layer, tensor)
-  region's allocation, offset and block stride (the encoding :mod:`pdkv.transfer.ipc_export` uses
+  region's allocation, offset and block stride (the encoding :mod:`pdkv.transfer.transports.ipc_export` uses
   for the ``cuda_ipc`` transport), and the device's UUID, which the scheduler process
   maps to its own ordinal (the processes may see different ``CUDA_VISIBLE_DEVICES``);
 - a host cache: the name of the :class:`~pdkv.SharedBuffer` it lives in (a worker makes
@@ -48,7 +48,7 @@ from ..buffer.shared import SharedBuffer
 from ..errors import LayoutError, ProtocolError
 from ..layout import CacheSpec, KVLayout
 from ..protocol import LayoutDesc, layout_desc
-from ..transfer.ipc_export import IpcMapping, _export_rank, _region_end, parse_ipc_section
+from ..transfer.transports.ipc_export import IpcMapping, _export_rank, _region_end, parse_ipc_section
 
 __all__ = ["export_cache", "map_cache", "host_cache", "MappedCache", "CacheExport", "MAX_EXPORT_BYTES"]
 
@@ -98,7 +98,7 @@ def export_cache(layout: KVLayout, spec: CacheSpec, buffer: SharedBuffer | None 
     cache must lie in ``buffer`` (see :func:`host_cache`).
 
     Raises LayoutError for a cache of another layout, a host cache outside ``buffer`` (or
-    without one), or GPU memory that has no IPC handle (see :mod:`pdkv.transfer.ipc_export`)."""
+    without one), or GPU memory that has no IPC handle (see :mod:`pdkv.transfer.transports.ipc_export`)."""
     if spec.layout != layout:
         raise LayoutError(f"rank {layout.tp_rank}'s cache has another layout than the rank")
     common = dict(version=EXPORT_VERSION, rank=layout.tp_rank, layout=layout_desc(layout), num_blocks=spec.num_blocks)

@@ -128,7 +128,7 @@ class LayoutDesc(_Rec, kw_only=True, frozen=True):
 
 
 class RdmaEndpointDesc(_Rec, kw_only=True, frozen=True):
-    """A queue pair's record (``pdkv.transfer.rdma_qp.EndpointInfo``)."""
+    """A queue pair's record (``pdkv.transfer.transports.rdma_qp.EndpointInfo``)."""
 
     qpn: _U32
     psn: _U32
@@ -199,7 +199,7 @@ class IpcRank(_Rec, kw_only=True, frozen=True):
 
 
 class IpcSection(_Rec, kw_only=True, frozen=True):
-    """``Welcome.cuda`` (see :mod:`pdkv.transfer.ipc_export`)."""
+    """``Welcome.cuda`` (see :mod:`pdkv.transfer.transports.ipc_export`)."""
 
     ranks: Annotated[list[IpcRank], msgspec.Meta(max_length=MAX_TP)]
 

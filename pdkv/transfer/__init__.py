@@ -4,33 +4,30 @@ Decode runs a :class:`DecodeReceiver` (control plane on a ZeroMQ ROUTER socket, 
 :class:`~pdkv.scheduling.scheduler.DecodeScheduler` behind it); each prefill rank runs a
 :class:`PrefillSender` (DEALER socket, a data thread that writes layer after layer while
 the engine computes the next one). The bytes move through a transport, chosen per peer
-from those both sides have registered (:mod:`.base`: the interface and the registry):
+from those both sides have registered (:mod:`.transports.base`: the interface and the
+registry). The folder shows the split: ``sessions`` (prefill's and decode's sides, their
+handshake, guard, channel and options) over ``transports`` (how the bytes move):
 
-``cuda_ipc`` (:mod:`.cuda_ipc`) a GPU cache on decode's host into decode's GPU blocks.
-``shm``      (:mod:`.shm`) decode's shared buffers written directly by a same-host prefill.
-``rdma``     (:mod:`.rdma`) one-sided RDMA writes (pyverbs); not run on RDMA hardware.
-``tcp``      (:mod:`.tcp`) framed payloads received straight into the granted blocks.
-``nixl``     (:mod:`.nixl`) NVIDIA NIXL writes (UCX) into decode's registered buffers.
+``cuda_ipc`` (:mod:`.transports.cuda_ipc`) a GPU cache on decode's host into decode's GPU blocks.
+``shm``      (:mod:`.transports.shm`) decode's shared buffers written directly by a same-host prefill.
+``rdma``     (:mod:`.transports.rdma`) one-sided RDMA writes (pyverbs); not run on RDMA hardware.
+``tcp``      (:mod:`.transports.tcp`) framed payloads received straight into the granted blocks.
+``nixl``     (:mod:`.transports.nixl`) NVIDIA NIXL writes (UCX) into decode's registered buffers.
 
 ``auto`` offers, for a host cache, shm, rdma (where this host has a device) and tcp; for a
 GPU cache, cuda_ipc and shm; decode picks the first it serves and can use for the peer.
 A new transport is one module with a :class:`SenderTransport` and a
 :class:`ReceiverTransport` subclass, made available by :func:`register`.
 
-The sessions: ``decode`` (:class:`DecodeReceiver`: the control loop and message handling)
-over ``receiver`` (its state and the surface transports use), ``prefill``
-(:class:`PrefillSender`), ``handshake`` (both halves of session setup) with ``identity``
-(instance keys, pending handshakes), ``guard`` (decode's control connections), ``channel``,
-``options``, ``sockets`` (authenticated data connections), ``staging`` and ``hostcopy``
-(the staged and host copy paths), ``rdma_qp`` and ``ipc_export`` (the RDMA queue-pair layer and
-the CUDA IPC export, beside their transports).
-
 May import: everything below it (errors, layout, protocol, plan, scheduling, buffer, swap,
 ``integrations.interop``, ``_ffi``); the sessions reach transports only through the registry.
 """
 
-from . import base
-from .base import (
+from .sessions.decode import DecodeReceiver
+from .sessions.options import ReceiverOptions, SenderOptions, default_copy_threads, default_streams
+from .sessions.prefill import PrefillSender
+from .transports import base
+from .transports.base import (
     ReceiverTransport,
     RequestOutcome,
     SenderTransport,
@@ -41,14 +38,11 @@ from .base import (
     register,
     unregister,
 )
-from .cuda_ipc import CudaIpcReceiver, CudaIpcSender
-from .decode import DecodeReceiver
-from .nixl import NixlReceiver, NixlSender
-from .options import ReceiverOptions, SenderOptions, default_copy_threads, default_streams
-from .prefill import PrefillSender
-from .rdma import RdmaReceiver, RdmaSender
-from .shm import ShmReceiver, ShmSender
-from .tcp import FRAME_HEADER, FRAME_ITEM, TcpReceiver, TcpSender
+from .transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender
+from .transports.nixl import NixlReceiver, NixlSender
+from .transports.rdma import RdmaReceiver, RdmaSender
+from .transports.shm import ShmReceiver, ShmSender
+from .transports.tcp import FRAME_HEADER, FRAME_ITEM, TcpReceiver, TcpSender
 
 __all__ = [
     "DecodeReceiver",

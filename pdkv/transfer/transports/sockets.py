@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ClosedError, PdkvError, PdkvTimeoutError, PeerError, ProtocolError
-from ..protocol import data_auth_mac, new_nonce
+from ...errors import ClosedError, PdkvError, PdkvTimeoutError, PeerError, ProtocolError
+from ...protocol import data_auth_mac, new_nonce
 from .base import ReceiverHost
 
 __all__ = [

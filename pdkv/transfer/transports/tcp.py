@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import _ffi
-from ..errors import ClosedError, GrantViolation, PdkvError, ProtocolError, TransferError
-from ..layout import KVLayout, Segment
-from ..plan import plan_layer, tcp_frames, tcp_items
-from ..protocol import Hello, Welcome
-from ..scheduling.scheduler import WriteTicket
+from ... import _ffi
+from ...errors import ClosedError, GrantViolation, PdkvError, ProtocolError, TransferError
+from ...layout import KVLayout, Segment
+from ...plan import plan_layer, tcp_frames, tcp_items
+from ...protocol import Hello, Welcome
+from ...scheduling.scheduler import WriteTicket
 from .base import Inflight, Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
 from .sockets import FRAME_HEADER, K_DATA, MAGIC, DataListener, connect_authenticated, sendmsg_all
 from .staging import StagedSends, chunk_ranges, make_staged

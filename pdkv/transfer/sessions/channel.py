@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from ..protocol import MAX_BATCH_BLOCKS, MAX_TEXT, GrantBatch, GrantMsg, Message, Outcome, OutcomeBatch
+from ...protocol import MAX_BATCH_BLOCKS, MAX_TEXT, GrantBatch, GrantMsg, Message, Outcome, OutcomeBatch
 
 __all__ = ["Channel", "RateLimitedLog", "Replies", "clip", "closing", "SEND_BATCH"]
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import _ffi
-from ..buffer.shared import SharedBuffer
-from ..errors import PdkvError, ProtocolError
-from ..layout import CacheSpec, KVLayout
-from ..plan import CopyPlan, layer_pieces
-from ..protocol import Hello, Welcome
+from ... import _ffi
+from ...buffer.shared import SharedBuffer
+from ...errors import PdkvError, ProtocolError
+from ...layout import CacheSpec, KVLayout
+from ...plan import CopyPlan, layer_pieces
+from ...protocol import Hello, Welcome
 from .base import Peer, ReceiverTransport, SenderHost, SenderTransport, WriteItem, report_layer
 from .hostcopy import HostCopier
 
@@ -55,7 +55,7 @@ class ShmSender(SenderTransport):
                 )
             self.dst_specs[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, b.address)
         if cache.device is not None:
-            from ..swap.engine import SwapEngine
+            from ...swap.engine import SwapEngine
 
             # only copy_plan() is used: explicit GPU -> mapped-host addresses, so the
             # engine's own pair of caches is this rank's cache on both sides

@@ -17,11 +17,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .. import _ffi
-from ..errors import PdkvError, ProtocolError, RdmaError, RdmaUnavailableError
-from ..layout import CacheSpec, KVLayout
-from ..plan import layer_pieces
-from ..protocol import Hello, LayerDone, RdmaEndpointDesc, RdmaOffer, Welcome, to_plain
+from ... import _ffi
+from ...errors import PdkvError, ProtocolError, RdmaError, RdmaUnavailableError
+from ...layout import CacheSpec, KVLayout
+from ...plan import layer_pieces
+from ...protocol import Hello, LayerDone, RdmaEndpointDesc, RdmaOffer, Welcome, to_plain
 from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
 from .rdma_qp import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .staging import StagedSends, make_staged, stage_layer

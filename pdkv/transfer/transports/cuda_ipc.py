@@ -13,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from .. import _ffi
-from ..errors import PdkvError
-from ..layout import CacheSpec, KVLayout
-from ..protocol import CudaDesc, Hello, IpcSection, Welcome, to_plain
+from ... import _ffi
+from ...errors import PdkvError
+from ...layout import CacheSpec, KVLayout
+from ...protocol import CudaDesc, Hello, IpcSection, Welcome, to_plain
 from .base import Peer, ReceiverHost, WriteItem
 from .ipc_export import IpcMapping, export_gpu_caches, parse_ipc_section, unreachable
 from .shm import ShmReceiver, ShmSender

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _ffi
-from ..layout import CacheSpec, Segment
-from ..plan import check_within, split_runs
+from ... import _ffi
+from ...layout import CacheSpec, Segment
+from ...plan import check_within, split_runs
 
 __all__ = ["HostCopier", "GATHER_PIECE"]
 

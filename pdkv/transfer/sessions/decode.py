@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import GrantViolation, PdkvError, ProtocolError, RequestError
-from ..plan import run_lengths
-from ..procs import pid_alive
-from ..protocol import (
+from ...errors import GrantViolation, PdkvError, ProtocolError, RequestError
+from ...plan import run_lengths
+from ...procs import pid_alive
+from ...protocol import (
     MAX_GRANT_BLOCKS,
     Abort,
     Auth,
@@ -39,9 +39,9 @@ from ..protocol import (
     ReserveBatch,
     ReserveReq,
 )
-from ..scheduling.scheduler import Event, EventKind
+from ...scheduling.scheduler import Event, EventKind
+from ..transports.base import Inflight, Peer
 from . import handshake
-from .base import Inflight, Peer
 
 __all__ = ["DecodeReceiver"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import zmq
 
-from .. import _ffi
-from ..errors import (
+from ... import _ffi
+from ...errors import (
     ClosedError,
     LayoutError,
     PdkvTimeoutError,
@@ -30,8 +30,8 @@ from ..errors import (
     RequestError,
     TransferError,
 )
-from ..layout import CacheSpec, KVLayout, Segment
-from ..protocol import (
+from ...layout import CacheSpec, KVLayout, Segment
+from ...protocol import (
     Abort,
     Bye,
     Codec,
@@ -45,9 +45,18 @@ from ..protocol import (
     Outcome,
     OutcomeBatch,
 )
-from . import base as registry
+from ..transports import base as registry
+from ..transports.base import (
+    FinishJob,
+    LayerJob,
+    LayerLog,
+    RequestOutcome,
+    SenderTransport,
+    SendGrant,
+    Waiter,
+    WriteItem,
+)
 from . import handshake
-from .base import FinishJob, LayerJob, LayerLog, RequestOutcome, SenderTransport, SendGrant, Waiter, WriteItem
 from .channel import SEND_BATCH, Channel, clip
 from .options import SenderOptions, merge_options
 from .reservations import Reservations

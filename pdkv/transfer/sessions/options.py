@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..layout import CacheSpec
+from ...layout import CacheSpec
 
 __all__ = ["ReceiverOptions", "SenderOptions", "default_copy_threads", "default_streams", "merge_options"]
 

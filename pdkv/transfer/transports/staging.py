@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import _ffi
-from ..errors import ClosedError, PdkvTimeoutError, TransferError
-from ..layout import KVLayout, Segment
-from ..plan import CopyPlan, check_within, layer_pieces, split_runs
+from ... import _ffi
+from ...errors import ClosedError, PdkvTimeoutError, TransferError
+from ...layout import KVLayout, Segment
+from ...plan import CopyPlan, check_within, layer_pieces, split_runs
 
 _log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class StagedSends:
         timeout_s: float = 10.0,
         fail_request: Callable[[str, str], None] | None = None,
     ) -> None:
-        from ..swap.engine import SwapEngine
+        from ...swap.engine import SwapEngine
 
         if not isinstance(lanes, int) or not 1 <= lanes <= 64:
             raise ValueError(f"lanes={lanes!r} must be an integer in 1..64")

@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import _ffi
-from ..errors import PdkvTimeoutError, ProtocolError, TransferError
-from ..layout import CacheSpec, KVLayout
-from ..plan import layer_pieces
-from ..protocol import Hello, NixlHello, NixlOffer, NixlRegionDesc, Welcome
+from ... import _ffi
+from ...errors import PdkvTimeoutError, ProtocolError, TransferError
+from ...layout import CacheSpec, KVLayout
+from ...plan import layer_pieces
+from ...protocol import Hello, NixlHello, NixlOffer, NixlRegionDesc, Welcome
 from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem, report_layer
 from .rdma_qp import merge_regions
 from .staging import StagedSends, make_staged, stage_layer

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _ffi
-from ..errors import CudaError, LayoutError, PdkvError, ProtocolError, TransferError
-from ..layout import CacheSpec, KVLayout
+from ... import _ffi
+from ...errors import CudaError, LayoutError, PdkvError, ProtocolError, TransferError
+from ...layout import CacheSpec, KVLayout
 
 __all__ = ["export_gpu_caches", "parse_ipc_section", "IpcMapping", "RankCache", "unreachable"]
 

@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ..layout import CacheSpec, KVLayout, Segment
+from ...layout import CacheSpec, KVLayout, Segment
 
 if TYPE_CHECKING:
-    from ..buffer.shared import SharedBuffer
-    from ..protocol import Codec, Hello, Message, Welcome
-    from ..scheduling.scheduler import DecodeScheduler
+    from ...buffer.shared import SharedBuffer
+    from ...protocol import Codec, Hello, Message, Welcome
+    from ...scheduling.scheduler import DecodeScheduler
 
 __all__ = [
     "SendGrant",
@@ -133,7 +133,7 @@ class SenderHost(Protocol):
 def report_layer(host: SenderHost, layer: int, work: Sequence[WriteItem]) -> None:
     """Tell decode ``layer`` of these requests is written (``LayerBatch`` messages): a
     transport whose writes decode cannot see land (shm, cuda_ipc, nixl) reports them so."""
-    from ..protocol import MAX_BATCH_ITEMS, LayerBatch
+    from ...protocol import MAX_BATCH_ITEMS, LayerBatch
 
     items = [(w.request_id, w.grant.token, len(w.src)) for w in work]
     for i in range(0, len(items), MAX_BATCH_ITEMS):

@@ -19,18 +19,18 @@ from typing import Any
 
 import zmq
 
-from ..buffer.shared import SharedBuffer
-from ..layout import CacheSpec, KVLayout
-from ..protocol import (
+from ...buffer.shared import SharedBuffer
+from ...layout import CacheSpec, KVLayout
+from ...protocol import (
     MAX_MESSAGE_BYTES,
     Bye,
     Codec,
     GrantMsg,
     Message,
 )
-from ..scheduling.scheduler import DecodeScheduler, Event
-from . import base as registry
-from .base import Inflight, Peer, ReceiverTransport
+from ...scheduling.scheduler import DecodeScheduler, Event
+from ..transports import base as registry
+from ..transports.base import Inflight, Peer, ReceiverTransport
 from .channel import Channel, RateLimitedLog, Replies
 from .guard import ControlGuard
 from .identity import Handshake, HelloNonces

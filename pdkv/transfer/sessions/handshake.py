@@ -29,7 +29,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import (
+from ...errors import (
     LayoutError,
     NixlUnavailableError,
     PdkvError,
@@ -38,9 +38,9 @@ from ..errors import (
     ProtocolError,
     RdmaUnavailableError,
 )
-from ..layout import KVLayout, Segment, tp_segments
-from ..procs import boot_id
-from ..protocol import (
+from ...layout import KVLayout, Segment, tp_segments
+from ...procs import boot_id
+from ...protocol import (
     PROTOCOL_VERSION,
     Auth,
     Challenge,
@@ -54,8 +54,8 @@ from ..protocol import (
     mask_instance_key,
     new_nonce,
 )
-from . import base as registry
-from .base import Peer, SenderHost, SenderTransport
+from ..transports import base as registry
+from ..transports.base import Peer, SenderHost, SenderTransport
 from .identity import Handshake, instance_key_of, key_fingerprint
 from .options import SenderOptions
 from .receiver import ReceiverCore

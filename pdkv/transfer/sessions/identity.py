@@ -10,8 +10,8 @@ import os
 import threading
 from dataclasses import dataclass
 
-from ..layout import KVLayout, Segment
-from ..protocol import Codec, Hello
+from ...layout import KVLayout, Segment
+from ...protocol import Codec, Hello
 
 __all__ = ["Handshake", "HelloNonces", "instance_key_of", "key_fingerprint"]
 

@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _ffi
-from ..errors import PdkvError, PdkvTimeoutError, ProtocolError, RdmaError, TransferError
-from ..plan import check_within, coalesce
+from ... import _ffi
+from ...errors import PdkvError, PdkvTimeoutError, ProtocolError, RdmaError, TransferError
+from ...plan import check_within, coalesce
 
 __all__ = [
     "WriteWR",

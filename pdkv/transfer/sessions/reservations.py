@@ -11,9 +11,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..errors import PdkvError, PdkvTimeoutError, RequestError
-from ..protocol import MAX_BINDING, MAX_ID, MAX_NUM_TOKENS, Abort, Message, ReserveBatch, ReserveReq
-from .base import RequestOutcome, SendGrant, Waiter
+from ...errors import PdkvError, PdkvTimeoutError, RequestError
+from ...protocol import MAX_BINDING, MAX_ID, MAX_NUM_TOKENS, Abort, Message, ReserveBatch, ReserveReq
+from ..transports.base import RequestOutcome, SendGrant, Waiter
 from .channel import SEND_BATCH
 
 __all__ = ["Reservations"]
