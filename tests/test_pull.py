@@ -1,4 +1,4 @@
-"""The pull endpoint (pdkv.integrations.pull): decode asks prefill, prefill answers; what
+"""The pull endpoint (pdkv.integrations.core.pull): decode asks prefill, prefill answers; what
 is malformed, unauthenticated or too long changes nothing and stops nothing."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 
-from pdkv.integrations.pull import MAX_MSG, PullClient, PullReq, PullServer
+from pdkv.integrations.core.pull import MAX_MSG, PullClient, PullReq, PullServer
 
 B = b"b" * 32
 

@@ -30,6 +30,10 @@ class BlockAllocator(Protocol):
     ``try_allocate(n)`` returns ``n`` distinct block ids, or ``None`` when fewer than
     ``n`` are free (allocating nothing). ``free(ids)`` returns them. ``num_free`` and
     ``num_total`` count blocks. Implementations must be safe to call from several threads.
+
+    A buffer allocator may also have ``try_allocate_for(request_id, n)``: the scheduler then
+    asks it for a request's blocks by name (an engine that chose the pages itself, as
+    SGLang's decode does, hands them over this way; ``None`` refuses the request).
     """
 
     def try_allocate(self, n: int) -> list[int] | None: ...

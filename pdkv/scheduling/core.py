@@ -250,7 +250,9 @@ class SchedulerCore:
             if blocks is not None:
                 req.location, req.gpu_blocks = "gpu", blocks
         if blocks is None and self.buffer is not None:
-            blocks = self.buffer.try_allocate(n)
+            # an allocator that places by request (an engine's own pages, chosen by the engine)
+            place = getattr(self.buffer, "try_allocate_for", None)
+            blocks = place(req.rid, n) if place is not None else self.buffer.try_allocate(n)
             if blocks is not None:
                 req.location, req.buffer_blocks = "buffer", blocks
                 held = self.buffer.num_held

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...errors import LayoutError
 from ...layout import KVLayout
-from ..tally import merge
+from ..core.tally import merge
 from .consumer import DecodeSide, LoadWorker
 from .producer import PrefillSide, SendWorker
 from .settings import StepMeta, check_version, layout_for, order_of, parse_settings

@@ -33,8 +33,8 @@ from ...layout import CacheSpec, KVLayout
 from ...scheduling.blocks import BlockPool
 from ...scheduling.scheduler import DecodeScheduler, Event, EventKind, SchedulerOptions, State
 from ...transfer import DecodeReceiver
-from ..pull import PullClient, PullResult
-from ..tally import Tally
+from ..core.pull import PullClient, PullResult
+from ..core.tally import Tally
 from .loader import LoadWorker
 from .settings import (
     PARAM_CAP,

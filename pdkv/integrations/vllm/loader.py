@@ -14,7 +14,7 @@ from ...buffer.shared import SharedBuffer
 from ...errors import PdkvError
 from ...layout import CacheSpec, KVLayout
 from ...swap.engine import SwapEngine
-from ..tally import Tally
+from ..core.tally import Tally
 from .settings import Load, StepMeta
 
 __all__ = ["LoadWorker", "RECENT"]
@@ -119,7 +119,7 @@ class LoadWorker:
         return out
 
     def take_stats(self) -> dict[str, Any]:
-        """What vLLM's stats hooks read since the last call (:class:`~pdkv.integrations.tally.Tally`)."""
+        """What vLLM's stats hooks read since the last call (:class:`~pdkv.integrations.core.tally.Tally`)."""
         return self.tally.take()
 
     def load_errors(self) -> set[int]:

@@ -30,8 +30,8 @@ from typing import Any
 from ...errors import ClosedError, PdkvError, PeerError, RequestError
 from ...layout import CacheSpec, KVLayout
 from ...transfer import PrefillSender, RequestOutcome, SendGrant
-from ..pull import Held, PullDesk, PullServer
-from ..tally import Tally
+from ..core.pull import Held, PullDesk, PullServer
+from ..core.tally import Tally
 from .settings import (
     PARAM_CAP,
     PARAM_DECODE,
@@ -85,7 +85,7 @@ class PrefillSide:
     that names no decode (NixlConnector's protocol: the router picks the decode after
     prefill answered) keeps its blocks when vLLM finishes it, for ``pull_timeout_s``; the
     answer names this engine's pull endpoint, and the decode that gets the request asks it
-    for the KV (:mod:`pdkv.integrations.pull`), which is then sent whole to that decode if
+    for the KV (:mod:`pdkv.integrations.core.pull`), which is then sent whole to that decode if
     it is a configured one. The engine's instance key (its identity at decode) is random
     unless configured, and goes to the workers in every step's metadata."""
 
@@ -472,7 +472,7 @@ class SendWorker:
         return out
 
     def take_stats(self) -> dict[str, Any]:
-        """What vLLM's stats hooks read since the last call (:class:`~pdkv.integrations.tally.Tally`)."""
+        """What vLLM's stats hooks read since the last call (:class:`~pdkv.integrations.core.tally.Tally`)."""
         return self.tally.take()
 
     def _settled(self, r: _Out) -> bool:

@@ -2,7 +2,7 @@
 scheduler hand its loggers each step, ``get_kv_connector_stats``, and what its log line
 prints, ``reduce``) and :class:`PdkvPromMetrics` (the ``vllm:pdkv_*`` series on vLLM's
 ``/metrics``, ``build_prom_metrics``). The figures are the halves' tallies
-(:mod:`pdkv.integrations.tally`); this module and :mod:`.connector` are the ones here that
+(:mod:`pdkv.integrations.core.tally`); this module and :mod:`.connector` are the ones here that
 import vLLM.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from ..tally import merge
+from ..core.tally import merge
 
 __all__ = ["PdkvStats", "PdkvPromMetrics", "COUNTERS", "HISTOGRAMS", "GAUGES"]
 

@@ -73,7 +73,9 @@ class DecodeReceiver(ReceiverCore):
     layouts:
         The layout of each decode rank hosted by this receiver (``tp_rank`` set).
     buffers:
-        One :class:`~pdkv.buffer.shared.SharedBuffer` per rank, each holding ``buffer_blocks`` blocks.
+        One :class:`~pdkv.buffer.shared.SharedBuffer` per rank, each holding ``buffer_blocks`` blocks;
+        or one :class:`~pdkv.buffer.region.HostRegion` per rank (an engine's own host pages,
+        served by ``tcp``), with a scheduler whose buffer pool places by request.
     buffer_blocks:
         Blocks each buffer holds.
     options:

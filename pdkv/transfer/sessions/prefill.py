@@ -208,6 +208,11 @@ class PrefillSender(Reservations):
                 self.post(Abort(r, why))
         self._fail_all(why)
 
+    @property
+    def broken(self) -> str | None:
+        """Why the session ended (decode gone, Bye, a failed write), or None while it serves."""
+        return self._broken
+
     # ------------------------------------------------------------------ API
     def send_layer(self, layer: int, items: Sequence[tuple[str, Sequence[int]]], event: int | None = None) -> None:
         """Layer ``layer`` of these requests is in the cache: write it to decode.

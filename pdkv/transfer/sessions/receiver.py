@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from ...buffer.region import HostRegion
 from ...buffer.shared import SharedBuffer
 from ...layout import CacheSpec, KVLayout
 from ...protocol import (
@@ -62,7 +63,7 @@ class ReceiverCore:
         self,
         scheduler: DecodeScheduler,
         layouts: Sequence[KVLayout],
-        buffers: Sequence[SharedBuffer],
+        buffers: Sequence[SharedBuffer | HostRegion],
         buffer_blocks: int,
         options: ReceiverOptions | None = None,
         **kw: Any,
@@ -95,13 +96,26 @@ class ReceiverCore:
         self.tp_size = layouts[0].tp_size
         self.buffers = list(buffers)
         self.buffer_blocks = buffer_blocks
-        self.specs = {
-            lay.tp_rank: CacheSpec.for_buffer(lay, buffer_blocks, b.address) for lay, b in zip(layouts, buffers)
-        }
-        for lay, b in zip(layouts, buffers):
-            if b.size < CacheSpec.buffer_bytes(lay, buffer_blocks):
+        # a HostRegion (an engine's own pages) carries its spec; a SharedBuffer has pdkv's layout
+        engine = [b for b in buffers if isinstance(b, HostRegion)]
+        if engine:
+            odd = [e.name for e in entries if not e.receiver.engine_memory]
+            if odd or len(engine) != len(buffers):
                 raise ValueError(
-                    f"buffer {b.name} holds {b.size} bytes; rank {lay.tp_rank} needs "
+                    f"an engine's own host memory ({engine[0].name}) is received into by tcp only, "
+                    f"not {', '.join(odd) or 'beside shared buffers'}: serve transports=('tcp',)"
+                )
+            for lay, b in zip(layouts, engine):
+                if b.spec.layout != lay or b.spec.num_blocks != buffer_blocks:
+                    raise ValueError(f"{b.name}: its spec is not rank {lay.tp_rank}'s layout of {buffer_blocks} pages")
+        self.specs = {
+            lay.tp_rank: b.spec if isinstance(b, HostRegion) else CacheSpec.for_buffer(lay, buffer_blocks, b.address)
+            for lay, b in zip(layouts, buffers)
+        }
+        for lay, buf in zip(layouts, buffers):
+            if not isinstance(buf, HostRegion) and buf.size < CacheSpec.buffer_bytes(lay, buffer_blocks):
+                raise ValueError(
+                    f"buffer {buf.name} holds {buf.size} bytes; rank {lay.tp_rank} needs "
                     f"{CacheSpec.buffer_bytes(lay, buffer_blocks)} for {buffer_blocks} blocks"
                 )
         self.secret = opts.secret

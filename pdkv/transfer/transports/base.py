@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from ...layout import CacheSpec, KVLayout, Segment
 
 if TYPE_CHECKING:
+    from ...buffer.region import HostRegion
     from ...buffer.shared import SharedBuffer
     from ...protocol import Codec, Hello, Message, Welcome
     from ...scheduling.scheduler import DecodeScheduler
@@ -200,7 +201,7 @@ class ReceiverHost(Protocol):
     def layouts(self) -> list[KVLayout]: ...
 
     @property
-    def buffers(self) -> Sequence[SharedBuffer]: ...  # SharedBuffer per rank, in ``layouts`` order
+    def buffers(self) -> Sequence[SharedBuffer | HostRegion]: ...  # per rank, in ``layouts`` order
 
     @property
     def buffer_blocks(self) -> int: ...
@@ -303,6 +304,8 @@ class ReceiverTransport:
     same_host: ClassVar[bool] = False  # serves only prefill ranks on decode's host
     reports_layers: ClassVar[bool] = True  # prefill reports landed layers (LayerDone); False: credit() is called
     writes_gpu: ClassVar[bool] = False  # may be granted decode GPU blocks
+    # writes an engine's own host memory by address (a HostRegion in place of a SharedBuffer)
+    engine_memory: ClassVar[bool] = False
 
     def __init__(self, host: ReceiverHost) -> None:
         self.host = host

@@ -306,6 +306,7 @@ def _fan_out(
 class TcpReceiver(ReceiverTransport):
     name = "tcp"
     reports_layers = False  # decode counts the bytes it received itself
+    engine_memory = True  # receives into any host memory by address
 
     def __init__(self, host: ReceiverHost) -> None:
         super().__init__(host)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from ..errors import PdkvError
+from ...errors import PdkvError
 
 __all__ = ["MAX_MSG", "PullReq", "PullAnswer", "PullServer", "PullClient", "PullResult", "Held", "PullDesk"]
 
@@ -193,6 +193,10 @@ class PullClient:
         self._pending: dict[bytes, tuple[PullResult, float]] = {}
         self._thread = threading.Thread(target=self._run, name="pdkv-pull-client", daemon=True)
         self._thread.start()
+
+    def allow(self, address: str) -> None:
+        """Add a prefill endpoint learned at run time (from a verified bootstrap entry)."""
+        self.allowed = self.allowed | {address}
 
     def pull(self, address: str, pid: str, binding: bytes, decode: str) -> PullResult:
         """Ask the prefill at ``address`` to send ``pid`` to ``decode``."""
