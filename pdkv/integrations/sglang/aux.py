@@ -1,0 +1,143 @@
+"""A request's auxiliary data (SGLang's metadata buffers: the first output token, its
+logprobs, hidden states for speculative decoding) from prefill into the slot decode chose.
+
+The KV moves through pdkv's transports; these few bytes go in one message after it, on a
+socket of their own at decode (ROUTER; prefill's DEALER): msgpack by msgspec with a strict
+schema, at most :data:`MAX_AUX` bytes, an HMAC-SHA256 under the pair's secret. Decode
+writes a message only into the slot it designated for that request, once, when every
+blob has exactly the slot's size; anything else is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import threading
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from ...errors import PdkvError
+
+__all__ = ["MAX_AUX", "AuxMsg", "AuxServer", "AuxSender"]
+
+_log = logging.getLogger(__name__)
+MAX_AUX = 8 << 20
+_MAC = b"pdkv-sglang-aux-1"
+
+
+class AuxMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pid: str
+    blobs: list[bytes]
+    mac: bytes = b""
+
+
+def _mac(secret: bytes, pid: str, blobs: list[bytes]) -> bytes:
+    h = hmac.new(secret, _MAC, hashlib.sha256)
+    for p in (pid.encode(), *blobs):
+        h.update(len(p).to_bytes(8, "little") + p)
+    return h.digest()
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(AuxMsg)
+
+
+class AuxServer:
+    """Decode's aux endpoint: each verified message goes to ``on_aux(pid, blobs)``, which
+    returns '' when it wrote them (else why not: the message is dropped). Ownership: the
+    socket and its thread (:meth:`close`)."""
+
+    def __init__(self, bind: str, secret: bytes, on_aux: Callable[[str, list[bytes]], str]) -> None:
+        self._secret, self._on_aux = secret, on_aux
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_AUX)
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            self._ctx.term()
+            raise PdkvError(f"aux endpoint {bind}: {exc}") from exc
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.written = self.dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdkv-sglang-aux", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(100):
+                    continue
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as exc:
+                if self._stop.is_set() or exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                self.dropped += 1  # one bad connection (EINVAL and the like) stops nothing
+                continue
+            try:
+                why = self._serve(frames)
+            except Exception as exc:  # never the thread
+                why = f"failed: {exc}"
+            if why:
+                self.dropped += 1
+                _log.debug("pdkv aux message dropped: %s", why)
+            else:
+                self.written += 1
+
+    def _serve(self, frames: list[bytes]) -> str:
+        if len(frames) != 2:
+            return "not one message"
+        try:
+            m = _dec.decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return "malformed"
+        if not hmac.compare_digest(m.mac, _mac(self._secret, m.pid, m.blobs)):
+            return "not authenticated"
+        return self._on_aux(m.pid, m.blobs)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class AuxSender:
+    """Prefill's side: :meth:`send` posts one request's blobs to a decode's aux endpoint
+    (never blocks: a decode that is gone loses it, and its request fails there)."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._socks: dict[str, zmq.Socket[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def send(self, address: str, pid: str, blobs: list[bytes]) -> None:
+        m = AuxMsg(pid=pid, blobs=blobs, mac=_mac(self._secret, pid, blobs))
+        with self._lock:
+            s = self._socks.get(address)
+            if s is None:
+                s = self._socks[address] = self._ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 1000)
+                s.setsockopt(zmq.SNDHWM, 1024)
+                s.connect(address)
+            try:
+                s.send(_enc.encode(m), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                raise PdkvError(f"aux for {pid!r} not sent to {address}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            for s in self._socks.values():
+                s.close(linger=1000)
+            self._socks.clear()
+        self._ctx.term()

@@ -1,0 +1,258 @@
+"""pdkv as an SGLang disaggregation backend (SGLang 0.5.23): the manager, sender, receiver
+and bootstrap server SGLang's queues drive, over :mod:`.sides`. The only module here that
+imports SGLang (``sglang.srt.disaggregation.base.conn``), when it is first imported.
+
+The classes implement SGLang's ``Base*`` contract (``base/conn.py``) and what its queues
+call beyond it on a decode manager (``try_ensure_parallel_info``) and receiver
+(``conclude_state``, ``abort_notified``, ``ensure_abort_notified``, ``bootstrap_infos``,
+``require_staging``), read from 0.5.23's ``decode.py`` and ``prefill.py``. Both
+destinations: ``send_metadata(..., destination=HOST)`` receives into decode's host pool
+(``KVArgs.host_kv_data_ptrs``), ``DEVICE`` into its KV pool where that memory is
+host-addressable (a CPU device). ``supports_host_destination`` is true on both the manager
+and its receivers, and ``is_abort_release_safe()`` is true only once pdkv holds none of the
+request's pages (no write admitted under its grant still runs, none can start).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+
+from ...errors import PdkvError
+from .bootstrap import BootstrapServer
+from .layouts import rank_pools
+from .sides import DecodeRank, PrefillRank, RoomIn, RoomOut, Settings
+
+__all__ = ["PdkvKVManager", "PdkvKVSender", "PdkvKVReceiver", "PdkvKVBootstrapServer"]
+
+_log = logging.getLogger(__name__)
+_POLL = {
+    "bootstrapping": KVPoll.Bootstrapping,
+    "waiting": KVPoll.WaitingForInput,
+    "transferring": KVPoll.Transferring,
+    "success": KVPoll.Success,
+    "failed": KVPoll.Failed,
+}
+
+
+def _mode_name(mode: Any) -> str:
+    return str(getattr(mode, "value", mode)).lower()
+
+
+class PdkvKVManager(BaseKVManager):
+    """One per SGLang scheduler rank (prefill or decode). Configuration: :class:`Settings`
+    from the environment (``PDKV_SECRET`` required); ``server_args`` gives the bootstrap
+    port, the TP size, the device and the host-receive threshold."""
+
+    supports_host_destination = True
+
+    def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False):
+        self.kv_args, self.server_args = args, server_args
+        self.disaggregation_mode = disaggregation_mode
+        self.is_mla_backend = bool(is_mla_backend)
+        self.settings = getattr(server_args, "pdkv_settings", None) or Settings.from_env()
+        tp = int(getattr(server_args, "tp_size", 1) or 1) // int(getattr(server_args, "dp_size", 1) or 1)
+        self.tp_size = max(tp, int(args.engine_rank) + 1)
+        on_cpu = str(getattr(server_args, "device", "cuda")) == "cpu"
+        self.pools = rank_pools(args, mla=self.is_mla_backend, tp_size=self.tp_size)
+        aux = (list(args.aux_data_ptrs or []), list(args.aux_item_lens or []))
+        self.bootstrap_port = int(getattr(server_args, "disaggregation_bootstrap_port", 8998))
+        self.decode: DecodeRank | None = None
+        self.prefill: PrefillRank | None = None
+        mode = _mode_name(disaggregation_mode)
+        if mode == "decode":
+            threshold = float(getattr(server_args, "disaggregation_decode_host_receive_threshold", 1.0))
+            if not on_cpu and threshold != 0:
+                raise PdkvError(
+                    "pdkv receives into decode's host pool on a GPU decode: run it with "
+                    "--disaggregation-decode-host-receive-threshold 0 (device destinations over "
+                    "cuda_ipc or nixl are not built)"
+                )
+            self.decode = DecodeRank(self.pools, self.settings, aux=aux, device_writable=on_cpu)
+        elif mode == "prefill":
+            host = str(getattr(server_args, "host", "127.0.0.1") or "127.0.0.1")
+            self.prefill = PrefillRank(self.pools, self.settings, f"{host}:{self.bootstrap_port}", aux=aux)
+        else:
+            raise PdkvError(f"pdkv's SGLang backend serves prefill and decode, not {mode!r}")
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill ranks register when the manager starts (:class:`PrefillRank`)."""
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode's queue asks before ``init``: whether the prefill's table is known."""
+        assert self.decode is not None
+        try:
+            self.decode.prefill_ranks(bootstrap_addr)
+        except PdkvError as exc:
+            _log.warning("pdkv: prefill at %s not ready: %s", bootstrap_addr, exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        for side in (self.decode, self.prefill):
+            if side is not None:
+                side.close()
+
+    teardown = close
+
+
+class PdkvKVSender(BaseKVSender):
+    """Prefill's per-request sender: ``init`` (pages to send, aux slot), ``send`` each
+    chunk's pages (the KV goes once every page is in and every decode rank pulled)."""
+
+    def __init__(
+        self,
+        mgr: PdkvKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ):
+        assert mgr.prefill is not None, "a sender needs a prefill manager"
+        self.kv_mgr, self.bootstrap_room = mgr, int(bootstrap_room)
+        self._side = mgr.prefill
+        self._out: RoomOut | None
+        try:
+            self._out = self._side.open(self.bootstrap_room)
+            self._error = ""
+        except PdkvError as exc:
+            self._out, self._error = None, str(exc)
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        if self._out is not None:
+            self._side.init(self._out, int(num_kv_indices), aux_index)
+
+    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None, **_: Any) -> None:
+        if self._out is None:
+            return
+        if state_indices is not None and any(s is not None for s in state_indices):
+            self._side.abort(self._out, "state pools are not carried by pdkv")
+            return
+        self._side.send(self._out, np.asarray(kv_indices).astype(np.int64).tolist())
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        if self._out is None or self._out.state != "success":
+            return KVTransferMetric()
+        return KVTransferMetric(transfer_total_bytes=self._out.bytes)
+
+    def poll(self) -> int:
+        if self._out is None:
+            return int(KVPoll.Failed)
+        return int(_POLL[self._side.status(self._out)])
+
+    def failure_exception(self) -> None:
+        why = self._error or (self._out.error if self._out is not None else "")
+        raise PdkvError(f"pdkv: room {self.bootstrap_room}: {why or 'failed'}")
+
+    def abort(self) -> None:
+        if self._out is not None:
+            self._side.abort(self._out)
+
+    def clear(self) -> None:
+        if self._out is not None:
+            self._side.forget(self._out)
+
+
+class PdkvKVReceiver(BaseKVReceiver):
+    """Decode's per-request receiver: ``init`` (which prefill ranks), ``send_metadata``
+    (the pages, host or device, and the aux slot), ``poll`` until Success."""
+
+    require_staging = False
+
+    def __init__(self, mgr: PdkvKVManager, bootstrap_addr: str, bootstrap_room: int | None = None, **_: Any):
+        assert mgr.decode is not None, "a receiver needs a decode manager"
+        self.kv_mgr, self.bootstrap_addr = mgr, bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room or 0)
+        self._side = mgr.decode
+        self._in: RoomIn | None = None
+        self._error = ""
+        self.conclude_state: int | None = None
+        self.abort_notified = False
+        self.bootstrap_infos: list[Any] = []
+
+    @property
+    def supports_host_destination(self) -> bool:
+        return "host" in self._side.pages
+
+    def init(self, prefill_dp_rank: int = 0) -> None:
+        try:
+            self._in = self._side.start(self.bootstrap_room, self.bootstrap_addr)
+            self.bootstrap_infos = list(self._in.desks)
+        except PdkvError as exc:
+            self._error, self.conclude_state = str(exc), KVPoll.Failed
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        decode_prefix_len: int | None = None,
+        destination: Any = KVTransferDestination.DEVICE,
+    ) -> None:
+        if self._in is None:
+            return
+        why = ""
+        if state_indices is not None and any(s is not None for s in state_indices):
+            why = "state pools are not carried by pdkv"
+        elif decode_prefix_len:
+            why = "a decode prefix (decode's radix cache) is not carried by pdkv's SGLang backend yet"
+        dest = "host" if destination == KVTransferDestination.HOST else "device"
+        if not why:
+            try:
+                self._side.publish(self._in, np.asarray(kv_indices).astype(np.int64).tolist(), aux_index, dest)
+            except PdkvError as exc:
+                why = str(exc)
+        if why:
+            self._side.abort(self._in, why)
+
+    def poll(self) -> int:
+        if self._in is None:
+            return int(KVPoll.Failed if self._error else KVPoll.Bootstrapping)
+        state = _POLL[self._side.status(self._in)]
+        if state in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = state
+        return int(state)
+
+    def failure_exception(self) -> None:
+        why = self._error or (self._in.error if self._in is not None else "")
+        raise PdkvError(f"pdkv: room {self.bootstrap_room}: {why or 'failed'}")
+
+    def abort(self) -> None:
+        self.abort_notified = True
+        if self._in is not None:
+            self._side.abort(self._in)
+        self.conclude_state = KVPoll.Failed
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        self.abort()
+
+    def is_abort_release_safe(self) -> bool:
+        return self._in is None or self._side.release_safe(self._in)
+
+    def clear(self) -> None:
+        if self._in is not None:
+            self._side.forget(self._in)
+
+
+class PdkvKVBootstrapServer(BaseKVBootstrapServer):
+    """The prefill instance's bootstrap server (:class:`~.bootstrap.BootstrapServer`)."""
+
+    def __init__(self, host: str, port: int, **_: Any):
+        self._server = BootstrapServer(host, int(port), Settings.from_env().secret)
+        self.host, self.port = self._server.host, self._server.port
+
+    def run(self) -> None:
+        """Serving already (a thread of its own)."""
+
+    def close(self) -> None:
+        self._server.close()

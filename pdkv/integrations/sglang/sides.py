@@ -1,0 +1,541 @@
+"""The two halves of pdkv's SGLang backend in plain ids (no SGLang object): a decode rank
+(:class:`DecodeRank`) and a prefill rank (:class:`PrefillRank`).
+
+SGLang's order is decode first: decode allocates a request's pages (host pages of its
+HiCache pool with host receive, else device pages), then tells prefill where they are. Over
+pdkv that becomes: decode *designates* the pages under the request's pdkv id (an
+:class:`~pdkv.integrations.core.pages.EnginePages` pool behind a
+:class:`~pdkv.transfer.DecodeReceiver` per destination), then *pulls* (one authenticated
+message, :mod:`~pdkv.integrations.core.pull`) from each prefill rank whose heads it needs.
+A prefill rank that has the request's KV and a decode's pull reserves the request at that
+decode (the grant is exactly the designated pages: no other can be granted), writes every
+layer over tcp, confirms, and sends the request's aux data (:mod:`.aux`). Decode reports
+success once the KV is received and the aux written; pages leave pdkv only when no write
+admitted under the grant still runs (:meth:`DecodeRank.release_safe`).
+
+A request's pdkv id at a decode rank is ``sgl-<room>-d<rank>of<TP size>``: SGLang's
+``bootstrap_room`` names it on both sides (SGLang gives a backend no prompt to bind to: the room is the name).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...buffer.region import HostRegion
+from ...errors import PdkvError, RequestError
+from ...layout import KVLayout, tp_segments
+from ...scheduling.lifecycle import TERMINAL, SchedulerOptions, State
+from ...scheduling.scheduler import DecodeScheduler
+from ...transfer import DecodeReceiver, PrefillSender, ReceiverOptions
+from ..core.pages import EnginePages
+from ..core.pull import PullClient, PullReq, PullResult, PullServer
+from .aux import AuxSender, AuxServer
+from .bootstrap import entry_for, fetch_ranks, layout_of, register_rank
+from .layouts import RankPools
+
+__all__ = ["Settings", "DecodeRank", "PrefillRank", "pid_of", "room_binding", "sources_of"]
+
+_log = logging.getLogger(__name__)
+_PID = re.compile(r"sgl-(\d{1,20})-d(\d{1,4})of(\d{1,4})")
+MAX_EARLY_PULLS = 65536  # pulls kept for rooms prefill has not seen yet
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The backend's configuration (SGLang has no place for a backend's own): from the
+    environment by :meth:`from_env`. ``secret`` is required: it authenticates every pdkv
+    session, pull, aux message and bootstrap entry of the pair."""
+
+    secret: bytes = field(repr=False)
+    host: str = "127.0.0.1"  # the address pdkv's sockets bind and advertise
+    instance_key: bytes | None = field(default=None, repr=False)  # a TP>1 prefill's ranks share it
+    timeout_s: float = 30.0  # a pull's answer, a grant, an outcome: each waits at most this
+    lease_s: float = 30.0  # decode's grant lease
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        raw = os.environ.get("PDKV_SECRET", "")
+        path = os.environ.get("PDKV_SECRET_FILE", "")
+        if path:
+            with open(path, "rb") as f:
+                raw = f.read().strip().decode()
+        try:
+            secret = bytes.fromhex(raw)
+        except ValueError:
+            secret = b""
+        if len(secret) < 16:
+            raise PdkvError(
+                "pdkv's SGLang backend needs the pair's secret: PDKV_SECRET (or PDKV_SECRET_FILE), hex, >= 16 bytes"
+            )
+        key = os.environ.get("PDKV_SGLANG_INSTANCE_KEY", "")
+        return cls(
+            secret=secret,
+            host=os.environ.get("PDKV_SGLANG_HOST", "127.0.0.1"),
+            instance_key=bytes.fromhex(key) if key else None,
+            timeout_s=float(os.environ.get("PDKV_SGLANG_TIMEOUT_S", "30")),
+            lease_s=float(os.environ.get("PDKV_SGLANG_LEASE_S", "30")),
+        )
+
+
+def pid_of(room: int, decode_rank: int, decode_tp: int) -> str:
+    return f"sgl-{int(room)}-d{int(decode_rank)}of{int(decode_tp)}"
+
+
+def room_binding(room: int) -> bytes:
+    return hashlib.sha256(b"pdkv-sglang-room\0" + str(int(room)).encode()).digest()
+
+
+def sources_of(src: KVLayout, dst: KVLayout) -> list[int]:
+    """The prefill ranks (of ``src``'s TP size) that write decode rank ``dst.tp_rank``."""
+    return sorted({s.src_rank for s in tp_segments(src, dst) if s.dst_rank == dst.tp_rank})
+
+
+def _aux_slots(ptrs: list[int], items: list[int], index: int) -> list[tuple[int, int]]:
+    return [(int(p) + index * int(n), int(n)) for p, n in zip(ptrs, items)]
+
+
+class _NoSwap:
+    """The scheduler's swap backend: never used (SGLang loads its own pages)."""
+
+    def submit(self, *a: Any, **k: Any) -> Any:
+        raise PdkvError("pdkv's SGLang backend does not swap: SGLang loads its own pages")
+
+
+# ---------------------------------------------------------------------- decode
+
+
+@dataclass
+class RoomIn:
+    """One request at a decode rank."""
+
+    room: int
+    pid: str
+    desks: list[str]  # the pull endpoints of every prefill rank
+    aux_from: str  # the one of them that sends the aux data
+    dest: str = ""
+    aux: list[tuple[int, int]] = field(default_factory=list)  # (address, bytes) of the aux slot
+    aux_done: bool = False
+    pulls: list[PullResult] = field(default_factory=list)
+    state: str = "waiting"  # waiting -> transferring -> success | failed
+    error: str = ""
+    deadline: float = 0.0
+
+
+class DecodeRank:
+    """One SGLang decode rank's pdkv side: a receiver per destination (``device``: the KV
+    pool, when its memory is host-addressable; ``host``: the host pool of host receive),
+    the pull client and the aux endpoint. Ownership: sockets and threads (:meth:`close`)."""
+
+    def __init__(
+        self,
+        pools: RankPools,
+        settings: Settings,
+        *,
+        aux: tuple[list[int], list[int]] = ([], []),
+        device_writable: bool = True,
+    ) -> None:
+        self.layout, self.settings = pools.layout, settings
+        self._aux_ptrs, self._aux_items = list(aux[0]), list(aux[1])
+        self._lock = threading.Lock()
+        self._rooms: dict[str, RoomIn] = {}
+        self._prefills: dict[str, tuple[float, dict[int, dict[str, Any]]]] = {}
+        self.pages: dict[str, EnginePages] = {}
+        self.receivers: dict[str, DecodeReceiver] = {}
+        specs = {"device": pools.device if device_writable else None, "host": pools.host}
+        try:
+            for dest, spec in specs.items():
+                if spec is None:
+                    continue
+                pages = self.pages[dest] = EnginePages(spec.num_blocks)
+                sched = DecodeScheduler(
+                    layout=self.layout,
+                    gpu=None,
+                    buffer=pages,  # type: ignore[arg-type]  # EnginePages: places by request
+                    swap=_NoSwap(),
+                    # tcp sees every write: none can land once the grant is gone, so no grace
+                    options=SchedulerOptions(
+                        bind="engine", on_full="reject", lease_s=settings.lease_s, fence_grace_s=0.0
+                    ),
+                )
+                self.receivers[dest] = DecodeReceiver(
+                    sched,
+                    [self.layout],
+                    [HostRegion(spec, f"SGLang's {dest} KV pool")],
+                    spec.num_blocks,
+                    ReceiverOptions(
+                        control=f"tcp://{settings.host}:0",
+                        secret=settings.secret,
+                        transports=("tcp",),
+                        auto_tick=True,
+                        data_host=settings.host,
+                    ),
+                )
+            self.pull = PullClient((), secret=settings.secret, timeout_s=settings.timeout_s)
+            self.aux_server = AuxServer(f"tcp://{settings.host}:0", settings.secret, self._on_aux)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ SGLang's order
+    def prefill_ranks(self, bootstrap: str) -> dict[int, dict[str, Any]]:
+        """The verified table of the prefill instance at ``bootstrap`` (cached 60 s)."""
+        now = time.monotonic()
+        got = self._prefills.get(bootstrap)
+        if got is None or now - got[0] > 60:
+            ranks = fetch_ranks(bootstrap, self.settings.secret, min(5.0, self.settings.timeout_s))
+            got = self._prefills[bootstrap] = (now, ranks)
+            for e in ranks.values():
+                self.pull.allow(e["desk"])
+        return got[1]
+
+    def start(self, room: int, bootstrap: str) -> RoomIn:
+        """``KVReceiver.init``: the prefill ranks this rank needs. PdkvError if the
+        bootstrap cannot tell or the layouts cannot be paired."""
+        ranks = self.prefill_ranks(bootstrap)
+        src = layout_of(ranks[0])
+        srcs = sources_of(src, self.layout)
+        pid = pid_of(room, self.layout.tp_rank, self.layout.tp_size)
+        # every prefill rank is asked: decode completes a grant when all ranks confirmed
+        r = RoomIn(room, pid, [ranks[s]["desk"] for s in sorted(ranks)], ranks[srcs[0]]["desk"])
+        with self._lock:
+            old = self._rooms.get(pid)
+            if old is not None and old.state not in ("success", "failed"):
+                raise RequestError(f"room {room} is already in flight at this decode rank")
+            self._rooms[pid] = r
+        return r
+
+    def publish(self, r: RoomIn, pages: list[int], aux_index: int | None, dest: str) -> None:
+        """``send_metadata``: designate ``pages`` of ``dest`` and pull from the prefill ranks."""
+        if dest not in self.pages:
+            raise RequestError(
+                f"destination {dest!r} is not served by this decode rank (served: {', '.join(self.pages) or 'none'})"
+            )
+        aux = _aux_slots(self._aux_ptrs, self._aux_items, aux_index) if aux_index is not None else []
+        with self._lock:
+            if r.state != "waiting":
+                raise RequestError(f"room {r.room}: metadata sent twice")
+            self.pages[dest].designate(r.pid, pages)
+            r.dest, r.aux, r.aux_done = dest, aux, not aux
+            r.state, r.deadline = "transferring", time.monotonic() + self.settings.timeout_s + self.settings.lease_s
+        rx = self.receivers[dest]
+        me = f"{rx.control_address} {self.aux_server.address}"
+        r.pulls = [self.pull.pull(d, r.pid, room_binding(r.room), me) for d in r.desks]
+
+    def status(self, r: RoomIn) -> str:
+        """``poll``: waiting, transferring, success or failed (``r.error`` says why)."""
+        if r.state != "transferring":
+            return r.state
+        bad = next((p.error for p in r.pulls if p.done and p.error), "")
+        why = f"prefill refused the pull: {bad}" if bad else ""
+        sched = self.receivers[r.dest].scheduler
+        try:
+            info = sched.request(r.pid)
+        except RequestError:
+            info = None  # not reserved yet
+        if not why and info is not None and info.state in TERMINAL:
+            why = f"the transfer {info.state.value}: {info.reason}"
+        if not why and info is not None and info.state is State.RECEIVED and r.aux_done:
+            with self._lock:
+                r.state = "success"
+            with_suppress(sched.abort, r.pid, "received: SGLang reads its pages itself")
+            return "success"
+        if not why and time.monotonic() > r.deadline:
+            why = f"no KV within {self.settings.timeout_s + self.settings.lease_s:g} s"
+        if why:
+            self.abort(r, why)
+        return r.state
+
+    def abort(self, r: RoomIn, why: str = "aborted by SGLang") -> None:
+        """Stop the request: its grant ends (a write in flight finishes first, and no new
+        one is admitted), an unclaimed designation is withdrawn, the aux slot closes."""
+        with self._lock:
+            if r.state in ("waiting", "transferring"):
+                r.state, r.error = "failed", why
+            r.aux = []  # no aux write after this returns (writes take the same lock)
+        if r.dest:
+            self.pages[r.dest].withdraw(r.pid)
+            with_suppress(self.receivers[r.dest].scheduler.abort, r.pid, why)
+
+    def release_safe(self, r: RoomIn) -> bool:
+        """``is_abort_release_safe``: no page of the request is pdkv's any more (no write
+        admitted under its grant still runs) and no aux write can come."""
+        return r.state in ("success", "failed") and (not r.dest or not self.pages[r.dest].holds(r.pid))
+
+    def forget(self, r: RoomIn) -> None:
+        """``clear``: abort if still live; drop the record."""
+        self.abort(r, "cleared by SGLang")
+        with self._lock:
+            if self._rooms.get(r.pid) is r:
+                del self._rooms[r.pid]
+
+    def _on_aux(self, pid: str, blobs: list[bytes]) -> str:
+        with self._lock:
+            r = self._rooms.get(pid)
+            if r is None or r.state != "transferring" or r.aux_done or not r.aux:
+                return f"no aux slot open for {pid[:80]!r}"
+            if len(blobs) != len(r.aux) or any(len(b) != n for b, (_, n) in zip(blobs, r.aux)):
+                got, want = [len(b) for b in blobs][:8], [n for _, n in r.aux][:8]
+                return f"{pid[:80]!r}: aux of {got} bytes; the slot is {want}"
+            for b, (addr, n) in zip(blobs, r.aux):
+                ctypes.memmove(addr, b, n)
+            r.aux_done = True
+        return ""
+
+    def close(self) -> None:
+        for name in ("pull", "aux_server"):
+            x = getattr(self, name, None)
+            if x is not None:
+                x.close()
+        for rx in self.receivers.values():
+            rx.close()
+
+
+def with_suppress(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except PdkvError:
+        pass
+
+
+# ---------------------------------------------------------------------- prefill
+
+
+@dataclass
+class RoomOut:
+    """One request at a prefill rank."""
+
+    room: int
+    pages: list[int] = field(default_factory=list)
+    num_pages: int = -1  # from init; -1 before
+    aux_index: int | None = None
+    decodes: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # pid -> (control, aux, tp)
+    expected: int = 0  # decode ranks that pull from this rank (0: not known yet)
+    sent: set[str] = field(default_factory=set)  # pids handed to the workers
+    done: set[str] = field(default_factory=set)
+    state: str = "bootstrapping"  # -> waiting (every pull in) -> transferring -> success | failed
+    error: str = ""
+    started: float = 0.0
+    bytes: int = 0
+    created: float = field(default_factory=time.monotonic)
+
+
+class PrefillRank:
+    """One SGLang prefill rank's pdkv side: its pull endpoint (registered at the bootstrap
+    server), the requests SGLang sends, one :class:`PrefillSender` per decode rank that
+    pulls, and the workers that send. Ownership: sockets, senders, threads (:meth:`close`)."""
+
+    def __init__(
+        self,
+        pools: RankPools,
+        settings: Settings,
+        bootstrap: str,
+        *,
+        aux: tuple[list[int], list[int]] = ([], []),
+        instance: str = "",
+        workers: int = 8,
+    ) -> None:
+        self.layout, self.cache, self.settings = pools.layout, pools.device, settings
+        if self.layout.tp_size > 1 and not settings.instance_key:
+            raise PdkvError(
+                "a prefill of TP > 1 needs PDKV_SGLANG_INSTANCE_KEY (hex, >= 16 bytes, the same on every "
+                "rank): it is what makes the ranks one instance at decode"
+            )
+        self.instance = instance or f"sglang-prefill-{bootstrap}"
+        self._key = settings.instance_key or os.urandom(32)
+        self._aux_ptrs, self._aux_items = list(aux[0]), list(aux[1])
+        self._lock = threading.Lock()
+        self._rooms: dict[int, RoomOut] = {}
+        self._early: dict[int, dict[str, tuple[str, str, int]]] = {}  # pulls before SGLang's sender
+        self._senders: dict[tuple[str, int], PrefillSender] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="pdkv-sglang-send")
+        self._aux = AuxSender(settings.secret)
+        self.desk = PullServer(f"tcp://{settings.host}:0", self._on_pull, secret=settings.secret)
+        try:
+            register_rank(bootstrap, entry_for(settings.secret, self.layout, self.desk.address, self.instance))
+        except BaseException:
+            self.close()
+            raise
+
+    def _decode_layout(self, d: int, dtp: int) -> KVLayout:
+        return dataclasses.replace(self.layout, tp_size=dtp, tp_rank=d)
+
+    def _expected(self, dtp: int) -> int:
+        return dtp  # every decode rank pulls from every prefill rank
+
+    def _on_pull(self, r: PullReq) -> str:
+        m = _PID.fullmatch(r.pid)
+        if m is None:
+            return "not an SGLang request id"
+        room, d, dtp = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        if not 0 <= d < dtp:
+            return "decode rank out of range"
+        try:
+            sources_of(self.layout, self._decode_layout(d, dtp))  # the layouts pair (or raise)
+        except PdkvError as exc:
+            return f"this prefill's layout cannot write that decode's: {exc}"
+        if r.binding != room_binding(room):
+            return "the binding is not the room's"
+        parts = r.decode.split(" ")
+        if len(parts) != 2 or not all(p.startswith("tcp://") for p in parts):
+            return "decode must name its control and aux endpoints"
+        with self._lock:
+            out = self._rooms.get(room)
+            pulls = out.decodes if out is not None else self._early.setdefault(room, {})
+            if out is None and len(self._early) > MAX_EARLY_PULLS:
+                del self._early[room]
+                return "too many pulls for requests this prefill has not seen"
+            if r.pid in pulls and pulls[r.pid][0] != parts[0]:
+                return "this request was pulled by another decode rank already"
+            # every rank of the instance reserves and confirms at every decode rank (decode
+            # completes a grant when all of them have), even one that writes nothing there
+            # (MLA's latent is written by the lowest rank only)
+            pulls[r.pid] = (parts[0], parts[1], dtp)
+            if out is not None:
+                self._advance(out)
+        return ""
+
+    # ------------------------------------------------------------------ SGLang's order
+    def open(self, room: int) -> RoomOut:
+        with self._lock:
+            out = self._rooms.get(room)
+            if out is not None and out.state not in ("success", "failed"):
+                raise RequestError(f"room {room} is already in flight at this prefill rank")
+            out = self._rooms[room] = RoomOut(room, decodes=self._early.pop(room, {}))
+            self._advance(out)
+        return out
+
+    def init(self, out: RoomOut, num_pages: int, aux_index: int | None) -> None:
+        with self._lock:
+            out.num_pages, out.aux_index = num_pages, aux_index
+            self._advance(out)
+
+    def send(self, out: RoomOut, pages: list[int]) -> None:
+        with self._lock:
+            if out.state in ("success", "failed"):
+                return
+            out.pages.extend(int(p) for p in pages)
+            if out.num_pages >= 0 and len(out.pages) > out.num_pages:
+                self._fail(out, f"{len(out.pages)} pages sent; init said {out.num_pages}")
+            self._advance(out)
+
+    def _advance(self, out: RoomOut) -> None:
+        """With the lock held: every pull in -> waiting; and every page in -> send."""
+        if out.state in ("success", "failed") or not out.decodes:
+            return
+        dtp = next(iter(out.decodes.values()))[2]  # (control, aux, decode TP size)
+        if any(v[2] != dtp for v in out.decodes.values()):
+            return self._fail(out, "decode ranks of different TP sizes pulled one request")
+        out.expected = out.expected or self._expected(dtp)
+        if len(out.decodes) > out.expected:
+            return self._fail(out, f"{len(out.decodes)} decode ranks pulled; {out.expected} read from this rank")
+        if out.state == "bootstrapping" and len(out.decodes) == out.expected:
+            out.state = "waiting"
+        if out.state == "waiting" and out.num_pages >= 0 and len(out.pages) == out.num_pages:
+            out.state, out.started = "transferring", time.monotonic()
+        if out.state == "transferring":
+            for pid, dec in out.decodes.items():
+                if pid not in out.sent:
+                    out.sent.add(pid)
+                    self._pool.submit(self._send_one, out, pid, dec)
+            if len(out.done) == out.expected:
+                out.state = "success"
+
+    def _fail(self, out: RoomOut, why: str) -> None:
+        if out.state not in ("success", "failed"):
+            out.state, out.error = "failed", why
+
+    def _sender(self, control: str, dtp: int) -> PrefillSender:
+        with self._lock:
+            tx = self._senders.get((control, dtp))
+            if tx is not None and not tx.broken:
+                return tx
+        tx = PrefillSender(
+            self.layout,
+            self.cache,
+            control,
+            instance=self.instance,
+            instance_key=self._key,
+            secret=self.settings.secret,
+            transport="tcp",
+            timeout_s=self.settings.timeout_s,
+        )
+        with self._lock:
+            old, self._senders[(control, dtp)] = self._senders.get((control, dtp)), tx
+        if old is not None:
+            old.close()
+        return tx
+
+    def _send_one(self, out: RoomOut, pid: str, dec: tuple[str, str, int]) -> None:
+        control, aux_addr, dtp = dec
+        try:
+            if out.num_pages == 0:
+                raise RequestError("no pages to send")
+            tx = self._sender(control, dtp)
+            got = tx.reserve_many([(pid, out.num_pages * self.layout.tokens_per_block, room_binding(out.room))])[0]
+            if isinstance(got, BaseException):
+                raise got
+            pages = list(out.pages)
+            for layer in range(self.layout.total_layers):
+                tx.send_layer(layer, [(pid, pages)])
+            tx.finish(pid)
+            o = tx.wait_outcome(pid, self.settings.timeout_s + self.settings.lease_s)
+            if o.state != "received":
+                raise PdkvError(f"decode answered {o.state}: {o.reason}")
+            if out.aux_index is not None and self._aux_ptrs and self._is_aux_source(pid):
+                blobs = [ctypes.string_at(a, n) for a, n in _aux_slots(self._aux_ptrs, self._aux_items, out.aux_index)]
+                self._aux.send(aux_addr, pid, blobs)
+            ok, why = True, ""
+        except Exception as exc:  # one request fails alone
+            ok, why = False, f"sending to {control}: {exc}"
+        with self._lock:
+            if not ok:
+                self._fail(out, why)
+            elif out.state == "transferring":
+                out.done.add(pid)
+                out.bytes += len(out.pages) * self.layout.block_bytes
+                if len(out.done) == out.expected:
+                    out.state = "success"
+
+    def _is_aux_source(self, pid: str) -> bool:
+        """A decode rank takes its aux data from the lowest prefill rank that writes it."""
+        m = _PID.fullmatch(pid)
+        assert m is not None
+        d, dtp = int(m.group(2)), int(m.group(3))
+        return sources_of(self.layout, self._decode_layout(d, dtp))[0] == self.layout.tp_rank
+
+    def status(self, out: RoomOut) -> str:
+        limit, now = self.settings.timeout_s + self.settings.lease_s, time.monotonic()
+        if out.state in ("bootstrapping", "waiting") and now - out.created > limit:
+            with self._lock:  # SGLang's bootstrap timeout: the decode side never asked
+                self._fail(out, f"not every decode rank pulled within {limit:g} s")
+        if out.state == "transferring" and now - out.started > limit + self.settings.timeout_s:
+            with self._lock:
+                self._fail(out, "no outcome from decode in time")
+        return out.state
+
+    def abort(self, out: RoomOut, why: str = "aborted by SGLang") -> None:
+        with self._lock:
+            self._fail(out, why)
+
+    def forget(self, out: RoomOut) -> None:
+        with self._lock:
+            self._fail(out, "cleared by SGLang")
+            if self._rooms.get(out.room) is out:
+                del self._rooms[out.room]
+
+    def close(self) -> None:
+        self.desk.close() if hasattr(self, "desk") else None
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for tx in self._senders.values():
+            tx.close()
+        self._aux.close()

@@ -1,0 +1,389 @@
+"""pdkv's SGLang backend driven by SGLang 0.5.23's own contract, in-process on CPU.
+
+SGLang's queues cannot be built without its GPU model runner, so the tests call the
+backend's ``Base*`` objects in the order the queues call them (0.5.23):
+
+prefill (``disaggregation/prefill.py``): ``create_sender`` -> ``KVSender(mgr, addr, room)``
+(l. 409); ``pop_bootstrapped`` polls until ``WaitingForInput`` (l. 508-545);
+``finalize_bootstrap`` -> ``pop_decode_prefix_len`` then ``init(num_pages, aux_index)``
+(l. 437-442); ``send_kv_chunk`` -> ``send(page_indices, state_indices, num_kv_tokens)`` per
+chunk (l. 1769-1776); ``process_disagg_prefill_inflight_queue`` polls until ``Success`` and
+``clear()``s (l. 1164-1233).
+
+decode (``disaggregation/decode.py``): ``KVReceiver(mgr, addr, room)`` (l. 905);
+``try_ensure_parallel_info(addr)`` (l. 1169); ``init(prefill_dp_rank)`` (l. 1105); polls
+until ``WaitingForInput`` (l. 1119-1160); ``send_metadata(page_indices, aux_index,
+state_indices, decode_prefix_len=0, destination=HOST)`` from ``_pre_alloc_host`` (l. 1863,
+1936-1943) or with the device destination; polls until ``Success`` and ``clear()``s
+(l. 2651-2774); an abort of a host destination ``abort()``s (l. 2830-2831) and releases the
+pages only once ``is_abort_release_safe()`` (l. 3054-3056).
+"""
+
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+import pytest
+from extras import need
+
+conn_mod = need("sglang.srt.disaggregation.base.conn", "sglang")
+KVPoll, Dest = conn_mod.KVPoll, conn_mod.KVTransferDestination
+
+from pdkv.integrations.sglang.conn import (  # noqa: E402
+    PdkvKVBootstrapServer,
+    PdkvKVManager,
+    PdkvKVReceiver,
+    PdkvKVSender,
+)
+from pdkv.integrations.sglang.sides import Settings  # noqa: E402
+
+SECRET = bytes(range(32))
+PAGE, LAYERS, HEADS, DIM = 4, 3, 4, 8
+AUX = [16, 8]  # two metadata buffers: bytes per request slot
+
+
+class Pool:
+    """One rank's SGLang pools as numpy arrays: KV buffers (MHA: K of every layer then V;
+    MLA: one latent per layer), the host pool, the aux buffers."""
+
+    def __init__(self, pages: int, heads: int, mla: bool, host_pages: int = 0, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        width = 1 if mla else heads
+        dim = 24 if mla else DIM
+        nbuf = LAYERS if mla else 2 * LAYERS
+        self.kv = [rng.integers(0, 255, (pages, PAGE, width, dim * 2), dtype=np.uint8) for _ in range(nbuf)]
+        self.host = [np.zeros((host_pages, PAGE, width, dim * 2), np.uint8) for _ in range(nbuf)] if host_pages else []
+        self.aux = [rng.integers(0, 255, (64, n), dtype=np.uint8) for n in AUX]
+
+    def args(self, rank: int, total_heads: int, mla: bool) -> types.SimpleNamespace:
+        a = types.SimpleNamespace(
+            engine_rank=rank,
+            kv_data_ptrs=[b.ctypes.data for b in self.kv],
+            kv_data_lens=[b.nbytes for b in self.kv],
+            kv_item_lens=[b[0].nbytes for b in self.kv],
+            kv_cache_dtype_str="bfloat16",
+            page_size=PAGE,
+            aux_data_ptrs=[b.ctypes.data for b in self.aux],
+            aux_data_lens=[b.nbytes for b in self.aux],
+            aux_item_lens=list(AUX),
+            state_types=[],
+            total_kv_head_num=1 if mla else total_heads,
+            pp_rank=0,
+            prefill_start_layer=0,
+        )
+        if self.host:
+            a.host_kv_data_ptrs = [b.ctypes.data for b in self.host]
+            a.host_kv_data_lens = [b.nbytes for b in self.host]
+            a.host_kv_item_lens = [b[0].nbytes for b in self.host]
+        return a
+
+
+def _server_args(tp: int, port: int, threshold: float = 0.0) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        tp_size=tp,
+        dp_size=1,
+        device="cpu",
+        host="127.0.0.1",
+        disaggregation_bootstrap_port=port,
+        disaggregation_decode_host_receive_threshold=threshold,
+        pdkv_settings=Settings(secret=SECRET, instance_key=b"k" * 32, timeout_s=5.0, lease_s=5.0),
+    )
+
+
+class Pair:
+    """A prefill instance of TP ``p`` and a decode instance of TP ``d``, each rank a
+    manager over its own pools, and the bootstrap server."""
+
+    def __init__(self, p: int, d: int, mla: bool = False, heads: int = HEADS) -> None:
+        import os
+
+        os.environ["PDKV_SECRET"] = SECRET.hex()
+        self.boot = PdkvKVBootstrapServer("127.0.0.1", 0)
+        self.addr = f"127.0.0.1:{self.boot.port}"
+        self.mla = mla
+        self.ppools = [Pool(32, heads // p if not mla else 1, mla, seed=10 + r) for r in range(p)]
+        self.dpools = [Pool(32, heads // d if not mla else 1, mla, host_pages=32, seed=20 + r) for r in range(d)]
+        self.pm = [
+            PdkvKVManager(pl.args(r, heads, mla), "prefill", _server_args(p, self.boot.port), mla)
+            for r, pl in enumerate(self.ppools)
+        ]
+        self.dm = [
+            PdkvKVManager(pl.args(r, heads, mla), "decode", _server_args(d, self.boot.port), mla)
+            for r, pl in enumerate(self.dpools)
+        ]
+
+    def close(self) -> None:
+        for m in self.pm + self.dm:
+            m.close()
+        self.boot.close()
+
+
+def _until(fn, want, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = fn()
+        if got in want:
+            return got
+        time.sleep(0.005)
+    return fn()
+
+
+def _run(pair: Pair, room: int, src_pages: list[int], dst_pages: list[int], dest, aux_src=3, aux_dst=5):
+    """One request through SGLang's order; returns (senders, receivers) after Success."""
+    senders = [PdkvKVSender(m, pair.addr, room) for m in pair.pm]
+    receivers = [PdkvKVReceiver(m, pair.addr, room) for m in pair.dm]
+    for m, r in zip(pair.dm, receivers):
+        assert m.try_ensure_parallel_info(pair.addr)
+        r.init(0)
+        assert r.poll() in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
+    for r in receivers:
+        r.send_metadata(np.array(dst_pages, np.int32), aux_dst, None, decode_prefix_len=0, destination=dest)
+    for s in senders:
+        assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+        assert s.pop_decode_prefix_len() == 0
+        s.init(len(src_pages), aux_src)
+        # two chunks, as chunked prefill sends them
+        s.send(np.array(src_pages[:2], np.int32), None, num_kv_tokens=2 * PAGE)
+        s.send(np.array(src_pages[2:], np.int32), None, num_kv_tokens=(len(src_pages) - 2) * PAGE)
+    for s in senders:
+        assert _until(s.poll, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success, s._out.error
+    for r in receivers:
+        assert _until(r.poll, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success, r._in.error
+    return senders, receivers
+
+
+def _heads_of(pool: Pool, buf: int, page: int) -> np.ndarray:
+    return pool.kv[buf][page]
+
+
+def _check_bytes(pair: Pair, src_pages, dst_pages, dest, aux_src=3, aux_dst=5):
+    """Decode rank r's destination pages equal the prefill ranks' pages, head by head."""
+    p, d = len(pair.ppools), len(pair.dpools)
+    for r, dp in enumerate(pair.dpools):
+        bufs = dp.host if dest == Dest.HOST else dp.kv
+        for b in range(len(bufs)):
+            for sp, tp in zip(src_pages, dst_pages):
+                if pair.mla:
+                    want = pair.ppools[0].kv[b][sp]
+                else:
+                    # all heads of the model, then decode rank r's slice of them
+                    whole = np.concatenate([pp.kv[b][sp] for pp in pair.ppools], axis=1)
+                    per = whole.shape[1] // d
+                    want = whole[:, r * per : (r + 1) * per]
+                assert np.array_equal(bufs[b][tp], want), f"rank {r} buffer {b} page {tp}"
+        src = pair.ppools[0]
+        for i in range(len(AUX)):
+            assert np.array_equal(dp.aux[i][aux_dst], src.aux[i][aux_src])
+    del p
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("tp", [(1, 1), (1, 2), (2, 1)], ids=["tp1-1", "tp1-2", "tp2-1"])
+@pytest.mark.parametrize("dest", ["host", "device"])
+def test_sglang_pages_arrive_byte_for_byte(tp, mla, dest):
+    dest = Dest.HOST if dest == "host" else Dest.DEVICE
+    pair = Pair(*tp, mla=mla)
+    try:
+        src, dst = [7, 2, 9, 30], [4, 11, 0, 31]
+        before = [[b.copy() for b in pool.kv] for pool in pair.ppools]
+        senders, receivers = _run(pair, 1234, src, dst, dest)
+        _check_bytes(pair, src, dst, dest)
+        # prefill's pages are unchanged; no page is pdkv's any more on either side
+        for pool, old in zip(pair.ppools, before):
+            assert all(np.array_equal(a, b) for a, b in zip(pool.kv, old))
+        for r in receivers:
+            assert r.is_abort_release_safe()
+            r.clear()
+        for s in senders:
+            s.clear()
+        for m in pair.dm:
+            assert all(pg.num_free == pg.num_total for pg in m.decode.pages.values())
+    finally:
+        pair.close()
+
+
+def test_sglang_untouched_pages_stay_untouched():
+    """Pages no request designated are byte-for-byte what they were."""
+    pair = Pair(1, 1)
+    try:
+        host_before = [b.copy() for b in pair.dpools[0].host]
+        _run(pair, 99, [1, 2, 3], [5, 6, 7], Dest.HOST)
+        for b, old in zip(pair.dpools[0].host, host_before):
+            keep = [i for i in range(b.shape[0]) if i not in (5, 6, 7)]
+            assert np.array_equal(b[keep], old[keep])
+    finally:
+        pair.close()
+
+
+def _started(pair: Pair, room: int, dst_pages, dest):
+    """Senders and receivers of a request, the receivers' metadata sent, nothing sent yet."""
+    senders = [PdkvKVSender(m, pair.addr, room) for m in pair.pm]
+    receivers = [PdkvKVReceiver(m, pair.addr, room) for m in pair.dm]
+    for m, r in zip(pair.dm, receivers):
+        assert m.try_ensure_parallel_info(pair.addr)
+        r.init(0)
+    return senders, receivers
+
+
+@pytest.mark.parametrize("at", ["bootstrapping", "waiting", "transferring", "success"])
+def test_sglang_abort_at_every_state_leaves_nothing_held(at):
+    """An abort of a host destination at each KVPoll state: once is_abort_release_safe()
+    says so, no page is pdkv's on decode, and a write that comes later lands nowhere."""
+    pair = Pair(1, 1)
+    try:
+        dst = [3, 4, 5]
+        senders, receivers = _started(pair, 7, dst, Dest.HOST)
+        r, s = receivers[0], senders[0]
+        dm = pair.dm[0].decode
+        if at != "bootstrapping":
+            r.send_metadata(np.array(dst, np.int32), 1, None, decode_prefix_len=0, destination=Dest.HOST)
+            assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+        if at in ("transferring", "success"):
+            s.init(3, 2)
+            s.send(np.array([1, 2, 3], np.int32), None, num_kv_tokens=3 * PAGE)
+            if at == "success":
+                assert _until(r.poll, (KVPoll.Success,)) == KVPoll.Success
+        host_before = [b.copy() for b in pair.dpools[0].host]
+        r.abort()
+        assert r.poll() == (KVPoll.Success if at == "success" else KVPoll.Failed) or r.poll() == KVPoll.Failed
+        assert _until(r.is_abort_release_safe, (True,)) is True
+        assert all(not pg.holds(r._in.pid) for pg in dm.pages.values())
+        if at in ("bootstrapping", "waiting"):
+            # prefill sends anyway (SGLang's prefill does not know): nothing lands
+            s.init(3, 2)
+            s.send(np.array([1, 2, 3], np.int32), None, num_kv_tokens=3 * PAGE)
+            assert _until(s.poll, (KVPoll.Failed, KVPoll.Success), timeout=15) in (KVPoll.Failed, KVPoll.Success)
+            for b, old in zip(pair.dpools[0].host, host_before):
+                assert np.array_equal(b, old)
+        r.clear()
+        s.clear()
+    finally:
+        pair.close()
+
+
+def test_sglang_a_delayed_writer_holds_the_pages_until_it_ends():
+    """A write admitted under the grant (the scheduler's ticket, what tcp takes per frame)
+    keeps the pages pdkv's after an abort; is_abort_release_safe() turns true only when it
+    ends, and nothing it could still write lands after that."""
+    pair = Pair(1, 1)
+    try:
+        senders, receivers = _started(pair, 8, [6, 7], Dest.HOST)
+        r, s = receivers[0], senders[0]
+        dm = pair.dm[0].decode
+        r.send_metadata(np.array([6, 7], np.int32), 1, None, decode_prefix_len=0, destination=Dest.HOST)
+        # prefill reserves (its grant is the designated pages) but its writer is slow:
+        rx = dm.receivers["host"]
+        from pdkv.transfer import PrefillSender
+
+        tx = PrefillSender(
+            dm.layout,
+            pair.pm[0].pools.device,
+            rx.control_address,
+            instance="slow",
+            secret=SECRET,
+            transport="tcp",
+            timeout_s=5.0,
+        )
+        try:
+            from pdkv.integrations.sglang.sides import room_binding
+
+            grant = tx.reserve_many([(r._in.pid, 2 * PAGE, room_binding(8))])[0]
+            assert not isinstance(grant, BaseException), grant
+            assert list(grant.blocks) == [6, 7]  # exactly the pages decode designated
+            ticket = rx.scheduler.begin_write(r._in.pid, grant.token)  # a frame admitted, its payload slow
+            r.abort()
+            time.sleep(0.2)
+            assert not r.is_abort_release_safe()  # the write still runs: the pages stay pdkv's
+            assert dm.pages["host"].holds(r._in.pid)
+            rx.scheduler.end_write(ticket)
+            assert _until(r.is_abort_release_safe, (True,)) is True
+            from pdkv.errors import PdkvError
+
+            with pytest.raises(PdkvError):
+                rx.scheduler.begin_write(r._in.pid, grant.token)  # no write is admitted after
+        finally:
+            tx.close()
+        r.clear()
+        s.clear()
+    finally:
+        pair.close()
+
+
+def test_sglang_a_dead_decode_fails_prefill_within_its_lease():
+    pair = Pair(1, 1)
+    try:
+        senders, receivers = _started(pair, 9, [1, 2], Dest.HOST)
+        r, s = receivers[0], senders[0]
+        r.send_metadata(np.array([1, 2], np.int32), 1, None, decode_prefix_len=0, destination=Dest.HOST)
+        assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+        pair.dm[0].close()  # decode's receivers, pull client and aux endpoint gone
+        pair.dm = []
+        s.init(2, 1)
+        t0 = time.monotonic()
+        s.send(np.array([4, 5], np.int32), None, num_kv_tokens=2 * PAGE)
+        assert _until(s.poll, (KVPoll.Failed,), timeout=30) == KVPoll.Failed
+        assert time.monotonic() - t0 < 5.0 + 5.0 + 5.0  # timeout_s + lease_s + slack
+        with pytest.raises(Exception, match="room 9"):
+            s.failure_exception()
+    finally:
+        pair.close()
+
+
+def test_sglang_a_planted_page_mapping_bug_is_caught(monkeypatch):
+    """The host-page address mapping (layouts._spec: tensor t of layer l is buffer t*L+l)
+    planted with K and V swapped: the byte comparison of test_sglang_pages_arrive_byte_for_byte
+    fails, so that test guards the mapping."""
+    from pdkv.integrations.sglang import layouts
+
+    real = layouts._spec
+
+    def planted(layout, ptrs, lens, items, what):
+        if what == "host KV pool":
+            n = layout.total_layers
+            ptrs = ptrs[n:] + ptrs[:n]  # V buffers where K's belong
+        return real(layout, ptrs, lens, items, what)
+
+    monkeypatch.setattr(layouts, "_spec", planted)
+    pair = Pair(1, 1)
+    try:
+        _run(pair, 5, [1, 2, 3], [8, 9, 10], Dest.HOST)
+        with pytest.raises(AssertionError, match="buffer"):
+            _check_bytes(pair, [1, 2, 3], [8, 9, 10], Dest.HOST)
+    finally:
+        pair.close()
+
+
+def test_sglang_refuses_what_pdkv_cannot_carry():
+    from pdkv.errors import PdkvError
+
+    pool = Pool(8, HEADS, False, host_pages=8)
+    for field, value, word in [
+        ("state_types", ["mamba"], "state pools"),
+        ("mla_compression_ratios", [0, 4], "compressed MLA"),
+        ("pp_rank", 1, "pipeline-parallel"),
+    ]:
+        a = pool.args(0, HEADS, False)
+        setattr(a, field, value)
+        with pytest.raises(PdkvError, match=word):
+            PdkvKVManager(a, "decode", _server_args(1, 1), False)
+
+
+def test_sglang_activation_adds_the_backend_to_sglang():
+    need("sglang.srt.disaggregation.utils", "sglang")
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+    from sglang.srt.disaggregation import utils
+
+    from pdkv.integrations.sglang import activate, conn
+
+    activate.install()
+    activate.install()  # idempotent
+    be = utils.TransferBackend("pdkv")
+    assert be is utils.TransferBackend.PDKV
+    assert utils.get_kv_class(be, utils.KVClassType.MANAGER) is conn.PdkvKVManager
+    assert utils.get_kv_class(be, utils.KVClassType.RECEIVER) is conn.PdkvKVReceiver
+    assert utils.get_kv_class(be, utils.KVClassType.BOOTSTRAP_SERVER) is conn.PdkvKVBootstrapServer
+    assert utils.get_kv_class(utils.TransferBackend.FAKE, utils.KVClassType.SENDER).__name__ != "PdkvKVSender"
+    assert "pdkv" in DISAGG_TRANSFER_BACKEND_CHOICES
+    assert conn.PdkvKVManager.supports_host_destination
