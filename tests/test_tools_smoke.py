@@ -93,6 +93,7 @@ def test_bench_nixl_gpu_says_what_is_missing():
         "bench_swap_kernels.py",
         "bench_swap_paths.py",
         "bench_interference.py",
+        "bench_host_gather.py",
         "bench_buffer.py",
         "bench_cuda_ipc.py",
         "bench_staged.py",

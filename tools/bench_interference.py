@@ -144,6 +144,94 @@ class Swapper:
         return got / dt / 1e9
 
 
+class GatherSwap:
+    """The path no strategy of pdkv's takes yet, measured here: CPU threads gather a call's
+    scattered buffer blocks into a pinned staging area (pdkv's streaming copy loop,
+    ``_ffi.cpu``), the copy engines move it to the GPU in one contiguous copy (the link's
+    full rate, no SM), and a scatter kernel of ``ctas`` CTAs puts the blocks in place
+    (device memory to device memory, at HBM speed: a short stay on few SMs for the link's
+    bytes). Two staging areas alternate, so one call's gather overlaps the previous call's
+    copy. The same ``copy``/``wait`` surface as a :class:`pdkv.SwapEngine`."""
+
+    _SRC = r"""
+    extern "C" __global__ void scatter(const unsigned char* src, unsigned char* dst,
+                                       const long long* idx, long long n, long long block) {
+        for (long long i = blockIdx.x; i < n; i += gridDim.x) {
+            const uint4* s = (const uint4*)(src + i * block);
+            uint4* d = (uint4*)(dst + idx[i] * block);
+            for (long long j = threadIdx.x; j < block / 16; j += blockDim.x) d[j] = s[j];
+        }
+    }"""
+
+    def __init__(self, torch, buf, gpu, block: int, blocks: int, threads: int, ctas: int, chunk_mib: int = 8) -> None:
+        import concurrent.futures
+
+        import cupy
+
+        self.t, self.cp, self.block, self.threads, self.ctas = torch, cupy, block, threads, ctas
+        self.base, self.gpu = buf.address, gpu
+        self.per = max(1, (chunk_mib << 20) // block)  # blocks a chunk: gathered, then copied and scattered
+        self.slots = 4  # a ring of staging areas: chunk i+1 gathers while chunk i copies
+        self.stage = [torch.empty((self.per, block), dtype=torch.uint8, pin_memory=True) for _ in range(self.slots)]
+        self.gstage = [torch.empty((self.per, block), dtype=torch.uint8, device="cuda") for _ in range(self.slots)]
+        self.events = [None] * self.slots
+        self.stream = torch.cuda.Stream()
+        self.kernel = cupy.RawKernel(self._SRC, "scatter")
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
+        self.i = 0
+
+    def _chunk(self, s, d) -> object:
+        from pdkv import _ffi
+
+        t, cp, k = self.t, self.cp, self.i % self.slots
+        self.i += 1
+        if self.events[k] is not None:
+            self.events[k].synchronize()  # this staging area's previous chunk has left it
+        n = len(s)
+        src = self.base + s * self.block
+        dst = self.stage[k].data_ptr() + np.arange(n, dtype=np.int64) * self.block
+        ln = np.full(n, self.block, dtype=np.int64)
+        cuts = [i * n // self.threads for i in range(self.threads + 1)]
+        list(
+            self.pool.map(
+                lambda ab: _ffi.cpu.gather(src[ab[0] : ab[1]], dst[ab[0] : ab[1]], ln[ab[0] : ab[1]]),
+                zip(cuts[:-1], cuts[1:]),
+            )
+        )
+        dix = t.as_tensor(d).to("cuda", non_blocking=True)
+        with t.cuda.stream(self.stream):
+            self.gstage[k][:n].copy_(self.stage[k][:n], non_blocking=True)
+            with cp.cuda.ExternalStream(self.stream.cuda_stream):
+                args = (
+                    self.gstage[k].data_ptr(),
+                    self.gpu.data_ptr(),
+                    dix.data_ptr(),
+                    np.int64(n),
+                    np.int64(self.block),
+                )
+                self.kernel((self.ctas,), (256,), args)
+            ev = t.cuda.Event()
+            ev.record(self.stream)
+        self.events[k] = ev
+        return ev
+
+    def copy(self, s, d, direction: str = "h2d"):
+        s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
+        ev = None
+        for a in range(0, len(s), self.per):
+            ev = self._chunk(s[a : a + self.per], d[a : a + self.per])
+
+        class _H:
+            def wait(self, timeout=None):
+                ev.synchronize()
+
+        return _H()
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.pool.shutdown()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", default="64,256")
@@ -155,6 +243,9 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=4096, help="blocks a swap call")
     ap.add_argument("--ctas", type=int, default=16, help="the capped kernel's CTAs")
     ap.add_argument("--streams", type=int, default=4, help="copy-engine streams of the multi-stream row")
+    ap.add_argument("--gather-threads", type=int, default=8, help="CPU threads of the gather prototype")
+    ap.add_argument("--gather-ctas", type=int, default=8, help="CTAs of the gather prototype's scatter kernel")
+    ap.add_argument("--only", default="", help="comma-separated words: run only strategies whose name has one")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--json", default="", help="write the rows here too")
     a = ap.parse_args()
@@ -188,7 +279,12 @@ def main() -> int:
         f"copy engines x{a.streams}": lambda: [
             pdkv.SwapEngine(bspec, gspec, strategy="batch") for _ in range(a.streams)
         ],
+        f"gather {a.gather_ctas} CTAs (proto)": lambda: [
+            GatherSwap(torch, buf, gpu, size, a.blocks, a.gather_threads, a.gather_ctas)
+        ],
     }
+    if a.only:
+        strategies = {k: v for k, v in strategies.items() if any(w in k for w in a.only.split(","))}
     print(
         f"{torch.cuda.get_device_name(0)}; decode step: {a.layers} layers (8B-class, bf16), ctx {a.ctx}, "
         f"{'eager' if a.no_graph else 'CUDA graph'}; swap: {a.blocks} scattered blocks of {a.kib} KiB a call, "

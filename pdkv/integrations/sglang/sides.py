@@ -20,7 +20,6 @@ A request's pdkv id at a decode rank is ``sgl-<room>-d<rank>of<TP size>``: SGLan
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import dataclasses
 import hashlib
 import logging
@@ -31,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import _ffi
 from ...buffer.region import HostRegion
 from ...errors import PdkvError, RequestError
 from ...layout import KVLayout, tp_segments
@@ -287,7 +287,7 @@ class DecodeRank:
                 got, want = [len(b) for b in blobs][:8], [n for _, n in r.aux][:8]
                 return f"{pid[:80]!r}: aux of {got} bytes; the slot is {want}"
             for b, (addr, n) in zip(blobs, r.aux):
-                ctypes.memmove(addr, b, n)
+                _ffi.libc.host_view(addr, n)[:] = b
             r.aux_done = True
         return ""
 
@@ -492,7 +492,8 @@ class PrefillRank:
             if o.state != "received":
                 raise PdkvError(f"decode answered {o.state}: {o.reason}")
             if out.aux_index is not None and self._aux_ptrs and self._is_aux_source(pid):
-                blobs = [ctypes.string_at(a, n) for a, n in _aux_slots(self._aux_ptrs, self._aux_items, out.aux_index)]
+                slots = _aux_slots(self._aux_ptrs, self._aux_items, out.aux_index)
+                blobs = [bytes(_ffi.libc.host_view(a, n)) for a, n in slots]
                 self._aux.send(aux_addr, pid, blobs)
             ok, why = True, ""
         except Exception as exc:  # one request fails alone
