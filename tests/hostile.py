@@ -49,10 +49,12 @@ class RawSession:
         timeout_ms: int = 5000,
         instance_key: bytes | None = None,
         refusable: bool = False,
+        pid: int | None = None,
     ) -> None:
         """``instance_key``: the 32-byte key this session proves (default: its own random
         one, a stranger to every other session); ``refusable``: a refusal after Auth is
-        kept in ``refusal`` instead of failing."""
+        kept in ``refusal`` instead of failing; ``pid``: the process its Hello names (default
+        this one)."""
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -70,7 +72,7 @@ class RawSession:
                 layout_desc(layout),
                 list(transports),
                 boot_id(),
-                os.getpid(),
+                os.getpid() if pid is None else pid,
                 self.nonce,
             )
         )

@@ -228,6 +228,33 @@ def test_a_tcp_session_is_welcomed_with_the_data_address(dec):
         s.close()
 
 
+def test_a_rank_session_is_replaced_only_by_its_own_process_proving_its_key():
+    """A sender that gave up on decode opens a new session while decode still holds the
+    old one (its Bye, on the old connection, may be served after the new Auth): the same
+    process proving the same instance key replaces its rank's session (the old one ends
+    as a closed connection's does); another process with that key, or this one with another key, is
+    refused. One live session per rank throughout."""
+    d = Decode(transports=("tcp",), secret=SECRET)
+    held = []
+    try:
+        key = os.urandom(32)
+        first = _session(d, instance="pf", instance_key=key)
+        held.append(first)
+        assert first.welcome is not None
+        for kw in ({"pid": os.getppid()}, {"instance_key": os.urandom(32)}):
+            s = _session(d, **{"instance": "pf", "instance_key": key, **kw})
+            held.append(s)
+            assert s.refusal is not None and [p.session_id for p in d.rx._peers.values()] == [first.welcome.session_id]
+        again = _session(d, instance="pf", instance_key=key)
+        held.append(again)
+        assert again.welcome is not None and again.welcome.session_id != first.welcome.session_id
+        assert [p.session_id for p in d.rx._peers.values()] == [again.welcome.session_id]
+    finally:
+        for s in held:
+            s.close()
+        d.close()
+
+
 def test_identity_refusals_name_each_reason():
     d = Decode(transports=("tcp",), max_sessions=3, secret=SECRET)
     held = []
@@ -245,7 +272,7 @@ def test_identity_refusals_name_each_reason():
         s = _session(d, LAY, instance="pf", instance_key=key)
         held.append(s)
         assert s.refusal.message == "instance 'pf' has live sessions of tp_size 2, not 1"
-        s = _session(d, TWO[0], instance="pf", instance_key=key)
+        s = _session(d, TWO[0], instance="pf", instance_key=key, pid=os.getppid())  # another process
         held.append(s)
         assert s.refusal.message == "rank 0 of instance 'pf' has a live session already"
         assert d.rx.stats["identity_refused"] == before + 3

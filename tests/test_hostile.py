@@ -779,8 +779,9 @@ def test_a_session_of_another_transport_opens_no_data_connection(no_leaks):
 def test_a_session_naming_a_live_instance_cannot_join_its_grant(secret, no_leaks):
     """Grant hijack through the instance name: an authenticated attacker names the victim's
     instance, as its own rank and as the other rank of its TP pair. Both are refused, so it
-    is never sent the victim's grant; a second live session of the victim's own rank is
-    refused even with the right key; the victim's real second rank joins the grant."""
+    is never sent the victim's grant; a second live session of the victim's own rank, from
+    another process, is refused even with the right key; the victim's real second rank joins
+    the grant."""
     dec = Decode(secret=secret)
     ctx = zmq.Context()
     try:
@@ -798,7 +799,9 @@ def test_a_session_naming_a_live_instance_cannot_join_its_grant(secret, no_leaks
             atk = RawSession(addr, lay(rank), secret=secret, instance="victim", ctx=ctx, refusable=True)
             assert atk.welcome is None and "another instance key" in atk.refusal.message, atk.refusal
             atk.close()
-        dup = RawSession(addr, lay(0), secret=secret, instance="victim", instance_key=key, ctx=ctx, refusable=True)
+        dup = RawSession(  # another process of the instance (a same-process one replaces its own)
+            addr, lay(0), secret=secret, instance="victim", instance_key=key, ctx=ctx, refusable=True, pid=os.getppid()
+        )
         assert dup.welcome is None and "live session" in dup.refusal.message, dup.refusal
         dup.close()
         assert dec.rx.stats["identity_refused"] == 3

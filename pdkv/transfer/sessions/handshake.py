@@ -169,10 +169,15 @@ def accept_session(rx: ReceiverCore, ident: bytes, hs: Handshake, auth: Auth) ->
     h, codec, transport = hs.hello, hs.codec, hs.transport
     fp = key_fingerprint(mask_instance_key(auth.instance_key, codec.key, h.nonce, hs.nonce))
     with rx.lock:
-        old = [p.ident for p in rx._peers.values() if p.instance == h.instance and p.tp_rank == h.tp_rank]
-    for ident_old in old:
-        if ident_old in rx._gone:  # the rank's session whose connection closed: what it sent, then its end
-            rx.retire(ident_old)
+        old = [p for p in rx._peers.values() if p.instance == h.instance and p.tp_rank == h.tp_rank]
+    for p in old:
+        # the rank's session whose connection closed, or one its own process replaces (the
+        # same instance key proven from the same pid, the same tp_size: a sender that gave
+        # up on this decode, whose Bye on the old connection may be served after this
+        # Auth): what the old connection sent, then its end. One live session per rank.
+        same = p.key_fp == fp and 0 < p.pid == h.pid and p.same_host == hs.same_host and p.tp_size == h.tp_size
+        if p.ident in rx._gone or same:
+            rx.retire(p.ident)
     with rx.lock:
         why = identity_refusal(rx, h, fp)
     if why is not None:
