@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -243,9 +244,23 @@ def test_prefill_mode_sums_up_when_decode_dies(tmp_path, no_leaks):
             text=True,
         )
         procs.append(p)
-        time.sleep(1.0)
+        lines: list[str] = []
+        connected = threading.Event()
+
+        def read() -> None:  # prefill's stdout, whole; "connected to" once its session is up
+            for ln in p.stdout:  # type: ignore[union-attr]
+                lines.append(ln)
+                if ln.startswith("connected to"):
+                    connected.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert connected.wait(60), "".join(lines)  # however loaded the host, decode dies mid-run
+        time.sleep(0.5)  # some requests done, most still to come at 20 a second
         d.kill()
-        out, err = p.communicate(timeout=120)
+        p.wait(120)
+        reader.join(10)
+        out = "".join(lines)
     finally:
         for q in procs:
             if q.poll() is None:
