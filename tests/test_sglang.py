@@ -331,6 +331,70 @@ def test_sglang_a_dead_decode_fails_prefill_within_its_lease():
         pair.close()
 
 
+_KILLED_DECODE = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import test_sglang as t
+port, room = int(sys.argv[2]), int(sys.argv[3])
+pool = t.Pool(32, t.HEADS, False, host_pages=32, seed=20)
+m = t.PdkvKVManager(pool.args(0, t.HEADS, False), "decode", t._server_args(1, port), False)
+addr = f"127.0.0.1:{port}"
+assert m.try_ensure_parallel_info(addr)
+r = t.PdkvKVReceiver(m, addr, room)
+r.init(0)
+r.send_metadata(np.array([1, 2], np.int32), 1, None, decode_prefix_len=0, destination=t.Dest.HOST)
+print("metadata sent", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.multiproc
+def test_sglang_a_decode_killed_mid_transfer_fails_prefill_within_its_lease(tmp_path):
+    """Decode in a process of its own sends its metadata, then is SIGKILLed after prefill's
+    first chunk went out and before the last: prefill's sender ends Failed within its
+    timeout and lease, names the room, and prefill's manager serves the next request."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pair = Pair(1, 1)
+    pair.dm[0].close()  # decode lives in the child, alone
+    pair.dm = []
+    env = {**os.environ, "PDKV_SECRET": SECRET.hex()}
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_DECODE, here, str(pair.boot.port), "11"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        assert line.startswith("metadata sent"), line + child.stderr.read() if child.poll() is not None else line
+        s = PdkvKVSender(pair.pm[0], pair.addr, 11)
+        assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+        s.init(2, 1)
+        s.send(np.array([4], np.int32), None, num_kv_tokens=PAGE)  # the first chunk
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        t0 = time.monotonic()
+        s.send(np.array([5], np.int32), None, num_kv_tokens=PAGE)  # the last: the KV goes now
+        assert _until(s.poll, (KVPoll.Failed, KVPoll.Success), timeout=30) == KVPoll.Failed
+        assert time.monotonic() - t0 < 5.0 + 5.0 + 5.0  # timeout_s + lease_s + slack
+        with pytest.raises(Exception, match="room 11"):
+            s.failure_exception()
+        s.clear()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.communicate()
+        pair.close()
+
+
 def test_sglang_a_planted_page_mapping_bug_is_caught(monkeypatch):
     """The host-page address mapping (layouts._spec: tensor t of layer l is buffer t*L+l)
     planted with K and V swapped: the byte comparison of test_sglang_pages_arrive_byte_for_byte
