@@ -19,6 +19,7 @@ need("transformers", "vllm")
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
+ENGINE = "prefill-tp2-engine"  # public: vLLM logs it, routers and peers see it
 PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((70, 96, 131, 33))]
 
 
@@ -67,7 +68,7 @@ def served(tmp_path_factory):
             model,
             free_port(),
             logs / "prefill-tp2.log",
-            {"connector": "pdkv", "role": "producer", "tp": 2, "extra": {"decode": control}},
+            {"connector": "pdkv", "role": "producer", "tp": 2, "extra": {"decode": control}, "engine_id": ENGINE},
         ),
         "decode_pc": (  # vLLM's default: prefix caching on
             model,
@@ -83,7 +84,7 @@ def served(tmp_path_factory):
         ),
     }
     out = start_servers(specs)
-    yield out
+    yield {**out, "decode_control": control}
     stop_servers(out)
 
 
@@ -164,6 +165,59 @@ def test_vllm_served_heterogeneous_tp_both_ways(served: dict):
     assert d2["vllm:pdkv_load_failed_total"] == d2["vllm:pdkv_pull_failed_total"] == 0, d2
     p2 = served["prefill_tp2"].metrics_until(lambda m: m.get("vllm:pdkv_sent_total", 0) >= 2 * len(PROMPTS))
     assert p2["vllm:pdkv_sent_total"] == 2 * len(PROMPTS) and p2["vllm:pdkv_send_failed_total"] == 0, p2
+
+
+def test_vllm_served_a_computed_instance_key_joins_nothing(served: dict):
+    """An attacker that reaches decode's control port and knows the TP-2 prefill's engine
+    id (public: vLLM logs it; pull answers carry it as ``remote_engine_id``) offers decode a
+    session as that prefill's rank 1 (``vllm-<engine id>``, the instance name every Hello
+    shows) under each key computable from it. Decode refuses each while the engine's
+    sessions are live, the engine's next request goes through as colocated, and prefill
+    counts no failed send."""
+    import hashlib
+    import hmac
+
+    import numpy as np
+
+    from pdkv import CacheSpec, PrefillSender
+    from pdkv.errors import PeerError
+    from pdkv.integrations.vllm.settings import layout_for
+
+    colo, prefill, decode = served["colocated"], served["prefill_tp2"], served["decode"]
+    p = PROMPTS[1]
+    want = colo.complete(p, 8)["choices"][0]["text"]
+    assert nixl_route(prefill, decode, p, 8)["choices"][0]["text"] == want  # the engine's sessions live
+    engine = ENGINE
+    lay = layout_for(
+        num_layers=2,
+        kv_heads=2,
+        head_dim=64,
+        block_size=32,
+        dtype="torch.float32",
+        tp_size=2,
+        tp_rank=1,
+        order=("head", False),
+    )
+    arr = np.zeros(lay.block_bytes * 4, np.uint8)
+    guesses = [
+        hmac.new(b"pdkv-vllm", f"instance-key:{engine}".encode(), hashlib.sha256).digest(),
+        hashlib.sha256(engine.encode()).digest(),
+        hashlib.sha256(f"vllm-{engine}".encode()).digest(),
+    ]
+    for key in guesses:
+        with pytest.raises(PeerError, match="another instance key"):
+            PrefillSender(
+                lay,
+                CacheSpec.for_buffer(lay, 4, arr.ctypes.data),
+                served["decode_control"],
+                instance=f"vllm-{engine}",
+                instance_key=key,
+                transport="tcp",
+                timeout_s=5,
+            )
+    assert nixl_route(prefill, decode, p, 8)["choices"][0]["text"] == want
+    pm = prefill.metrics_until(lambda m: m.get("vllm:pdkv_sent_total", 0) >= 4)
+    assert pm["vllm:pdkv_send_failed_total"] == 0, pm
 
 
 def test_tokenizer_words_are_token_ids(tmp_path: Path):

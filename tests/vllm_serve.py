@@ -62,7 +62,8 @@ class Server:
         (vLLM's ExampleConnector, its storage ``extra['shared_storage_path']``), ``multi`` (vLLM's
     MultiConnector: pdkv with ``extra`` and an ExampleConnector on ``shared_storage_path``), ``nixl``
         (vLLM's NixlConnector, ``kv_both`` with its KV buffer in host memory, its side channel
-        on ``extra['side_channel_port']``) or ``none``."""
+        on ``extra['side_channel_port']``) or ``none``. ``env``: added to the server's
+        environment; ``engine_id``: the pdkv connector's (vLLM's kv_transfer_config), else vLLM's own."""
 
     def __init__(
         self,
@@ -77,6 +78,8 @@ class Server:
         prefix_caching: bool = False,
         max_num_seqs: int = 8,
         tp: int = 1,
+        env: dict[str, str] | None = None,
+        engine_id: str = "",
     ) -> None:
         self.url, self.log = f"http://127.0.0.1:{port}", log
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
@@ -93,6 +96,7 @@ class Server:
                 "kv_connector_module_path": "pdkv.integrations.vllm",
                 "kv_role": kind,
                 "kv_connector_extra_config": extra or {},
+                **({"engine_id": engine_id} if engine_id else {}),
             }
             args += ["--kv-transfer-config", json.dumps(cfg)]
         elif connector == "example":
@@ -119,13 +123,15 @@ class Server:
         elif connector == "nixl":  # vLLM's own, over UCX on this host; its KV in host memory
             cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
             args += ["--kv-transfer-config", json.dumps(cfg)]
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        environ = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", **(env or {})}
         if connector == "nixl":
-            env.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str((extra or {})["side_channel_port"]))
-            env.setdefault("UCX_TLS", "tcp,cma,self,sm")
+            environ.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str((extra or {})["side_channel_port"]))
+            environ.setdefault("UCX_TLS", "tcp,cma,self,sm")
         self._err = log.open("w")
         # its own process group: the engine core and any worker go with it
-        self.proc = subprocess.Popen(args, stdout=self._err, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdout=self._err, stderr=subprocess.STDOUT, env=environ, start_new_session=True
+        )
 
     def wait_ready(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
