@@ -17,7 +17,11 @@ pdkv's decode has 96 vLLM blocks and a 256-block buffer, NixlConnector's decode 
 Per pair: TTFT (dispatch to decode's first streamed token) and ITL (gaps between decode's
 streamed tokens) p50 and p99, failed requests, texts equal to the colocated server's, and
 prefill's block-seconds (its ``vllm:kv_cache_usage_perc`` sampled every 50 ms x its
-block count: how long prefill's memory is held per request's worth of work).
+block count: how long prefill's memory is held per request's worth of work), and decode's
+GPU block-seconds held by requests not yet running (blocks allocated while the request
+waits for its KV, ``WAITING_FOR_REMOTE_KVS``), counted inside decode's scheduler by
+``tools/vllm_probe`` (a ``sitecustomize`` that wraps ``Scheduler.schedule`` in the decode
+server's processes only; vLLM's ``/metrics`` has no per-state block gauge).
 
 The trace: ``--trace`` (Mooncake format), its prompt lengths divided by ``--len-div`` and
 clipped to what the tiny model serves (32-440 tokens), outputs clipped to 4-``--max-new``
@@ -27,6 +31,8 @@ tokens, arrivals rescaled to ``--rate`` requests a second on average.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import tempfile
 import threading
 import time
@@ -39,6 +45,7 @@ from vllm_engine import free_port, tiny_llama
 from vllm_serve import NIXL, Server, start_servers, with_tokenizer
 
 BLOCK = 32
+PROBE = Path(__file__).resolve().parent / "vllm_probe"
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -82,6 +89,8 @@ def _stream(url: str, body: dict, timeout: float = 120.0) -> tuple[list[float], 
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
+            if not chunk.get("choices"):  # the server's error, streamed: its own words
+                raise RuntimeError(f"server error: {str(chunk.get('error', chunk))[:160]}")
             t = chunk["choices"][0].get("text", "")
             if t:
                 times.append(time.monotonic())
@@ -127,6 +136,26 @@ class _Sampler:
         self._stop.set()
         self._t.join()
         return self.block_s
+
+
+def read_probe(folder: Path, settle_s: float = 1.0) -> dict[str, float]:
+    """The decode scheduler's tally (``tools/vllm_probe``), summed over the files its
+    processes wrote: it writes whenever no request waits any more, so the last request's
+    share is in once its text has streamed; ``settle_s`` covers that write. No file at all
+    is an error (the probe did not load), never a zero."""
+    time.sleep(settle_s)
+    files = sorted(folder.glob("*.json"))
+    if not files:
+        raise RuntimeError(f"the decode probe wrote nothing in {folder}: was tools/vllm_probe on PYTHONPATH?")
+    total = {"waiting_block_s": 0.0, "peak_waiting_blocks": 0, "calls": 0}
+    for f in files:
+        d = json.loads(f.read_text())
+        total["waiting_block_s"] += d["waiting_block_s"]
+        total["peak_waiting_blocks"] = max(total["peak_waiting_blocks"], d["peak_waiting_blocks"])
+        total["calls"] += d["calls"]
+    if not total["calls"]:
+        raise RuntimeError(f"the decode probe in {folder} saw no scheduler step")
+    return total
 
 
 def drive(trace: list[dict], concurrency: int, one) -> list[dict]:
@@ -234,6 +263,11 @@ def served(a: Any) -> int:
                     {"connector": "example", "role": "consumer", "extra": ex, "kv_bytes": kv},
                 ),
             }
+        probe = logs / "probe"  # decode's scheduler: block-seconds of requests not yet running
+        probe.mkdir()
+        served_by = "one" if name == "colocated" else "decode"
+        pythonpath = os.pathsep.join(x for x in (str(PROBE), os.environ.get("PYTHONPATH", "")) if x)
+        specs[served_by][3]["env"] = {"PYTHONPATH": pythonpath, "PDKV_PROBE_OUT": str(probe)}
         try:
             servers = start_servers(specs)
         except AssertionError as exc:  # a pair that does not start on this host: said, not hidden
@@ -258,6 +292,8 @@ def served(a: Any) -> int:
                     t0 = time.monotonic()
                     first = p.complete(r["prompt"], 1, dict(NIXL))
                     pre = time.monotonic() - t0
+                    if not first.get("choices"):
+                        raise RuntimeError(f"prefill error: {str(first.get('error', first))[:160]}")
                     body = {"model": d.model_name, "prompt": r["prompt"], "max_tokens": r["new"], "temperature": 0}
                     body["kv_transfer_params"] = first.get("kv_transfer_params")
                     times, text = _stream(d.url, body)
@@ -268,6 +304,7 @@ def served(a: Any) -> int:
             res = drive(trace, a.concurrency, one)
             took = time.monotonic() - t0
             block_s = sampler.stop()
+            waiting = read_probe(probe)
         finally:
             for s in servers.values():
                 s.close()
@@ -285,6 +322,8 @@ def served(a: Any) -> int:
             "itl_ms_p50": 1000 * _pct(itl, 0.5),
             "itl_ms_p99": 1000 * _pct(itl, 0.99),
             "prefill_block_s": block_s,
+            "decode_waiting_block_s": waiting["waiting_block_s"],
+            "decode_waiting_blocks_peak": waiting["peak_waiting_blocks"],
             "same_text": same,
             "seconds": took,
             "errors": sorted({r["error"] for r in res if "error" in r})[:3],
@@ -293,12 +332,11 @@ def served(a: Any) -> int:
         print(
             f"{name:>17}: TTFT p50 {row['ttft_ms_p50']:7.1f} p99 {row['ttft_ms_p99']:7.1f} ms | ITL p50 "
             f"{row['itl_ms_p50']:6.1f} p99 {row['itl_ms_p99']:6.1f} ms | failed {row['failed']} | "
-            f"text = colocated {same}/{len(trace)} | prefill block-s {block_s:8.1f} | {took:.1f} s",
+            f"text = colocated {same}/{len(trace)} | prefill block-s {block_s:8.1f} | decode block-s "
+            f"not running {waiting['waiting_block_s']:7.1f} (peak {waiting['peak_waiting_blocks']}) | {took:.1f} s",
             flush=True,
         )
-    for f in storage.glob("**/*"):
-        if f.is_file():
-            f.unlink()
+    shutil.rmtree(storage, ignore_errors=True)  # ExampleConnector's files in /dev/shm
     print(json.dumps({"mode": "served", "rows": rows}))
     return 0 if all(r.get("failed") == 0 for r in rows) else 1
 
