@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import queue
 import secrets
 import threading
@@ -30,11 +29,10 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from ...errors import PdkvError
+from .endpoint import RouterEndpoint
 
 __all__ = ["MAX_MSG", "PullReq", "PullAnswer", "PullServer", "PullClient", "PullResult", "Held", "PullDesk"]
 
-_log = logging.getLogger(__name__)
 MAX_MSG = 4096  # a pull is ~200 bytes; anything longer is dropped unread
 _MAC = b"pdkv-pull-1"
 
@@ -93,64 +91,28 @@ _dec_req = msgspec.msgpack.Decoder(PullReq)
 _dec_answer = msgspec.msgpack.Decoder(PullAnswer)
 
 
-class PullServer:
+class PullServer(RouterEndpoint):
     """Prefill's pull endpoint: binds ``bind`` (``tcp://host:port``, port 0 for any) and
     answers each :class:`PullReq` with what ``on_pull(req)`` returns (an error, or '' when
     prefill will send), from a thread of its own. A message that is too long, malformed or
-    not authenticated gets no answer and changes nothing. Ownership: the socket and the
-    thread (:meth:`close`)."""
+    not authenticated gets no answer and changes nothing (``dropped``). Ownership: the
+    socket and the thread (:meth:`close`)."""
 
     def __init__(self, bind: str, on_pull: Callable[[PullReq], str], *, secret: bytes | None = None) -> None:
+        super().__init__(bind, max_msg=MAX_MSG, what="pull endpoint", thread_name="pdkv-pull-server")
         self._on_pull, self._secret = on_pull, secret
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG)
-        try:
-            self._sock.bind(bind)
-        except zmq.ZMQError as exc:
-            self._sock.close()
-            self._ctx.term()
-            raise PdkvError(f"pull endpoint {bind}: {exc}") from exc
-        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.served = self.refused = self.dropped = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pdkv-pull-server", daemon=True)
-        self._thread.start()
+        self.served = self.refused = 0
+        self._start()
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                if not poller.poll(100):
-                    continue
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            except zmq.ZMQError as exc:
-                if self._stop.is_set() or exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    return
-                self.dropped += 1
-                continue
-            try:
-                self._serve(frames)
-            except Exception:  # never the thread: one message fails alone
-                self.dropped += 1
-                _log.exception("pdkv pull: a request failed")
-
-    def _serve(self, frames: list[bytes]) -> None:
+    def _serve(self, frames: list[bytes]) -> str:
         if len(frames) != 2 or len(frames[1]) > MAX_MSG:
-            self.dropped += 1
-            return
+            return "not one message"
         try:
             r = _dec_req.decode(frames[1])
         except (msgspec.DecodeError, msgspec.ValidationError):
-            self.dropped += 1
-            return
+            return "malformed"
         if not hmac.compare_digest(r.mac, _req_mac(self._secret, r)):
-            self.dropped += 1  # no answer: the sender is not one of ours
-            return
+            return "not authenticated"  # no answer: the sender is not one of ours
         error = _check(r) or self._on_pull(r)
         if error:
             self.refused += 1
@@ -161,13 +123,8 @@ class PullServer:
         try:
             self._sock.send_multipart([frames[0], _enc.encode(a)], zmq.NOBLOCK)
         except zmq.ZMQError:
-            self.dropped += 1  # the asker is gone; it times out
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sock.close(linger=0)
-        self._ctx.term()
+            return "the asker is gone"  # it times out
+        return ""
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import threading
 from collections.abc import Callable
 
@@ -20,10 +19,10 @@ import msgspec
 import zmq
 
 from ...errors import PdkvError
+from ..core.endpoint import RouterEndpoint
 
 __all__ = ["MAX_AUX", "AuxMsg", "AuxServer", "AuxSender"]
 
-_log = logging.getLogger(__name__)
 MAX_AUX = 8 << 20
 _MAC = b"pdkv-sglang-aux-1"
 
@@ -45,53 +44,17 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(AuxMsg)
 
 
-class AuxServer:
+class AuxServer(RouterEndpoint):
     """Decode's aux endpoint: each verified message goes to ``on_aux(pid, blobs)``, which
-    returns '' when it wrote them (else why not: the message is dropped). Ownership: the
-    socket and its thread (:meth:`close`)."""
+    returns '' when it wrote them (counted in ``written``; else why not: the message is
+    dropped and counted in ``dropped``). Ownership: the socket and its thread
+    (:meth:`close`)."""
 
     def __init__(self, bind: str, secret: bytes, on_aux: Callable[[str, list[bytes]], str]) -> None:
+        super().__init__(bind, max_msg=MAX_AUX, what="aux endpoint", thread_name="pdkv-sglang-aux")
         self._secret, self._on_aux = secret, on_aux
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_AUX)
-        try:
-            self._sock.bind(bind)
-        except zmq.ZMQError as exc:
-            self._sock.close()
-            self._ctx.term()
-            raise PdkvError(f"aux endpoint {bind}: {exc}") from exc
-        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.written = self.dropped = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pdkv-sglang-aux", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                if not poller.poll(100):
-                    continue
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            except zmq.ZMQError as exc:
-                if self._stop.is_set() or exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    return
-                self.dropped += 1  # one bad connection (EINVAL and the like) stops nothing
-                continue
-            try:
-                why = self._serve(frames)
-            except Exception as exc:  # never the thread
-                why = f"failed: {exc}"
-            if why:
-                self.dropped += 1
-                _log.debug("pdkv aux message dropped: %s", why)
-            else:
-                self.written += 1
+        self.written = 0
+        self._start()
 
     def _serve(self, frames: list[bytes]) -> str:
         if len(frames) != 2:
@@ -102,13 +65,10 @@ class AuxServer:
             return "malformed"
         if not hmac.compare_digest(m.mac, _mac(self._secret, m.pid, m.blobs)):
             return "not authenticated"
-        return self._on_aux(m.pid, m.blobs)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sock.close(linger=0)
-        self._ctx.term()
+        why = self._on_aux(m.pid, m.blobs)
+        if not why:
+            self.written += 1
+        return why
 
 
 class AuxSender:
