@@ -633,3 +633,28 @@ def test_a_completion_queue_overrun_fails_the_write_instead_of_hanging(monkeypat
     finally:
         w.close()
         target.close()
+
+
+def test_region_specs_check_each_decode_ranks_region():
+    """The one-sided transports (rdma, nixl) address decode's buffers from the welcome's
+    regions: each rank's must be there and hold the buffer's blocks, else a ProtocolError
+    naming the rank, the transport and the bytes needed; a region that fits gives the
+    buffer's spec at its address."""
+    import types
+
+    from pdkv.transfer.transports.base import region_specs
+
+    lays = [KVLayout(**BASE, tp_size=2, tp_rank=r) for r in range(2)]
+    need = CacheSpec.buffer_bytes(lays[0], 8)
+    welcome = types.SimpleNamespace(ranks=[0, 1], buffer_blocks=8)
+
+    def reg(addr, length):
+        return types.SimpleNamespace(addr=addr, length=length)
+
+    specs = region_specs(welcome, lays, {0: reg(4096, need), 1: reg(1 << 20, need + 1)}, "RDMA")
+    assert specs[0].address(0, 0, 0) == 4096 and specs[1].address(0, 0, 0) == 1 << 20
+    assert specs[1].address(0, 0, 1) - specs[1].address(0, 0, 0) == lays[1].tensor_block_bytes(0)
+    with pytest.raises(ProtocolError, match=f"decode rank 1's NIXL region is missing or smaller than the {need} bytes"):
+        region_specs(welcome, lays, {0: reg(4096, need)}, "NIXL")
+    with pytest.raises(ProtocolError, match="decode rank 0's RDMA region"):
+        region_specs(welcome, lays, {0: reg(4096, need - 1), 1: reg(0, need)}, "RDMA")

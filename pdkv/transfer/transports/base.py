@@ -234,6 +234,25 @@ class ReceiverHost(Protocol):
 # ---------------------------------------------------------------------- interface
 
 
+def region_specs(welcome: Welcome, layouts: list[KVLayout], regions: dict[int, Any], what: str) -> dict[int, CacheSpec]:
+    """Each decode rank's buffer as the one-sided transports address it: ``regions`` (rank
+    -> a region with ``addr`` and ``length``, from the welcome's ``what`` section) checked
+    to hold the buffer's blocks. A region missing or too small is a ProtocolError."""
+    from ...errors import ProtocolError
+
+    out = {}
+    for rank, lay in zip(welcome.ranks, layouts):
+        reg = regions.get(rank)
+        need = CacheSpec.buffer_bytes(lay, welcome.buffer_blocks)
+        if reg is None or reg.length < need:
+            raise ProtocolError(
+                f"decode rank {rank}'s {what} region is missing or smaller than the "
+                f"{need} bytes {welcome.buffer_blocks} blocks need"
+            )
+        out[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, reg.addr)
+    return out
+
+
 class SenderTransport:
     """Prefill side of a transport, one per :class:`~pdkv.transfer.PrefillSender` session.
 

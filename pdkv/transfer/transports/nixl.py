@@ -33,7 +33,16 @@ from ...errors import PdkvTimeoutError, ProtocolError, TransferError
 from ...layout import CacheSpec, KVLayout
 from ...plan import layer_pieces
 from ...protocol import Hello, NixlHello, NixlOffer, NixlRegionDesc, Welcome
-from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem, report_layer
+from .base import (
+    Peer,
+    ReceiverHost,
+    ReceiverTransport,
+    SenderHost,
+    SenderTransport,
+    WriteItem,
+    region_specs,
+    report_layer,
+)
 from .rdma_qp import merge_regions
 from .staging import StagedSends, make_staged, stage_layer
 
@@ -108,16 +117,7 @@ class NixlSender(SenderTransport):
         offer = welcome.nixl
         if offer is None:
             raise ProtocolError("decode chose nixl but sent no nixl section")
-        regions = {r.rank: r for r in offer.regions}
-        for rank, lay in zip(welcome.ranks, layouts):
-            reg = regions.get(rank)
-            need = CacheSpec.buffer_bytes(lay, welcome.buffer_blocks)
-            if reg is None or reg.length < need:
-                raise ProtocolError(
-                    f"decode rank {rank}'s NIXL region is missing or smaller than the "
-                    f"{need} bytes {welcome.buffer_blocks} blocks need"
-                )
-            self._dst_specs[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, reg.addr)
+        self._dst_specs.update(region_specs(welcome, layouts, {r.rank: r for r in offer.regions}, "NIXL"))
         name = self._agent.add_remote(offer.metadata)
         if name != offer.agent:
             raise ProtocolError(f"decode's NIXL metadata names agent {name!r}, its welcome {offer.agent!r}")

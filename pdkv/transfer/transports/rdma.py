@@ -22,7 +22,7 @@ from ...errors import PdkvError, ProtocolError, RdmaError, RdmaUnavailableError
 from ...layout import CacheSpec, KVLayout
 from ...plan import layer_pieces
 from ...protocol import Hello, LayerDone, RdmaEndpointDesc, RdmaOffer, Welcome, to_plain
-from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem
+from .base import Peer, ReceiverHost, ReceiverTransport, SenderHost, SenderTransport, WriteItem, region_specs
 from .rdma_qp import EndpointInfo, RdmaTarget, RdmaWriter, RemoteRegion
 from .staging import StagedSends, make_staged, stage_layer
 
@@ -107,16 +107,8 @@ class RdmaSender(SenderTransport):
             regions = {r.rank: RemoteRegion.from_dict(to_plain(r)) for r in welcome.rdma.regions}
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise ProtocolError(f"bad rdma section in the welcome: {exc}") from None
-        for rank, lay in zip(welcome.ranks, layouts):
-            reg = regions.get(rank)
-            need = CacheSpec.buffer_bytes(lay, welcome.buffer_blocks)
-            if reg is None or reg.length < need:
-                raise ProtocolError(
-                    f"decode rank {rank}'s RDMA region is missing or smaller than the "
-                    f"{need} bytes {welcome.buffer_blocks} blocks need"
-                )
-            self._regions[rank] = reg
-            self._dst_specs[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, reg.addr)
+        self._dst_specs.update(region_specs(welcome, layouts, regions, "RDMA"))
+        self._regions.update({rank: regions[rank] for rank in self._dst_specs})
         if self._stage:
             # one queue pair: one lane writes, in order; the ring is registered once
             self._staged = make_staged(self.host, self.options, lanes=1)
