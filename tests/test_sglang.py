@@ -374,7 +374,7 @@ def test_sglang_a_decode_killed_mid_transfer_fails_prefill_within_its_lease(tmp_
     try:
         assert child.stdout is not None
         line = child.stdout.readline()
-        assert line.startswith("metadata sent"), line + child.stderr.read() if child.poll() is not None else line
+        assert line.startswith("metadata sent"), line + (child.stderr.read() if child.poll() is not None else "")
         s = PdkvKVSender(pair.pm[0], pair.addr, 11)
         assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
         s.init(2, 1)

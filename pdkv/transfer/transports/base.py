@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from ...errors import ProtocolError
 from ...layout import CacheSpec, KVLayout, Segment
 
 if TYPE_CHECKING:
@@ -238,8 +239,6 @@ def region_specs(welcome: Welcome, layouts: list[KVLayout], regions: dict[int, A
     """Each decode rank's buffer as the one-sided transports address it: ``regions`` (rank
     -> a region with ``addr`` and ``length``, from the welcome's ``what`` section) checked
     to hold the buffer's blocks. A region missing or too small is a ProtocolError."""
-    from ...errors import ProtocolError
-
     out = {}
     for rank, lay in zip(welcome.ranks, layouts):
         reg = regions.get(rank)
