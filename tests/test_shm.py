@@ -1062,7 +1062,14 @@ def test_a_watched_buffer_is_gone_however_its_process_ends(how, no_leaks):
             p.kill()
         else:
             os.killpg(p.pid, signal.SIGKILL)
-        p.wait(30)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:  # say where it is stuck: its state, signals, kernel wait
+            with open(f"/proc/{p.pid}/status") as f:
+                status = [ln.strip() for ln in f if ln.startswith(("State", "Sig", "ShdPnd", "Threads"))]
+            with open(f"/proc/{p.pid}/wchan") as f:
+                wchan = f.read()
+            raise AssertionError(f"the process outlived {how} by 30 s: {status}, waiting in {wchan!r}") from None
         deadline = time.monotonic() + 15
         while any(n.startswith(name) for n in os.listdir("/dev/shm")):
             assert time.monotonic() < deadline, f"{name} is still in /dev/shm ({how})"
