@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -946,6 +947,27 @@ def test_sigterm_unlinks_then_dies_of_sigterm(monkeypatch):
     monkeypatch.setattr(signal, "signal", lambda sig, h: handlers.__setitem__(sig, h))
     seg._on_sigterm(signal.SIGTERM, None)
     assert gone == ["/x"] and handlers == {signal.SIGTERM: signal.SIG_DFL} and sent == [(os.getpid(), signal.SIGTERM)]
+
+
+def test_sigterm_landing_while_this_thread_holds_the_owned_lock_does_not_hang(monkeypatch):
+    """The handler runs on the main thread between bytecodes, possibly inside _own's or
+    _disown's critical section: it must not wait for a lock its own thread holds."""
+    gone, sent = [], []
+    monkeypatch.setattr(_ffi.libc, "shm_unlink", lambda n: gone.append(n))
+    monkeypatch.setattr(seg, "_OWNED", {"x": (os.getpid(), ["x"])})
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(signal, "signal", lambda sig, h: None)
+    done = threading.Event()
+
+    def handler_inside_the_lock():
+        with seg._OWNED_LOCK:
+            seg._on_sigterm(signal.SIGTERM, None)
+        done.set()
+
+    t = threading.Thread(target=handler_inside_the_lock, daemon=True)
+    t.start()
+    assert done.wait(5), "SIGTERM's handler waited for the lock its own thread held"
+    assert gone == ["/x"] and sent == [(os.getpid(), signal.SIGTERM)]
 
 
 def test_own_installs_its_hooks_once_and_keeps_a_programs_sigterm_handler(monkeypatch):

@@ -73,8 +73,8 @@ def test_vllm_settings_defaults_and_no_instance_key_from_public_data(monkeypatch
 
 _KEYS_SORTED = (
     "['advertise', 'buffer_blocks', 'buffer_gib', 'control', 'data_host', 'decode', 'instance', 'instance_key', "
-    "'kv_fused', 'lease_s', 'load_timeout_s', 'prefill', 'pull', 'pull_timeout_s', 'queue_timeout_s', "
-    "'reserve_timeout_s', 'secret', 'swap_priority', 'transport', 'transports']"
+    "'kv_fused', 'lease_s', 'load_timeout_s', 'prefill', 'pull', 'pull_answer_timeout_s', 'pull_timeout_s', "
+    "'queue_timeout_s', 'reserve_timeout_s', 'secret', 'swap_priority', 'transport', 'transports']"
 )
 EXTRA = "kv_connector_extra_config"
 SHORT_KEY = "must be a string of at least 16 characters"

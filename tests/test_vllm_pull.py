@@ -377,3 +377,36 @@ def test_a_thiefs_prefix_hold_does_not_break_the_victims_request(no_leaks):
         assert c.block(d.cache, 4) == c.block(c.src, 1) and c.block(d.cache, 6) == c.block(c.src, 3)
     finally:
         c.close()
+
+
+def test_a_pull_that_prefill_never_answers_is_computed_here_after_pull_answer_timeout_s(no_leaks):
+    """A listed prefill whose pull endpoint takes the pull and never answers (stalled): the
+    request waits ``pull_answer_timeout_s``, not ``load_timeout_s``, then decode computes it."""
+    import zmq
+
+    lay = _layout()
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+    cfg = {"buffer_blocks": 12, "prefill": [address], "load_timeout_s": 20.0, "pull_answer_timeout_s": 0.5}
+    side = DecodeSide(parse_settings("kv_consumer", "d", cfg), [lay])
+    c = _Cluster()
+    try:
+        assert side.puller.timeout_s == 0.5
+        prompt = list(range(20))
+        _, answer = c.run_prefill("r", dict(NIXL), prompt, (1, 2, 3))
+        t0 = time.monotonic()
+        got = (None, False)
+        while got == (None, False) and time.monotonic() - t0 < 10:
+            got = side.matched("r", {**answer, PARAM_PULL: address}, prompt, 0)
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+        assert got == (0, False) and side.pull_failed == 1
+        assert 0.4 < took < 5, took
+        assert silent.poll(1000) and len(silent.recv_multipart()) == 2  # the pull did reach it
+    finally:
+        c.close()
+        side.close()
+        silent.close(linger=0)
+        ctx.term()

@@ -49,7 +49,13 @@ def served(tmp_path_factory):
                 "connector": "pdkv",
                 "role": "consumer",
                 "kv_bytes": kv_bytes,
-                "extra": {"control": control, "prefill": pull, "buffer_blocks": 64, "load_timeout_s": 20},
+                "extra": {
+                    "control": control,
+                    "prefill": pull,
+                    "buffer_blocks": 64,
+                    "load_timeout_s": 20,
+                    "pull_answer_timeout_s": 20,
+                },
             },
         ),
         "decode_tp2": (  # tensor_parallel_size=2: one worker process per rank, one KV head each
@@ -61,7 +67,13 @@ def served(tmp_path_factory):
                 "role": "consumer",
                 "kv_bytes": kv_bytes,
                 "tp": 2,
-                "extra": {"control": control_tp, "prefill": pull, "buffer_blocks": 64, "load_timeout_s": 20},
+                "extra": {
+                    "control": control_tp,
+                    "prefill": pull,
+                    "buffer_blocks": 64,
+                    "load_timeout_s": 20,
+                    "pull_answer_timeout_s": 20,
+                },
             },
         ),
         "prefill_tp2": (  # pushes to the TP-1 decode
@@ -79,7 +91,13 @@ def served(tmp_path_factory):
                 "role": "consumer",
                 "kv_bytes": kv_bytes,
                 "prefix_caching": True,
-                "extra": {"control": control_pc, "prefill": pull, "buffer_blocks": 64, "load_timeout_s": 20},
+                "extra": {
+                    "control": control_pc,
+                    "prefill": pull,
+                    "buffer_blocks": 64,
+                    "load_timeout_s": 20,
+                    "pull_answer_timeout_s": 20,
+                },
             },
         ),
     }

@@ -170,6 +170,10 @@ def soak_transfer(a: argparse.Namespace, sample: Any) -> dict[str, Any]:
         deadline = time.monotonic() + 30
         while sum(states.values()) < a.requests and time.monotonic() < deadline:
             time.sleep(0.01)
+        # An outcome is sent when decode holds a request's KV; the engine thread finishes
+        # it a little later (swap, then take_ready), so the last ones may still be live.
+        while sched.live_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         tx.close()
         stop.set()

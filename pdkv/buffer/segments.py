@@ -263,7 +263,9 @@ def _check_memory(size: int, name: str) -> None:
 # process that ends normally or by SIGTERM leaves no segment behind (SIGKILL leaves it for
 # pdkv-shm clean). Keyed by name; the pid guards against a forked child removing them.
 _OWNED: dict[str, tuple[int, list[str]]] = {}
-_OWNED_LOCK = threading.Lock()
+# reentrant: SIGTERM's handler takes it on the main thread, which may hold it already (in
+# _own or _disown) when the signal lands
+_OWNED_LOCK = threading.RLock()
 _HOOKS: list[bool] = []
 
 

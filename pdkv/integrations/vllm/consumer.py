@@ -181,7 +181,9 @@ class DecodeSide:
         self.control_address = self.receiver.control_address
         self.advertised = settings.advertise or self.control_address  # how prefill knows this decode
         if settings.prefills:  # pull style: decode asks one of these prefills for a request's KV
-            self.puller = PullClient(settings.prefills, secret=settings.secret)
+            self.puller = PullClient(
+                settings.prefills, secret=settings.secret, timeout_s=settings.pull_answer_timeout_s
+            )
         self._wants: dict[str, _Want] = {}
         self._loads: list[Load] = []
         # received requests by pdkv id -> when: one that no vLLM request asks for within

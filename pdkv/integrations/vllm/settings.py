@@ -112,6 +112,7 @@ _KEYS = {
     "pull",
     "prefill",
     "pull_timeout_s",
+    "pull_answer_timeout_s",
     "advertise",
     "swap_priority",
 }
@@ -138,7 +139,9 @@ class Settings:
     tcp), ``data_host``, ``lease_s``, ``load_timeout_s`` (how long a request may wait for
     its KV before decode computes the prompt itself), ``queue_timeout_s`` (how long a
     reservation waits for room in a full buffer before it is refused and decode computes
-    the prompt itself). Prefill (``kv_producer``): ``decode``
+    the prompt itself), ``prefill`` (the prefills' pull endpoints) and
+    ``pull_answer_timeout_s`` (how long a pull waits for prefill's answer before decode
+    computes the prompt itself). Prefill (``kv_producer``): ``decode``
     (the decodes' control addresses, one or a list: the only places prefill connects to; a
     request's ``pdkv_decode`` may pick one of them, the first by default), ``transport``
     (default auto), ``instance`` (a label) and ``instance_key`` (the identity; default a
@@ -167,6 +170,7 @@ class Settings:
     pull: str = ""
     prefills: tuple[str, ...] = ()
     pull_timeout_s: float = 120.0
+    pull_answer_timeout_s: float = 10.0
     advertise: str = ""
     swap_priority: str = "decode"
 
@@ -249,6 +253,7 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
         pull=pull,
         prefills=prefills,
         pull_timeout_s=_positive(extra, "pull_timeout_s", 120.0),
+        pull_answer_timeout_s=_positive(extra, "pull_answer_timeout_s", 10.0),
         advertise=advertise,
         swap_priority=swap_priority,
     )
