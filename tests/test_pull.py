@@ -51,6 +51,35 @@ def test_a_pull_reaches_prefill_and_its_answer_comes_back(secret):
         srv.close()
 
 
+def test_a_pulls_prefix_reaches_prefill_under_the_mac_and_zero_is_not_on_the_wire():
+    """``prefix`` (tokens decode holds already) arrives as sent; a prefix changed on the
+    way fails the MAC (no answer); a pull without one encodes as before the field existed."""
+    p = _Prefill()
+    srv = PullServer("tcp://127.0.0.1:0", p, secret=b"s")
+    cli = PullClient((srv.address,), secret=b"s", timeout_s=0.5)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(srv.address)
+    try:
+        assert _wait(cli.pull(srv.address, "px.1", B, "tcp://127.0.0.1:9", prefix=48)).error == ""
+        assert [r.prefix for r in p.seen] == [48]
+        # what the client signed for prefix 48, sent with prefix 16
+        signed = msgspec.structs.replace(p.seen[0], nonce=b"m" * 16)
+        from pdkv.integrations.core import pull as pull_mod
+
+        signed = msgspec.structs.replace(signed, mac=pull_mod._req_mac(b"s", signed))
+        raw.send(msgspec.msgpack.encode(msgspec.structs.replace(signed, prefix=16)))
+        assert not raw.poll(500) and len(p.seen) == 1
+        raw.send(msgspec.msgpack.encode(signed))  # the same, untouched: served
+        assert raw.poll(2000) and len(p.seen) == 2
+        plain = msgspec.msgpack.decode(msgspec.msgpack.encode(PullReq(pid="x", binding=B, decode="d", nonce=B[:16])))
+        assert "prefix" not in plain
+    finally:
+        raw.close(linger=0)
+        cli.close()
+        srv.close()
+
+
 def test_a_pull_without_the_secret_is_unanswered_and_times_out():
     p = _Prefill()
     srv = PullServer("tcp://127.0.0.1:0", p, secret=b"right")
@@ -105,6 +134,8 @@ def test_random_bytes_and_bad_fields_change_nothing_and_stop_nothing(seed):
         enc(PullReq(pid="x", binding=b"short", decode="d", nonce=b"n" * 16)),  # answered: refused by its fields
         enc(PullReq(pid="a\nb", binding=B, decode="d", nonce=b"n" * 16)),
         enc(PullReq(pid="x", binding=B, decode="d", nonce=b"n")),
+        enc(PullReq(pid="x", binding=B, decode="d", nonce=b"n" * 16, prefix=-1)),
+        enc(PullReq(pid="x", binding=B, decode="d", nonce=b"n" * 16, prefix=1 << 31)),
     ]
     try:
         for m in bad:
@@ -115,7 +146,7 @@ def test_random_bytes_and_bad_fields_change_nothing_and_stop_nothing(seed):
         big.connect(srv.address)
         big.send(b"\x00" * (MAX_MSG + 1))
         deadline = time.monotonic() + 5
-        while srv.refused < 3 and time.monotonic() < deadline:
+        while srv.refused < 5 and time.monotonic() < deadline:
             time.sleep(0.005)
         big.close(linger=0)
         cli = PullClient((srv.address,))
@@ -125,7 +156,21 @@ def test_random_bytes_and_bad_fields_change_nothing_and_stop_nothing(seed):
         finally:
             cli.close()
         assert [r.pid for r in p.seen] == ["px.ok"]
-        assert srv.refused == 3  # the three well-formed ones with bad fields were answered "no"
+        assert srv.refused == 5  # the five well-formed ones with bad fields were answered "no"
     finally:
         raw.close(linger=0)
         srv.close()
+
+
+def test_a_vllm_prefills_desk_refuses_a_pull_that_asks_for_part_of_a_request():
+    """PullDesk (vLLM's prefill) sends a held request whole: a pull naming a prefix is
+    refused and the request stays held for a pull that asks for all of it."""
+    from pdkv.integrations.core.pull import Held, PullDesk
+
+    desk = PullDesk(("tcp://d:1",))
+    desk.hold(Held("r", "p1", 32, (1, 2), B, deadline=1e18))
+    part = PullReq(pid="p1", binding=B, decode="tcp://d:1", nonce=b"n" * 16, prefix=16)
+    assert "whole" in desk.on_pull(part)
+    assert desk.on_pull(msgspec.structs.replace(part, prefix=0)) == ""
+    pulled, gone = desk.take(0.0)
+    assert [(h.pid, d) for h, d in pulled] == [("p1", "tcp://d:1")] and gone == []

@@ -130,8 +130,10 @@ def _until(fn, want, timeout=10.0):
     return fn()
 
 
-def _run(pair: Pair, room: int, src_pages: list[int], dst_pages: list[int], dest, aux_src=3, aux_dst=5):
-    """One request through SGLang's order; returns (senders, receivers) after Success."""
+def _run(pair: Pair, room: int, src_pages: list[int], dst_pages: list[int], dest, aux_src=3, aux_dst=5, prefix=0):
+    """One request through SGLang's order; returns (senders, receivers) after Success.
+    ``prefix``: decode's radix cache holds that many prompt tokens (``decode_prefix_len``):
+    ``dst_pages`` are the rest's pages, and prefill sends ``src_pages`` from there on."""
     senders = [PdkvKVSender(m, pair.addr, room) for m in pair.pm]
     receivers = [PdkvKVReceiver(m, pair.addr, room) for m in pair.dm]
     for m, r in zip(pair.dm, receivers):
@@ -139,14 +141,16 @@ def _run(pair: Pair, room: int, src_pages: list[int], dst_pages: list[int], dest
         r.init(0)
         assert r.poll() in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
     for r in receivers:
-        r.send_metadata(np.array(dst_pages, np.int32), aux_dst, None, decode_prefix_len=0, destination=dest)
+        r.send_metadata(np.array(dst_pages, np.int32), aux_dst, None, decode_prefix_len=prefix, destination=dest)
     for s in senders:
         assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
-        assert s.pop_decode_prefix_len() == 0
-        s.init(len(src_pages), aux_src)
+        start = s.pop_decode_prefix_len()  # finalize_bootstrap: start_send_idx
+        assert start == prefix
+        todo = src_pages[start // PAGE :]
+        s.init(len(todo), aux_src)  # _num_pages_to_send: the pages past the prefix
         # two chunks, as chunked prefill sends them
-        s.send(np.array(src_pages[:2], np.int32), None, num_kv_tokens=2 * PAGE)
-        s.send(np.array(src_pages[2:], np.int32), None, num_kv_tokens=(len(src_pages) - 2) * PAGE)
+        s.send(np.array(todo[:2], np.int32), None, num_kv_tokens=2 * PAGE)
+        s.send(np.array(todo[2:], np.int32), None, num_kv_tokens=(len(todo) - 2) * PAGE)
     for s in senders:
         assert _until(s.poll, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success, s._out.error
     for r in receivers:
@@ -213,6 +217,55 @@ def test_sglang_untouched_pages_stay_untouched():
         for b, old in zip(pair.dpools[0].host, host_before):
             keep = [i for i in range(b.shape[0]) if i not in (5, 6, 7)]
             assert np.array_equal(b[keep], old[keep])
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("tp", [(1, 1), (1, 2), (2, 1)], ids=["tp1-1", "tp1-2", "tp2-1"])
+def test_sglang_a_decode_prefix_is_not_sent_and_the_rest_lands_page_for_page(tp):
+    """Decode's radix cache holds the first two pages of a six-page prompt
+    (``decode_prefix_len=8``): prefill's ``pop_decode_prefix_len`` gives 8, SGLang sends
+    the last four pages only, and they land in decode's four pages, page for page; every
+    other host page (the prefix decode holds among them) is what it was."""
+    pair = Pair(*tp)
+    try:
+        src, dst = [7, 2, 9, 30, 5, 6], [4, 11, 0, 31]
+        before = [[b.copy() for b in pool.host] for pool in pair.dpools]
+        senders, receivers = _run(pair, 4242, src, dst, Dest.HOST, prefix=2 * PAGE)
+        _check_bytes(pair, src[2:], dst, Dest.HOST)
+        for pool, old in zip(pair.dpools, before):
+            for b, o in zip(pool.host, old):
+                keep = [i for i in range(b.shape[0]) if i not in dst]
+                assert np.array_equal(b[keep], o[keep])
+        assert all(s.get_transfer_metric().transfer_total_bytes > 0 for s in senders)
+        for x in senders + receivers:
+            x.clear()
+    finally:
+        pair.close()
+
+
+def test_sglang_a_decode_prefix_that_is_not_whole_pages_or_differs_by_rank_fails_alone():
+    """``decode_prefix_len`` of part of a page fails that request at decode, naming it;
+    decode ranks that disagree on it fail it at prefill; the next request goes through."""
+    pair = Pair(1, 2)
+    try:
+        senders, receivers = _started(pair, 51, [1, 2], Dest.HOST)
+        receivers[0].send_metadata(np.array([1, 2], np.int32), 1, None, decode_prefix_len=3, destination=Dest.HOST)
+        assert receivers[0].poll() == KVPoll.Failed
+        assert "decode_prefix_len=3 is not a whole number of pages" in receivers[0]._in.error
+        for x in senders + receivers:
+            x.abort()
+            x.clear()
+        senders, receivers = _started(pair, 52, [1, 2], Dest.HOST)
+        for r, prefix in zip(receivers, (PAGE, 2 * PAGE)):
+            r.send_metadata(np.array([1, 2], np.int32), 1, None, decode_prefix_len=prefix, destination=Dest.HOST)
+        assert _until(senders[0].poll, (KVPoll.Failed,)) == KVPoll.Failed
+        assert "prefixes of different lengths" in senders[0]._out.error
+        for x in senders + receivers:
+            x.abort()
+            x.clear()
+        _run(pair, 53, [1, 2, 3], [5, 6, 7], Dest.HOST)
+        _check_bytes(pair, [1, 2, 3], [5, 6, 7], Dest.HOST)
     finally:
         pair.close()
 

@@ -37,15 +37,18 @@ MAX_MSG = 4096  # a pull is ~200 bytes; anything longer is dropped unread
 _MAC = b"pdkv-pull-1"
 
 
-class PullReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class PullReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Decode -> prefill: send ``pid`` to the decode at ``decode``; ``binding`` proves the
-    asker holds the request's capability and prompt."""
+    asker holds the request's capability and prompt. ``prefix``: the prompt tokens decode
+    holds already (its prefix cache), which prefill need not send (0: send it whole; not
+    on the wire then, so a peer that predates the field reads the message)."""
 
     pid: str
     binding: bytes
     decode: str
     nonce: bytes
     mac: bytes = b""
+    prefix: int = 0
 
 
 class PullAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -66,7 +69,8 @@ def _mac(secret: bytes | None, *parts: bytes) -> bytes:
 
 
 def _req_mac(secret: bytes | None, r: PullReq) -> bytes:
-    return _mac(secret, r.pid.encode(), r.binding, r.decode.encode(), r.nonce)
+    extra = (b"prefix", str(r.prefix).encode()) if r.prefix else ()
+    return _mac(secret, r.pid.encode(), r.binding, r.decode.encode(), r.nonce, *extra)
 
 
 def _answer_mac(secret: bytes | None, a: PullAnswer) -> bytes:
@@ -83,6 +87,8 @@ def _check(r: PullReq) -> str:
         return "decode must be an address"
     if len(r.nonce) != 16:
         return "nonce must be 16 bytes"
+    if not 0 <= r.prefix < 1 << 31:
+        return "prefix must be a token count"
     return ""
 
 
@@ -155,14 +161,15 @@ class PullClient:
         """Add a prefill endpoint learned at run time (from a verified bootstrap entry)."""
         self.allowed = self.allowed | {address}
 
-    def pull(self, address: str, pid: str, binding: bytes, decode: str) -> PullResult:
-        """Ask the prefill at ``address`` to send ``pid`` to ``decode``."""
+    def pull(self, address: str, pid: str, binding: bytes, decode: str, prefix: int = 0) -> PullResult:
+        """Ask the prefill at ``address`` to send ``pid`` to ``decode``, from token
+        ``prefix`` on (what decode holds already)."""
         res = PullResult()
         if address not in self.allowed:
             res.done, res.error = True, f"{address!r} is not a configured prefill"
             return res
-        r = PullReq(pid=pid, binding=binding, decode=decode, nonce=secrets.token_bytes(16))
-        r = PullReq(pid=r.pid, binding=r.binding, decode=r.decode, nonce=r.nonce, mac=_req_mac(self._secret, r))
+        r = PullReq(pid=pid, binding=binding, decode=decode, nonce=secrets.token_bytes(16), prefix=prefix)
+        r = msgspec.structs.replace(r, mac=_req_mac(self._secret, r))
         self._jobs.put((address, r, res))
         return res
 
@@ -261,6 +268,8 @@ class PullDesk:
         """A :class:`PullServer`'s ``on_pull``: '' when the request will be sent to ``r.decode``."""
         if r.decode not in self.decodes:
             return f"decode {r.decode[:80]!r} is not one this prefill sends to (extra config 'decode')"
+        if r.prefix:
+            return "this prefill sends a request whole (prefix must be 0)"
         with self._lock:
             h = self._held.get(r.pid)
             if h is None:

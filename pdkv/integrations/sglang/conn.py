@@ -140,6 +140,11 @@ class PdkvKVSender(BaseKVSender):
             return
         self._side.send(self._out, np.asarray(kv_indices).astype(np.int64).tolist())
 
+    def pop_decode_prefix_len(self) -> int:
+        """The prompt tokens decode's radix cache holds (its ``decode_prefix_len``): SGLang
+        sends only the pages after them (``finalize_bootstrap``)."""
+        return 0 if self._out is None else self._side.prefix(self._out)
+
     def get_transfer_metric(self) -> KVTransferMetric:
         if self._out is None or self._out.state != "success":
             return KVTransferMetric()
@@ -204,12 +209,11 @@ class PdkvKVReceiver(BaseKVReceiver):
         why = ""
         if state_indices is not None and any(s is not None for s in state_indices):
             why = "state pools are not carried by pdkv"
-        elif decode_prefix_len:
-            why = "a decode prefix (decode's radix cache) is not carried by pdkv's SGLang backend yet"
         dest = "host" if destination == KVTransferDestination.HOST else "device"
         if not why:
             try:
-                self._side.publish(self._in, np.asarray(kv_indices).astype(np.int64).tolist(), aux_index, dest)
+                pages = np.asarray(kv_indices).astype(np.int64).tolist()
+                self._side.publish(self._in, pages, aux_index, dest, int(decode_prefix_len or 0))
             except PdkvError as exc:
                 why = str(exc)
         if why:

@@ -214,12 +214,17 @@ class DecodeRank:
             self._rooms[pid] = r
         return r
 
-    def publish(self, r: RoomIn, pages: list[int], aux_index: int | None, dest: str) -> None:
-        """``send_metadata``: designate ``pages`` of ``dest`` and pull from the prefill ranks."""
+    def publish(self, r: RoomIn, pages: list[int], aux_index: int | None, dest: str, prefix: int = 0) -> None:
+        """``send_metadata``: designate ``pages`` of ``dest`` and pull from the prefill
+        ranks. ``prefix``: the prompt tokens decode's radix cache holds already
+        (``decode_prefix_len``); ``pages`` are then the rest's, and prefill sends only those."""
         if dest not in self.pages:
             raise RequestError(
                 f"destination {dest!r} is not served by this decode rank (served: {', '.join(self.pages) or 'none'})"
             )
+        tpb = self.layout.tokens_per_block
+        if prefix < 0 or prefix % tpb:
+            raise RequestError(f"decode_prefix_len={prefix} is not a whole number of pages of {tpb} tokens")
         aux = _aux_slots(self._aux_ptrs, self._aux_items, aux_index) if aux_index is not None else []
         with self._lock:
             if r.state != "waiting":
@@ -229,7 +234,7 @@ class DecodeRank:
             r.state, r.deadline = "transferring", time.monotonic() + self.settings.timeout_s + self.settings.lease_s
         rx = self.receivers[dest]
         me = f"{rx.control_address} {self.aux_server.address}"
-        r.pulls = [self.pull.pull(d, r.pid, room_binding(r.room), me) for d in r.desks]
+        r.pulls = [self.pull.pull(d, r.pid, room_binding(r.room), me, prefix) for d in r.desks]
 
     def status(self, r: RoomIn) -> str:
         """``poll``: waiting, transferring, success or failed (``r.error`` says why)."""
@@ -318,7 +323,9 @@ class RoomOut:
     pages: list[int] = field(default_factory=list)
     num_pages: int = -1  # from init; -1 before
     aux_index: int | None = None
-    decodes: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # pid -> (control, aux, tp)
+    # pid -> (control, aux, decode TP size, decode_prefix_len)
+    decodes: dict[str, tuple[str, str, int, int]] = field(default_factory=dict)
+    prefix: int = 0  # decode_prefix_len: the prompt tokens decode holds; known once every pull is in
     expected: int = 0  # decode ranks that pull from this rank (0: not known yet)
     sent: set[str] = field(default_factory=set)  # pids handed to the workers
     done: set[str] = field(default_factory=set)
@@ -355,7 +362,7 @@ class PrefillRank:
         self._aux_ptrs, self._aux_items = list(aux[0]), list(aux[1])
         self._lock = threading.Lock()
         self._rooms: dict[int, RoomOut] = {}
-        self._early: dict[int, dict[str, tuple[str, str, int]]] = {}  # pulls before SGLang's sender
+        self._early: dict[int, dict[str, tuple[str, str, int, int]]] = {}  # pulls before SGLang's sender
         self._senders: dict[tuple[str, int], PrefillSender] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="pdkv-sglang-send")
         self._aux = AuxSender(settings.secret)
@@ -399,7 +406,7 @@ class PrefillRank:
             # every rank of the instance reserves and confirms at every decode rank (decode
             # completes a grant when all of them have), even one that writes nothing there
             # (MLA's latent is written by the lowest rank only)
-            pulls[r.pid] = (parts[0], parts[1], dtp)
+            pulls[r.pid] = (parts[0], parts[1], dtp, r.prefix)
             if out is not None:
                 self._advance(out)
         return ""
@@ -432,9 +439,14 @@ class PrefillRank:
         """With the lock held: every pull in -> waiting; and every page in -> send."""
         if out.state in ("success", "failed") or not out.decodes:
             return
-        dtp = next(iter(out.decodes.values()))[2]  # (control, aux, decode TP size)
+        _, _, dtp, prefix = next(iter(out.decodes.values()))
         if any(v[2] != dtp for v in out.decodes.values()):
             return self._fail(out, "decode ranks of different TP sizes pulled one request")
+        if any(v[3] != prefix for v in out.decodes.values()):
+            return self._fail(out, "decode ranks hold prefixes of different lengths (decode_prefix_len)")
+        if prefix % self.layout.tokens_per_block:
+            return self._fail(out, f"decode_prefix_len={prefix} is not a whole number of pages")
+        out.prefix = prefix
         out.expected = out.expected or self._expected(dtp)
         if len(out.decodes) > out.expected:
             return self._fail(out, f"{len(out.decodes)} decode ranks pulled; {out.expected} read from this rank")
@@ -475,8 +487,8 @@ class PrefillRank:
             old.close()
         return tx
 
-    def _send_one(self, out: RoomOut, pid: str, dec: tuple[str, str, int]) -> None:
-        control, aux_addr, dtp = dec
+    def _send_one(self, out: RoomOut, pid: str, dec: tuple[str, str, int, int]) -> None:
+        control, aux_addr, dtp, _ = dec
         try:
             if out.num_pages == 0:
                 raise RequestError("no pages to send")
@@ -523,6 +535,12 @@ class PrefillRank:
             with self._lock:
                 self._fail(out, "no outcome from decode in time")
         return out.state
+
+    def prefix(self, out: RoomOut) -> int:
+        """``pop_decode_prefix_len``: the prompt tokens decode holds already (0 until every
+        decode rank pulled, when SGLang asks); SGLang then sends only the pages after them."""
+        with self._lock:
+            return out.prefix if out.state != "bootstrapping" else 0
 
     def abort(self, out: RoomOut, why: str = "aborted by SGLang") -> None:
         with self._lock:
