@@ -399,3 +399,101 @@ def test_a_closed_agent_stops_its_progress_thread_and_refuses_calls():
     assert busy < 0.3, f"this process used {busy:.0%} of a core with its only agent closed"
     with pytest.raises(TransferError, match="^NIXL agent 'pdkv-closing' is closed$"):
         a.metadata()
+
+
+class _NoSwap:
+    def submit(self, *a, **k):
+        raise AssertionError("an engine's own pages are never swapped by pdkv")
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "per-write"])
+@pytest.mark.parametrize("P,mla", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "mla-tp2"])
+def test_nixl_into_an_engines_own_host_pages(P, mla, prepared, monkeypatch, no_leaks):
+    """Decode receives over NIXL straight into host pages an engine owns and chose
+    (a HostRegion: each (layer, tensor) its own region, pages padded, sentinel bytes
+    between regions), TP P->1 (MLA: rank 1's latent is rank 0's, so rank 1 writes
+    nothing and prepares no list): every granted page equals prefill's block; every other
+    byte of the arena (other pages, the padding, the gaps) is what it was; decode's
+    agent registers the regions only, never the gaps between them."""
+    import dataclasses
+
+    import numpy as np
+    from test_transfer import expected_block
+
+    from pdkv import CacheSpec, DecodeReceiver, DecodeScheduler, KVLayout, SchedulerOptions, _ffi
+    from pdkv.buffer.region import HostRegion
+    from pdkv.integrations.core.pages import EnginePages
+    from pdkv.transfer import ReceiverOptions
+    from pdkv.transfer.transports import nixl
+
+    if not prepared:
+        monkeypatch.setattr(nixl, "PREPARED_MAX", 0)
+    registered = []
+    real = _ffi.nixl.Agent.register
+    monkeypatch.setattr(
+        _ffi.nixl.Agent, "register", lambda self, r, mem: registered.append((self.name, list(r))) or real(self, r, mem)
+    )
+    if mla:
+        caches = []
+        for r in range(P):
+            lay_ = KVLayout(num_layers=3, kv_heads=1, head_dim=48, tokens_per_block=8, mla=True, tp_size=P, tp_rank=r)
+            arr = np.random.default_rng(r).integers(0, 256, lay_.block_bytes * 64, dtype=np.uint8)
+            caches.append((lay_, arr, CacheSpec.for_buffer(lay_, 64, arr.ctypes.data)))
+    else:
+        caches = [prefill_cache(P, r) for r in range(P)]
+    src_lays, src_specs = [c[0] for c in caches], [c[2] for c in caches]
+    lay = dataclasses.replace(src_lays[0], tp_size=1, tp_rank=0)
+    nb, nt, gap = 16, len(lay.tensors), 4096
+    strides = [lay.tensor_block_bytes(t) + 64 for t in range(nt)]
+    size = sum(strides) * nb * lay.total_layers + gap * (lay.total_layers * nt + 1)
+    arena = np.full(size, 0xA5, np.uint8)
+    at, regions = arena.ctypes.data + gap, []
+    for _ in range(lay.total_layers):
+        row = []
+        for t in range(nt):
+            row.append((at, strides[t]))
+            at += strides[t] * nb + gap
+        regions.append(row)
+    region = HostRegion(CacheSpec(lay, nb, regions), "an engine's host pool")
+    before = arena.copy()
+    pages = EnginePages(nb)
+    sched = DecodeScheduler(
+        layout=lay,
+        gpu=None,
+        buffer=pages,
+        swap=_NoSwap(),
+        options=SchedulerOptions(bind="engine", on_full="reject"),
+    )
+    rx = DecodeReceiver(
+        sched, [lay], [region], nb, ReceiverOptions(control="tcp://127.0.0.1:0", transports=("nixl",), auto_tick=True)
+    )
+    txs = []
+    try:
+        decode_agent = [r for name, r in registered if name.startswith("pdkv-decode")]
+        assert decode_agent == [[(b, st * nb, 0) for row in regions for b, st in row]]  # no gap registered
+        dst, src = [5, 2, 9], [3, 40, 17]
+        pages.designate("r1", dst)
+        txs = [PrefillSender(lay_, spec, rx.control_address, transport="nixl", timeout_s=5) for lay_, _, spec in caches]
+        for tx in txs:
+            g = tx.reserve("r1", len(dst) * lay.tokens_per_block)
+            assert list(g.blocks) == dst
+        for layer in range(lay.total_layers):
+            for tx in txs:
+                tx.send_layer(layer, [("r1", src)])
+        for tx in txs:
+            tx.finish("r1")
+        assert all(tx.wait_outcome("r1", 10).state == "received" for tx in txs)
+        touched = np.zeros(size, bool)
+        for layer in range(lay.total_layers):
+            for t in range(nt):
+                for i, page in enumerate(dst):
+                    off = region.spec.address(layer, t, page) - arena.ctypes.data
+                    n = lay.tensor_block_bytes(t)
+                    want = expected_block(src_lays, src_specs, src, lay, layer, t, i)
+                    assert arena[off : off + n].tobytes() == want, (layer, t, page)
+                    touched[off : off + n] = True
+        assert np.array_equal(arena[~touched], before[~touched])
+    finally:
+        for tx in txs:
+            tx.close()
+        rx.close()

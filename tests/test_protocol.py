@@ -244,6 +244,9 @@ BOUNDS = [
      L.MAX_TP, L.MAX_TP + 1, "$[1].rdma.regions"),
     ("MAX_NIXL_METADATA: NixlOffer.metadata", lambda n: welcome(nixl=NixlOffer(agent="d", metadata=b"m" * n,
      regions=[])), L.MAX_NIXL_METADATA, L.MAX_NIXL_METADATA + 1, "$[1].nixl.metadata"),
+    ("MAX_REGION_CELLS", lambda n: welcome(nixl=NixlOffer(agent="d", metadata=b"m", regions=[
+     NixlRegionDesc(rank=0, addr=1, length=1, cells=[(1, 1)] * n)])), L.MAX_REGION_CELLS, L.MAX_REGION_CELLS + 1,
+     "$[1].nixl.regions[0].cells"),
     ("NONCE_BYTES", lambda n: Challenge(b"c" * n, b"n" * 16), L.NONCE_BYTES, L.NONCE_BYTES + 1, "$[1].nonce"),
     ("NONCE_BYTES, not fewer", lambda n: Challenge(b"c" * n, b"n" * 16), L.NONCE_BYTES, L.NONCE_BYTES - 1,
      "$[1].nonce"),

@@ -658,3 +658,33 @@ def test_region_specs_check_each_decode_ranks_region():
         region_specs(welcome, lays, {0: reg(4096, need)}, "NIXL")
     with pytest.raises(ProtocolError, match="decode rank 0's RDMA region"):
         region_specs(welcome, lays, {0: reg(4096, need - 1), 1: reg(0, need)}, "RDMA")
+
+
+def test_region_specs_of_an_engines_pages_take_its_cells_and_refuse_what_lies_outside():
+    """A region with cells (an engine's own host pages, offered over NIXL) gives the spec
+    of those cells; a cell count that is not the layout's, a stride below a block, or a
+    cell whose blocks reach past the region is a ProtocolError naming it."""
+    import types
+
+    from pdkv.transfer.transports.base import region_specs
+
+    lay = KVLayout(**BASE)
+    nt, nb = len(lay.tensors), 4
+    tb = lay.tensor_block_bytes(0)
+    lo, step = 1 << 20, tb * nb + 4096
+    cells = [(lo + i * step, tb) for i in range(lay.total_layers * nt)]
+    welcome = types.SimpleNamespace(ranks=[0], buffer_blocks=nb)
+
+    def reg(cs, length=None):
+        return {0: types.SimpleNamespace(addr=lo, length=length or step * len(cells), cells=cs)}
+
+    spec = region_specs(welcome, [lay], reg(cells), "NIXL")[0]
+    assert spec.address(1, 1, 2) == cells[nt + 1][0] + 2 * tb
+    with pytest.raises(ProtocolError, match=f"has {len(cells) - 1} cells"):
+        region_specs(welcome, [lay], reg(cells[:-1]), "NIXL")
+    with pytest.raises(ProtocolError, match="block stride"):
+        region_specs(welcome, [lay], reg([(b, tb - 1) for b, _ in cells]), "NIXL")
+    with pytest.raises(ProtocolError, match="cell 0 .* lies outside it"):
+        region_specs(welcome, [lay], reg([(lo - 1, tb)] + cells[1:]), "NIXL")
+    with pytest.raises(ProtocolError, match=f"cell {len(cells) - 1} .* lies outside it"):
+        region_specs(welcome, [lay], reg(cells, length=step * (len(cells) - 1) + tb * nb - 1), "NIXL")

@@ -80,7 +80,8 @@ class Pool:
         return a
 
 
-def _server_args(tp: int, port: int, threshold: float = 0.0) -> types.SimpleNamespace:
+def _server_args(tp: int, port: int, threshold: float = 0.0, transport: str = "tcp") -> types.SimpleNamespace:
+    served = ("tcp",) if transport == "tcp" else ("tcp", transport)
     return types.SimpleNamespace(
         tp_size=tp,
         dp_size=1,
@@ -88,7 +89,9 @@ def _server_args(tp: int, port: int, threshold: float = 0.0) -> types.SimpleName
         host="127.0.0.1",
         disaggregation_bootstrap_port=port,
         disaggregation_decode_host_receive_threshold=threshold,
-        pdkv_settings=Settings(secret=SECRET, instance_key=b"k" * 32, timeout_s=5.0, lease_s=5.0),
+        pdkv_settings=Settings(
+            secret=SECRET, instance_key=b"k" * 32, timeout_s=5.0, lease_s=5.0, transports=served, transport=transport
+        ),
     )
 
 
@@ -96,7 +99,7 @@ class Pair:
     """A prefill instance of TP ``p`` and a decode instance of TP ``d``, each rank a
     manager over its own pools, and the bootstrap server."""
 
-    def __init__(self, p: int, d: int, mla: bool = False, heads: int = HEADS) -> None:
+    def __init__(self, p: int, d: int, mla: bool = False, heads: int = HEADS, transport: str = "tcp") -> None:
         import os
 
         os.environ["PDKV_SECRET"] = SECRET.hex()
@@ -106,11 +109,11 @@ class Pair:
         self.ppools = [Pool(32, heads // p if not mla else 1, mla, seed=10 + r) for r in range(p)]
         self.dpools = [Pool(32, heads // d if not mla else 1, mla, host_pages=32, seed=20 + r) for r in range(d)]
         self.pm = [
-            PdkvKVManager(pl.args(r, heads, mla), "prefill", _server_args(p, self.boot.port), mla)
+            PdkvKVManager(pl.args(r, heads, mla), "prefill", _server_args(p, self.boot.port, transport=transport), mla)
             for r, pl in enumerate(self.ppools)
         ]
         self.dm = [
-            PdkvKVManager(pl.args(r, heads, mla), "decode", _server_args(d, self.boot.port), mla)
+            PdkvKVManager(pl.args(r, heads, mla), "decode", _server_args(d, self.boot.port, transport=transport), mla)
             for r, pl in enumerate(self.dpools)
         ]
 
@@ -206,6 +209,43 @@ def test_sglang_pages_arrive_byte_for_byte(tp, mla, dest):
             assert all(pg.num_free == pg.num_total for pg in m.decode.pages.values())
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("tp", [(1, 1), (1, 2), (2, 1)], ids=["tp1-1", "tp1-2", "tp2-1"])
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_sglang_over_nixl_into_the_host_pool_byte_for_byte(tp, mla, monkeypatch):
+    """Prefill writes decode's host pages over NIXL (UCX tcp on loopback here; RDMA across
+    hosts): decode's agent registers the host pool's regions, prefill addresses the pages
+    by their cells. Pages equal prefill's; every other host byte is what it was; an abort
+    after success leaves nothing held."""
+    pytest.importorskip("nixl", reason="needs nixl: pip install 'pdkv[nixl]'")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    pair = Pair(*tp, mla=mla, transport="nixl")
+    try:
+        src, dst = [7, 2, 9, 30], [4, 11, 0, 31]
+        before = [[b.copy() for b in pool.host] for pool in pair.dpools]
+        senders, receivers = _run(pair, 77, src, dst, Dest.HOST)
+        _check_bytes(pair, src, dst, Dest.HOST)
+        for pool, old in zip(pair.dpools, before):
+            for b, o in zip(pool.host, old):
+                keep = [i for i in range(b.shape[0]) if i not in dst]
+                assert np.array_equal(b[keep], o[keep])
+        assert all(t.transport == "nixl" for m in pair.pm for t in m.prefill._senders.values())
+        for x in senders + receivers:
+            x.clear()
+        assert all(r.is_abort_release_safe() for r in receivers)
+    finally:
+        pair.close()
+
+
+def test_sglang_settings_name_the_transports_that_reach_its_pages():
+    from pdkv.errors import PdkvError
+
+    with pytest.raises(PdkvError, match="PDKV_SGLANG_TRANSPORTS='tcp,shm'.*by tcp and nixl only"):
+        Settings(secret=SECRET, transports=("tcp", "shm"))
+    with pytest.raises(PdkvError, match="PDKV_SGLANG_TRANSPORT='rdma'"):
+        Settings(secret=SECRET, transport="rdma")
 
 
 def test_sglang_untouched_pages_stay_untouched():
@@ -356,6 +396,45 @@ def test_sglang_a_delayed_writer_holds_the_pages_until_it_ends():
 
             with pytest.raises(PdkvError):
                 rx.scheduler.begin_write(r._in.pid, grant.token)  # no write is admitted after
+        finally:
+            tx.close()
+        r.clear()
+        s.clear()
+    finally:
+        pair.close()
+
+
+def test_sglang_over_nixl_an_aborted_grant_keeps_its_pages_for_the_fence_grace(monkeypatch):
+    """NIXL's writes are one-sided (decode cannot see one in flight): with nixl served, a
+    granted request aborted by SGLang keeps its pages pdkv's for the fence grace (2 s);
+    is_abort_release_safe() is false until then, true after."""
+    pytest.importorskip("nixl", reason="needs nixl: pip install 'pdkv[nixl]'")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    from pdkv.integrations.sglang.sides import FENCE_GRACE_S, room_binding
+    from pdkv.transfer import PrefillSender
+
+    pair = Pair(1, 1, transport="nixl")
+    try:
+        senders, receivers = _started(pair, 9, [6, 7], Dest.HOST)
+        r, s = receivers[0], senders[0]
+        dm = pair.dm[0].decode
+        r.send_metadata(np.array([6, 7], np.int32), 1, None, decode_prefix_len=0, destination=Dest.HOST)
+        rx = dm.receivers["host"]
+        tx = PrefillSender(
+            dm.layout, pair.pm[0].pools.device, rx.control_address, instance="one-sided", secret=SECRET,
+            transport="nixl", timeout_s=5.0,
+        )  # fmt: skip
+        try:
+            grant = tx.reserve_many([(r._in.pid, 2 * PAGE, room_binding(9))])[0]
+            assert not isinstance(grant, BaseException), grant
+            assert tx.transport == "nixl" and list(grant.blocks) == [6, 7]
+            t0 = time.monotonic()
+            r.abort()
+            time.sleep(0.2)
+            assert not r.is_abort_release_safe() and dm.pages["host"].holds(r._in.pid)
+            assert _until(r.is_abort_release_safe, (True,), timeout=FENCE_GRACE_S + 3) is True
+            assert time.monotonic() - t0 >= FENCE_GRACE_S - 0.1
         finally:
             tx.close()
         r.clear()

@@ -4,9 +4,10 @@ pdkv's buffer is a shared-memory segment it creates (:class:`~pdkv.buffer.shared
 Some engines keep a host pool of their own and choose its pages per request (SGLang's
 decode host receive): decode then receives straight into those pages. A region describes
 such memory by a :class:`~pdkv.layout.CacheSpec` (a base and a page stride per layer and
-tensor), so the transports that write host memory by address (``tcp``) can serve it. It is
-not shared memory: transports that map decode's buffer from another process (``shm``) or
-register it whole (``nixl``, ``rdma``) do not serve it.
+tensor), so the transports that write host memory by address can serve it: ``tcp``, and
+``nixl``, whose agent registers each of the spec's regions (never what lies between them)
+and sends prefill the spec's cells. It is not shared memory: ``shm`` (which maps decode's
+buffer from another process) and ``rdma`` (which registers one buffer whole) do not serve it.
 """
 
 from __future__ import annotations

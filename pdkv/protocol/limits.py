@@ -27,6 +27,7 @@ __all__ = [
     "MAX_NIXL_METADATA",
     "MAX_IPC_HANDLE",
     "MAX_IPC_ENTRIES",
+    "MAX_REGION_CELLS",
     "INSTANCE_KEY_BYTES",
     "MAX_BINDING",
     "NONCE_BYTES",
@@ -71,6 +72,7 @@ MAX_GRANT_BLOCKS = 1 << 17  # block ids one grant may carry: 5 bytes each below 
 MAX_NIXL_METADATA = 1 << 16  # bytes of a NIXL agent's metadata in a handshake (a UCX agent's: ~300)
 MAX_IPC_HANDLE = 128  # bytes of a CUDA IPC memory handle (CUDA's are 64)
 MAX_IPC_ENTRIES = 1 << 16  # allocations, and (layer, tensor) regions, of one rank's exported cache
+MAX_REGION_CELLS = 1 << 16  # (layer, tensor) regions of an engine's host pages offered over NIXL
 
 GRANT_OUTCOMES = ("gpu", "buffer", "queued", "rejected")
 OUTCOME_STATES = ("received", "failed", "expired", "aborted", "rejected")

@@ -38,6 +38,7 @@ from .limits import (
     MAX_NIXL_METADATA,
     MAX_NUM_TOKENS,
     MAX_PID,
+    MAX_REGION_CELLS,
     MAX_SHORT,
     MAX_TEXT,
     MAX_TOKEN,
@@ -160,12 +161,16 @@ class NixlHello(_Rec, kw_only=True, frozen=True):
     metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_NIXL_METADATA)]
 
 
-class NixlRegionDesc(_Rec, kw_only=True, frozen=True):
-    """A decode rank's buffer as registered with decode's NIXL agent."""
+class NixlRegionDesc(_Rec, kw_only=True, frozen=True, omit_defaults=True):
+    """A decode rank's buffer as registered with decode's NIXL agent: pdkv's buffer layout
+    from ``addr`` (``cells`` empty, and then not on the wire), or an engine's own host pages
+    (:class:`~pdkv.buffer.region.HostRegion`): ``cells`` holds ``(base, block stride)`` of
+    every (layer, tensor), layer by layer, inside ``addr .. addr + length``."""
 
     rank: _U32
     addr: _U64
     length: _U64
+    cells: Annotated[list[tuple[_U64, _U64]], msgspec.Meta(max_length=MAX_REGION_CELLS)] = []
 
 
 class NixlOffer(_Rec, kw_only=True, frozen=True):

@@ -9,7 +9,8 @@ pdkv that becomes: decode *designates* the pages under the request's pdkv id (an
 message, :mod:`~pdkv.integrations.core.pull`) from each prefill rank whose heads it needs.
 A prefill rank that has the request's KV and a decode's pull reserves the request at that
 decode (the grant is exactly the designated pages: no other can be granted), writes every
-layer over tcp, confirms, and sends the request's aux data (:mod:`.aux`). Decode reports
+layer (tcp, or nixl where both sides are set to: ``PDKV_SGLANG_TRANSPORTS`` at decode,
+``PDKV_SGLANG_TRANSPORT`` at prefill), confirms, and sends the request's aux data (:mod:`.aux`). Decode reports
 success once the KV is received and the aux written; pages leave pdkv only when no write
 admitted under the grant still runs (:meth:`DecodeRank.release_safe`).
 
@@ -48,6 +49,9 @@ __all__ = ["Settings", "DecodeRank", "PrefillRank", "pid_of", "room_binding", "s
 _log = logging.getLogger(__name__)
 _PID = re.compile(r"sgl-(\d{1,20})-d(\d{1,4})of(\d{1,4})")
 MAX_EARLY_PULLS = 65536  # pulls kept for rooms prefill has not seen yet
+# the transports that write an engine's own pages by address (HostRegion)
+ENGINE_TRANSPORTS = ("tcp", "nixl")
+FENCE_GRACE_S = 2.0  # with nixl served: an aborted grant's pages stay pdkv's this long (one-sided writes)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class Settings:
     instance_key: bytes | None = field(default=None, repr=False)  # a TP>1 prefill's ranks share it
     timeout_s: float = 30.0  # a pull's answer, a grant, an outcome: each waits at most this
     lease_s: float = 30.0  # decode's grant lease
+    transports: tuple[str, ...] = ("tcp",)  # decode serves these (tcp, nixl)
+    transport: str = "tcp"  # prefill sends by this one (tcp, nixl, or auto: decode's first)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -78,13 +84,29 @@ class Settings:
                 "pdkv's SGLang backend needs the pair's secret: PDKV_SECRET (or PDKV_SECRET_FILE), hex, >= 16 bytes"
             )
         key = os.environ.get("PDKV_SGLANG_INSTANCE_KEY", "")
+        served = tuple(t.strip() for t in os.environ.get("PDKV_SGLANG_TRANSPORTS", "tcp").split(",") if t.strip())
+        transport = os.environ.get("PDKV_SGLANG_TRANSPORT", "tcp").strip()
         return cls(
             secret=secret,
             host=os.environ.get("PDKV_SGLANG_HOST", "127.0.0.1"),
             instance_key=bytes.fromhex(key) if key else None,
             timeout_s=float(os.environ.get("PDKV_SGLANG_TIMEOUT_S", "30")),
             lease_s=float(os.environ.get("PDKV_SGLANG_LEASE_S", "30")),
+            transports=served,
+            transport=transport,
         )
+
+    def __post_init__(self) -> None:
+        odd = [t for t in self.transports if t not in ENGINE_TRANSPORTS]
+        if odd or not self.transports:
+            raise PdkvError(
+                f"PDKV_SGLANG_TRANSPORTS={','.join(self.transports)!r}: decode receives into SGLang's pages by "
+                f"{' and '.join(ENGINE_TRANSPORTS)} only"
+            )
+        if self.transport not in (*ENGINE_TRANSPORTS, "auto"):
+            raise PdkvError(
+                f"PDKV_SGLANG_TRANSPORT={self.transport!r}: prefill sends by {', '.join(ENGINE_TRANSPORTS)} or auto"
+            )
 
 
 def pid_of(room: int, decode_rank: int, decode_tp: int) -> str:
@@ -162,9 +184,13 @@ class DecodeRank:
                     gpu=None,
                     buffer=pages,  # type: ignore[arg-type]  # EnginePages: places by request
                     swap=_NoSwap(),
-                    # tcp sees every write: none can land once the grant is gone, so no grace
+                    # tcp sees every write: none can land once the grant is gone, so no grace;
+                    # nixl's are one-sided: an aborted grant's pages stay pdkv's for the grace
                     options=SchedulerOptions(
-                        bind="engine", on_full="reject", lease_s=settings.lease_s, fence_grace_s=0.0
+                        bind="engine",
+                        on_full="reject",
+                        lease_s=settings.lease_s,
+                        fence_grace_s=0.0 if settings.transports == ("tcp",) else FENCE_GRACE_S,
                     ),
                 )
                 self.receivers[dest] = DecodeReceiver(
@@ -175,7 +201,7 @@ class DecodeRank:
                     ReceiverOptions(
                         control=f"tcp://{settings.host}:0",
                         secret=settings.secret,
-                        transports=("tcp",),
+                        transports=settings.transports,
                         auto_tick=True,
                         data_host=settings.host,
                     ),
@@ -478,7 +504,7 @@ class PrefillRank:
             instance=self.instance,
             instance_key=self._key,
             secret=self.settings.secret,
-            transport="tcp",
+            transport=self.settings.transport,
             timeout_s=self.settings.timeout_s,
         )
         with self._lock:

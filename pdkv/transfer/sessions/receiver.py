@@ -102,8 +102,8 @@ class ReceiverCore:
             odd = [e.name for e in entries if not e.receiver.engine_memory]
             if odd or len(engine) != len(buffers):
                 raise ValueError(
-                    f"an engine's own host memory ({engine[0].name}) is received into by tcp only, "
-                    f"not {', '.join(odd) or 'beside shared buffers'}: serve transports=('tcp',)"
+                    f"an engine's own host memory ({engine[0].name}) is received into by tcp and nixl only, "
+                    f"not {', '.join(odd) or 'beside shared buffers'}: serve transports=('tcp',) or ('tcp', 'nixl')"
                 )
             for lay, b in zip(layouts, engine):
                 if b.spec.layout != lay or b.spec.num_blocks != buffer_blocks:

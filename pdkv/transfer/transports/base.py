@@ -238,10 +238,15 @@ class ReceiverHost(Protocol):
 def region_specs(welcome: Welcome, layouts: list[KVLayout], regions: dict[int, Any], what: str) -> dict[int, CacheSpec]:
     """Each decode rank's buffer as the one-sided transports address it: ``regions`` (rank
     -> a region with ``addr`` and ``length``, from the welcome's ``what`` section) checked
-    to hold the buffer's blocks. A region missing or too small is a ProtocolError."""
+    to hold the buffer's blocks. A region with ``cells`` is an engine's own pages: its
+    spec is those cells, each inside the region. A region missing, too small or with
+    cells that do not make the rank's layout is a ProtocolError."""
     out = {}
     for rank, lay in zip(welcome.ranks, layouts):
         reg = regions.get(rank)
+        if reg is not None and getattr(reg, "cells", None):
+            out[rank] = _cells_spec(lay, welcome.buffer_blocks, reg, f"decode rank {rank}'s {what} region")
+            continue
         need = CacheSpec.buffer_bytes(lay, welcome.buffer_blocks)
         if reg is None or reg.length < need:
             raise ProtocolError(
@@ -250,6 +255,28 @@ def region_specs(welcome: Welcome, layouts: list[KVLayout], regions: dict[int, A
             )
         out[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, reg.addr)
     return out
+
+
+def _cells_spec(lay: KVLayout, num_blocks: int, reg: Any, what: str) -> CacheSpec:
+    """The spec ``reg.cells`` give (``(base, block stride)`` per layer and tensor), every
+    cell's blocks inside ``reg.addr .. reg.addr + reg.length``."""
+    from ...errors import LayoutError
+
+    nt, cells = len(lay.tensors), [tuple(c) for c in reg.cells]
+    if len(cells) != lay.total_layers * nt:
+        raise ProtocolError(
+            f"{what} has {len(cells)} cells; {lay.total_layers} layers of {nt} tensors need {lay.total_layers * nt}"
+        )
+    try:
+        spec = CacheSpec(lay, num_blocks, [cells[i * nt : (i + 1) * nt] for i in range(lay.total_layers)])
+    except LayoutError as exc:
+        raise ProtocolError(f"{what}: {exc}") from None
+    lo, hi = int(reg.addr), int(reg.addr) + int(reg.length)
+    for i, (base, stride) in enumerate(cells):
+        end = base + stride * (num_blocks - 1) + lay.tensor_block_extent(i % nt)
+        if base < lo or end > hi:
+            raise ProtocolError(f"{what}: cell {i} ({base:#x}..{end:#x}) lies outside it ({lo:#x}..{hi:#x})")
+    return spec
 
 
 class SenderTransport:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ... import _ffi
+from ...buffer.region import HostRegion
 from ...errors import PdkvTimeoutError, ProtocolError, TransferError
 from ...layout import CacheSpec, KVLayout
 from ...plan import layer_pieces
@@ -126,7 +127,7 @@ class NixlSender(SenderTransport):
             # one lane: the slots are written in order; the ring registered once (DRAM)
             self._staged = make_staged(self.host, self.options, lanes=1)
             self._agent.register([(self._staged.ring.address, self._staged.ring.nbytes, 0)], "DRAM")
-        else:
+        elif self.host.segments:  # none: a rank whose heads another sends (MLA) writes nothing
             self._prepared = PreparedPieces.build(
                 self._agent, self._peer, self.host.segments, self.host.cache, self._dst_specs, self._dev, self._mem
             )
@@ -303,18 +304,28 @@ def _descs(addr: Any, ln: Any, dev: int) -> np.ndarray:
 
 class NixlReceiver(ReceiverTransport):
     name = "nixl"
+    engine_memory = True  # an engine's host pages: registered range by range, addressed by cells
 
     def __init__(self, host: ReceiverHost) -> None:
         super().__init__(host)
         self._agent: _ffi.nixl.Agent | None = _ffi.nixl.Agent(_agent_name("decode"), host.options.nixl_ucx)
         try:
             # every buffer registered once, and only the buffers: a peer holding this
-            # agent's metadata can write anywhere in them (docs/SECURITY.md)
-            self._regions = [
-                NixlRegionDesc(rank=lay.tp_rank, addr=b.address, length=b.size)
-                for lay, b in zip(host.layouts, host.buffers)
-            ]
-            self._agent.register([(r.addr, r.length, 0) for r in self._regions], "DRAM")
+            # agent's metadata can write anywhere in them (docs/SECURITY.md). An engine's
+            # own pages (HostRegion): only the ranges its cells cover, never what lies
+            # between them, and the cells travel so that prefill addresses the pages
+            self._regions, ranges = [], []
+            for lay, b in zip(host.layouts, host.buffers):
+                if isinstance(b, HostRegion):
+                    cells = [
+                        b.spec.region(layer, t) for layer in range(lay.total_layers) for t in range(len(lay.tensors))
+                    ]
+                    self._regions.append(NixlRegionDesc(rank=lay.tp_rank, addr=b.address, length=b.size, cells=cells))
+                    ranges += merge_regions(b.spec.region_ranges())
+                else:
+                    self._regions.append(NixlRegionDesc(rank=lay.tp_rank, addr=b.address, length=b.size))
+                    ranges.append((b.address, b.size))
+            self._agent.register([(a, n, 0) for a, n in ranges], "DRAM")
             self._metadata = self._agent.metadata()
         except BaseException:
             self._agent.close()
