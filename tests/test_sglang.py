@@ -166,7 +166,8 @@ def _heads_of(pool: Pool, buf: int, page: int) -> np.ndarray:
 
 
 def _check_bytes(pair: Pair, src_pages, dst_pages, dest, aux_src=3, aux_dst=5):
-    """Decode rank r's destination pages equal the prefill ranks' pages, head by head."""
+    """Decode rank r's destination pages equal the prefill ranks' pages, head by head (and
+    the aux slot the source's, unless ``aux_src`` is None)."""
     p, d = len(pair.ppools), len(pair.dpools)
     for r, dp in enumerate(pair.dpools):
         bufs = dp.host if dest == Dest.HOST else dp.kv
@@ -181,7 +182,7 @@ def _check_bytes(pair: Pair, src_pages, dst_pages, dest, aux_src=3, aux_dst=5):
                     want = whole[:, r * per : (r + 1) * per]
                 assert np.array_equal(bufs[b][tp], want), f"rank {r} buffer {b} page {tp}"
         src = pair.ppools[0]
-        for i in range(len(AUX)):
+        for i in range(len(AUX) if aux_src is not None else 0):
             assert np.array_equal(dp.aux[i][aux_dst], src.aux[i][aux_src])
     del p
 
@@ -306,6 +307,76 @@ def test_sglang_a_decode_prefix_that_is_not_whole_pages_or_differs_by_rank_fails
             x.clear()
         _run(pair, 53, [1, 2, 3], [5, 6, 7], Dest.HOST)
         _check_bytes(pair, [1, 2, 3], [5, 6, 7], Dest.HOST)
+    finally:
+        pair.close()
+
+
+def _landed(pair: Pair, src_pages, dst_pages) -> bool:
+    try:
+        _check_bytes(pair, src_pages, dst_pages, Dest.HOST, aux_src=None)
+        return True
+    except AssertionError:
+        return False
+
+
+@pytest.mark.parametrize("tp", [(1, 1), (1, 2), (2, 1)], ids=["tp1-1", "tp1-2", "tp2-1"])
+def test_sglang_a_chunk_is_sent_while_the_next_is_computed(tp):
+    """Chunked prefill: the first chunk's pages reach decode's host pages before SGLang
+    hands over the second (prefill does not wait for the last chunk); the rest follow;
+    decode succeeds only with every page and the aux data in."""
+    pair = Pair(*tp)
+    try:
+        src, dst = [7, 2, 9, 30, 5], [4, 11, 0, 31, 6]
+        host_before = [[b.copy() for b in pool.host] for pool in pair.dpools]
+        senders, receivers = _started(pair, 300, dst, Dest.HOST)
+        for r in receivers:
+            r.send_metadata(np.array(dst, np.int32), 5, None, decode_prefix_len=0, destination=Dest.HOST)
+        for s in senders:
+            assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+            s.init(len(src), 3)
+            s.send(np.array(src[:2], np.int32), None, num_kv_tokens=2 * PAGE)
+        assert _until(lambda: _landed(pair, src[:2], dst[:2]), (True,)) is True
+        for pool, old in zip(pair.dpools, host_before):  # nothing past the first chunk yet
+            for b, o in zip(pool.host, old):
+                assert np.array_equal(b[dst[2:]], o[dst[2:]])
+        assert all(r.poll() == KVPoll.WaitingForInput or r.poll() == KVPoll.Transferring for r in receivers)
+        for s in senders:
+            s.send(np.array(src[2:4], np.int32), None, num_kv_tokens=2 * PAGE)
+        assert _until(lambda: _landed(pair, src[:4], dst[:4]), (True,)) is True
+        assert all(r.poll() != KVPoll.Success for r in receivers)
+        for s in senders:
+            s.send(np.array(src[4:], np.int32), None, num_kv_tokens=PAGE)
+        for x in senders + receivers:
+            assert _until(x.poll, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+        _check_bytes(pair, src, dst, Dest.HOST)
+        for x in senders + receivers:
+            x.clear()
+    finally:
+        pair.close()
+
+
+def test_sglang_an_abort_between_chunks_ends_decodes_grant_at_once():
+    """SGLang aborts a request at prefill after its first chunk went out: decode's grant
+    ends at once (not at its lease), decode fails the request naming prefill's reason,
+    and its pages are free."""
+    pair = Pair(1, 1)
+    try:
+        senders, receivers = _started(pair, 301, [1, 2, 3], Dest.HOST)
+        r, s = receivers[0], senders[0]
+        r.send_metadata(np.array([1, 2, 3], np.int32), 1, None, decode_prefix_len=0, destination=Dest.HOST)
+        assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+        s.init(3, 2)
+        s.send(np.array([4, 5], np.int32), None, num_kv_tokens=2 * PAGE)
+        assert _until(lambda: _landed(pair, [4, 5], [1, 2]), (True,)) is True
+        t0 = time.monotonic()
+        s.abort()
+        assert s.poll() == KVPoll.Failed
+        assert _until(r.poll, (KVPoll.Failed,), timeout=3) == KVPoll.Failed
+        assert time.monotonic() - t0 < 3 < pair.dm[0].decode.settings.lease_s + 1  # not the lease
+        assert "aborted by SGLang" in r._in.error
+        assert _until(r.is_abort_release_safe, (True,)) is True
+        r.clear()
+        s.clear()
     finally:
         pair.close()
 

@@ -342,6 +342,19 @@ def with_suppress(fn: Any, *args: Any) -> None:
 
 
 @dataclass
+class _Stream:
+    """One request's sends to one decode rank: reserved at the first page, then each
+    chunk's pages as SGLang hands them over, in order, by one pool task at a time."""
+
+    pid: str
+    dec: tuple[str, str, int, int]  # (control, aux, decode TP size, decode_prefix_len)
+    tx: PrefillSender | None = None
+    sent: int = 0  # pages written so far (the grant's first ``sent`` blocks)
+    busy: bool = False  # a pool task runs for it
+    ended: bool = False  # finished, or told decode it failed
+
+
+@dataclass
 class RoomOut:
     """One request at a prefill rank."""
 
@@ -353,13 +366,14 @@ class RoomOut:
     decodes: dict[str, tuple[str, str, int, int]] = field(default_factory=dict)
     prefix: int = 0  # decode_prefix_len: the prompt tokens decode holds; known once every pull is in
     expected: int = 0  # decode ranks that pull from this rank (0: not known yet)
-    sent: set[str] = field(default_factory=set)  # pids handed to the workers
+    streams: dict[str, _Stream] = field(default_factory=dict)  # pid -> its sends, from the first page
     done: set[str] = field(default_factory=set)
     state: str = "bootstrapping"  # -> waiting (every pull in) -> transferring -> success | failed
     error: str = ""
     started: float = 0.0
     bytes: int = 0
     created: float = field(default_factory=time.monotonic)
+    active: float = 0.0  # when SGLang last handed over pages
 
 
 class PrefillRank:
@@ -457,6 +471,7 @@ class PrefillRank:
             if out.state in ("success", "failed"):
                 return
             out.pages.extend(int(p) for p in pages)
+            out.active = time.monotonic()
             if out.num_pages >= 0 and len(out.pages) > out.num_pages:
                 self._fail(out, f"{len(out.pages)} pages sent; init said {out.num_pages}")
             self._advance(out)
@@ -480,17 +495,26 @@ class PrefillRank:
             out.state = "waiting"
         if out.state == "waiting" and out.num_pages >= 0 and len(out.pages) == out.num_pages:
             out.state, out.started = "transferring", time.monotonic()
-        if out.state == "transferring":
+        # a chunk's pages go as soon as SGLang hands them over (every decode rank pulled and
+        # init said how many pages make the request), while it computes the next chunk
+        if out.state in ("waiting", "transferring") and out.num_pages >= 0 and (out.pages or not out.num_pages):
             for pid, dec in out.decodes.items():
-                if pid not in out.sent:
-                    out.sent.add(pid)
-                    self._pool.submit(self._send_one, out, pid, dec)
-            if len(out.done) == out.expected:
-                out.state = "success"
+                self._kick(out, out.streams.setdefault(pid, _Stream(pid, dec)))
+        if out.state == "transferring" and len(out.done) == out.expected:
+            out.state = "success"
+
+    def _kick(self, out: RoomOut, st: _Stream) -> None:
+        """With the lock held: a pool task for ``st`` unless one runs (it sees new pages)."""
+        if not st.busy and not st.ended:
+            st.busy = True
+            self._pool.submit(self._pump, out, st)
 
     def _fail(self, out: RoomOut, why: str) -> None:
         if out.state not in ("success", "failed"):
             out.state, out.error = "failed", why
+            for st in out.streams.values():  # a reserved grant is ended at decode now
+                if st.tx is not None:
+                    self._kick(out, st)
 
     def _sender(self, control: str, dtp: int) -> PrefillSender:
         with self._lock:
@@ -513,37 +537,71 @@ class PrefillRank:
             old.close()
         return tx
 
-    def _send_one(self, out: RoomOut, pid: str, dec: tuple[str, str, int, int]) -> None:
-        control, aux_addr, dtp, _ = dec
-        try:
-            if out.num_pages == 0:
-                raise RequestError("no pages to send")
-            tx = self._sender(control, dtp)
-            got = tx.reserve_many([(pid, out.num_pages * self.layout.tokens_per_block, room_binding(out.room))])[0]
-            if isinstance(got, BaseException):
-                raise got
-            pages = list(out.pages)
-            for layer in range(self.layout.total_layers):
-                tx.send_layer(layer, [(pid, pages)])
-            tx.finish(pid)
-            o = tx.wait_outcome(pid, self.settings.timeout_s + self.settings.lease_s)
-            if o.state != "received":
-                raise PdkvError(f"decode answered {o.state}: {o.reason}")
-            if out.aux_index is not None and self._aux_ptrs and self._is_aux_source(pid):
-                slots = _aux_slots(self._aux_ptrs, self._aux_items, out.aux_index)
-                blobs = [bytes(_ffi.libc.host_view(a, n)) for a, n in slots]
-                self._aux.send(aux_addr, pid, blobs)
-            ok, why = True, ""
-        except Exception as exc:  # one request fails alone
-            ok, why = False, f"sending to {control}: {exc}"
+    def _pump(self, out: RoomOut, st: _Stream) -> None:
+        """Send what SGLang has handed over of ``out`` to one decode rank and is not sent
+        yet, until nothing new is there (the next chunk kicks it again); once every page
+        is sent: confirm, await decode's outcome, send the aux data. A failure fails the
+        request (and, once reserved, ends its grant at decode at once)."""
+        control, aux_addr, dtp, _ = st.dec
+        while True:
+            with self._lock:
+                failed, why = out.state == "failed", out.error
+                pages, total = list(out.pages[st.sent :]), out.num_pages
+                if not failed and not pages and total:
+                    st.busy = False  # nothing new: the next chunk kicks it again
+                    return
+            try:
+                if failed:
+                    self._end(st, why)
+                    break
+                if total == 0:
+                    raise RequestError("no pages to send")
+                if st.tx is None:
+                    tx = self._sender(control, dtp)
+                    got = tx.reserve_many([(st.pid, total * self.layout.tokens_per_block, room_binding(out.room))])[0]
+                    if isinstance(got, BaseException):
+                        raise got
+                    st.tx = tx
+                for layer in range(self.layout.total_layers):
+                    st.tx.send_chunk(layer, st.pid, pages, st.sent)
+                st.sent += len(pages)
+                if st.sent < total:
+                    continue
+                st.tx.finish(st.pid)
+                o = st.tx.wait_outcome(st.pid, self.settings.timeout_s + self.settings.lease_s)
+                if o.state != "received":
+                    raise PdkvError(f"decode answered {o.state}: {o.reason}")
+                if out.aux_index is not None and self._aux_ptrs and self._is_aux_source(st.pid):
+                    slots = _aux_slots(self._aux_ptrs, self._aux_items, out.aux_index)
+                    blobs = [bytes(_ffi.libc.host_view(a, n)) for a, n in slots]
+                    self._aux.send(aux_addr, st.pid, blobs)
+                with self._lock:
+                    st.ended = True
+                    if out.state == "transferring":
+                        out.done.add(st.pid)
+                        out.bytes += total * self.layout.block_bytes
+                        if len(out.done) == out.expected:
+                            out.state = "success"
+                return
+            except Exception as exc:  # one request fails alone
+                why = f"sending to {control}: {exc}"
+                with self._lock:
+                    self._fail(out, why)
+                self._end(st, why)
+                break
         with self._lock:
-            if not ok:
-                self._fail(out, why)
-            elif out.state == "transferring":
-                out.done.add(pid)
-                out.bytes += len(out.pages) * self.layout.block_bytes
-                if len(out.done) == out.expected:
-                    out.state = "success"
+            st.ended = True
+
+    @staticmethod
+    def _end(st: _Stream, why: str) -> None:
+        """Tell decode a reserved request failed here (its grant ends at once, not at its
+        lease); nothing to tell when never reserved or already confirmed."""
+        if st.tx is None:
+            return
+        try:
+            st.tx.finish(st.pid, ok=False, error=why[:200])
+        except Exception:  # the session is gone, or the request already ended there
+            pass
 
     def _is_aux_source(self, pid: str) -> bool:
         """A decode rank takes its aux data from the lowest prefill rank that writes it."""
@@ -554,9 +612,14 @@ class PrefillRank:
 
     def status(self, out: RoomOut) -> str:
         limit, now = self.settings.timeout_s + self.settings.lease_s, time.monotonic()
-        if out.state in ("bootstrapping", "waiting") and now - out.created > limit:
+        if out.state == "bootstrapping" and now - out.created > limit:
             with self._lock:  # SGLang's bootstrap timeout: the decode side never asked
                 self._fail(out, f"not every decode rank pulled within {limit:g} s")
+        # waiting with no page yet: in SGLang's queue (SGLang bounds that); once pages flow,
+        # the next chunk must come within the bound, as decode's grant lease would end
+        if out.state == "waiting" and out.pages and now - out.active > limit:
+            with self._lock:
+                self._fail(out, f"SGLang handed over no further pages within {limit:g} s")
         if out.state == "transferring" and now - out.started > limit + self.settings.timeout_s:
             with self._lock:
                 self._fail(out, "no outcome from decode in time")
