@@ -535,6 +535,41 @@ def test_chunked_prefill_sends_full_blocks_per_chunk(transport, no_leaks):
         dec.close()
 
 
+@pytest.mark.multiproc
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_chunks_that_keep_coming_keep_the_grant_past_its_lease(transport, no_leaks):
+    """Chunked prefill of a long prompt: no layer lands before the last chunk, but each
+    chunk is progress. With a 1 s lease, four chunks 0.6 s apart (1.8 s in all) keep the
+    grant and the request is received whole; a sender that stops after the first chunk
+    still loses its grant one lease later."""
+    dec = Decode(lease_s=1.0)
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        sb = [9, 10, 11, 40]
+        with PrefillSender(lay, spec, dec.rx.control_address, transport=transport, timeout_s=5) as tx:
+            g = tx.reserve("long", 4 * 8)
+            t0 = time.monotonic()
+            for i, b in enumerate(sb):
+                if i:
+                    time.sleep(0.6)
+                for layer in range(4):
+                    tx.send_chunk(layer, "long", [b], first_block=i)
+            tx.finish("long")
+            out = tx.wait_outcome("long", 10)
+            assert out.ok, out
+            assert time.monotonic() - t0 > 1.5 * dec.sched.options.lease_s
+            for layer in range(4):
+                for gi in range(4):
+                    want = expected_block([lay], [spec], sb, dec.lays[0], layer, 0, gi)
+                    assert dec.block(0, layer, 0, g.blocks[gi]) == want
+            tx.reserve("stops", 2 * 8)
+            for layer in range(4):
+                tx.send_chunk(layer, "stops", [5], first_block=0)
+            assert tx.wait_outcome("stops", 5).state == "expired"
+    finally:
+        dec.close()
+
+
 def test_default_copy_threads_follow_the_cpus_this_process_may_use(monkeypatch):
     from pdkv.transfer import default_copy_threads
 

@@ -80,7 +80,9 @@ class SchedulerOptions:
     ----------
     lease_s:
         Seconds a reservation lives without progress; each landed layer or
-        :meth:`~DecodeScheduler.renew` extends it by as much.
+        :meth:`~DecodeScheduler.renew` extends it by as much (a ``DecodeReceiver``
+        renews it, at most once a second, when part of a layer arrives: chunked prefill
+        writes each layer over several steps).
     direct_to_gpu:
         Reserve GPU blocks straight away when the GPU has room above ``gpu_reserve_blocks``.
     gpu_reserve_blocks:

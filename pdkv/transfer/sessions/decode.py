@@ -48,6 +48,7 @@ __all__ = ["DecodeReceiver"]
 from .receiver import ReceiverCore
 
 _log = logging.getLogger(__name__)
+RENEW_EVERY_S = 1.0  # part of a layer renews a lease at most this often (or lease_s / 4)
 
 # what the control loop takes off the socket before serving it: at most _QUEUED_BYTES in all,
 # and of one connection at most _PEER_QUEUE messages and _PEER_QUEUED_BYTES (a connection
@@ -414,6 +415,19 @@ class DecodeReceiver(ReceiverCore):
             got = self.received.setdefault(inf.transport, [0, 0])
             got[0] += nbytes
             got[1] += land
+            now = time.monotonic()
+            every = min(RENEW_EVERY_S, self.scheduler.options.lease_s / 4)
+            renew = not land and now - inf.renewed >= every
+            if renew:
+                inf.renewed = now
+        if renew:
+            # part of a layer (chunked prefill writes a layer over several steps): a prefill
+            # making progress keeps its grant, as a landed layer does; at most once a second
+            # (a quarter of the lease when that is shorter)
+            try:
+                self.scheduler.renew(inf.request_id, inf.token)
+            except PdkvError:
+                pass  # ended meanwhile: the write's own checks refuse what follows
         if land:
             self.scheduler.land_layer(inf.request_id, inf.token, layer)
             with self.lock:

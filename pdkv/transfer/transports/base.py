@@ -190,6 +190,7 @@ class Inflight:
     cov: dict[tuple[int, int, int], bytearray] = field(default_factory=dict)
     # reporting transports: blocks each source rank reported for each layer
     reported: dict[tuple[int, int], int] = field(default_factory=dict)
+    renewed: float = 0.0  # when a part of a layer last renewed the lease (monotonic)
 
 
 class ReceiverHost(Protocol):
