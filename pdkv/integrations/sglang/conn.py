@@ -32,7 +32,8 @@ from sglang.srt.disaggregation.base.conn import (
 from ...errors import PdkvError
 from .bootstrap import BootstrapServer
 from .layouts import rank_pools
-from .sides import DecodeRank, PrefillRank, RoomIn, RoomOut, Settings
+from .prefill_rank import PrefillRank, RoomOut
+from .sides import DecodeRank, RoomIn, Settings
 
 __all__ = ["PdkvKVManager", "PdkvKVSender", "PdkvKVReceiver", "PdkvKVBootstrapServer"]
 
