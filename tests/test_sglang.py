@@ -21,6 +21,7 @@ pages only once ``is_abort_release_safe()`` (l. 3054-3056).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 
@@ -427,35 +428,44 @@ def test_sglang_abort_at_every_state_leaves_nothing_held(at):
         pair.close()
 
 
+@contextlib.contextmanager
+def _granted_to_a_sender_of_our_own(pair: Pair, room: int, transport: str, instance: str):
+    """A request whose decode pages [6, 7] are designated (host destination), reserved by a
+    PrefillSender the test drives itself (so it can hold a write open): yields the receiver,
+    decode's side, its receiver and the test's grant; the sender closed and the request
+    cleared after."""
+    from pdkv.integrations.sglang.sides import room_binding
+    from pdkv.transfer import PrefillSender
+
+    senders, receivers = _started(pair, room, [6, 7], Dest.HOST)
+    r, s = receivers[0], senders[0]
+    dm = pair.dm[0].decode
+    r.send_metadata(np.array([6, 7], np.int32), 1, None, decode_prefix_len=0, destination=Dest.HOST)
+    rx = dm.receivers["host"]
+    tx = PrefillSender(
+        dm.layout, pair.pm[0].pools.device, rx.control_address, instance=instance, secret=SECRET,
+        transport=transport, timeout_s=5.0,
+    )  # fmt: skip
+    try:
+        grant = tx.reserve_many([(r._in.pid, 2 * PAGE, room_binding(room))])[0]
+        assert not isinstance(grant, BaseException), grant
+        assert tx.transport == transport and list(grant.blocks) == [6, 7]  # exactly the designated pages
+        yield r, dm, rx, grant
+    finally:
+        tx.close()
+    r.clear()
+    s.clear()
+
+
 def test_sglang_a_delayed_writer_holds_the_pages_until_it_ends():
     """A write admitted under the grant (the scheduler's ticket, what tcp takes per frame)
     keeps the pages pdkv's after an abort; is_abort_release_safe() turns true only when it
     ends, and nothing it could still write lands after that."""
+    from pdkv.errors import PdkvError
+
     pair = Pair(1, 1)
     try:
-        senders, receivers = _started(pair, 8, [6, 7], Dest.HOST)
-        r, s = receivers[0], senders[0]
-        dm = pair.dm[0].decode
-        r.send_metadata(np.array([6, 7], np.int32), 1, None, decode_prefix_len=0, destination=Dest.HOST)
-        # prefill reserves (its grant is the designated pages) but its writer is slow:
-        rx = dm.receivers["host"]
-        from pdkv.transfer import PrefillSender
-
-        tx = PrefillSender(
-            dm.layout,
-            pair.pm[0].pools.device,
-            rx.control_address,
-            instance="slow",
-            secret=SECRET,
-            transport="tcp",
-            timeout_s=5.0,
-        )
-        try:
-            from pdkv.integrations.sglang.sides import room_binding
-
-            grant = tx.reserve_many([(r._in.pid, 2 * PAGE, room_binding(8))])[0]
-            assert not isinstance(grant, BaseException), grant
-            assert list(grant.blocks) == [6, 7]  # exactly the pages decode designated
+        with _granted_to_a_sender_of_our_own(pair, 8, "tcp", "slow") as (r, dm, rx, grant):
             ticket = rx.scheduler.begin_write(r._in.pid, grant.token)  # a frame admitted, its payload slow
             r.abort()
             time.sleep(0.2)
@@ -463,14 +473,8 @@ def test_sglang_a_delayed_writer_holds_the_pages_until_it_ends():
             assert dm.pages["host"].holds(r._in.pid)
             rx.scheduler.end_write(ticket)
             assert _until(r.is_abort_release_safe, (True,)) is True
-            from pdkv.errors import PdkvError
-
             with pytest.raises(PdkvError):
                 rx.scheduler.begin_write(r._in.pid, grant.token)  # no write is admitted after
-        finally:
-            tx.close()
-        r.clear()
-        s.clear()
     finally:
         pair.close()
 
@@ -482,34 +486,17 @@ def test_sglang_over_nixl_an_aborted_grant_keeps_its_pages_for_the_fence_grace(m
     pytest.importorskip("nixl", reason="needs nixl: pip install 'pdkv[nixl]'")
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    from pdkv.integrations.sglang.sides import FENCE_GRACE_S, room_binding
-    from pdkv.transfer import PrefillSender
+    from pdkv.integrations.sglang.sides import FENCE_GRACE_S
 
     pair = Pair(1, 1, transport="nixl")
     try:
-        senders, receivers = _started(pair, 9, [6, 7], Dest.HOST)
-        r, s = receivers[0], senders[0]
-        dm = pair.dm[0].decode
-        r.send_metadata(np.array([6, 7], np.int32), 1, None, decode_prefix_len=0, destination=Dest.HOST)
-        rx = dm.receivers["host"]
-        tx = PrefillSender(
-            dm.layout, pair.pm[0].pools.device, rx.control_address, instance="one-sided", secret=SECRET,
-            transport="nixl", timeout_s=5.0,
-        )  # fmt: skip
-        try:
-            grant = tx.reserve_many([(r._in.pid, 2 * PAGE, room_binding(9))])[0]
-            assert not isinstance(grant, BaseException), grant
-            assert tx.transport == "nixl" and list(grant.blocks) == [6, 7]
+        with _granted_to_a_sender_of_our_own(pair, 9, "nixl", "one-sided") as (r, dm, _, _):
             t0 = time.monotonic()
             r.abort()
             time.sleep(0.2)
             assert not r.is_abort_release_safe() and dm.pages["host"].holds(r._in.pid)
             assert _until(r.is_abort_release_safe, (True,), timeout=FENCE_GRACE_S + 3) is True
             assert time.monotonic() - t0 >= FENCE_GRACE_S - 0.1
-        finally:
-            tx.close()
-        r.clear()
-        s.clear()
     finally:
         pair.close()
 
