@@ -356,6 +356,50 @@ def test_sglang_a_chunk_is_sent_while_the_next_is_computed(tp):
         pair.close()
 
 
+def test_sglang_chunks_that_come_while_earlier_ones_are_written_go_as_one_write(monkeypatch):
+    """While the session still writes earlier chunks (``pending_writes``), the chunks SGLang
+    hands over meanwhile gather and go as one write per layer; every page lands."""
+    import threading
+
+    from pdkv.transfer import PrefillSender
+
+    calls = []
+    real = PrefillSender.send_chunk
+    monkeypatch.setattr(
+        PrefillSender,
+        "send_chunk",
+        lambda self, layer, rid, pages, first, *a: (
+            calls.append((layer, list(pages), first)) or real(self, layer, rid, pages, first, *a)
+        ),
+    )
+    drained = threading.Event()
+    monkeypatch.setattr(PrefillSender, "pending_writes", property(lambda self: 0 if drained.is_set() else 1))
+    pair = Pair(1, 1)
+    try:
+        src, dst = [7, 2, 9, 30], [4, 11, 0, 31]
+        senders, receivers = _started(pair, 302, dst, Dest.HOST)
+        receivers[0].send_metadata(np.array(dst, np.int32), 5, None, decode_prefix_len=0, destination=Dest.HOST)
+        s = senders[0]
+        assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+        s.init(len(src), 3)
+        for i, page in enumerate(src):
+            s.send(np.array([page], np.int32), None, num_kv_tokens=PAGE)
+            if i == 0:
+                assert _until(lambda: len(calls) == LAYERS, (True,)) is True  # the first goes at once
+        time.sleep(0.2)
+        assert len(calls) == LAYERS  # the rest wait for the session's earlier writes
+        drained.set()
+        for x in senders + receivers:
+            assert _until(x.poll, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+        # one send per layer for the first chunk, and one per layer for the three gathered
+        assert len(calls) == 2 * LAYERS and calls[LAYERS:] == [(la, src[1:], 1) for la in range(LAYERS)]
+        _check_bytes(pair, src, dst, Dest.HOST)
+        for x in senders + receivers:
+            x.clear()
+    finally:
+        pair.close()
+
+
 def test_sglang_an_abort_between_chunks_ends_decodes_grant_at_once():
     """SGLang aborts a request at prefill after its first chunk went out: decode's grant
     ends at once (not at its lease), decode fails the request naming prefill's reason,

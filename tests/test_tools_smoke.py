@@ -76,6 +76,16 @@ def test_bench_nixl_smoke(no_leaks):
     assert last["min_ratio"] > 0 and last["rows"][0]["bare"] > 0
 
 
+def test_bench_sglang_smoke(no_leaks):
+    p = run("bench_sglang.py", "--pages", "4", "--chunks", "2", "--compute-ms", "5", "--reps", "1")
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout.strip().splitlines()[-1])["rows"]
+    assert {(r["transport"], r["streamed"]) for r in rows} >= {("tcp", True), ("tcp", False)}
+    assert all(0 < r["tail_s"] <= r["request_s"] for r in rows)
+    p = run("bench_sglang.py", "--pages", "1", "--chunks", "2")
+    assert p.returncode == 2 and "--pages must be >= --chunks" in p.stderr, p.stderr
+
+
 def test_bench_nixl_gpu_says_what_is_missing():
     pytest.importorskip("nixl")
     from pdkv import _ffi

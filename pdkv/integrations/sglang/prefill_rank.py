@@ -234,6 +234,7 @@ class PrefillRank:
         is sent: confirm, await decode's outcome, send the aux data. A failure fails the
         request (and, once reserved, ends its grant at decode at once)."""
         control, aux_addr, dtp, _ = st.dec
+        drained_by = 0.0
         while True:
             with self._lock:
                 failed, why = out.state == "failed", out.error
@@ -241,6 +242,16 @@ class PrefillRank:
                 if not failed and not pages and total:
                     st.busy = False  # nothing new: the next chunk kicks it again
                     return
+            if not failed and st.tx is not None and st.tx.pending_writes:
+                # the session is still writing earlier chunks: let the pages that come
+                # meanwhile gather into one write (a chunk's layers are a job each, and
+                # many small jobs cost more than one large one), for at most the timeout
+                now = time.monotonic()
+                drained_by = drained_by or now + self.settings.timeout_s
+                if now < drained_by:
+                    time.sleep(0.001)
+                    continue
+            drained_by = 0.0
             try:
                 if failed:
                     self._end(st, why)

@@ -213,6 +213,14 @@ class PrefillSender(Reservations):
         """Why the session ended (decode gone, Bye, a failed write), or None while it serves."""
         return self._broken
 
+    @property
+    def pending_writes(self) -> int:
+        """Layers (and confirmations) handed over and not yet run by the data thread: an
+        engine that sends in chunks may let pages gather while this is not 0, and send
+        them as one write."""
+        with self._lock:
+            return self._pending_jobs
+
     # ------------------------------------------------------------------ API
     def send_layer(self, layer: int, items: Sequence[tuple[str, Sequence[int]]], event: int | None = None) -> None:
         """Layer ``layer`` of these requests is in the cache: write it to decode.
