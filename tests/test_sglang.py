@@ -357,7 +357,7 @@ def test_sglang_a_chunk_is_sent_while_the_next_is_computed(tp):
 
 
 def test_sglang_chunks_that_come_while_earlier_ones_are_written_go_as_one_write(monkeypatch):
-    """While the session still writes earlier chunks (``pending_writes``), the chunks SGLang
+    """While the session still writes the request's earlier chunks (``written``), the chunks SGLang
     hands over meanwhile gather and go as one write per layer; every page lands."""
     import threading
 
@@ -373,7 +373,7 @@ def test_sglang_chunks_that_come_while_earlier_ones_are_written_go_as_one_write(
         ),
     )
     drained = threading.Event()
-    monkeypatch.setattr(PrefillSender, "pending_writes", property(lambda self: 0 if drained.is_set() else 1))
+    monkeypatch.setattr(PrefillSender, "written", lambda self, mark: drained.is_set())
     pair = Pair(1, 1)
     try:
         src, dst = [7, 2, 9, 30], [4, 11, 0, 31]

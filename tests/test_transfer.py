@@ -570,6 +570,34 @@ def test_chunks_that_keep_coming_keep_the_grant_past_its_lease(transport, no_lea
         dec.close()
 
 
+def test_written_says_when_the_data_thread_ran_what_was_handed_over(no_leaks):
+    """``handed_over`` counts the layers handed to the data thread; ``written(mark)`` turns
+    true only once the thread has run every one up to the mark (held here at its write)."""
+    dec = Decode()
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=5) as tx:
+            tx.reserve("w", 16)
+            gate, tr = threading.Event(), tx.transport_impl
+            real = tr.write_layer
+            tr.write_layer = lambda layer, work: (gate.wait(5), real(layer, work))
+            m0 = tx.handed_over
+            tx.send_layer(0, [("w", [0, 1])])
+            m1 = tx.handed_over
+            tx.send_layer(1, [("w", [0, 1])])
+            assert (m1, tx.handed_over) == (m0 + 1, m0 + 2)
+            time.sleep(0.1)
+            assert tx.written(m0) and not tx.written(m1)
+            gate.set()
+            wait_until(lambda: tx.written(m1 + 1), 5, "the data thread never ran the layers")
+            for layer in (2, 3):
+                tx.send_layer(layer, [("w", [0, 1])])
+            tx.finish("w")
+            assert tx.wait_outcome("w", 5).ok
+    finally:
+        dec.close()
+
+
 def test_default_copy_threads_follow_the_cpus_this_process_may_use(monkeypatch):
     from pdkv.transfer import default_copy_threads
 

@@ -42,6 +42,7 @@ class _Stream:
     tx: PrefillSender | None = None
     sent: int = 0  # pages written so far (the grant's first ``sent`` blocks)
     busy: bool = False  # a pool task runs for it
+    mark: int = 0  # the sender's ``handed_over`` after this stream's last chunk
     ended: bool = False  # finished, or told decode it failed
 
 
@@ -242,10 +243,10 @@ class PrefillRank:
                 if not failed and not pages and total:
                     st.busy = False  # nothing new: the next chunk kicks it again
                     return
-            if not failed and st.tx is not None and st.tx.pending_writes:
-                # the session is still writing earlier chunks: let the pages that come
-                # meanwhile gather into one write (a chunk's layers are a job each, and
-                # many small jobs cost more than one large one), for at most the timeout
+            if not failed and st.tx is not None and not st.tx.written(st.mark):
+                # the session is still writing this request's earlier chunks: let the pages
+                # that come meanwhile gather into one write (a chunk's layers are a job
+                # each, and many small jobs cost more than one large one), at most the timeout
                 now = time.monotonic()
                 drained_by = drained_by or now + self.settings.timeout_s
                 if now < drained_by:
@@ -266,7 +267,7 @@ class PrefillRank:
                     st.tx = tx
                 for layer in range(self.layout.total_layers):
                     st.tx.send_chunk(layer, st.pid, pages, st.sent)
-                st.sent += len(pages)
+                st.sent, st.mark = st.sent + len(pages), st.tx.handed_over
                 if st.sent < total:
                     continue
                 st.tx.finish(st.pid)

@@ -146,6 +146,7 @@ class PrefillSender(Reservations):
         self._broken: str | None = None
         self._jobs: queue.Queue[LayerJob | FinishJob | None] = queue.Queue()
         self._pending_jobs = 0
+        self._handed = self._ran = 0  # jobs handed to the data thread, and run by it
         self._candidates: dict[str, SenderTransport] = {}
         self._data: SenderTransport | None = None
         self.session_id = b""
@@ -214,12 +215,18 @@ class PrefillSender(Reservations):
         return self._broken
 
     @property
-    def pending_writes(self) -> int:
-        """Layers (and confirmations) handed over and not yet run by the data thread: an
-        engine that sends in chunks may let pages gather while this is not 0, and send
-        them as one write."""
+    def handed_over(self) -> int:
+        """How many layers (and confirmations) were handed to the data thread so far: a
+        mark for :meth:`written`."""
         with self._lock:
-            return self._pending_jobs
+            return self._handed
+
+    def written(self, mark: int) -> bool:
+        """Whether the data thread has run every job handed over up to ``mark`` (it runs
+        them in order). An engine that sends a request in chunks may let pages gather
+        while its own earlier chunks are not written, and send them as one write."""
+        with self._lock:
+            return self._ran >= mark
 
     # ------------------------------------------------------------------ API
     def send_layer(self, layer: int, items: Sequence[tuple[str, Sequence[int]]], event: int | None = None) -> None:
@@ -460,9 +467,10 @@ class PrefillSender(Reservations):
 
     # ------------------------------------------------------------------ data
     def _submit(self, job: LayerJob | FinishJob) -> None:
-        with self._lock:
+        with self._lock:  # numbered and queued together: the marks follow the queue's order
             self._pending_jobs += 1
-        self._jobs.put(job)
+            self._handed += 1
+            self._jobs.put(job)
 
     def _complete(self, rid: str, ok: bool, error: str) -> None:
         with self._lock:
@@ -492,6 +500,7 @@ class PrefillSender(Reservations):
             finally:
                 with self._lock:
                     self._pending_jobs -= 1
+                    self._ran += 1
 
     def _run_job(self, job: LayerJob | FinishJob) -> None:
         tr = self.transport_impl
