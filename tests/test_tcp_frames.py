@@ -706,3 +706,19 @@ def test_a_payload_that_stops_mid_frame_times_out_after_io_timeout(slow):
     finally:
         a.close()
         b.close()
+
+
+def test_a_kept_record_of_a_refused_frame_holds_no_view_of_the_buffer(caplog):
+    """A log capture keeps its records past the connection's thread (a test's caplog, a
+    queue handler): the record of a refused frame must not keep the frame's views of
+    decode's buffer alive, or the buffer cannot close (BusyError) while it is kept."""
+    env = Env(token_major=False)
+    try:
+        rid, g = env.reserve()
+        accepted(env, "p1", g.token, [(0, 1)])
+        # refused once the frame's views of the buffer are made (a piece written twice)
+        refused(env, "p1", g.token, [(0, 1)], caplog, f"request {rid!r}: blocks of layer 0 written twice")
+        kept = list(caplog.records)
+        assert kept
+    finally:
+        env.close()  # raises BusyError if a kept record holds a view

@@ -450,7 +450,9 @@ class TcpReceiver(ReceiverTransport):
                 raise
             # stale or forged: read and drop the payload, never into the buffer
             self.host.count("frames_rejected")
-            _log.debug("pdkv decode: tcp frame of %d bytes refused: %s", payload, exc)
+            # the text, not the exception: a record keeps its arguments (a test's log
+            # capture, a queue handler), and the traceback's frame holds views of the buffer
+            _log.debug("pdkv decode: tcp frame of %d bytes refused: %s", payload, str(exc))
             left = payload
             sv = memoryview(scratch)
             while left:
