@@ -530,17 +530,17 @@ def test_sglang_over_nixl_an_aborted_grant_keeps_its_pages_for_the_fence_grace(m
     pytest.importorskip("nixl", reason="needs nixl: pip install 'pdkv[nixl]'")
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    from pdkv.integrations.sglang.sides import FENCE_GRACE_S
-
     pair = Pair(1, 1, transport="nixl")
     try:
-        with _granted_to_a_sender_of_our_own(pair, 9, "nixl", "one-sided") as (r, dm, _, _):
+        with _granted_to_a_sender_of_our_own(pair, 9, "nixl", "one-sided") as (r, dm, rx, _):
+            grace = rx.scheduler.options.fence_grace_s
+            assert grace > 0
             t0 = time.monotonic()
             r.abort()
             time.sleep(0.2)
             assert not r.is_abort_release_safe() and dm.pages["host"].holds(r._in.pid)
-            assert _until(r.is_abort_release_safe, (True,), timeout=FENCE_GRACE_S + 3) is True
-            assert time.monotonic() - t0 >= FENCE_GRACE_S - 0.1
+            assert _until(r.is_abort_release_safe, (True,), timeout=grace + 3) is True
+            assert time.monotonic() - t0 >= grace - 0.1
     finally:
         pair.close()
 
@@ -685,3 +685,41 @@ def test_sglang_activation_adds_the_backend_to_sglang():
     assert utils.get_kv_class(utils.TransferBackend.FAKE, utils.KVClassType.SENDER).__name__ != "PdkvKVSender"
     assert "pdkv" in DISAGG_TRANSFER_BACKEND_CHOICES
     assert conn.PdkvKVManager.supports_host_destination
+
+
+def test_sglang_two_streams_that_open_a_session_at_once_share_one(monkeypatch):
+    """Two streams to one decode rank find no session and both open one: the second to
+    finish uses the first's and closes its own (closing the first would fail the
+    first's request); a broken session is replaced and closed."""
+    from pdkv.integrations.sglang import prefill_rank
+
+    pair = Pair(1, 1)
+    try:
+        rank = pair.pm[0].prefill
+        key = ("tcp://127.0.0.1:1", 1)
+
+        class Fake:
+            made: list = []
+            race = True
+
+            def __init__(self, *a, **k):
+                self.broken, self.closed = None, False
+                Fake.made.append(self)
+                if Fake.race:  # another stream's session is registered while this one opens
+                    Fake.race = False
+                    rank._senders[key] = Fake()
+
+            def close(self):
+                self.closed = True
+
+        monkeypatch.setattr(prefill_rank, "PrefillSender", Fake)
+        got = rank._sender(*key)
+        first, mine = Fake.made[1], Fake.made[0]
+        assert got is first and rank._senders[key] is first
+        assert mine.closed and not first.closed
+        first.broken = "decode went away"
+        again = rank._sender(*key)
+        assert again is Fake.made[2] and rank._senders[key] is again and first.closed
+        del rank._senders[key]
+    finally:
+        pair.close()

@@ -224,9 +224,13 @@ class PrefillRank:
             timeout_s=self.settings.timeout_s,
         )
         with self._lock:
-            old, self._senders[(control, dtp)] = self._senders.get((control, dtp)), tx
+            old = self._senders.get((control, dtp))
+            if old is not None and not old.broken:  # another stream made one meanwhile: use it
+                old, tx = tx, old
+            else:
+                self._senders[(control, dtp)] = tx
         if old is not None:
-            old.close()
+            old.close()  # the broken one replaced, or the one made here in vain
         return tx
 
     def _pump(self, out: RoomOut, st: _Stream) -> None:

@@ -22,6 +22,7 @@ A request's pdkv id at a decode rank is ``sgl-<room>-d<rank>of<TP size>``: SGLan
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -51,7 +52,6 @@ PID_PATTERN = re.compile(r"sgl-(\d{1,20})-d(\d{1,4})of(\d{1,4})")
 MAX_EARLY_PULLS = 65536  # pulls kept for rooms prefill has not seen yet
 # the transports that write an engine's own pages by address (HostRegion)
 ENGINE_TRANSPORTS = ("tcp", "nixl")
-FENCE_GRACE_S = 2.0  # with nixl served: an aborted grant's pages stay pdkv's this long (one-sided writes)
 
 
 @dataclass(frozen=True)
@@ -179,19 +179,17 @@ class DecodeRank:
                 if spec is None:
                     continue
                 pages = self.pages[dest] = EnginePages(spec.num_blocks)
+                opts = SchedulerOptions(bind="engine", on_full="reject", lease_s=settings.lease_s)
+                if settings.transports == ("tcp",):
+                    # tcp sees every write: none can land once the grant is gone, so no grace
+                    # (nixl's are one-sided: an aborted grant's pages stay pdkv's for the default one)
+                    opts = dataclasses.replace(opts, fence_grace_s=0.0)
                 sched = DecodeScheduler(
                     layout=self.layout,
                     gpu=None,
                     buffer=pages,  # type: ignore[arg-type]  # EnginePages: places by request
                     swap=_NoSwap(),
-                    # tcp sees every write: none can land once the grant is gone, so no grace;
-                    # nixl's are one-sided: an aborted grant's pages stay pdkv's for the grace
-                    options=SchedulerOptions(
-                        bind="engine",
-                        on_full="reject",
-                        lease_s=settings.lease_s,
-                        fence_grace_s=0.0 if settings.transports == ("tcp",) else FENCE_GRACE_S,
-                    ),
+                    options=opts,
                 )
                 self.receivers[dest] = DecodeReceiver(
                     sched,

@@ -145,7 +145,6 @@ class PrefillSender(Reservations):
         self._closing = False
         self._broken: str | None = None
         self._jobs: queue.Queue[LayerJob | FinishJob | None] = queue.Queue()
-        self._pending_jobs = 0
         self._handed = self._ran = 0  # jobs handed to the data thread, and run by it
         self._candidates: dict[str, SenderTransport] = {}
         self._data: SenderTransport | None = None
@@ -314,7 +313,7 @@ class PrefillSender(Reservations):
     def _after_writes(self, job: FinishJob) -> None:
         """Run ``job`` once every write handed over before it has finished."""
         with self._lock:
-            idle = self._pending_jobs == 0
+            idle = self._ran == self._handed
         if idle:  # every write already finished: run it now, without a hop through the data thread
             self._run_job(job)
         else:
@@ -468,7 +467,6 @@ class PrefillSender(Reservations):
     # ------------------------------------------------------------------ data
     def _submit(self, job: LayerJob | FinishJob) -> None:
         with self._lock:  # numbered and queued together: the marks follow the queue's order
-            self._pending_jobs += 1
             self._handed += 1
             self._jobs.put(job)
 
@@ -499,7 +497,6 @@ class PrefillSender(Reservations):
                 self._run_job(job)
             finally:
                 with self._lock:
-                    self._pending_jobs -= 1
                     self._ran += 1
 
     def _run_job(self, job: LayerJob | FinishJob) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ...errors import ProtocolError
+from ...errors import LayoutError, ProtocolError
 from ...layout import CacheSpec, KVLayout, Segment
 
 if TYPE_CHECKING:
@@ -261,8 +261,6 @@ def region_specs(welcome: Welcome, layouts: list[KVLayout], regions: dict[int, A
 def _cells_spec(lay: KVLayout, num_blocks: int, reg: Any, what: str) -> CacheSpec:
     """The spec ``reg.cells`` give (``(base, block stride)`` per layer and tensor), every
     cell's blocks inside ``reg.addr .. reg.addr + reg.length``."""
-    from ...errors import LayoutError
-
     nt, cells = len(lay.tensors), [tuple(c) for c in reg.cells]
     if len(cells) != lay.total_layers * nt:
         raise ProtocolError(
