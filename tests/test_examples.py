@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from ports import free_port
 
 EX = os.path.join(os.path.dirname(__file__), "..", "examples")
 
@@ -16,11 +16,7 @@ EX = os.path.join(os.path.dirname(__file__), "..", "examples")
 @pytest.mark.parametrize("framework", ["torch", "paddle"])
 def test_examples_run(framework, no_leaks):
     pytest.importorskip(framework)
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    addr = f"tcp://127.0.0.1:{port}"
+    addr = f"tcp://127.0.0.1:{free_port()}"
     d = subprocess.Popen(
         [
             sys.executable,

@@ -15,6 +15,7 @@ import pytest
 from hostile import AUTH_HEADER, sender_conn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ports import free_port
 
 from pdkv import (
     BlockPool,
@@ -229,10 +230,7 @@ def test_layout_mismatch_is_refused_with_the_field(no_leaks):
 
 def test_unreachable_decode_times_out():
     lay, arr, spec = prefill_cache(1, 0)
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     t0 = time.monotonic()
     with pytest.raises(PdkvTimeoutError, match="handshake"):
         PrefillSender(lay, spec, f"tcp://127.0.0.1:{port}", timeout_s=1)

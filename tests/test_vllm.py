@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from extras import need
-from vllm_engine import Engine, free_port, start_engines, tiny_llama
+from ports import free_port
+from vllm_engine import Engine, start_engines, tiny_llama
 from vllm_serve import NIXL
 
 need("vllm", "vllm")

@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 import zmq
-from vllm_engine import free_port
+from ports import free_port
 
 from pdkv import CacheSpec, SharedBuffer
 from pdkv.errors import PdkvError

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from vllm_engine import free_port
+from ports import free_port
 from vllm_serve import NIXL
 
 from pdkv import CacheSpec

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from extras import need
-from vllm_engine import free_port, tiny_llama
+from ports import free_port
+from vllm_engine import tiny_llama
 from vllm_serve import nixl_route, start_servers, stop_servers, with_tokenizer
 
 need("vllm", "vllm")

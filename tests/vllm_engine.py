@@ -302,15 +302,6 @@ def _time_hooks(sched_conn, worker_conn, eng, timing: dict) -> None:
 # ---------------------------------------------------------------------- the client side
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now (for decode's control address)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def tiny_llama(d: Path) -> Path:
     """A 2-layer Llama saved to ``d``: 4 query and 2 KV heads of 64, random weights from a
     fixed seed (no download)."""

@@ -50,7 +50,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from vllm_engine import Engine, free_port, start_engines, tiny_llama  # noqa: E402
+from ports import free_port  # noqa: E402
+from vllm_engine import Engine, start_engines, tiny_llama  # noqa: E402
 
 
 def _pct(xs: list[float], q: float) -> float:

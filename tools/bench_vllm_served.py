@@ -41,7 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from vllm_engine import free_port, tiny_llama
+from ports import free_port
+from vllm_engine import tiny_llama
 from vllm_serve import NIXL, Server, start_servers, with_tokenizer
 
 BLOCK = 32
