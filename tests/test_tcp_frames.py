@@ -722,3 +722,30 @@ def test_a_kept_record_of_a_refused_frame_holds_no_view_of_the_buffer(caplog):
         assert kept
     finally:
         env.close()  # raises BusyError if a kept record holds a view
+
+
+def test_a_kept_record_of_a_failed_connection_holds_no_view_of_the_buffer(caplog):
+    """A connection's handler that fails unexpectedly (a bug) is logged with its traceback;
+    a record kept past the connection must not keep the failing frame's views of decode's
+    buffer alive (the buffer would not close: BusyError)."""
+    env = Env(token_major=False)
+    try:
+        server = env.tr.data
+        buf = env.dec.bufs[0].buf
+
+        def failing(conn, ident):
+            held = memoryview(buf)[:64]  # noqa: F841 (the frame's view, as a real handler's)
+            raise RuntimeError("a bug in the handler")
+
+        a, b = socket.socketpair()
+        b.close()
+        with caplog.at_level(logging.ERROR, logger="pdkv.transfer.transports.sockets"):
+            real, server.handler = server.handler, failing
+            try:
+                server._serve(a, b"x")
+            finally:
+                server.handler = real
+        kept = [r for r in caplog.records if "data connection handling failed" in r.getMessage()]
+        assert len(kept) == 1 and "RuntimeError: a bug in the handler" in kept[0].getMessage()
+    finally:
+        env.close()  # raises BusyError if a kept record holds a view

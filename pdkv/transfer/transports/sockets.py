@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -321,7 +322,9 @@ class DataListener:
                 self.host.count("frames_rejected")
         except Exception:
             self.host.count("loop_errors")
-            _log.exception("data connection handling failed (connection closed)")
+            # the traceback as text, not exc_info: a kept record (a log capture, a queue
+            # handler) would keep its frames, and they hold views of decode's buffer
+            _log.error("data connection handling failed (connection closed)\n%s", traceback.format_exc())
         finally:
             with self.host.lock:
                 self._conns.pop(conn, None)
