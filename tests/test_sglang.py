@@ -688,9 +688,12 @@ def test_sglang_activation_adds_the_backend_to_sglang():
 
 
 def test_sglang_two_streams_that_open_a_session_at_once_share_one(monkeypatch):
-    """Two streams to one decode rank find no session and both open one: the second to
-    finish uses the first's and closes its own (closing the first would fail the
-    first's request); a broken session is replaced and closed."""
+    """Two streams to one decode rank find no session at once: one opens it while the
+    other waits, and both use it (a second Hello of this process for the same rank would
+    replace the first session at decode and fail its requests); a broken session is
+    replaced, then closed."""
+    import threading
+
     from pdkv.integrations.sglang import prefill_rank
 
     pair = Pair(1, 1)
@@ -700,26 +703,28 @@ def test_sglang_two_streams_that_open_a_session_at_once_share_one(monkeypatch):
 
         class Fake:
             made: list = []
-            race = True
 
             def __init__(self, *a, **k):
                 self.broken, self.closed = None, False
                 Fake.made.append(self)
-                if Fake.race:  # another stream's session is registered while this one opens
-                    Fake.race = False
-                    rank._senders[key] = Fake()
+                time.sleep(0.3)  # a handshake: the other stream asks meanwhile
 
             def close(self):
                 self.closed = True
 
         monkeypatch.setattr(prefill_rank, "PrefillSender", Fake)
-        got = rank._sender(*key)
-        first, mine = Fake.made[1], Fake.made[0]
-        assert got is first and rank._senders[key] is first
-        assert mine.closed and not first.closed
+        got = []
+        ts = [threading.Thread(target=lambda: got.append(rank._sender(*key))) for _ in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(5)
+        assert len(Fake.made) == 1 and got == [Fake.made[0]] * 2 and rank._senders[key] is Fake.made[0]
+        first = Fake.made[0]
+        assert not first.closed
         first.broken = "decode went away"
         again = rank._sender(*key)
-        assert again is Fake.made[2] and rank._senders[key] is again and first.closed
+        assert again is Fake.made[1] and rank._senders[key] is again and first.closed
         del rank._senders[key]
     finally:
         pair.close()

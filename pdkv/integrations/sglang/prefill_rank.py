@@ -96,6 +96,7 @@ class PrefillRank:
         self._rooms: dict[int, RoomOut] = {}
         self._early: dict[int, dict[str, tuple[str, str, int, int]]] = {}  # pulls before SGLang's sender
         self._senders: dict[tuple[str, int], PrefillSender] = {}
+        self._opening: dict[tuple[str, int], threading.Lock] = {}  # one opener per decode rank
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="pdkv-sglang-send")
         self._aux = AuxSender(settings.secret)
         self.desk = PullServer(f"tcp://{settings.host}:0", self._on_pull, secret=settings.secret)
@@ -209,28 +210,35 @@ class PrefillRank:
                     self._kick(out, st)
 
     def _sender(self, control: str, dtp: int) -> PrefillSender:
+        """The session to one decode rank, opened by one stream while the others wait: a
+        second Hello of this process for the same rank would replace the first session at
+        decode (one live session per rank) and fail the requests on it. The wait is bounded
+        by the opener's handshake (``timeout_s``). A broken session is replaced, then closed."""
+        key = (control, dtp)
         with self._lock:
-            tx = self._senders.get((control, dtp))
+            tx = self._senders.get(key)
             if tx is not None and not tx.broken:
                 return tx
-        tx = PrefillSender(
-            self.layout,
-            self.cache,
-            control,
-            instance=self.instance,
-            instance_key=self._key,
-            secret=self.settings.secret,
-            transport=self.settings.transport,
-            timeout_s=self.settings.timeout_s,
-        )
-        with self._lock:
-            old = self._senders.get((control, dtp))
-            if old is not None and not old.broken:  # another stream made one meanwhile: use it
-                old, tx = tx, old
-            else:
-                self._senders[(control, dtp)] = tx
+            opening = self._opening.setdefault(key, threading.Lock())
+        with opening:
+            with self._lock:
+                old = self._senders.get(key)
+                if old is not None and not old.broken:
+                    return old  # another stream opened it meanwhile
+            tx = PrefillSender(
+                self.layout,
+                self.cache,
+                control,
+                instance=self.instance,
+                instance_key=self._key,
+                secret=self.settings.secret,
+                transport=self.settings.transport,
+                timeout_s=self.settings.timeout_s,
+            )
+            with self._lock:
+                self._senders[key] = tx
         if old is not None:
-            old.close()  # the broken one replaced, or the one made here in vain
+            old.close()
         return tx
 
     def _pump(self, out: RoomOut, st: _Stream) -> None:
