@@ -81,7 +81,9 @@ class Pool:
         return a
 
 
-def _server_args(tp: int, port: int, threshold: float = 0.0, transport: str = "tcp") -> types.SimpleNamespace:
+def _server_args(
+    tp: int, port: int, threshold: float = 0.0, transport: str = "tcp", **settings
+) -> types.SimpleNamespace:
     served = ("tcp",) if transport == "tcp" else ("tcp", transport)
     return types.SimpleNamespace(
         tp_size=tp,
@@ -91,7 +93,13 @@ def _server_args(tp: int, port: int, threshold: float = 0.0, transport: str = "t
         disaggregation_bootstrap_port=port,
         disaggregation_decode_host_receive_threshold=threshold,
         pdkv_settings=Settings(
-            secret=SECRET, instance_key=b"k" * 32, timeout_s=5.0, lease_s=5.0, transports=served, transport=transport
+            secret=SECRET,
+            instance_key=b"k" * 32,
+            timeout_s=5.0,
+            lease_s=5.0,
+            transports=served,
+            transport=transport,
+            **settings,
         ),
     )
 
@@ -100,7 +108,9 @@ class Pair:
     """A prefill instance of TP ``p`` and a decode instance of TP ``d``, each rank a
     manager over its own pools, and the bootstrap server."""
 
-    def __init__(self, p: int, d: int, mla: bool = False, heads: int = HEADS, transport: str = "tcp") -> None:
+    def __init__(
+        self, p: int, d: int, mla: bool = False, heads: int = HEADS, transport: str = "tcp", **decode_settings
+    ) -> None:
         import os
 
         os.environ["PDKV_SECRET"] = SECRET.hex()
@@ -114,7 +124,12 @@ class Pair:
             for r, pl in enumerate(self.ppools)
         ]
         self.dm = [
-            PdkvKVManager(pl.args(r, heads, mla), "decode", _server_args(d, self.boot.port, transport=transport), mla)
+            PdkvKVManager(
+                pl.args(r, heads, mla),
+                "decode",
+                _server_args(d, self.boot.port, transport=transport, **decode_settings),
+                mla,
+            )
             for r, pl in enumerate(self.dpools)
         ]
 
@@ -190,10 +205,13 @@ def _check_bytes(pair: Pair, src_pages, dst_pages, dest, aux_src=3, aux_dst=5):
 
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("tp", [(1, 1), (1, 2), (2, 1)], ids=["tp1-1", "tp1-2", "tp2-1"])
-@pytest.mark.parametrize("dest", ["host", "device"])
+@pytest.mark.parametrize("dest", ["host", "device", "device-staged"])
 def test_sglang_pages_arrive_byte_for_byte(tp, mla, dest):
+    """``device-staged``: the device destination as a GPU decode takes it, through pdkv's
+    staging buffer and the swap engine's copy (host threads here, the copy engines on a GPU)."""
+    staged = dest == "device-staged"
     dest = Dest.HOST if dest == "host" else Dest.DEVICE
-    pair = Pair(*tp, mla=mla)
+    pair = Pair(*tp, mla=mla, **({"device_path": "staged"} if staged else {}))
     try:
         src, dst = [7, 2, 9, 30], [4, 11, 0, 31]
         before = [[b.copy() for b in pool.kv] for pool in pair.ppools]
@@ -637,11 +655,11 @@ def test_sglang_a_planted_page_mapping_bug_is_caught(monkeypatch):
 
     real = layouts._spec
 
-    def planted(layout, ptrs, lens, items, what):
+    def planted(layout, ptrs, lens, items, what, device=None):
         if what == "host KV pool":
             n = layout.total_layers
             ptrs = ptrs[n:] + ptrs[:n]  # V buffers where K's belong
-        return real(layout, ptrs, lens, items, what)
+        return real(layout, ptrs, lens, items, what, device)
 
     monkeypatch.setattr(layouts, "_spec", planted)
     pair = Pair(1, 1)
@@ -651,6 +669,150 @@ def test_sglang_a_planted_page_mapping_bug_is_caught(monkeypatch):
             _check_bytes(pair, [1, 2, 3], [8, 9, 10], Dest.HOST)
     finally:
         pair.close()
+
+
+class _GatedCopies:
+    """The staging scheduler's swap backend with a gate: each copy starts only once
+    ``go`` is set (a slow copy engine), then runs as the real one would."""
+
+    def __init__(self, real) -> None:
+        import threading
+
+        self.real, self.go, self.started = real, threading.Event(), threading.Event()
+        self._threading = threading
+
+    def submit(self, rid, buffer_blocks, gpu_blocks):
+        gate = self
+
+        class Copy:
+            inner = None
+
+            def done(self) -> bool:
+                return self.inner is not None and self.inner.done()
+
+            @property
+            def error(self):
+                return None if self.inner is None else self.inner.error
+
+        c = Copy()
+
+        def run():
+            gate.go.wait(10)
+            c.inner = gate.real.submit(rid, buffer_blocks, gpu_blocks)
+
+        self.started.set()
+        self._threading.Thread(target=run, daemon=True).start()
+        return c
+
+
+def test_sglang_staged_device_pages_are_safe_to_release_only_after_the_copy(no_leaks):
+    """The staged device destination (a GPU decode's): an abort while the copy from the
+    staging buffer into SGLang's device pages runs leaves the request unsafe to release
+    until the copy ends; then no staging block is held, and nothing writes the device
+    pages any more."""
+    pair = Pair(1, 1, device_path="staged")
+    try:
+        dm = pair.dm[0].decode
+        sched = dm.receivers["device"].scheduler
+        gate = _GatedCopies(sched.swap)
+        sched.swap = gate
+        src, dst = [7, 2, 9], [4, 11, 0]
+        senders, receivers = _started(pair, 500, dst, Dest.DEVICE)
+        r, s = receivers[0], senders[0]
+        r.send_metadata(np.array(dst, np.int32), 5, None, decode_prefix_len=0, destination=Dest.DEVICE)
+        assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+        s.init(3, 3)
+        s.send(np.array(src, np.int32), None, num_kv_tokens=3 * PAGE)
+        assert _until(lambda: (r.poll(), gate.started.is_set())[1], (True,)) is True  # received: the copy is submitted
+        assert sched.request(r._in.pid).state.value == "swapping"
+        device_before = [b.copy() for b in pair.dpools[0].kv]
+        r.abort()
+        assert r.poll() == KVPoll.Failed
+        time.sleep(0.2)
+        assert not r.is_abort_release_safe()  # the copy may still write SGLang's pages
+        assert dm.pages["device"].holds(r._in.pid)
+        assert all(np.array_equal(b, o) for b, o in zip(pair.dpools[0].kv, device_before))  # not yet
+        gate.go.set()
+        assert _until(r.is_abort_release_safe, (True,)) is True
+        assert dm.pages["device"].num_free == dm.pages["device"].num_total
+        after = [b.copy() for b in pair.dpools[0].kv]
+        time.sleep(0.2)
+        assert all(np.array_equal(b, o) for b, o in zip(pair.dpools[0].kv, after))  # nothing writes after
+        r.clear()
+        s.clear()
+    finally:
+        pair.close()
+
+
+def test_sglang_a_full_staging_buffer_queues_and_a_too_large_request_is_refused():
+    """A staging buffer of 4 pages: a second 3-page request waits (its grant queued,
+    prefill keeps its KV) until the first's copy ends, then lands byte for byte; a request
+    of more pages than the buffer holds fails at send_metadata naming the setting."""
+    from pdkv.layout import CacheSpec
+
+    probe = Pair(1, 1, device_path="staged")
+    block = CacheSpec.buffer_bytes(probe.dm[0].decode.layout, 1)
+    probe.close()
+    pair = Pair(1, 1, device_path="staged", staging_mb=4 * block / 2**20)
+    try:
+        dm = pair.dm[0].decode
+        assert dm.pages["device"].num_total == 4
+        sched = dm.receivers["device"].scheduler
+        gate = _GatedCopies(sched.swap)
+        sched.swap = gate
+        rooms = {601: ([7, 2, 9], [4, 11, 0]), 602: ([1, 3, 5], [20, 21, 22])}
+        started = {room: _started(pair, room, dst, Dest.DEVICE) for room, (_, dst) in rooms.items()}
+        for room, (src, dst) in rooms.items():
+            (s,), (r,) = started[room]
+            r.send_metadata(np.array(dst, np.int32), room - 600, None, decode_prefix_len=0, destination=Dest.DEVICE)
+            assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+            s.init(3, room - 600)
+            s.send(np.array(src, np.int32), None, num_kv_tokens=3 * PAGE)
+        (_, (r2,)) = started[602]
+        assert _until(lambda: sched.metrics()["live_queued"], (1,)) == 1  # no room: queued, not refused
+        assert r2.poll() == KVPoll.Transferring
+        gate.go.set()  # the first copy ends, its blocks go back, the second is granted
+        for room in rooms:
+            (s,), (r,) = started[room]
+            assert _until(r.poll, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success, r._in.error
+            assert _until(s.poll, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+        for room, (src, dst) in rooms.items():
+            _check_bytes(pair, src, dst, Dest.DEVICE, aux_src=room - 600, aux_dst=room - 600)
+        for ss, rs in started.values():
+            for x in ss + rs:
+                x.clear()
+        (s,), (r,) = _started(pair, 603, [1, 2, 3, 4, 5], Dest.DEVICE)
+        r.send_metadata(np.array([1, 2, 3, 4, 5], np.int32), 1, None, decode_prefix_len=0, destination=Dest.DEVICE)
+        assert r.poll() == KVPoll.Failed
+        assert "more than the staging buffer's 4 (raise PDKV_SGLANG_STAGING_MB)" in r._in.error
+        s.abort()
+        for x in (s, r):
+            x.clear()
+    finally:
+        pair.close()
+
+
+def test_sglang_a_gpu_server_names_its_pool_device_and_decode_stages_it(no_leaks):
+    """On a GPU server (``device='cuda'``, SGLang's ``gpu_id``) the KV pool's spec names
+    its device, so pdkv's senders stage it and decode's device destination goes through
+    the staging buffer (any host-receive threshold); the host pool stays host memory."""
+    pool = Pool(8, HEADS, False, host_pages=8)
+    a = pool.args(0, HEADS, False)
+    a.gpu_id = 0
+    sa = _server_args(1, 1, threshold=0.5)
+    sa.device = "cuda"
+    m = PdkvKVManager(a, "decode", sa, False)
+    try:
+        assert m.pools.device.device == 0 and m.pools.host is not None and m.pools.host.device is None
+        assert m.decode is not None and m.decode.staged and m.decode.staging is not None
+        assert set(m.decode.receivers) == {"device", "host"}
+    finally:
+        m.close()
+    cpu = PdkvKVManager(pool.args(0, HEADS, False), "decode", _server_args(1, 1, threshold=0.5), False)
+    try:
+        assert cpu.pools.device.device is None and not cpu.decode.staged and cpu.decode.staging is None
+    finally:
+        cpu.close()
 
 
 def test_sglang_refuses_what_pdkv_cannot_carry():

@@ -7,8 +7,9 @@ call beyond it on a decode manager (``try_ensure_parallel_info``) and receiver
 (``conclude_state``, ``abort_notified``, ``ensure_abort_notified``, ``bootstrap_infos``,
 ``require_staging``), read from 0.5.23's ``decode.py`` and ``prefill.py``. Both
 destinations: ``send_metadata(..., destination=HOST)`` receives into decode's host pool
-(``KVArgs.host_kv_data_ptrs``), ``DEVICE`` into its KV pool where that memory is
-host-addressable (a CPU device). ``supports_host_destination`` is true on both the manager
+(``KVArgs.host_kv_data_ptrs``), ``DEVICE`` into its KV pool: directly where that memory
+is host-addressable (a CPU device), else through pdkv's staging buffer and the swap
+engine's copy (:mod:`.staged`). ``supports_host_destination`` is true on both the manager
 and its receivers, and ``is_abort_release_safe()`` is true only once pdkv holds none of the
 request's pages (no write admitted under its grant still runs, none can start).
 """
@@ -66,21 +67,17 @@ class PdkvKVManager(BaseKVManager):
         tp = int(getattr(server_args, "tp_size", 1) or 1) // int(getattr(server_args, "dp_size", 1) or 1)
         self.tp_size = max(tp, int(args.engine_rank) + 1)
         on_cpu = str(getattr(server_args, "device", "cuda")) == "cpu"
-        self.pools = rank_pools(args, mla=self.is_mla_backend, tp_size=self.tp_size)
+        # a GPU pool is named by its device (SGLang's gpu_id): pdkv's senders stage it, and
+        # decode's device destination goes through pdkv's staging buffer and a copy
+        gpu = None if on_cpu else int(getattr(args, "gpu_id", 0) or 0)
+        self.pools = rank_pools(args, mla=self.is_mla_backend, tp_size=self.tp_size, device=gpu)
         aux = (list(args.aux_data_ptrs or []), list(args.aux_item_lens or []))
         self.bootstrap_port = int(getattr(server_args, "disaggregation_bootstrap_port", 8998))
         self.decode: DecodeRank | None = None
         self.prefill: PrefillRank | None = None
         mode = _mode_name(disaggregation_mode)
         if mode == "decode":
-            threshold = float(getattr(server_args, "disaggregation_decode_host_receive_threshold", 1.0))
-            if not on_cpu and threshold != 0:
-                raise PdkvError(
-                    "pdkv receives into decode's host pool on a GPU decode: run it with "
-                    "--disaggregation-decode-host-receive-threshold 0 (device destinations over "
-                    "cuda_ipc or nixl are not built)"
-                )
-            self.decode = DecodeRank(self.pools, self.settings, aux=aux, device_writable=on_cpu)
+            self.decode = DecodeRank(self.pools, self.settings, aux=aux)
         elif mode == "prefill":
             host = str(getattr(server_args, "host", "127.0.0.1") or "127.0.0.1")
             self.prefill = PrefillRank(self.pools, self.settings, f"{host}:{self.bootstrap_port}", aux=aux)

@@ -91,7 +91,9 @@ def layout_for(args: Any, *, mla: bool, tp_size: int, tp_rank: int, kv_heads: in
     )
 
 
-def _spec(layout: KVLayout, ptrs: list[int], lens: list[int], items: list[int], what: str) -> CacheSpec:
+def _spec(
+    layout: KVLayout, ptrs: list[int], lens: list[int], items: list[int], what: str, device: int | None = None
+) -> CacheSpec:
     n = layout.total_layers
     per_layer = len(layout.tensors)
     if len(ptrs) != n * per_layer or len(lens) != len(ptrs) or len(items) != len(ptrs):
@@ -103,7 +105,7 @@ def _spec(layout: KVLayout, ptrs: list[int], lens: list[int], items: list[int], 
         raise LayoutError(f"{what}: its buffers hold no whole page")
     # MHA: K buffers of every layer, then V buffers; tensor t of layer l is buffer t * n + l
     regions = [[(int(ptrs[t * n + lay]), int(items[t * n + lay])) for t in range(per_layer)] for lay in range(n)]
-    return CacheSpec(layout, pages, regions)
+    return CacheSpec(layout, pages, regions, device=device)
 
 
 @dataclass(frozen=True)
@@ -116,15 +118,18 @@ class RankPools:
     host: CacheSpec | None
 
 
-def rank_pools(args: Any, *, mla: bool, tp_size: int) -> RankPools:
-    """:class:`RankPools` of the rank ``KVArgs`` describe (``engine_rank`` its TP rank)."""
+def rank_pools(args: Any, *, mla: bool, tp_size: int, device: int | None = None) -> RankPools:
+    """:class:`RankPools` of the rank ``KVArgs`` describe (``engine_rank`` its TP rank);
+    ``device``: the CUDA device of the KV pool (None: host memory, a CPU server)."""
     why = refusal(args)
     if why:
         raise LayoutError(f"pdkv's SGLang backend: {why}")
     if not 0 <= int(args.engine_rank) < tp_size:
         raise LayoutError(f"engine_rank={args.engine_rank} is outside a TP size of {tp_size}")
     layout = layout_for(args, mla=mla, tp_size=tp_size, tp_rank=int(args.engine_rank))
-    device = _spec(layout, list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens), "KV pool")
+    pool = _spec(
+        layout, list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens), "KV pool", device=device
+    )
     host = None
     if getattr(args, "host_kv_data_ptrs", None):
         host = _spec(
@@ -134,4 +139,4 @@ def rank_pools(args: Any, *, mla: bool, tp_size: int) -> RankPools:
             list(args.host_kv_item_lens),
             "host KV pool",
         )
-    return RankPools(layout, device, host)
+    return RankPools(layout, pool, host)

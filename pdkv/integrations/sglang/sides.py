@@ -6,7 +6,8 @@ SGLang's order is decode first: decode allocates a request's pages (host pages o
 HiCache pool with host receive, else device pages), then tells prefill where they are. Over
 pdkv that becomes: decode *designates* the pages under the request's pdkv id (an
 :class:`~pdkv.integrations.core.pages.EnginePages` pool behind a
-:class:`~pdkv.transfer.DecodeReceiver` per destination), then *pulls* (one authenticated
+:class:`~pdkv.transfer.DecodeReceiver` per destination; a GPU pool's pages through pdkv's
+staging buffer, :mod:`.staged`), then *pulls* (one authenticated
 message, :mod:`~pdkv.integrations.core.pull`) from each prefill rank whose heads it needs.
 A prefill rank with every decode rank's pull reserves the request at each decode rank when
 SGLang hands over its first chunk (the grant is exactly the designated pages: no other can
@@ -22,6 +23,7 @@ A request's pdkv id at a decode rank is ``sgl-<room>-d<rank>of<TP size>``: SGLan
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -33,17 +35,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import _ffi
+from ...buffer import reaper
 from ...buffer.region import HostRegion
+from ...buffer.shared import SharedBuffer
 from ...errors import PdkvError, RequestError
-from ...layout import KVLayout, tp_segments
+from ...layout import CacheSpec, KVLayout, tp_segments
 from ...scheduling.lifecycle import TERMINAL, SchedulerOptions, State
 from ...scheduling.scheduler import DecodeScheduler
+from ...swap.engine import SwapEngine
 from ...transfer import DecodeReceiver, ReceiverOptions
 from ..core.pages import EnginePages
 from ..core.pull import PullClient, PullResult
 from .aux import AuxServer
 from .bootstrap import fetch_ranks, layout_of
 from .layouts import RankPools
+from .staged import StagedPages
 
 __all__ = ["Settings", "DecodeRank", "RoomIn", "aux_slots", "pid_of", "room_binding", "sources_of"]
 
@@ -67,6 +73,10 @@ class Settings:
     lease_s: float = 30.0  # decode's grant lease
     transports: tuple[str, ...] = ("tcp",)  # decode serves these (tcp, nixl)
     transport: str = "tcp"  # prefill sends by this one (tcp, nixl, or auto: decode's first)
+    # decode's device destination: ``auto`` writes a host-addressable (CPU) pool directly
+    # and stages a GPU pool (:mod:`.staged`); ``staged`` stages either
+    device_path: str = "auto"
+    staging_mb: float = 1024.0  # MiB: the staging buffer of a staged device destination
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -94,6 +104,7 @@ class Settings:
             lease_s=float(os.environ.get("PDKV_SGLANG_LEASE_S", "30")),
             transports=served,
             transport=transport,
+            staging_mb=float(os.environ.get("PDKV_SGLANG_STAGING_MB", "1024")),
         )
 
     def __post_init__(self) -> None:
@@ -103,6 +114,10 @@ class Settings:
                 f"PDKV_SGLANG_TRANSPORTS={','.join(self.transports)!r}: decode receives into SGLang's pages by "
                 f"{' and '.join(ENGINE_TRANSPORTS)} only"
             )
+        if self.device_path not in ("auto", "staged"):
+            raise PdkvError(f"device_path={self.device_path!r} must be 'auto' or 'staged'")
+        if not isinstance(self.staging_mb, (int, float)) or not self.staging_mb > 0:
+            raise PdkvError(f"PDKV_SGLANG_STAGING_MB={self.staging_mb!r} must be a positive number of MiB")
         if self.transport not in (*ENGINE_TRANSPORTS, "auto"):
             raise PdkvError(
                 f"PDKV_SGLANG_TRANSPORT={self.transport!r}: prefill sends by {', '.join(ENGINE_TRANSPORTS)} or auto"
@@ -145,6 +160,8 @@ class RoomIn:
     desks: list[str]  # the pull endpoints of every prefill rank
     aux_from: str  # the one of them that sends the aux data
     dest: str = ""
+    pages: tuple[int, ...] = ()  # the destination pages SGLang chose (a staged device destination's copy target)
+    bound: bool = False  # staged: the received request is bound to its device pages (its copy runs)
     aux: list[tuple[int, int]] = field(default_factory=list)  # (address, bytes) of the aux slot
     aux_done: bool = False
     pulls: list[PullResult] = field(default_factory=list)
@@ -155,60 +172,97 @@ class RoomIn:
 
 class DecodeRank:
     """One SGLang decode rank's pdkv side: a receiver per destination (``device``: the KV
-    pool, when its memory is host-addressable; ``host``: the host pool of host receive),
-    the pull client and the aux endpoint. Ownership: sockets and threads (:meth:`close`)."""
+    pool, written directly where its memory is host-addressable, else through pdkv's
+    staging buffer and a copy, :mod:`.staged`; ``host``: the host pool of host receive),
+    the pull client and the aux endpoint. Ownership: sockets, threads, the staging buffer
+    and its swap engine (:meth:`close`)."""
 
-    def __init__(
-        self,
-        pools: RankPools,
-        settings: Settings,
-        *,
-        aux: tuple[list[int], list[int]] = ([], []),
-        device_writable: bool = True,
-    ) -> None:
+    def __init__(self, pools: RankPools, settings: Settings, *, aux: tuple[list[int], list[int]] = ([], [])) -> None:
         self.layout, self.settings = pools.layout, settings
         self._aux_ptrs, self._aux_items = list(aux[0]), list(aux[1])
         self._lock = threading.Lock()
         self._rooms: dict[str, RoomIn] = {}
         self._prefills: dict[str, tuple[float, dict[int, dict[str, Any]]]] = {}
-        self.pages: dict[str, EnginePages] = {}
+        self.pages: dict[str, EnginePages | StagedPages] = {}
         self.receivers: dict[str, DecodeReceiver] = {}
-        specs = {"device": pools.device if device_writable else None, "host": pools.host}
+        self.staging: SharedBuffer | None = None
+        self._swap: SwapEngine | None = None
+        self._watch: Any = None
+        self.staged = pools.device.device is not None or settings.device_path == "staged"
         try:
-            for dest, spec in specs.items():
+            for dest, spec in (("device", pools.device), ("host", pools.host)):
                 if spec is None:
                     continue
+                if dest == "device" and self.staged:
+                    self._open_staged(spec)
+                    continue
                 pages = self.pages[dest] = EnginePages(spec.num_blocks)
-                opts = SchedulerOptions(bind="engine", on_full="reject", lease_s=settings.lease_s)
-                if settings.transports == ("tcp",):
-                    # tcp sees every write: none can land once the grant is gone, so no grace
-                    # (nixl's are one-sided: an aborted grant's pages stay pdkv's for the default one)
-                    opts = dataclasses.replace(opts, fence_grace_s=0.0)
                 sched = DecodeScheduler(
                     layout=self.layout,
                     gpu=None,
                     buffer=pages,  # type: ignore[arg-type]  # EnginePages: places by request
                     swap=_NoSwap(),
-                    options=opts,
+                    options=self._options(on_full="reject"),
                 )
-                self.receivers[dest] = DecodeReceiver(
-                    sched,
-                    [self.layout],
-                    [HostRegion(spec, f"SGLang's {dest} KV pool")],
-                    spec.num_blocks,
-                    ReceiverOptions(
-                        control=f"tcp://{settings.host}:0",
-                        secret=settings.secret,
-                        transports=settings.transports,
-                        auto_tick=True,
-                        data_host=settings.host,
-                    ),
-                )
+                region = HostRegion(spec, f"SGLang's {dest} KV pool")
+                self.receivers[dest] = self._receiver(sched, region, spec.num_blocks)
             self.pull = PullClient((), secret=settings.secret, timeout_s=settings.timeout_s)
             self.aux_server = AuxServer(f"tcp://{settings.host}:0", settings.secret, self._on_aux)
         except BaseException:
             self.close()
             raise
+
+    def _options(self, **kw: Any) -> SchedulerOptions:
+        opts = SchedulerOptions(bind="engine", lease_s=self.settings.lease_s, **kw)
+        if self.settings.transports == ("tcp",):
+            # tcp sees every write: none can land once the grant is gone, so no grace
+            # (nixl's are one-sided: an aborted grant's pages stay pdkv's for the default one)
+            opts = dataclasses.replace(opts, fence_grace_s=0.0)
+        return opts
+
+    def _receiver(self, sched: DecodeScheduler, memory: Any, num_blocks: int) -> DecodeReceiver:
+        s = self.settings
+        return DecodeReceiver(
+            sched,
+            [self.layout],
+            [memory],
+            num_blocks,
+            ReceiverOptions(
+                control=f"tcp://{s.host}:0",
+                secret=s.secret,
+                transports=s.transports,
+                auto_tick=True,
+                data_host=s.host,
+            ),
+        )
+
+    def _open_staged(self, device: CacheSpec) -> None:
+        """The device destination through pdkv's staging buffer: prefill writes the buffer,
+        the swap engine copies each received request into its device pages."""
+        lay = self.layout
+        fit = int(self.settings.staging_mb * 2**20) // CacheSpec.buffer_bytes(lay, 1)
+        if fit < 1:
+            raise PdkvError(
+                f"PDKV_SGLANG_STAGING_MB={self.settings.staging_mb:g} holds no page of "
+                f"{CacheSpec.buffer_bytes(lay, 1)} bytes"
+            )
+        n = min(device.num_blocks, fit)
+        self.staging = buf = SharedBuffer.create(CacheSpec.buffer_bytes(lay, n))
+        # removes it if this process ends without close() (SGLang's scheduler killed)
+        self._watch = reaper.watch([buf.name])
+        self._swap = SwapEngine(
+            CacheSpec.for_buffer(lay, n, buf.address), device, buffer_pinned=buf.pinned, priority="decode"
+        )
+        pages = self.pages["device"] = StagedPages(n, device.num_blocks)
+        sched = DecodeScheduler(
+            layout=lay,
+            gpu=None,
+            buffer=pages,  # type: ignore[arg-type]  # StagedPages: places by request
+            swap=self._swap,
+            # a full staging buffer queues the reservation (prefill keeps its KV meanwhile)
+            options=self._options(direct_to_gpu=False, on_full="queue", queue_timeout_s=self.settings.timeout_s),
+        )
+        self.receivers["device"] = self._receiver(sched, buf, n)
 
     # ------------------------------------------------------------------ SGLang's order
     def prefill_ranks(self, bootstrap: str) -> dict[int, dict[str, Any]]:
@@ -254,7 +308,7 @@ class DecodeRank:
             if r.state != "waiting":
                 raise RequestError(f"room {r.room}: metadata sent twice")
             self.pages[dest].designate(r.pid, pages)
-            r.dest, r.aux, r.aux_done = dest, aux, not aux
+            r.dest, r.pages, r.aux, r.aux_done = dest, tuple(int(p) for p in pages), aux, not aux
             r.state, r.deadline = "transferring", time.monotonic() + self.settings.timeout_s + self.settings.lease_s
         rx = self.receivers[dest]
         me = f"{rx.control_address} {self.aux_server.address}"
@@ -273,10 +327,21 @@ class DecodeRank:
             info = None  # not reserved yet
         if not why and info is not None and info.state in TERMINAL:
             why = f"the transfer {info.state.value}: {info.reason}"
-        if not why and info is not None and info.state is State.RECEIVED and r.aux_done:
+        staged = isinstance(self.pages[r.dest], StagedPages)
+        if not why and staged and info is not None and info.state is State.RECEIVED and not r.bound:
+            try:  # the copy from the staging buffer into SGLang's device pages starts now
+                sched.bind(r.pid, r.pages)
+                r.bound = True
+            except PdkvError as exc:
+                why = f"its copy into the device pages could not start: {exc}"
+        done = State.READY if staged else State.RECEIVED
+        if not why and info is not None and info.state is done and r.aux_done:
             with self._lock:
                 r.state = "success"
-            with_suppress(sched.abort, r.pid, "received: SGLang reads its pages itself")
+            if staged:  # copied: the staging blocks went back when the copy ended
+                with_suppress(sched.finish, r.pid)
+            else:
+                with_suppress(sched.abort, r.pid, "received: SGLang reads its pages itself")
             return "success"
         if not why and time.monotonic() > r.deadline:
             why = f"no KV within {self.settings.timeout_s + self.settings.lease_s:g} s"
@@ -327,6 +392,17 @@ class DecodeRank:
                 x.close()
         for rx in self.receivers.values():
             rx.close()
+        if self._swap is not None:
+            self._swap.close()  # a copy still running ends first: it reads the staging buffer
+        if self.staging is not None:
+            try:
+                self.staging.close()
+            except PdkvError as exc:  # a view still exported: the name still goes
+                _log.warning("pdkv decode: staging buffer %s: %s", self.staging.name, exc)
+            with contextlib.suppress(FileNotFoundError):
+                self.staging.unlink()
+        if self._watch is not None:
+            self._watch.close()
 
 
 def with_suppress(fn: Any, *args: Any) -> None:
