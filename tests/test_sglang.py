@@ -233,22 +233,27 @@ def test_sglang_pages_arrive_byte_for_byte(tp, mla, dest):
 
 @pytest.mark.parametrize("tp", [(1, 1), (1, 2), (2, 1)], ids=["tp1-1", "tp1-2", "tp2-1"])
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
-def test_sglang_over_nixl_into_the_host_pool_byte_for_byte(tp, mla, monkeypatch):
-    """Prefill writes decode's host pages over NIXL (UCX tcp on loopback here; RDMA across
-    hosts): decode's agent registers the host pool's regions, prefill addresses the pages
-    by their cells. Pages equal prefill's; every other host byte is what it was; an abort
-    after success leaves nothing held."""
+@pytest.mark.parametrize("dest", ["host", "device-staged"])
+def test_sglang_over_nixl_byte_for_byte(tp, mla, dest, monkeypatch):
+    """Prefill writes decode's host pages (or, ``device-staged``, the staging buffer a GPU
+    decode's device pages are copied from) over NIXL (UCX tcp on loopback here; RDMA across
+    hosts): decode's agent registers the pool's regions, prefill addresses the pages by
+    their cells. Pages equal prefill's; every other byte of the pool is what it was; an
+    abort after success leaves nothing held."""
     pytest.importorskip("nixl", reason="needs nixl: pip install 'pdkv[nixl]'")
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    pair = Pair(*tp, mla=mla, transport="nixl")
+    staged = dest == "device-staged"
+    where = Dest.DEVICE if staged else Dest.HOST
+    pair = Pair(*tp, mla=mla, transport="nixl", **({"device_path": "staged"} if staged else {}))
     try:
         src, dst = [7, 2, 9, 30], [4, 11, 0, 31]
-        before = [[b.copy() for b in pool.host] for pool in pair.dpools]
-        senders, receivers = _run(pair, 77, src, dst, Dest.HOST)
-        _check_bytes(pair, src, dst, Dest.HOST)
+        pool_of = (lambda p: p.kv) if staged else (lambda p: p.host)
+        before = [[b.copy() for b in pool_of(pool)] for pool in pair.dpools]
+        senders, receivers = _run(pair, 77, src, dst, where)
+        _check_bytes(pair, src, dst, where)
         for pool, old in zip(pair.dpools, before):
-            for b, o in zip(pool.host, old):
+            for b, o in zip(pool_of(pool), old):
                 keep = [i for i in range(b.shape[0]) if i not in dst]
                 assert np.array_equal(b[keep], o[keep])
         assert all(t.transport == "nixl" for m in pair.pm for t in m.prefill._senders.values())
