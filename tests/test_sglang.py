@@ -84,7 +84,7 @@ class Pool:
 def _server_args(
     tp: int, port: int, threshold: float = 0.0, transport: str = "tcp", **settings
 ) -> types.SimpleNamespace:
-    served = ("tcp",) if transport == "tcp" else ("tcp", transport)
+    served = settings.pop("transports", None) or (("tcp",) if transport in ("tcp", "auto") else ("tcp", transport))
     return types.SimpleNamespace(
         tp_size=tp,
         dp_size=1,
@@ -264,11 +264,33 @@ def test_sglang_over_nixl_byte_for_byte(tp, mla, dest, monkeypatch):
         pair.close()
 
 
+@pytest.mark.parametrize("tp", [(1, 1), (1, 2), (2, 1)], ids=["tp1-1", "tp1-2", "tp2-1"])
+def test_sglang_shm_into_the_staging_buffer_on_one_host(tp):
+    """Decode serves ``tcp,shm`` and prefill offers what it can (``auto``): a staged
+    device destination (pdkv's own segment) is written over shm, the host pool (SGLang's
+    memory, no segment) over tcp; both land byte for byte."""
+    pair = Pair(*tp, transport="auto", device_path="staged", transports=("tcp", "shm"))
+    try:
+        src, dst = [7, 2, 9, 30], [4, 11, 0, 31]
+        for room, where in ((81, Dest.DEVICE), (82, Dest.HOST)):
+            senders, receivers = _run(pair, room, src, dst, where)
+            _check_bytes(pair, src, dst, where)
+            for x in senders + receivers:
+                x.clear()
+        by_rx = {m.decode.receivers[d].control_address: d for m in pair.dm for d in m.decode.receivers}
+        used = {by_rx[control]: tx.transport for m in pair.pm for (control, _), tx in m.prefill._senders.items()}
+        assert used == {"device": "shm", "host": "tcp"}
+    finally:
+        pair.close()
+
+
 def test_sglang_settings_name_the_transports_that_reach_its_pages():
     from pdkv.errors import PdkvError
 
-    with pytest.raises(PdkvError, match="PDKV_SGLANG_TRANSPORTS='tcp,shm'.*by tcp and nixl only"):
-        Settings(secret=SECRET, transports=("tcp", "shm"))
+    for bad in [("tcp", "rdma"), ("shm",), ()]:
+        with pytest.raises(PdkvError, match=f"PDKV_SGLANG_TRANSPORTS='{','.join(bad)}'.*by tcp and nixl"):
+            Settings(secret=SECRET, transports=bad)
+    assert Settings(secret=SECRET, transports=("tcp", "shm")).transports == ("tcp", "shm")
     with pytest.raises(PdkvError, match="PDKV_SGLANG_TRANSPORT='rdma'"):
         Settings(secret=SECRET, transport="rdma")
 

@@ -58,6 +58,9 @@ PID_PATTERN = re.compile(r"sgl-(\d{1,20})-d(\d{1,4})of(\d{1,4})")
 MAX_EARLY_PULLS = 65536  # pulls kept for rooms prefill has not seen yet
 # the transports that write an engine's own pages by address (HostRegion)
 ENGINE_TRANSPORTS = ("tcp", "nixl")
+# and those that also write pdkv's own staging buffer (a GPU decode's device pages): shm,
+# prefill on the same host mapping the segment
+STAGED_TRANSPORTS = ("tcp", "nixl", "shm")
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class Settings:
     instance_key: bytes | None = field(default=None, repr=False)  # a TP>1 prefill's ranks share it
     timeout_s: float = 30.0  # a pull's answer, a grant, an outcome: each waits at most this
     lease_s: float = 30.0  # decode's grant lease
-    transports: tuple[str, ...] = ("tcp",)  # decode serves these (tcp, nixl)
+    transports: tuple[str, ...] = ("tcp",)  # decode serves these (tcp, nixl; shm: the staging buffer only)
     transport: str = "tcp"  # prefill sends by this one (tcp, nixl, or auto: decode's first)
     # decode's device destination: ``auto`` writes a host-addressable (CPU) pool directly
     # and stages a GPU pool (:mod:`.staged`); ``staged`` stages either
@@ -108,11 +111,11 @@ class Settings:
         )
 
     def __post_init__(self) -> None:
-        odd = [t for t in self.transports if t not in ENGINE_TRANSPORTS]
-        if odd or not self.transports:
+        odd = [t for t in self.transports if t not in STAGED_TRANSPORTS]
+        if odd or not any(t in ENGINE_TRANSPORTS for t in self.transports):
             raise PdkvError(
                 f"PDKV_SGLANG_TRANSPORTS={','.join(self.transports)!r}: decode receives into SGLang's pages by "
-                f"{' and '.join(ENGINE_TRANSPORTS)} only"
+                f"{' and '.join(ENGINE_TRANSPORTS)} (at least one), and into its staging buffer by shm too"
             )
         if self.device_path not in ("auto", "staged"):
             raise PdkvError(f"device_path={self.device_path!r} must be 'auto' or 'staged'")
@@ -189,6 +192,7 @@ class DecodeRank:
         self._swap: SwapEngine | None = None
         self._watch: Any = None
         self.staged = pools.device.device is not None or settings.device_path == "staged"
+        served = tuple(t for t in settings.transports if t in ENGINE_TRANSPORTS)
         try:
             for dest, spec in (("device", pools.device), ("host", pools.host)):
                 if spec is None:
@@ -202,25 +206,27 @@ class DecodeRank:
                     gpu=None,
                     buffer=pages,  # type: ignore[arg-type]  # EnginePages: places by request
                     swap=_NoSwap(),
-                    options=self._options(on_full="reject"),
+                    options=self._options(served, on_full="reject"),
                 )
                 region = HostRegion(spec, f"SGLang's {dest} KV pool")
-                self.receivers[dest] = self._receiver(sched, region, spec.num_blocks)
+                self.receivers[dest] = self._receiver(sched, region, spec.num_blocks, served)
             self.pull = PullClient((), secret=settings.secret, timeout_s=settings.timeout_s)
             self.aux_server = AuxServer(f"tcp://{settings.host}:0", settings.secret, self._on_aux)
         except BaseException:
             self.close()
             raise
 
-    def _options(self, **kw: Any) -> SchedulerOptions:
+    def _options(self, served: tuple[str, ...], **kw: Any) -> SchedulerOptions:
         opts = SchedulerOptions(bind="engine", lease_s=self.settings.lease_s, **kw)
-        if self.settings.transports == ("tcp",):
+        if served == ("tcp",):
             # tcp sees every write: none can land once the grant is gone, so no grace
-            # (nixl's are one-sided: an aborted grant's pages stay pdkv's for the default one)
+            # (nixl's and shm's are one-sided: an aborted grant's pages stay pdkv's for the default one)
             opts = dataclasses.replace(opts, fence_grace_s=0.0)
         return opts
 
-    def _receiver(self, sched: DecodeScheduler, memory: Any, num_blocks: int) -> DecodeReceiver:
+    def _receiver(
+        self, sched: DecodeScheduler, memory: Any, num_blocks: int, served: tuple[str, ...]
+    ) -> DecodeReceiver:
         s = self.settings
         return DecodeReceiver(
             sched,
@@ -230,7 +236,7 @@ class DecodeRank:
             ReceiverOptions(
                 control=f"tcp://{s.host}:0",
                 secret=s.secret,
-                transports=s.transports,
+                transports=served,
                 auto_tick=True,
                 data_host=s.host,
             ),
@@ -260,9 +266,11 @@ class DecodeRank:
             buffer=pages,  # type: ignore[arg-type]  # StagedPages: places by request
             swap=self._swap,
             # a full staging buffer queues the reservation (prefill keeps its KV meanwhile)
-            options=self._options(direct_to_gpu=False, on_full="queue", queue_timeout_s=self.settings.timeout_s),
+            options=self._options(
+                self.settings.transports, direct_to_gpu=False, on_full="queue", queue_timeout_s=self.settings.timeout_s
+            ),
         )
-        self.receivers["device"] = self._receiver(sched, buf, n)
+        self.receivers["device"] = self._receiver(sched, buf, n, self.settings.transports)
 
     # ------------------------------------------------------------------ SGLang's order
     def prefill_ranks(self, bootstrap: str) -> dict[int, dict[str, Any]]:
