@@ -70,6 +70,11 @@ class EnginePages:
                 del self._owner[p]
         return ids is not None
 
+    def designated(self, request_id: str) -> tuple[int, ...] | None:
+        """The pages designated to ``request_id`` and not yet granted (None: none)."""
+        with self._lock:
+            return self._designated.get(request_id)
+
     def holds(self, request_id: str) -> bool:
         """Whether any page of ``request_id`` is still pdkv's (designated or granted)."""
         with self._lock:

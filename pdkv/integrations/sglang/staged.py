@@ -22,12 +22,12 @@ the staging blocks return only then.
 
 from __future__ import annotations
 
-import numbers
 import threading
 from collections.abc import Sequence
 
 from ...errors import RequestError
 from ...scheduling.blocks import BlockPool
+from ..core.pages import EnginePages
 
 __all__ = ["StagedPages"]
 
@@ -35,64 +35,52 @@ __all__ = ["StagedPages"]
 class StagedPages:
     """Staging blocks (``num_blocks``) for a device pool of ``num_pages`` pages. Thread-safe.
 
-    :meth:`designate` records the device pages SGLang chose for a request; the scheduler's
-    :meth:`try_allocate_for` then gives that request as many staging blocks (None: not
-    designated, a different count, or the buffer full for now). :meth:`holds` is true while
-    the request has a designation or staging blocks: its copy into the device pages may
-    still run until the scheduler frees them."""
+    :meth:`designate` records the device pages SGLang chose for a request (an
+    :class:`~pdkv.integrations.core.pages.EnginePages` of the device pool keeps them: no
+    page of two live requests); the scheduler's :meth:`try_allocate_for` then gives that
+    request as many staging blocks (None: not designated, a different count, or the buffer
+    full for now). :meth:`holds` is true while the request has a designation or staging
+    blocks: its copy into the device pages may still run until the scheduler frees them,
+    and only then are its device pages released."""
 
     def __init__(self, num_blocks: int, num_pages: int) -> None:
-        if not isinstance(num_pages, int) or num_pages <= 0:
-            raise ValueError(f"num_pages={num_pages!r} must be a positive integer")
         self._pool = BlockPool(num_blocks, name="staging")
-        self._pages = num_pages
+        self._device = EnginePages(num_pages)
         self._lock = threading.Lock()
-        self._designated: dict[str, tuple[int, ...]] = {}
         self._owner: dict[int, str] = {}  # staging block -> the request holding it
         self._held: dict[str, int] = {}  # request -> staging blocks it holds
+        self._pages: dict[str, tuple[int, ...]] = {}  # request -> its device pages, while it holds blocks
 
-    def designate(self, request_id: str, pages: Sequence[int]) -> tuple[int, ...]:
-        """SGLang allocated device ``pages`` for ``request_id``. RequestError for an empty
-        list, ids out of range or repeated, more pages than the staging buffer holds, or a
-        request that already has a designation or blocks here."""
-        ids = tuple(pages)
-        if not ids or any(
-            not isinstance(p, numbers.Integral) or isinstance(p, bool) or not 0 <= p < self._pages for p in ids
-        ):
-            raise RequestError(f"request {request_id!r}: pages must be ids in [0, {self._pages}), got {list(ids)[:8]}")
-        ids = tuple(int(p) for p in ids)
-        if len(set(ids)) != len(ids):
-            raise RequestError(f"request {request_id!r}: a page is listed twice")
-        if len(ids) > self._pool.num_total:
+    def designate(self, request_id: str, pages: Sequence[int]) -> None:
+        """SGLang allocated device ``pages`` for ``request_id``. RequestError as
+        :meth:`EnginePages.designate <pdkv.integrations.core.pages.EnginePages.designate>`
+        says, or for more pages than the staging buffer holds."""
+        if len(pages) > self._pool.num_total:
             raise RequestError(
-                f"request {request_id!r}: {len(ids)} pages, more than the staging buffer's "
+                f"request {request_id!r}: {len(pages)} pages, more than the staging buffer's "
                 f"{self._pool.num_total} (raise PDKV_SGLANG_STAGING_MB)"
             )
-        with self._lock:
-            if request_id in self._designated or request_id in self._held:
-                raise RequestError(f"request {request_id!r} already has pages here")
-            self._designated[request_id] = ids
-        return ids
+        self._device.designate(request_id, pages)
 
     def withdraw(self, request_id: str) -> bool:
         """Drop a designation prefill never reserved; False if there is none."""
-        with self._lock:
-            return self._designated.pop(request_id, None) is not None
+        return self._device.withdraw(request_id)
 
     def holds(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._designated or request_id in self._held
+        return self._device.holds(request_id)
 
     # ------------------------------------------------------------------ the scheduler's side
     def try_allocate_for(self, request_id: str, n: int) -> list[int] | None:
         with self._lock:
-            ids = self._designated.get(request_id)
+            ids = self._device.designated(request_id)
             if ids is None or len(ids) != n:
                 return None
             blocks = self._pool.try_allocate(n)
             if blocks is None:
                 return None  # full for now: the reservation queues
-            del self._designated[request_id]
+            pages = self._device.try_allocate_for(request_id, n)
+            assert pages is not None  # designated, under this lock (withdraw takes it out only here)
+            self._pages[request_id] = tuple(pages)
             self._held[request_id] = n
             for b in blocks:
                 self._owner[b] = request_id
@@ -103,15 +91,19 @@ class StagedPages:
 
     def free(self, blocks: Sequence[int]) -> None:
         ids = [int(b) for b in blocks]
+        done: list[tuple[int, ...]] = []
         with self._lock:
             if len(set(ids)) != len(ids) or any(b not in self._owner for b in ids):
                 raise RequestError(f"staging blocks {ids[:8]} are not held")
             for b in ids:
                 rid = self._owner.pop(b)
                 self._held[rid] -= 1
-                if not self._held[rid]:
+                if not self._held[rid]:  # its last block: its copy is over
                     del self._held[rid]
+                    done.append(self._pages.pop(rid))
             self._pool.free(ids)
+            for pages in done:
+                self._device.free(pages)
 
     @property
     def num_free(self) -> int:

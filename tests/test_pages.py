@@ -1,0 +1,115 @@
+"""The allocators that place by request, against a model (hypothesis stateful):
+:class:`~pdkv.integrations.core.pages.EnginePages` (an engine's own pages) and
+:class:`~pdkv.integrations.sglang.staged.StagedPages` (staging blocks for a GPU decode's
+designated device pages)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pdkv.errors import RequestError
+from pdkv.integrations.core.pages import EnginePages
+from pdkv.integrations.sglang.staged import StagedPages
+
+PAGES, BLOCKS = 12, 6
+RIDS = st.sampled_from([f"r{i}" for i in range(5)])
+PAGE_LISTS = st.lists(st.integers(-1, PAGES), min_size=0, max_size=8)
+
+
+class StagedMachine(RuleBasedStateMachine):
+    """Model: each request is designated (its device pages) or held (its staging blocks
+    and device pages); a page belongs to at most one of them, a block to at most one
+    holder; the device pages go back only with a request's last staging block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sp = StagedPages(BLOCKS, PAGES)
+        self.designated: dict[str, tuple[int, ...]] = {}
+        self.held: dict[str, tuple[list[int], tuple[int, ...]]] = {}  # rid -> (blocks left, pages)
+
+    def _pages_taken(self) -> set[int]:
+        out = {p for ps in self.designated.values() for p in ps}
+        return out | {p for _, ps in self.held.values() for p in ps}
+
+    @rule(rid=RIDS, pages=PAGE_LISTS)
+    def designate(self, rid, pages):
+        ok = (
+            pages
+            and all(0 <= p < PAGES for p in pages)
+            and len(set(pages)) == len(pages)
+            and len(pages) <= BLOCKS
+            and rid not in self.designated
+            and rid not in self.held
+            and not set(pages) & self._pages_taken()
+        )
+        if ok:
+            self.sp.designate(rid, pages)
+            self.designated[rid] = tuple(pages)
+        else:
+            with pytest.raises(RequestError):
+                self.sp.designate(rid, pages)
+
+    @rule(rid=RIDS)
+    def withdraw(self, rid):
+        assert self.sp.withdraw(rid) == (rid in self.designated)
+        self.designated.pop(rid, None)
+
+    @rule(rid=RIDS, delta=st.integers(-1, 1))
+    def allocate_for(self, rid, delta):
+        want = self.designated.get(rid)
+        n = (len(want) if want else 2) + delta
+        free = BLOCKS - sum(len(b) for b, _ in self.held.values())
+        got = self.sp.try_allocate_for(rid, n)
+        if want is None or len(want) != n or n > free:
+            assert got is None
+            return
+        assert got is not None and len(got) == n and len(set(got)) == n
+        taken = {b for bs, _ in self.held.values() for b in bs}
+        assert not set(got) & taken
+        self.held[rid] = (list(got), self.designated.pop(rid))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free_some(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.held)))
+        blocks, pages = self.held[rid]
+        k = data.draw(st.integers(1, len(blocks)))
+        self.sp.free(blocks[:k])
+        del blocks[:k]
+        if not blocks:
+            del self.held[rid]
+
+    @rule(block=st.integers(0, BLOCKS - 1))
+    def free_unheld_is_refused(self, block):
+        if any(block in bs for bs, _ in self.held.values()):
+            return
+        with pytest.raises(RequestError):
+            self.sp.free([block])
+
+    @invariant()
+    def accounting(self):
+        held = sum(len(b) for b, _ in self.held.values())
+        assert self.sp.num_held == held and self.sp.num_free == BLOCKS - held
+        for rid in (f"r{i}" for i in range(5)):
+            assert self.sp.holds(rid) == (rid in self.designated or rid in self.held)
+
+
+TestStagedPages = StagedMachine.TestCase
+TestStagedPages.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_engine_pages_refuse_a_page_of_another_request_and_give_back_exactly():
+    pages = EnginePages(8)
+    pages.designate("a", [1, 2])
+    with pytest.raises(RequestError, match="belong to request 'a'"):
+        pages.designate("b", [2, 3])
+    assert pages.designated("a") == (1, 2) and pages.designated("b") is None
+    assert pages.try_allocate_for("a", 3) is None  # not the count designated
+    assert pages.try_allocate_for("a", 2) == [1, 2] and pages.designated("a") is None
+    with pytest.raises(RequestError, match="not one request's granted pages"):
+        pages.free([1])
+    pages.free([1, 2])
+    assert not pages.holds("a") and pages.num_free == 8
