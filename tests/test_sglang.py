@@ -419,6 +419,7 @@ def test_sglang_chunks_that_come_while_earlier_ones_are_written_go_as_one_write(
     )
     drained = threading.Event()
     monkeypatch.setattr(PrefillSender, "written", lambda self, mark: drained.is_set())
+    monkeypatch.setattr(PrefillSender, "wait_written", lambda self, mark, timeout: drained.wait(timeout))
     pair = Pair(1, 1)
     try:
         src, dst = [7, 2, 9, 30], [4, 11, 0, 31]

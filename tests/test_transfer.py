@@ -570,7 +570,8 @@ def test_chunks_that_keep_coming_keep_the_grant_past_its_lease(transport, no_lea
 
 def test_written_says_when_the_data_thread_ran_what_was_handed_over(no_leaks):
     """``handed_over`` counts the layers handed to the data thread; ``written(mark)`` turns
-    true only once the thread has run every one up to the mark (held here at its write)."""
+    true only once the thread has run every one up to the mark (held here at its write);
+    ``wait_written`` waits for it, bounded, woken by the data thread."""
     dec = Decode()
     try:
         lay, arr, spec = prefill_cache(1, 0)
@@ -586,8 +587,13 @@ def test_written_says_when_the_data_thread_ran_what_was_handed_over(no_leaks):
             assert (m1, tx.handed_over) == (m0 + 1, m0 + 2)
             time.sleep(0.1)
             assert tx.written(m0) and not tx.written(m1)
-            gate.set()
-            wait_until(lambda: tx.written(m1 + 1), 5, "the data thread never ran the layers")
+            t0 = time.monotonic()
+            assert not tx.wait_written(m1 + 1, 0.2)  # bounded: the write is held
+            assert time.monotonic() - t0 >= 0.19
+            threading.Timer(0.2, gate.set).start()
+            assert tx.wait_written(m1 + 1, 5)  # woken by the data thread, not at its timeout
+            assert time.monotonic() - t0 < 2
+            assert tx.written(m1 + 1)
             for layer in (2, 3):
                 tx.send_layer(layer, [("w", [0, 1])])
             tx.finish("w")

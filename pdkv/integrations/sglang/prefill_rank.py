@@ -247,7 +247,7 @@ class PrefillRank:
         is sent: confirm, await decode's outcome, send the aux data. A failure fails the
         request (and, once reserved, ends its grant at decode at once)."""
         control, aux_addr, dtp, _ = st.dec
-        drained_by = 0.0
+        waited = False
         while True:
             with self._lock:
                 failed, why = out.state == "failed", out.error
@@ -255,16 +255,15 @@ class PrefillRank:
                 if not failed and not pages and total:
                     st.busy = False  # nothing new: the next chunk kicks it again
                     return
-            if not failed and st.tx is not None and not st.tx.written(st.mark):
+            if not failed and st.tx is not None and not waited and not st.tx.written(st.mark):
                 # the session is still writing this request's earlier chunks: let the pages
                 # that come meanwhile gather into one write (a chunk's layers are a job
-                # each, and many small jobs cost more than one large one), at most the timeout
-                now = time.monotonic()
-                drained_by = drained_by or now + self.settings.timeout_s
-                if now < drained_by:
-                    time.sleep(0.001)
-                    continue
-            drained_by = 0.0
+                # each, and many small jobs cost more than one large one), at most the
+                # timeout; the data thread wakes this wait (no polling beside SGLang's loop)
+                st.tx.wait_written(st.mark, self.settings.timeout_s)
+                waited = True
+                continue  # what came meanwhile is read again, then sent
+            waited = False
             try:
                 if failed:
                     self._end(st, why)

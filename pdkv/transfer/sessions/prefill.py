@@ -131,6 +131,7 @@ class PrefillSender(Reservations):
         self.layer_log = LayerLog()
         self._codec = Codec(opts.secret)
         self._lock = threading.Lock()
+        self._ran_cv = threading.Condition(self._lock)  # notified as the data thread runs jobs
         self._grants: dict[str, SendGrant] = {}
         self._grant_arrays: dict[int, Any] = {}  # grant token -> its block ids as an array
         self._reserve_waiters: dict[str, Waiter] = {}
@@ -225,6 +226,13 @@ class PrefillSender(Reservations):
         them in order). An engine that sends a request in chunks may let pages gather
         while its own earlier chunks are not written, and send them as one write."""
         with self._lock:
+            return self._ran >= mark
+
+    def wait_written(self, mark: int, timeout: float) -> bool:
+        """Block until :meth:`written` (``mark``) holds, at most ``timeout`` seconds, or the
+        sender closes; returns :meth:`written`. No polling: the data thread wakes it."""
+        with self._ran_cv:
+            self._ran_cv.wait_for(lambda: self._ran >= mark or self._closed.is_set(), timeout)
             return self._ran >= mark
 
     # ------------------------------------------------------------------ API
@@ -333,6 +341,8 @@ class PrefillSender(Reservations):
             if not self._broken:
                 self._bye.wait(min(1.0, self.timeout_s))
         self._closed.set()
+        with self._ran_cv:
+            self._ran_cv.notify_all()  # a wait_written returns now
         self._jobs.put(None)
         self._ch.wake()
         for t in self._threads:
@@ -496,8 +506,9 @@ class PrefillSender(Reservations):
             try:
                 self._run_job(job)
             finally:
-                with self._lock:
+                with self._ran_cv:
                     self._ran += 1
+                    self._ran_cv.notify_all()
 
     def _run_job(self, job: LayerJob | FinishJob) -> None:
         tr = self.transport_impl
