@@ -82,6 +82,11 @@ def test_bench_sglang_smoke(no_leaks):
     rows = json.loads(p.stdout.strip().splitlines()[-1])["rows"]
     assert {(r["transport"], r["streamed"]) for r in rows} >= {("tcp", True), ("tcp", False)}
     assert all(0 < r["tail_s"] <= r["request_s"] for r in rows)
+    p = run("bench_sglang.py", "--pages", "4", "--chunks", "2", "--compute-ms", "5", "--reps", "1",
+            "--transports", "tcp", "--dest", "device-staged")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout.strip().splitlines()[-1])["rows"]
+    assert {(r["dest"], r["streamed"]) for r in rows} == {("device-staged", True), ("device-staged", False)}
     p = run("bench_sglang.py", "--pages", "1", "--chunks", "2")
     assert p.returncode == 2 and "--pages must be >= --chunks" in p.stderr, p.stderr
 

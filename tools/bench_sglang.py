@@ -8,7 +8,10 @@ arrays shaped as SGLang's (an 8B-class layout: 32 layers, K and V, 8 KV heads of
 bf16, pages of 16 tokens: 2 MiB a page). One request of ``--pages`` pages at a time, in
 ``--chunks`` chunks, each after ``--compute-ms`` of simulated computation (a sleep: the
 chunk's forward pass); decode's receiver thread, prefill's senders and this loop share the
-host's CPUs as a real pair's do. Per transport (tcp; nixl when installed) and mode:
+host's CPUs as a real pair's do. ``--dest device-staged`` receives into the device pool
+the way a GPU decode does (pdkv's staging buffer, then the swap engine's copy into the
+pages: host threads on this CPU pool) instead of the host pool. Per transport (tcp; nixl
+when installed) and mode:
 
 - ``streamed``: each chunk's pages handed over as computed (``send``), as SGLang does;
 - ``whole``: every chunk computed first, then all pages handed over at once: the request
@@ -21,6 +24,7 @@ interleaved. Every page of every request is compared with prefill's. The last li
 the rows as JSON.
 
     python tools/bench_sglang.py [--pages 128] [--chunks 8] [--compute-ms 100] [--reps 3]
+                                 [--dest host|device-staged]
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def _args(bufs: list[np.ndarray], host: list[np.ndarray] | None) -> types.Simple
 class Pair:
     """A prefill rank and a decode rank (TP 1 each) of the backend, and their pools."""
 
-    def __init__(self, pages: int, transport: str) -> None:
+    def __init__(self, pages: int, transport: str, dest: str = "host") -> None:
         from pdkv.integrations.sglang.bootstrap import BootstrapServer
         from pdkv.integrations.sglang.layouts import rank_pools
         from pdkv.integrations.sglang.prefill_rank import PrefillRank
@@ -76,26 +80,35 @@ class Pair:
         rng = np.random.default_rng(1)
         n = 2 * LAYERS  # SGLang's MHA buffers: every layer's K, then every layer's V
         self.src = [rng.integers(0, 256, (pages, ITEM), dtype=np.uint8) for _ in range(n)]
-        self.dev = [np.zeros((pages, ITEM), np.uint8) for _ in range(n)]  # decode's device pool (unused)
+        self.dev = [np.zeros((pages, ITEM), np.uint8) for _ in range(n)]  # decode's device pool
         self.host = [np.zeros((pages, ITEM), np.uint8) for _ in range(n)]
+        self.dest = "device" if dest == "device-staged" else "host"
+        self.into = self.dev if self.dest == "device" else self.host
         served = ("tcp",) if transport == "tcp" else ("tcp", transport)
-        settings = Settings(secret=SECRET, timeout_s=30.0, lease_s=30.0, transports=served, transport=transport)
+        settings = Settings(
+            secret=SECRET,
+            timeout_s=30.0,
+            lease_s=30.0,
+            transports=served,
+            transport=transport,
+            # a host pool stands in for the GPU's: its pages staged, room for two requests in flight
+            device_path="staged" if self.dest == "device" else "auto",
+            staging_mb=2.0 * pages * n * ITEM / 2**20,
+        )
         self.boot = BootstrapServer("127.0.0.1", 0, SECRET)
         self.addr = f"127.0.0.1:{self.boot.port}"
         self.prefill = PrefillRank(rank_pools(_args(self.src, None), mla=False, tp_size=1), settings, self.addr)
-        self.decode = DecodeRank(
-            rank_pools(_args(self.dev, self.host), mla=False, tp_size=1), settings, device_writable=False
-        )
+        self.decode = DecodeRank(rank_pools(_args(self.dev, self.host), mla=False, tp_size=1), settings)
 
     def run(self, room: int, chunks: int, compute_s: float, streamed: bool) -> tuple[float, float]:
         """One request; (tail s, first chunk to Success s). Raises unless every page matches."""
         pages = self.src[0].shape[0]
         src_pages = list(np.random.default_rng(room).permutation(pages))
         dst_pages = list(np.random.default_rng(room + 1).permutation(pages))
-        for b in self.host:
+        for b in self.into:
             b[:] = 0
         r = self.decode.start(room, self.addr)
-        self.decode.publish(r, [int(p) for p in dst_pages], None, "host")
+        self.decode.publish(r, [int(p) for p in dst_pages], None, self.dest)
         out = self.prefill.open(room)
         deadline = time.monotonic() + 30
         while self.prefill.status(out) == "bootstrapping":
@@ -119,7 +132,7 @@ class Pair:
         while self.prefill.status(out) != "success":
             assert out.state != "failed" and time.monotonic() < deadline, out.error
             time.sleep(0.001)
-        for s, d in zip(self.src, self.host):
+        for s, d in zip(self.src, self.into):
             assert np.array_equal(s[src_pages], d[dst_pages]), "a page differs from prefill's"
         self.decode.forget(r)
         self.prefill.forget(out)
@@ -138,6 +151,9 @@ def main() -> int:
     ap.add_argument("--compute-ms", type=float, default=100.0, help="simulated computation of one chunk")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--transports", default="tcp,nixl")
+    ap.add_argument(
+        "--dest", choices=("host", "device-staged"), default="host", help="decode's host pool, or device pages staged"
+    )
     a = ap.parse_args()
     if a.pages < a.chunks or a.chunks < 1 or a.reps < 1:
         print("bench_sglang.py: --pages must be >= --chunks >= 1 and --reps >= 1", file=sys.stderr)
@@ -151,13 +167,13 @@ def main() -> int:
     mib = a.pages * 2 * LAYERS * ITEM / (1 << 20)
     print(
         f"one request of {a.pages} pages ({mib:.0f} MiB) in {a.chunks} chunks, {a.compute_ms:g} ms of compute each, "
-        f"{a.reps} reps, every page verified; medians"
+        f"{a.reps} reps, into decode's {a.dest} pages, every page verified; medians"
     )
     head = f"{'transport':>9} {'mode':>9} {'tail ms':>8} {'request ms':>11} {'GiB/s in tail':>14}"
     print(f"{head} {'tail whole/streamed':>20}")
     room, rows = 1000, []
     for tr in transports:
-        pair = Pair(a.pages, tr)
+        pair = Pair(a.pages, tr, a.dest)
         got: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
         try:
             pair.run(room, a.chunks, 0.0, True)  # warm: sessions, connections, agents
@@ -173,7 +189,7 @@ def main() -> int:
             tail, whole = tails[streamed], statistics.median(w for _, w in got[streamed])
             moved = mib / 1024 if not streamed else mib / 1024 / a.chunks  # what the tail had to move
             ratio = f"{tails[False] / tails[True]:>20.2f}" if streamed else f"{'':>20}"
-            rows.append({"transport": tr, "streamed": streamed, "tail_s": tail, "request_s": whole})
+            rows.append({"transport": tr, "dest": a.dest, "streamed": streamed, "tail_s": tail, "request_s": whole})
             print(
                 f"{tr:>9} {'streamed' if streamed else 'whole':>9} {tail * 1e3:>8.1f} {whole * 1e3:>11.1f} "
                 f"{moved / tail:>14.2f} {ratio}",
