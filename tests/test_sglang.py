@@ -483,34 +483,40 @@ def _started(pair: Pair, room: int, dst_pages, dest):
 
 
 @pytest.mark.parametrize("at", ["bootstrapping", "waiting", "transferring", "success"])
-def test_sglang_abort_at_every_state_leaves_nothing_held(at):
-    """An abort of a host destination at each KVPoll state: once is_abort_release_safe()
-    says so, no page is pdkv's on decode, and a write that comes later lands nowhere."""
-    pair = Pair(1, 1)
+@pytest.mark.parametrize("dest", ["host", "device-staged"])
+def test_sglang_abort_at_every_state_leaves_nothing_held(at, dest):
+    """An abort of a host destination (or a GPU decode's staged device destination) at
+    each KVPoll state: once is_abort_release_safe() says so, no page is pdkv's on decode,
+    and a write that comes later lands nowhere."""
+    staged = dest == "device-staged"
+    where = Dest.DEVICE if staged else Dest.HOST
+    pair = Pair(1, 1, **({"device_path": "staged"} if staged else {}))
     try:
         dst = [3, 4, 5]
-        senders, receivers = _started(pair, 7, dst, Dest.HOST)
+        senders, receivers = _started(pair, 7, dst, where)
         r, s = receivers[0], senders[0]
         dm = pair.dm[0].decode
+        pool = pair.dpools[0].kv if staged else pair.dpools[0].host
         if at != "bootstrapping":
-            r.send_metadata(np.array(dst, np.int32), 1, None, decode_prefix_len=0, destination=Dest.HOST)
+            r.send_metadata(np.array(dst, np.int32), 1, None, decode_prefix_len=0, destination=where)
             assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
         if at in ("transferring", "success"):
             s.init(3, 2)
             s.send(np.array([1, 2, 3], np.int32), None, num_kv_tokens=3 * PAGE)
             if at == "success":
                 assert _until(r.poll, (KVPoll.Success,)) == KVPoll.Success
-        host_before = [b.copy() for b in pair.dpools[0].host]
+        before = [b.copy() for b in pool]
         r.abort()
         assert r.poll() == (KVPoll.Success if at == "success" else KVPoll.Failed) or r.poll() == KVPoll.Failed
         assert _until(r.is_abort_release_safe, (True,)) is True
         assert all(not pg.holds(r._in.pid) for pg in dm.pages.values())
+        assert all(pg.num_free == pg.num_total for pg in dm.pages.values())
         if at in ("bootstrapping", "waiting"):
             # prefill sends anyway (SGLang's prefill does not know): nothing lands
             s.init(3, 2)
             s.send(np.array([1, 2, 3], np.int32), None, num_kv_tokens=3 * PAGE)
             assert _until(s.poll, (KVPoll.Failed, KVPoll.Success), timeout=15) in (KVPoll.Failed, KVPoll.Success)
-            for b, old in zip(pair.dpools[0].host, host_before):
+            for b, old in zip(pool, before):
                 assert np.array_equal(b, old)
         r.clear()
         s.clear()
