@@ -602,6 +602,46 @@ def test_written_says_when_the_data_thread_ran_what_was_handed_over(no_leaks):
         dec.close()
 
 
+def _stall_once(ch, seconds):
+    """The channel's next wait sleeps ``seconds`` and returns nothing (its loop was not
+    scheduled: what the peer sent waits in the socket, read by the wait after)."""
+    real, done = ch.wait, []
+
+    def wait(*a, **k):
+        if not done:
+            done.append(1)
+            time.sleep(seconds)
+            return []
+        return real(*a, **k)
+
+    ch.wait = wait
+    return done
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_a_stalled_control_loop_counts_no_silence_against_its_peer(side, no_leaks):
+    """A host that stalls stops both sides: each wakes before the other's next message is
+    read, and neither may count the stall as the other's silence. Here the checking side's
+    loop stalls 1.6 s against its 1 s bound (peer_timeout_s at decode, timeout_s at
+    prefill) while the other side, with a 10 s bound, judges nothing. The session lives on
+    and the next request is received."""
+    short, long = 1.0, 10.0
+    dec = Decode(peer_timeout_s=short if side == "decode" else long)
+    try:
+        lay, arr, spec = prefill_cache(1, 0)
+        tout = short if side == "prefill" else long
+        with PrefillSender(lay, spec, dec.rx.control_address, transport="tcp", timeout_s=tout, heartbeat_s=0.2) as tx:
+            assert send_one(tx, "before", [0, 1]).ok
+            stalled = _stall_once(dec.rx._ch if side == "decode" else tx._ch, 1.6)
+            wait_until(lambda: stalled, 2, "the stall")
+            time.sleep(2.0)  # the stall, and a round of heartbeats after it
+            assert tx.broken is None
+            assert dec.rx.stats.get("peers_dead", 0) == 0
+            assert send_one(tx, "after", [2, 3]).ok
+    finally:
+        dec.close()
+
+
 def test_default_copy_threads_follow_the_cpus_this_process_may_use(monkeypatch):
     from pdkv.transfer import default_copy_threads
 

@@ -16,9 +16,22 @@ import zmq
 
 from ...protocol import MAX_BATCH_BLOCKS, MAX_TEXT, GrantBatch, GrantMsg, Message, Outcome, OutcomeBatch
 
-__all__ = ["Channel", "RateLimitedLog", "Replies", "clip", "closing", "SEND_BATCH"]
+__all__ = ["Channel", "RateLimitedLog", "Replies", "clip", "closing", "SEND_BATCH", "LOOP_STALL_S", "unstalled"]
 
 SEND_BATCH = 512  # items one batch message carries as sent (protocol limit: MAX_BATCH_ITEMS)
+# a control loop that did not come round for this long was stalled itself (the host, or its
+# process, not scheduled): a peer's silence is counted in time the loop ran (unstalled)
+LOOP_STALL_S = 1.0
+
+
+def unstalled(last_heard: float, gap: float, now: float) -> float:
+    """``last_heard`` moved on by a stall of ``gap`` seconds of the loop that checks it
+    (unchanged for a gap under :data:`LOOP_STALL_S`), never past ``now``: when the whole
+    host stalls, each side wakes before the other's next message is sent, and neither may
+    count that time as the other's silence. A peer that stays silent while this loop runs
+    is still found after its full timeout."""
+    return min(now, last_heard + gap) if gap > LOOP_STALL_S else last_heard
+
 
 _log = logging.getLogger("pdkv.transfer")
 

@@ -45,6 +45,7 @@ from . import handshake
 
 __all__ = ["DecodeReceiver"]
 
+from .channel import LOOP_STALL_S, unstalled
 from .receiver import ReceiverCore
 
 _log = logging.getLogger(__name__)
@@ -90,13 +91,19 @@ class DecodeReceiver(ReceiverCore):
 
     # ------------------------------------------------------------------ control loop
     def _control_loop(self) -> None:
-        last_check = time.monotonic()
+        last_check = prev = time.monotonic()
         while not self.stopping.is_set():
             self._guard.poll(time.monotonic())  # connections accepted and gone, before their messages
             room = _QUEUED_BYTES - self._queued_total
             got = self._ch.wait(0 if self._queues else 2 if self.options.auto_tick else 50, max(room, 1))
             if got is None:
                 break
+            now = time.monotonic()
+            if now - prev > LOOP_STALL_S:  # this loop was stalled: no peer's silence grew meanwhile
+                with self.lock:
+                    for p in self._peers.values():
+                        p.last_seen = unstalled(p.last_seen, now - prev, now)
+            prev = now
             for fd, frames in got:
                 if not frames:
                     continue

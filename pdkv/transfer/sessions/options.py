@@ -54,7 +54,8 @@ class ReceiverOptions:
         Transports served (registered names), in order of preference.
     peer_timeout_s:
         A prefill peer silent this long is considered dead and fenced: its data path is
-        closed before its blocks are released.
+        closed before its blocks are released. Counted in time decode's control loop ran:
+        a stall of the loop itself (the host not scheduling it, over 1 s) adds nothing.
     io_timeout_s:
         Bound on a stalled TCP payload, and the base of every frame's deadline.
     min_data_rate:
@@ -199,7 +200,8 @@ class SenderOptions:
     streams:
         TCP data connections (1..64); default :func:`default_streams` (half the CPUs, 2..8).
     timeout_s:
-        Bound on the handshake, a reservation, and decode's silence before its requests fail.
+        Bound on the handshake, a reservation, and decode's silence before its requests fail
+        (silence counted in time the sender's I/O loop ran, as decode's ``peer_timeout_s``).
     heartbeat_s:
         Seconds between heartbeats.
     on_outcome:
