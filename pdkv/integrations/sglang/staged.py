@@ -64,7 +64,8 @@ class StagedPages:
 
     def withdraw(self, request_id: str) -> bool:
         """Drop a designation prefill never reserved; False if there is none."""
-        return self._device.withdraw(request_id)
+        with self._lock:  # not between try_allocate_for's look at the designation and its use
+            return self._device.withdraw(request_id)
 
     def holds(self, request_id: str) -> bool:
         return self._device.holds(request_id)
@@ -79,7 +80,9 @@ class StagedPages:
             if blocks is None:
                 return None  # full for now: the reservation queues
             pages = self._device.try_allocate_for(request_id, n)
-            assert pages is not None  # designated, under this lock (withdraw takes it out only here)
+            if pages is None:  # cannot happen: withdraw takes the same lock
+                self._pool.free(blocks)
+                return None
             self._pages[request_id] = tuple(pages)
             self._held[request_id] = n
             for b in blocks:
