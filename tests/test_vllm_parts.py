@@ -71,10 +71,18 @@ def test_vllm_settings_defaults_and_no_instance_key_from_public_data(monkeypatch
     assert y.decodes == ("tcp://10.0.0.2:5000", "tcp://[::1]:6000")
 
 
+def test_peer_timeout_s_reaches_both_sides():
+    c = parse_settings("kv_consumer", "e", {"peer_timeout_s": 30})
+    p = parse_settings("kv_producer", "e", {"decode": "tcp://127.0.0.1:5000", "peer_timeout_s": 25})
+    assert (c.peer_timeout_s, p.peer_timeout_s, parse_settings("kv_consumer", "e", {}).peer_timeout_s) == (30, 25, 10)
+    with pytest.raises(ValueError, match="peer_timeout_s"):
+        parse_settings("kv_consumer", "e", {"peer_timeout_s": 0})
+
+
 _KEYS_SORTED = (
     "['advertise', 'buffer_blocks', 'buffer_gib', 'control', 'data_host', 'decode', 'instance', 'instance_key', "
-    "'kv_fused', 'lease_s', 'load_timeout_s', 'prefill', 'pull', 'pull_answer_timeout_s', 'pull_timeout_s', "
-    "'queue_timeout_s', 'reserve_timeout_s', 'secret', 'swap_priority', 'transport', 'transports']"
+    "'kv_fused', 'lease_s', 'load_timeout_s', 'peer_timeout_s', 'prefill', 'pull', 'pull_answer_timeout_s', "
+    "'pull_timeout_s', 'queue_timeout_s', 'reserve_timeout_s', 'secret', 'swap_priority', 'transport', 'transports']"
 )
 EXTRA = "kv_connector_extra_config"
 SHORT_KEY = "must be a string of at least 16 characters"

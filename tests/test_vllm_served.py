@@ -24,6 +24,11 @@ ENGINE = "prefill-tp2-engine"  # public: vLLM logs it, routers and peers see it
 PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((70, 96, 131, 33))]
 
 
+# seven servers share this host's CPUs: one may not be scheduled for over the default 10 s
+# while the others run, and its peers must not count that as its death
+SILENCE_S = 30
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model = with_tokenizer(tiny_llama(tmp_path_factory.mktemp("tiny-llama-served")))
@@ -39,7 +44,7 @@ def served(tmp_path_factory):
             {
                 "connector": "pdkv",
                 "role": "producer",
-                "extra": {"decode": [control, control_pc, control_tp], "pull": pull},
+                "extra": {"decode": [control, control_pc, control_tp], "pull": pull, "peer_timeout_s": SILENCE_S},
             },
         ),
         "decode": (
@@ -56,6 +61,7 @@ def served(tmp_path_factory):
                     "buffer_blocks": 64,
                     "load_timeout_s": 20,
                     "pull_answer_timeout_s": 20,
+                    "peer_timeout_s": SILENCE_S,
                 },
             },
         ),
@@ -74,6 +80,7 @@ def served(tmp_path_factory):
                     "buffer_blocks": 64,
                     "load_timeout_s": 20,
                     "pull_answer_timeout_s": 20,
+                    "peer_timeout_s": SILENCE_S,
                 },
             },
         ),
@@ -81,7 +88,13 @@ def served(tmp_path_factory):
             model,
             free_port(),
             logs / "prefill-tp2.log",
-            {"connector": "pdkv", "role": "producer", "tp": 2, "extra": {"decode": control}, "engine_id": ENGINE},
+            {
+                "connector": "pdkv",
+                "role": "producer",
+                "tp": 2,
+                "extra": {"decode": control, "peer_timeout_s": SILENCE_S},
+                "engine_id": ENGINE,
+            },
         ),
         "decode_pc": (  # vLLM's default: prefix caching on
             model,
@@ -98,6 +111,7 @@ def served(tmp_path_factory):
                     "buffer_blocks": 64,
                     "load_timeout_s": 20,
                     "pull_answer_timeout_s": 20,
+                    "peer_timeout_s": SILENCE_S,
                 },
             },
         ),

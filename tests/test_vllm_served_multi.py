@@ -31,14 +31,15 @@ def multi(tmp_path_factory):
     storage = tmp_path_factory.mktemp("example-storage")
     pull, control = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     kv_bytes = 24 * 2 * 2 * 2 * 32 * 64 * 4
-    dec = {"control": control, "prefill": pull, "buffer_blocks": 64, "load_timeout_s": 20}
+    # three servers share this host's CPUs: one may not be scheduled for over the default 10 s
+    dec = {"control": control, "prefill": pull, "buffer_blocks": 64, "load_timeout_s": 20, "peer_timeout_s": 30}
     specs = {
         "colocated": (model, free_port(), logs / "colocated.log", {}),
         "prefill": (
             model,
             free_port(),
             logs / "prefill.log",
-            {"connector": "pdkv", "role": "producer", "extra": {"decode": control, "pull": pull}},
+            {"connector": "pdkv", "role": "producer", "extra": {"decode": control, "pull": pull, "peer_timeout_s": 30}},
         ),
         "decode": (
             model,

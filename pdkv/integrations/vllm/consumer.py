@@ -174,6 +174,7 @@ class DecodeSide:
                 secret=settings.secret,
                 data_host=settings.data_host,
                 auto_tick=True,
+                peer_timeout_s=settings.peer_timeout_s,
             )
         except BaseException:
             self.close()

@@ -305,6 +305,7 @@ class SendWorker:
             instance_key=self._key,
             secret=s.secret,
             transport=s.transport,
+            timeout_s=s.peer_timeout_s,
         )
 
     def _put(self, r: _Out) -> None:

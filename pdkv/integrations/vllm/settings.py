@@ -113,6 +113,7 @@ _KEYS = {
     "prefill",
     "pull_timeout_s",
     "pull_answer_timeout_s",
+    "peer_timeout_s",
     "advertise",
     "swap_priority",
 }
@@ -141,7 +142,9 @@ class Settings:
     reservation waits for room in a full buffer before it is refused and decode computes
     the prompt itself), ``prefill`` (the prefills' pull endpoints) and
     ``pull_answer_timeout_s`` (how long a pull waits for prefill's answer before decode
-    computes the prompt itself). Prefill (``kv_producer``): ``decode``
+    computes the prompt itself). Both: ``peer_timeout_s`` (how long the other side may be
+    silent before its session is considered dead and its requests fail; at prefill also
+    the bound on a handshake; counted in time the checking loop ran). Prefill (``kv_producer``): ``decode``
     (the decodes' control addresses, one or a list: the only places prefill connects to; a
     request's ``pdkv_decode`` may pick one of them, the first by default), ``transport``
     (default auto), ``instance`` (a label) and ``instance_key`` (the identity; default a
@@ -171,6 +174,7 @@ class Settings:
     prefills: tuple[str, ...] = ()
     pull_timeout_s: float = 120.0
     pull_answer_timeout_s: float = 10.0
+    peer_timeout_s: float = 10.0
     advertise: str = ""
     swap_priority: str = "decode"
 
@@ -254,6 +258,7 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
         prefills=prefills,
         pull_timeout_s=_positive(extra, "pull_timeout_s", 120.0),
         pull_answer_timeout_s=_positive(extra, "pull_answer_timeout_s", 10.0),
+        peer_timeout_s=_positive(extra, "peer_timeout_s", 10.0),
         advertise=advertise,
         swap_priority=swap_priority,
     )
