@@ -23,7 +23,6 @@ A request's pdkv id at a decode rank is ``sgl-<room>-d<rank>of<TP size>``: SGLan
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -407,8 +406,7 @@ class DecodeRank:
                 self.staging.close()
             except PdkvError as exc:  # a view still exported: the name still goes
                 _log.warning("pdkv decode: staging buffer %s: %s", self.staging.name, exc)
-            with contextlib.suppress(FileNotFoundError):
-                self.staging.unlink()
+            self.staging.unlink()  # idempotent; a name already gone is no error
         if self._watch is not None:
             self._watch.close()
 

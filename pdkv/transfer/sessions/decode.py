@@ -42,11 +42,10 @@ from ...protocol import (
 from ...scheduling.scheduler import Event, EventKind
 from ..transports.base import Inflight, Peer
 from . import handshake
-
-__all__ = ["DecodeReceiver"]
-
 from .channel import LOOP_STALL_S, unstalled
 from .receiver import ReceiverCore
+
+__all__ = ["DecodeReceiver"]
 
 _log = logging.getLogger(__name__)
 RENEW_EVERY_S = 1.0  # part of a layer renews a lease at most this often (or lease_s / 4)
