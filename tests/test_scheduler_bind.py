@@ -120,6 +120,24 @@ class EngineBoundMachine(RuleBasedStateMachine):
         with pytest.raises(RequestError, match=rf"first_block={n} must be in \[0, {n}\)"):
             self.s.bind(rid, [], first_block=n)
 
+    @precondition(lambda self: self._live(State.RECEIVED))
+    @rule(data=st.data())
+    def release(self, data):
+        """An engine whose own pages received the KV takes them in place: no swap."""
+        rid = data.draw(st.sampled_from(self._live(State.RECEIVED)))
+        self.s.release(rid)
+        self.free += self.reqs[rid]["n"]
+        self.reqs[rid]["state"] = State.FINISHED
+
+    @precondition(lambda self: self._live(State.RESERVED, State.SWAPPING, State.READY))
+    @rule(data=st.data())
+    def release_refused(self, data):
+        rid = data.draw(st.sampled_from(self._live(State.RESERVED, State.SWAPPING, State.READY)))
+        state = self.reqs[rid]["state"]
+        with pytest.raises(RequestError) as e:
+            self.s.release(rid)
+        assert str(e.value) == f"request {rid!r} is {state.value}, not received; it cannot be released"
+
     @precondition(lambda self: self._live(State.SWAPPING))
     @rule(data=st.data(), ok=st.booleans())
     def swap_ends(self, data, ok):
@@ -176,6 +194,8 @@ def test_bind_needs_the_engine_mode():
     s = DecodeScheduler(num_layers=1, gpu=BlockPool(4), buffer=BlockPool(4), swap=_EngineSwaps())
     with pytest.raises(RequestError, match=r"^bind\(\) is for SchedulerOptions\(bind='engine'\); pdkv allocates GPU"):
         s.bind("x", [1])
+    with pytest.raises(RequestError, match=r"^release\(\) is for SchedulerOptions\(bind='engine'\); pdkv hands out"):
+        s.release("x")
     with pytest.raises(
         ValueError, match=r"^gpu=None needs SchedulerOptions\(bind='engine'\): the engine binds GPU blocks itself$"
     ):
@@ -239,3 +259,30 @@ def test_an_engine_bound_scheduler_never_frees_a_gpu_block():
     assert (e.num_free, e.num_total, e.try_allocate(1)) == (0, 0, None)
     with pytest.raises(AssertionError, match="^pdkv frees no GPU block of an engine-bound scheduler$"):
         e.free([1])
+
+
+def test_a_released_request_is_finished_not_aborted(caplog):
+    """The engine took the pages in place: counted as finished, no abort logged or emitted."""
+    events: list = []
+    s = DecodeScheduler(
+        num_layers=1,
+        gpu=None,
+        buffer=BlockPool(4),
+        swap=_EngineSwaps(),
+        options=SchedulerOptions(bind="engine"),
+        listener=events.append,
+    )
+    g = s.reserve("a", num_blocks=3).grant
+    s.land_layers("a", g.token, [0])
+    assert s.complete("a", g.token) is State.RECEIVED
+    events.clear()
+    with caplog.at_level("INFO", logger="pdkv"):
+        s.release("a")
+    assert s.request("a").state is State.FINISHED
+    assert s.buffer.num_free == 4
+    m = s.metrics()
+    assert (m["requests_finished"], m["requests_aborted"]) == (1, 0)
+    assert not [r for r in caplog.records if "abort" in r.getMessage()]
+    assert not [e for e in events if e.kind.value in ("aborted", "failed")]
+    with pytest.raises(RequestError, match="request 'a' is already finished"):
+        s.release("a")

@@ -491,6 +491,32 @@ class DecodeScheduler(SchedulerCore):
         if ev:
             self._deliver(ev)
 
+    def release(self, request_id: str) -> None:
+        """``SchedulerOptions(bind="engine")`` over a buffer of the engine's own memory (an
+        engine whose pages received the KV directly, as SGLang's host pool): the engine takes
+        a RECEIVED request's blocks where they are, with no swap. They leave pdkv (back to
+        the buffer allocator, which hands them back to the engine) and the request is
+        FINISHED, counted as finished.
+
+        Ownership: the blocks are the engine's from this call on.
+
+        Raises
+        ------
+        RequestError
+            Not in engine mode, or a request that is not RECEIVED.
+        """
+        if self.options.bind != "engine":
+            raise RequestError("release() is for SchedulerOptions(bind='engine'); pdkv hands out READY requests")
+        now = self.clock()
+        with self._lock:
+            req = self._get_live(request_id)
+            if req.state is not State.RECEIVED:
+                raise RequestError(f"request {request_id!r} is {req.state.value}, not received; it cannot be released")
+            self._terminate(req, State.FINISHED, "", now)
+            ev = self._emit() if self._events else None
+        if ev:
+            self._deliver(ev)
+
     def bind(self, request_id: str, gpu_blocks: Sequence[int], *, first_block: int = 0) -> tuple[int, ...]:
         """``SchedulerOptions(bind="engine")``: the engine bound a RECEIVED request to GPU
         blocks of its own allocator. ``gpu_blocks`` take the received blocks
