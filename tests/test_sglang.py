@@ -30,6 +30,9 @@ import pytest
 from extras import need
 
 conn_mod = need("sglang.srt.disaggregation.base.conn", "sglang")
+# SGLang's disaggregation modules (the manager reads SGLang's PrefillServerInfo), imported on a
+# CPU host as in its scheduler, warn that their GPU-only kernels are not there
+pytestmark = pytest.mark.filterwarnings("ignore:Only CUDA:UserWarning")
 KVPoll, Dest = conn_mod.KVPoll, conn_mod.KVTransferDestination
 
 from pdkv.integrations.sglang.conn import (  # noqa: E402
@@ -49,10 +52,12 @@ class Pool:
     """One rank's SGLang pools as numpy arrays: KV buffers (MHA: K of every layer then V;
     MLA: one latent per layer), the host pool, the aux buffers."""
 
-    def __init__(self, pages: int, heads: int, mla: bool, host_pages: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self, pages: int, heads: int, mla: bool, host_pages: int = 0, seed: int = 0, head_dim: int = DIM
+    ) -> None:
         rng = np.random.default_rng(seed)
         width = 1 if mla else heads
-        dim = 24 if mla else DIM
+        dim = 24 if mla else head_dim
         nbuf = LAYERS if mla else 2 * LAYERS
         self.kv = [rng.integers(0, 255, (pages, PAGE, width, dim * 2), dtype=np.uint8) for _ in range(nbuf)]
         self.host = [np.zeros((host_pages, PAGE, width, dim * 2), np.uint8) for _ in range(nbuf)] if host_pages else []
@@ -525,19 +530,20 @@ def test_sglang_abort_at_every_state_leaves_nothing_held(at, dest):
 
 
 @contextlib.contextmanager
-def _granted_to_a_sender_of_our_own(pair: Pair, room: int, transport: str, instance: str):
-    """A request whose decode pages [6, 7] are designated (host destination), reserved by a
-    PrefillSender the test drives itself (so it can hold a write open): yields the receiver,
-    decode's side, its receiver and the test's grant; the sender closed and the request
-    cleared after."""
+def _granted_to_a_sender_of_our_own(pair: Pair, room: int, transport: str, instance: str, dest=None):
+    """A request whose decode pages [6, 7] are designated (host destination, or ``dest``),
+    reserved by a PrefillSender the test drives itself (so it can hold a write open):
+    yields the receiver, decode's side, its receiver and the test's grant; the sender
+    closed and the request cleared after."""
     from pdkv.integrations.sglang.sides import room_binding
     from pdkv.transfer import PrefillSender
 
-    senders, receivers = _started(pair, room, [6, 7], Dest.HOST)
+    dest = Dest.HOST if dest is None else dest
+    senders, receivers = _started(pair, room, [6, 7], dest)
     r, s = receivers[0], senders[0]
     dm = pair.dm[0].decode
-    r.send_metadata(np.array([6, 7], np.int32), 1, None, decode_prefix_len=0, destination=Dest.HOST)
-    rx = dm.receivers["host"]
+    r.send_metadata(np.array([6, 7], np.int32), 1, None, decode_prefix_len=0, destination=dest)
+    rx = dm.receivers["host" if dest == Dest.HOST else "device"]
     tx = PrefillSender(
         dm.layout, pair.pm[0].pools.device, rx.control_address, instance=instance, secret=SECRET,
         transport=transport, timeout_s=5.0,
@@ -571,6 +577,29 @@ def test_sglang_a_delayed_writer_holds_the_pages_until_it_ends():
             assert _until(r.is_abort_release_safe, (True,)) is True
             with pytest.raises(PdkvError):
                 rx.scheduler.begin_write(r._in.pid, grant.token)  # no write is admitted after
+    finally:
+        pair.close()
+
+
+def test_sglang_a_failed_device_destination_is_released_only_when_its_writes_end():
+    """SGLang's decode releases a failed device destination's pages without asking the
+    receiver; with its deferred release (on by default) it asks the manager,
+    ``is_abort_release_safe(room, acks)``, until true or 30 s. A write admitted under the
+    grant keeps that false until it ends."""
+    pair = Pair(1, 1)
+    try:
+        m = pair.dm[0]
+        assert m.enable_deferred_decode_kv_release and m.supports_deferred_decode_kv_release
+        with _granted_to_a_sender_of_our_own(pair, 18, "tcp", "slow", Dest.DEVICE) as (r, dm, rx, grant):
+            ticket = rx.scheduler.begin_write(r._in.pid, grant.token)
+            r.ensure_abort_notified(force_arm=True)  # what SGLang calls on a failed transfer
+            assert r.poll() == KVPoll.Failed and r.abort_notified
+            time.sleep(0.2)
+            assert not m.is_abort_release_safe(18, len(r.bootstrap_infos))
+            rx.scheduler.end_write(ticket)
+            assert _until(lambda: m.is_abort_release_safe(18, 1), (True,)) is True
+            m.clear_deferred_abort_state(18)
+        assert m.is_abort_release_safe(18, 1)  # cleared: nothing of it is pdkv's
     finally:
         pair.close()
 
@@ -924,3 +953,219 @@ def test_sglang_two_streams_that_open_a_session_at_once_share_one(monkeypatch):
         del rank._senders[key]
     finally:
         pair.close()
+
+
+# What SGLang 0.5.23's own scheduler and queues (``srt/disaggregation/*.py``,
+# ``srt/managers/*.py``) read or call on a backend's objects, found by reading their source
+# (the test below): each either answered by pdkv's class or, with the reason, never reached
+# with pdkv's objects. A name SGLang starts using that is in neither table fails the test.
+_KINDS = {
+    "kv_manager": "manager",
+    "kv_mgr": "manager",
+    "kv_receiver": "receiver",
+    "receiver": "receiver",
+    "kv_sender": "sender",
+    "disagg_kv_sender": "sender",
+    "sender": "sender",
+}
+_NOT_REACHED = {
+    ("manager", "_ensure_prefill_recompute_executor"): "only for a prefill whose DP rank is unresolved; pdkv's is 0",
+    ("manager", "_staging_handler"): "SGLang sets it, with heterogeneous-TP staging (require_staging is False)",
+    ("manager", "set_kv_buffer_tensors"): "SGLang asks hasattr first (staging only)",
+    ("manager", "deregister_buffer_to_engine"): "SGLang asks hasattr first",
+    ("manager", "register_buffer_to_engine"): "SGLang asks hasattr first",
+    ("manager", "transfer_infos"): "read only when the manager has _prefetch_staging_reqs (staging)",
+    ("manager", "attn_cp_rank"): "filter_kv_indices_for_cp_rank: called by CommonKVSender only",
+    ("manager", "attn_cp_size"): "filter_kv_indices_for_cp_rank: called by CommonKVSender only",
+    ("manager", "enable_all_cp_ranks_for_transfer"): "read only when the sender supports_host_tensor_indices",
+    ("sender", "_early_send_wait_event"): "SGLang sets it, with the overlap schedule",
+}
+
+
+def _sglang_uses():
+    """(kind, attribute) -> where, for every attribute access on a backend object's usual
+    names in SGLang's queue and scheduler modules."""
+    import ast
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("sglang.srt")
+    assert spec is not None and spec.submodule_search_locations
+    root = pathlib.Path(next(iter(spec.submodule_search_locations)))
+    uses: dict[tuple[str, str], str] = {}
+    for path in [*(root / "disaggregation").glob("*.py"), *(root / "managers").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                v = node.value
+                base = v.attr if isinstance(v, ast.Attribute) else getattr(v, "id", None)
+                if base in _KINDS:
+                    uses.setdefault((_KINDS[base], node.attr), f"{path.relative_to(root)}:{node.lineno}")
+    return uses
+
+
+def test_sglang_every_attribute_sglangs_queues_use_is_answered():
+    """pdkv's manager (both modes), sender and receiver have every attribute SGLang's own
+    decode and prefill queues use on a backend's objects, read from SGLang's source; what
+    they do not have is listed with the reason SGLang never asks pdkv's objects for it."""
+    uses = _sglang_uses()
+    assert len(uses) > 30, "SGLang's source was not read"
+    pair = Pair(1, 1)
+    try:
+        objs = {
+            "manager": [pair.pm[0], pair.dm[0]],
+            "sender": [PdkvKVSender(pair.pm[0], pair.addr, 5)],
+            "receiver": [PdkvKVReceiver(pair.dm[0], pair.addr, 5)],
+        }
+        missing = {}
+        for (kind, attr), where in sorted(uses.items()):
+            if (kind, attr) in _NOT_REACHED:
+                continue
+            lacking = [type(o).__name__ for o in objs[kind] if not hasattr(o, attr)]
+            # a prefill-only or decode-only manager attribute: one of the two modes has it
+            if lacking and not (kind == "manager" and len(lacking) < 2 and _one_mode(attr)):
+                missing[f"{kind}.{attr}"] = where
+        assert not missing, f"SGLang uses these; pdkv's objects lack them: {missing}"
+        stale = [k for k in _NOT_REACHED if k not in uses]
+        assert not stale, f"listed as never reached, but SGLang no longer uses them: {stale}"
+        for o in objs["sender"] + objs["receiver"]:
+            o.clear()
+    finally:
+        pair.close()
+
+
+def _one_mode(attr: str) -> bool:
+    return attr in ("prefill_info_table", "try_ensure_parallel_info", "submit_prefill_recompute")
+
+
+def test_sglang_decode_describes_each_prefill_as_its_queue_reads_it():
+    """``DecodePreallocQueue._resolve_prefill_dp_rank`` reads ``prefill_info_table``: after
+    ``try_ensure_parallel_info`` it holds the prefill, one DP rank, its TP size and page."""
+    pair = Pair(2, 1)
+    try:
+        m = pair.dm[0]
+        assert m.prefill_info_table == {}
+        assert m.try_ensure_parallel_info(pair.addr)
+        info = m.prefill_info_table[pair.addr]
+        assert (info.dp_size, info.attn_tp_size, info.page_size, info.kv_cache_dtype) == (1, 2, PAGE, "bfloat16")
+        assert not m.try_ensure_parallel_info("127.0.0.1:1")
+        assert "127.0.0.1:1" not in m.prefill_info_table
+    finally:
+        pair.close()
+
+
+def test_sglang_a_retracted_request_sglang_asks_prefill_to_recompute_fails_by_name():
+    pair = Pair(1, 1)
+    try:
+        r = PdkvKVReceiver(pair.dm[0], pair.addr, 9)
+        r.init(0)
+        pair.dm[0].submit_prefill_recompute(r, {"rid": "abc"})
+        assert r.poll() == KVPoll.Failed
+        with pytest.raises(Exception, match="does not have prefill recompute a retracted request"):
+            r.failure_exception()
+        assert r.is_abort_release_safe()
+        r.clear()
+    finally:
+        pair.close()
+
+
+def _spawned_backend(q) -> None:
+    """In a fresh interpreter, as SGLang starts its scheduler: its plugins, then the enum."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    be = utils.TransferBackend("pdkv")
+    q.put(utils.get_kv_class(be, utils.KVClassType.MANAGER).__name__)
+
+
+@pytest.mark.multiproc
+def test_sglang_finds_pdkv_in_a_process_it_spawns():
+    """SGLang starts its schedulers with ``spawn``: a fresh interpreter, where SGLang's own
+    ``load_plugins()`` (what every process it starts calls first) finds pdkv through its
+    entry point, and ``TransferBackend("pdkv")`` then names pdkv's manager."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_spawned_backend, args=(q,))
+    p.start()
+    try:
+        assert q.get(timeout=120) == "PdkvKVManager"
+    finally:
+        p.join(30)
+    assert p.exitcode == 0
+
+
+def test_sglang_plugin_never_fails_sglang_and_names_an_untested_version(monkeypatch):
+    """With an SGLang outside TESTED the plugin still lists pdkv, and choosing it fails in
+    one line naming the version; SGLang's other backends are untouched."""
+    import sglang.version
+    from sglang.srt.disaggregation import utils
+
+    from pdkv.errors import PdkvError
+    from pdkv.integrations.sglang import activate
+
+    monkeypatch.setattr(sglang.version, "__version__", "9.9.9")
+    original = utils.get_kv_class
+    monkeypatch.setattr(utils, "get_kv_class", getattr(original, "__wrapped_original__", original))
+    if getattr(utils.get_kv_class, "_pdkv", False):  # installed by an earlier test in this process
+        pytest.skip("pdkv's lookup is installed in this process already")
+    activate.plugin()
+    with pytest.raises(PdkvError, match="tested with SGLang 0.5.23; this is 9.9.9"):
+        utils.get_kv_class(utils.TransferBackend("pdkv"), utils.KVClassType.MANAGER)
+    assert utils.get_kv_class(utils.TransferBackend.FAKE, utils.KVClassType.SENDER).__name__ != "PdkvKVSender"
+
+
+def _server_args_for(model, port: int):
+    """A real ServerArgs of ``model`` (SGLang's model config reads it); pdkv's settings from
+    the environment, as in a server."""
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        model_path=str(model), device="cpu", skip_tokenizer_init=True, host="127.0.0.1",
+        disaggregation_bootstrap_port=port,
+    )  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sglang_decode_takes_the_models_heads_and_dtype_where_kvargs_leave_them_out(tmp_path):
+    """As SGLang fills ``KVArgs`` for an unquantized grouped-query model: the KV dtype is
+    ``"auto"`` on both sides, ``total_kv_head_num`` is set at prefill only (decode sets it
+    only with staging). Both sides take what is missing from SGLang's model config (2 KV
+    heads of 64, bf16), their layouts agree, and a request lands byte for byte."""
+    import os
+
+    from sglang_serve import tiny_model
+
+    model = tiny_model(tmp_path / "m")
+    os.environ["PDKV_SECRET"] = SECRET.hex()
+    boot = PdkvKVBootstrapServer("127.0.0.1", 0)
+    pp, dp = Pool(16, 2, False, head_dim=64, seed=3), Pool(16, 2, False, head_dim=64, seed=4)
+    pa, da = pp.args(0, 2, False), dp.args(0, 2, False)
+    pa.kv_cache_dtype_str = da.kv_cache_dtype_str = "auto"
+    del da.total_kv_head_num  # what SGLang's decode leaves unset
+    pm = PdkvKVManager(pa, "prefill", _server_args_for(model, boot.port), False)
+    dm = PdkvKVManager(da, "decode", _server_args_for(model, boot.port), False)
+    try:
+        assert pm.pools.layout == dm.pools.layout
+        assert (dm.pools.layout.kv_heads, dm.pools.layout.head_dim, dm.pools.layout.dtype) == (2, 64, "bfloat16")
+        addr = f"127.0.0.1:{boot.port}"
+        s, r = PdkvKVSender(pm, addr, 31), PdkvKVReceiver(dm, addr, 31)
+        assert dm.try_ensure_parallel_info(addr)
+        r.init(0)
+        r.send_metadata(np.array([5, 6], np.int32), 1, None, decode_prefix_len=0, destination=Dest.DEVICE)
+        assert _until(s.poll, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+        s.init(2, 1)
+        s.send(np.array([1, 2], np.int32), None, num_kv_tokens=2 * PAGE)
+        assert _until(r.poll, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success, r._in.error
+        for a, b in zip(pp.kv, dp.kv):
+            assert np.array_equal(a[[1, 2]], b[[5, 6]])
+        s.clear()
+        r.clear()
+    finally:
+        pm.close()
+        dm.close()
+        boot.close()

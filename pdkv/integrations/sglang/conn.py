@@ -31,8 +31,8 @@ from sglang.srt.disaggregation.base.conn import (
 )
 
 from ...errors import PdkvError
-from .bootstrap import BootstrapServer
-from .layouts import rank_pools
+from .bootstrap import BootstrapServer, layout_of
+from .layouts import ModelFacts, rank_pools
 from .prefill_rank import PrefillRank, RoomOut
 from .sides import DecodeRank, RoomIn, Settings
 
@@ -52,15 +52,56 @@ def _mode_name(mode: Any) -> str:
     return str(getattr(mode, "value", mode)).lower()
 
 
+def _sglang_defers_release() -> bool:
+    """SGLang's ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`` (on by default): off, its
+    decode releases a failed device destination's pages at once, with a write perhaps still
+    landing in them (NIXL's are one-sided); pdkv says so at start."""
+    try:
+        from sglang.srt.environ import envs
+
+        on = bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get())
+    except (ImportError, AttributeError):
+        on = True
+    if not on:
+        _log.warning(
+            "pdkv: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is off: SGLang's decode releases the device "
+            "pages of a failed transfer without asking pdkv whether a write into them still runs"
+        )
+    return on
+
+
+def _model_facts(args: Any, server_args: Any, mla: bool) -> ModelFacts | None:
+    """The model's KV heads and dtype from SGLang's own model config, where ``KVArgs``
+    leaves them out (decode's ``total_kv_head_num`` without staging; ``kv_cache_dtype_str``
+    ``"auto"``): the same facts on both sides, read the way SGLang's model runner reads them."""
+    need_heads = not mla and not getattr(args, "total_kv_head_num", 0)
+    if not need_heads and str(getattr(args, "kv_cache_dtype_str", "")).lower() != "auto":
+        return None
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        mc = ModelConfig.from_server_args(server_args)
+        return ModelFacts(kv_heads=int(mc.get_total_num_kv_heads()), dtype=str(mc.dtype))
+    except Exception as exc:
+        raise PdkvError(
+            f"pdkv's SGLang backend: the model's KV heads and dtype are not in KVArgs, and SGLang's model "
+            f"config could not say ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
 class PdkvKVManager(BaseKVManager):
     """One per SGLang scheduler rank (prefill or decode). Configuration: :class:`Settings`
     from the environment (``PDKV_SECRET`` required); ``server_args`` gives the bootstrap
     port, the TP size, the device and the host-receive threshold."""
 
     supports_host_destination = True
+    # a failed device destination's pages stay SGLang's to release only once pdkv's writes
+    # into them ended (SGLang's deferred decode KV release, on by default): see is_abort_release_safe
+    supports_deferred_decode_kv_release = True
 
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False):
         self.kv_args, self.server_args = args, server_args
+        self.enable_deferred_decode_kv_release = _sglang_defers_release()
         self.disaggregation_mode = disaggregation_mode
         self.is_mla_backend = bool(is_mla_backend)
         self.settings = getattr(server_args, "pdkv_settings", None) or Settings.from_env()
@@ -70,11 +111,15 @@ class PdkvKVManager(BaseKVManager):
         # a GPU pool is named by its device (SGLang's gpu_id): pdkv's senders stage it, and
         # decode's device destination goes through pdkv's staging buffer and a copy
         gpu = None if on_cpu else int(getattr(args, "gpu_id", 0) or 0)
-        self.pools = rank_pools(args, mla=self.is_mla_backend, tp_size=self.tp_size, device=gpu)
+        model = _model_facts(args, server_args, self.is_mla_backend)
+        self.pools = rank_pools(args, mla=self.is_mla_backend, tp_size=self.tp_size, device=gpu, model=model)
         aux = (list(args.aux_data_ptrs or []), list(args.aux_item_lens or []))
         self.bootstrap_port = int(getattr(server_args, "disaggregation_bootstrap_port", 8998))
         self.decode: DecodeRank | None = None
         self.prefill: PrefillRank | None = None
+        # decode: the prefill instances whose table is known, as SGLang's decode queue reads
+        # them (``DecodePreallocQueue._resolve_prefill_dp_rank``: one DP rank each)
+        self.prefill_info_table: dict[str, Any] = {}
         mode = _mode_name(disaggregation_mode)
         if mode == "decode":
             self.decode = DecodeRank(self.pools, self.settings, aux=aux)
@@ -88,14 +133,49 @@ class PdkvKVManager(BaseKVManager):
         """Prefill ranks register when the manager starts (:class:`PrefillRank`)."""
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Decode's queue asks before ``init``: whether the prefill's table is known."""
+        """Decode's queue asks before ``init``: whether the prefill's table is known. Once it
+        is, ``prefill_info_table[bootstrap_addr]`` describes that prefill as SGLang's own
+        backends do (one DP rank: pdkv's prefill ranks are one TP group)."""
         assert self.decode is not None
         try:
-            self.decode.prefill_ranks(bootstrap_addr)
+            ranks = self.decode.prefill_ranks(bootstrap_addr)
         except PdkvError as exc:
             _log.warning("pdkv: prefill at %s not ready: %s", bootstrap_addr, exc)
             return False
+        if bootstrap_addr not in self.prefill_info_table:
+            from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+            src = layout_of(ranks[0])
+            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+                attn_tp_size=src.tp_size,
+                attn_cp_size=1,
+                dp_size=1,
+                pp_size=1,
+                page_size=src.tokens_per_block,
+                kv_cache_dtype=src.dtype,
+                follow_bootstrap_room=False,
+            )
         return True
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        """SGLang's decode asks before it releases the device pages of a request whose
+        transfer failed (deferred decode KV release): true once pdkv holds none of them (no
+        write admitted under its grant still runs, none can start; a staged copy ended).
+        ``required_acks`` (prefill acknowledgements SGLang's own backends count) is not
+        needed: pdkv's decode knows its writes itself."""
+        return self.decode is None or self.decode.release_safe_room(int(bootstrap_room))
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """SGLang's decode released the request's pages: the receiver's ``clear`` forgets it."""
+
+    def submit_prefill_recompute(self, kv_receiver: Any, payload: dict[str, Any]) -> None:
+        """SGLang's decode asks prefill to recompute a request it retracted for a weight
+        update (``pause_generation`` with retract; DeepSeek V4 pools). pdkv does not: the
+        request fails at once with that reason, and SGLang returns it to its client."""
+        kv_receiver.fail(
+            "pdkv does not have prefill recompute a retracted request (pause_generation with retract): "
+            f"request {payload.get('rid', '?')!s:.80} fails"
+        )
 
     def close(self) -> None:
         for side in (self.decode, self.prefill):
@@ -233,6 +313,14 @@ class PdkvKVReceiver(BaseKVReceiver):
         self.abort_notified = True
         if self._in is not None:
             self._side.abort(self._in)
+        self.conclude_state = KVPoll.Failed
+
+    def fail(self, why: str) -> None:
+        """End the request as failed, naming ``why`` (``failure_exception`` raises it)."""
+        if self._in is not None:
+            self._side.abort(self._in, why)
+        else:
+            self._error = why
         self.conclude_state = KVPoll.Failed
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from ...errors import LayoutError
 from ...layout import DTYPE_BITS, CacheSpec, KVLayout
 
-__all__ = ["RankPools", "refusal", "rank_pools", "layout_for"]
+__all__ = ["ModelFacts", "RankPools", "refusal", "rank_pools", "layout_for"]
 
 
 def refusal(args: Any) -> str:
@@ -41,7 +41,17 @@ def refusal(args: Any) -> str:
     return ""
 
 
-def _dtype(name: str) -> str:
+def _dtype(name: str, model_dtype: str = "") -> str:
+    """pdkv's dtype for SGLang's ``kv_cache_dtype_str``. ``"auto"`` (SGLang's default: the
+    KV cache has the model's dtype, as its ``configure_kv_cache_dtype`` resolves it) becomes
+    ``model_dtype``."""
+    if str(name).lower() == "auto":
+        if not model_dtype:
+            raise LayoutError(
+                "SGLang KV dtype 'auto' is the model's dtype, and pdkv was not given the model's "
+                "(PdkvKVManager reads it from SGLang's model config)"
+            )
+        name = model_dtype
     d = str(name).lower().removeprefix("torch.").replace("fp8_", "float8_")
     d = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "float8_e4m3"}.get(d, d)
     d = d.removesuffix("fn").removesuffix("fnuz")
@@ -50,16 +60,36 @@ def _dtype(name: str) -> str:
     return d
 
 
-def total_kv_heads(args: Any, tp_size: int) -> int:
-    """The model's KV heads: ``KVArgs.total_kv_head_num`` where SGLang set it, else
-    ``PDKV_SGLANG_KV_HEADS``; else one "head" per TP rank (each rank's page row whole:
-    exact for equal TP sizes, and a mismatch pdkv names for unequal ones)."""
-    n = getattr(args, "total_kv_head_num", 0) or int(os.environ.get("PDKV_SGLANG_KV_HEADS", "0") or 0)
-    return int(n) if n > 0 else tp_size
+@dataclass(frozen=True)
+class ModelFacts:
+    """What both sides know of the model itself, whatever SGLang filled into ``KVArgs``:
+    its KV heads over all TP ranks and its dtype (SGLang's ``ModelConfig``:
+    ``get_total_num_kv_heads()`` and ``dtype``). SGLang's prefill fills
+    ``KVArgs.total_kv_head_num`` for every MHA model, its decode only with heterogeneous-TP
+    staging; ``kv_cache_dtype_str`` is ``"auto"`` for an unquantized model."""
+
+    kv_heads: int = 0
+    dtype: str = ""
 
 
-def layout_for(args: Any, *, mla: bool, tp_size: int, tp_rank: int, kv_heads: int | None = None) -> KVLayout:
-    """This rank's :class:`KVLayout` from ``KVArgs`` (``kv_item_lens``, ``page_size``, dtype)."""
+def total_kv_heads(args: Any, model: ModelFacts | None = None) -> int:
+    """The model's KV heads: ``KVArgs.total_kv_head_num`` where SGLang set it, else the
+    model's (``model``), else ``PDKV_SGLANG_KV_HEADS``; LayoutError when none says."""
+    n = getattr(args, "total_kv_head_num", 0) or (model.kv_heads if model else 0)
+    n = n or int(os.environ.get("PDKV_SGLANG_KV_HEADS", "0") or 0)
+    if not n > 0:
+        raise LayoutError(
+            "the model's KV heads are unknown: SGLang did not set KVArgs.total_kv_head_num and the model "
+            "config did not say; set PDKV_SGLANG_KV_HEADS"
+        )
+    return int(n)
+
+
+def layout_for(
+    args: Any, *, mla: bool, tp_size: int, tp_rank: int, kv_heads: int | None = None, model: ModelFacts | None = None
+) -> KVLayout:
+    """This rank's :class:`KVLayout` from ``KVArgs`` (``kv_item_lens``, ``page_size``, dtype),
+    with ``model``'s heads and dtype where ``KVArgs`` leaves them out."""
     lens = list(args.kv_item_lens)
     per_layer = 1 if mla else 2
     if not lens or len(lens) % per_layer:
@@ -68,9 +98,9 @@ def layout_for(args: Any, *, mla: bool, tp_size: int, tp_rank: int, kv_heads: in
         )
     if len(set(lens)) != 1:
         raise LayoutError(f"SGLang's KV buffers have pages of different sizes {sorted(set(lens))}: not one layout")
-    dtype = _dtype(args.kv_cache_dtype_str)
+    dtype = _dtype(args.kv_cache_dtype_str, model.dtype if model else "")
     page = int(args.page_size)
-    heads = 1 if mla else (kv_heads or total_kv_heads(args, tp_size))
+    heads = 1 if mla else (kv_heads or total_kv_heads(args, model))
     heads_here = 1 if mla else max(1, heads // tp_size)
     unit = page * heads_here * DTYPE_BITS[dtype] // 8
     if lens[0] % unit:
@@ -118,15 +148,18 @@ class RankPools:
     host: CacheSpec | None
 
 
-def rank_pools(args: Any, *, mla: bool, tp_size: int, device: int | None = None) -> RankPools:
+def rank_pools(
+    args: Any, *, mla: bool, tp_size: int, device: int | None = None, model: ModelFacts | None = None
+) -> RankPools:
     """:class:`RankPools` of the rank ``KVArgs`` describe (``engine_rank`` its TP rank);
-    ``device``: the CUDA device of the KV pool (None: host memory, a CPU server)."""
+    ``device``: the CUDA device of the KV pool (None: host memory, a CPU server);
+    ``model``: the model's heads and dtype where ``KVArgs`` leaves them out."""
     why = refusal(args)
     if why:
         raise LayoutError(f"pdkv's SGLang backend: {why}")
     if not 0 <= int(args.engine_rank) < tp_size:
         raise LayoutError(f"engine_rank={args.engine_rank} is outside a TP size of {tp_size}")
-    layout = layout_for(args, mla=mla, tp_size=tp_size, tp_rank=int(args.engine_rank))
+    layout = layout_for(args, mla=mla, tp_size=tp_size, tp_rank=int(args.engine_rank), model=model)
     pool = _spec(
         layout, list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens), "KV pool", device=device
     )

@@ -161,6 +161,7 @@ class RoomIn:
     pid: str
     desks: list[str]  # the pull endpoints of every prefill rank
     aux_from: str  # the one of them that sends the aux data
+    bootstrap: str = ""  # the prefill instance's bootstrap address
     dest: str = ""
     pages: tuple[int, ...] = ()  # the destination pages SGLang chose (a staged device destination's copy target)
     bound: bool = False  # staged: the received request is bound to its device pages (its copy runs)
@@ -291,7 +292,7 @@ class DecodeRank:
         srcs = sources_of(src, self.layout)
         pid = pid_of(room, self.layout.tp_rank, self.layout.tp_size)
         # every prefill rank is asked: decode completes a grant when all ranks confirmed
-        r = RoomIn(room, pid, [ranks[s]["desk"] for s in sorted(ranks)], ranks[srcs[0]]["desk"])
+        r = RoomIn(room, pid, [ranks[s]["desk"] for s in sorted(ranks)], ranks[srcs[0]]["desk"], bootstrap)
         with self._lock:
             old = self._rooms.get(pid)
             if old is not None and old.state not in ("success", "failed"):
@@ -327,6 +328,8 @@ class DecodeRank:
             return r.state
         bad = next((p.error for p in r.pulls if p.done and p.error), "")
         why = f"prefill refused the pull: {bad}" if bad else ""
+        if bad:  # a restarted prefill registers new endpoints: the next request reads its table again
+            self._prefills.pop(r.bootstrap, None)
         sched = self.receivers[r.dest].scheduler
         try:
             info = sched.request(r.pid)
@@ -347,8 +350,8 @@ class DecodeRank:
                 r.state = "success"
             if staged:  # copied: the staging blocks went back when the copy ended
                 with_suppress(sched.finish, r.pid)
-            else:
-                with_suppress(sched.abort, r.pid, "received: SGLang reads its pages itself")
+            else:  # SGLang reads its own pages where the KV landed
+                with_suppress(sched.release, r.pid)
             return "success"
         if not why and time.monotonic() > r.deadline:
             why = f"no KV within {self.settings.timeout_s + self.settings.lease_s:g} s"
@@ -371,6 +374,13 @@ class DecodeRank:
         """``is_abort_release_safe``: no page of the request is pdkv's any more (no write
         admitted under its grant still runs) and no aux write can come."""
         return r.state in ("success", "failed") and (not r.dest or not self.pages[r.dest].holds(r.pid))
+
+    def release_safe_room(self, room: int) -> bool:
+        """:meth:`release_safe` for SGLang's ``bootstrap_room`` (true for a room no longer
+        known here: nothing of it is pdkv's)."""
+        with self._lock:
+            r = self._rooms.get(pid_of(room, self.layout.tp_rank, self.layout.tp_size))
+        return r is None or self.release_safe(r)
 
     def forget(self, r: RoomIn) -> None:
         """``clear``: abort if still live; drop the record."""
