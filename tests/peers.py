@@ -144,7 +144,7 @@ def decode(a: argparse.Namespace) -> None:
         gpu=BlockPool(nb),
         buffer=BlockPool(nb),
         swap=swap,
-        options=SchedulerOptions(direct_to_gpu=False, lease_s=a.timeout),
+        options=SchedulerOptions(direct_to_gpu=False, lease_s=a.lease or a.timeout),
     )
     rx = DecodeReceiver(
         sched,
@@ -273,6 +273,68 @@ def hello_flood(a: argparse.Namespace) -> None:
         time.sleep(max(0.0, t0 + sent / a.rate - time.monotonic()))
 
 
+def ports(a: argparse.Namespace) -> None:
+    """The small ports pdkv listens on besides decode's control port, in one process for the
+    tests to flood and measure: prefill's pull endpoint, an SGLang decode's aux endpoint
+    (slots of 64 and 16 bytes) and SGLang's bootstrap table, all under ``--secret``. Prints
+    their addresses, then a line for each aux message written and each pull served."""
+    from pdkv.integrations.core.pull import PullServer
+    from pdkv.integrations.sglang.aux import AuxServer, max_message
+    from pdkv.integrations.sglang.bootstrap import BootstrapServer
+
+    secret = bytes.fromhex(a.secret)
+
+    def on_pull(r):
+        print(json.dumps({"pulled": r.pid}), flush=True)
+        return ""
+
+    def on_aux(pid, blobs):
+        print(json.dumps({"aux": pid}), flush=True)
+        return ""
+
+    pull = PullServer("tcp://127.0.0.1:0", on_pull, secret=secret)
+    aux = AuxServer("tcp://127.0.0.1:0", secret, on_aux, max_msg=max_message([64, 16]))
+    boot = BootstrapServer("127.0.0.1", 0, secret)
+    print(json.dumps({"pull": pull.address, "aux": aux.address, "boot": boot.port}), flush=True)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(1)
+    finally:
+        pull.close()
+        aux.close()
+        boot.close()
+
+
+def auth_flood(a: argparse.Namespace) -> None:
+    """``--requests`` authenticated sessions (the secret's, each its own instance) that send
+    batches of 512 reservations to ``--control`` as fast as they can, until killed; prints
+    once every session is open."""
+    import zmq
+    from hostile import RawSession
+
+    from pdkv.protocol import ReserveBatch
+
+    lay = KVLayout(**LAYOUT)
+    ctx = zmq.Context()
+    sessions = [
+        RawSession(a.control, lay, secret=bytes.fromhex(a.secret), instance=f"flood{i}", ctx=ctx)
+        for i in range(a.requests)
+    ]
+    print(json.dumps({"sessions": len(sessions)}), flush=True)
+    n = 0
+    while True:
+        for s in sessions:
+            n += 1
+            try:
+                s.sock.send_multipart(s.codec.encode(ReserveBatch([(f"x{n}-{j}", 8) for j in range(512)])), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        time.sleep(0.001)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("role")
@@ -286,6 +348,7 @@ if __name__ == "__main__":
     ap.add_argument("--secret", default="")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3.0)
+    ap.add_argument("--lease", type=float, default=0.0, help="decode: grant lease (default --timeout)")
     ap.add_argument("--instance", default="p")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--status", action="store_true")
@@ -306,5 +369,13 @@ if __name__ == "__main__":
         help="prefill: the cache in device memory; decode: serve cuda_ipc into a GPU cache",
     )
     a = ap.parse_args()
-    {"prefill": prefill, "decode": decode, "worker": worker, "hello-flood": hello_flood}[a.role](a)
+    roles = {
+        "prefill": prefill,
+        "decode": decode,
+        "worker": worker,
+        "hello-flood": hello_flood,
+        "auth-flood": auth_flood,
+        "ports": ports,
+    }
+    roles[a.role](a)
     sys.exit(0)

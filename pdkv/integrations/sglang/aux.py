@@ -3,9 +3,12 @@ logprobs, hidden states for speculative decoding) from prefill into the slot dec
 
 The KV moves through pdkv's transports; these few bytes go in one message after it, on a
 socket of their own at decode (ROUTER; prefill's DEALER): msgpack by msgspec with a strict
-schema, at most :data:`MAX_AUX` bytes, an HMAC-SHA256 under the pair's secret. Decode
-writes a message only into the slot it designated for that request, once, when every
-blob has exactly the slot's size; anything else is dropped and counted.
+schema, an HMAC-SHA256 under the pair's secret. A message is at most the slot's bytes and a
+little framing (:func:`max_message`; never over :data:`MAX_AUX`): zmq ends a connection that
+sends more, unread. Decode writes a message only into the slot it designated for that
+request, once, when every blob has exactly the slot's size; anything else is dropped and
+counted, and a message that is malformed or does not verify closes its connection. The
+endpoint's connections are bounded as every port of pdkv (:mod:`..core.endpoint`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,19 @@ import msgspec
 import zmq
 
 from ...errors import PdkvError
-from ..core.endpoint import RouterEndpoint
+from ..core.endpoint import Limits, RouterEndpoint
 
-__all__ = ["MAX_AUX", "AuxMsg", "AuxServer", "AuxSender"]
+__all__ = ["MAX_AUX", "AuxMsg", "AuxServer", "AuxSender", "max_message"]
 
 MAX_AUX = 8 << 20
+_FRAMING = 1024  # msgpack framing, the field names, the id (at most 80 characters) and the MAC
+
+
+def max_message(items: list[int]) -> int:
+    """The largest aux message for slots of ``items`` bytes (one blob each)."""
+    return min(MAX_AUX, sum(int(n) for n in items) + _FRAMING + 8 * len(items))
+
+
 _MAC = b"pdkv-sglang-aux-1"
 
 
@@ -50,25 +61,33 @@ class AuxServer(RouterEndpoint):
     dropped and counted in ``dropped``). Ownership: the socket and its thread
     (:meth:`close`)."""
 
-    def __init__(self, bind: str, secret: bytes, on_aux: Callable[[str, list[bytes]], str]) -> None:
-        super().__init__(bind, max_msg=MAX_AUX, what="aux endpoint", thread_name="pdkv-sglang-aux")
+    def __init__(
+        self,
+        bind: str,
+        secret: bytes,
+        on_aux: Callable[[str, list[bytes]], str],
+        *,
+        max_msg: int = MAX_AUX,
+        limits: Limits | None = None,
+    ) -> None:
+        super().__init__(bind, max_msg=max_msg, what="aux endpoint", thread_name="pdkv-sglang-aux", limits=limits)
         self._secret, self._on_aux = secret, on_aux
         self.written = 0
         self._start()
 
-    def _serve(self, frames: list[bytes]) -> str:
+    def _serve(self, frames: list[bytes]) -> tuple[bool, str]:
         if len(frames) != 2:
-            return "not one message"
+            return False, "not one message"
         try:
             m = _dec.decode(frames[1])
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return "malformed"
+            return False, "malformed"
         if not hmac.compare_digest(m.mac, _mac(self._secret, m.pid, m.blobs)):
-            return "not authenticated"
+            return False, "not authenticated"
         why = self._on_aux(m.pid, m.blobs)
         if not why:
             self.written += 1
-        return why
+        return True, why
 
 
 class AuxSender:

@@ -45,7 +45,7 @@ from ...swap.engine import SwapEngine
 from ...transfer import DecodeReceiver, ReceiverOptions
 from ..core.pages import EnginePages
 from ..core.pull import PullClient, PullResult
-from .aux import AuxServer
+from .aux import AuxServer, max_message
 from .bootstrap import fetch_ranks, layout_of
 from .layouts import RankPools
 from .staged import StagedPages
@@ -211,7 +211,9 @@ class DecodeRank:
                 region = HostRegion(spec, f"SGLang's {dest} KV pool")
                 self.receivers[dest] = self._receiver(sched, region, spec.num_blocks, served)
             self.pull = PullClient((), secret=settings.secret, timeout_s=settings.timeout_s)
-            self.aux_server = AuxServer(f"tcp://{settings.host}:0", settings.secret, self._on_aux)
+            self.aux_server = AuxServer(
+                f"tcp://{settings.host}:0", settings.secret, self._on_aux, max_msg=max_message(self._aux_items)
+            )
         except BaseException:
             self.close()
             raise

@@ -1,5 +1,7 @@
-"""Decode's guard over its control connections: how many there are without a session, from
-where, and for how long.
+"""A guard over a ZeroMQ ROUTER socket's connections: how many there are without a session,
+from where, and for how long. Decode's control port uses it, and so does every other port
+pdkv listens on with ZeroMQ (:class:`pdkv.integrations.core.endpoint.RouterEndpoint`: the
+pull and aux endpoints), where a connection has a "session" once a message on it verified.
 
 ZeroMQ accepts every connection to the control socket and has no cap of its own. The guard
 follows them through zmq's socket monitor (each accepted connection's descriptor) and the
@@ -35,11 +37,21 @@ from dataclasses import dataclass
 
 import zmq
 
-__all__ = ["ControlGuard"]
+__all__ = ["ControlGuard", "GuardNames"]
 
 _EVENT = struct.Struct("=hi")  # zmq monitor frame 1: event number, value (the fd for ACCEPTED/DISCONNECTED)
 _ACCEPTED, _GONE = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+@dataclass(frozen=True)
+class GuardNames:
+    """How a guard's log lines name its port, its two caps and what a connection lacks."""
+
+    port: str = "pdkv decode: control"
+    max_pending: str = "max_pending_control"
+    max_per_source: str = "max_pending_per_source"
+    lacking: str = "a session"
 
 
 @dataclass
@@ -52,7 +64,9 @@ class _Conn:
 
 
 class ControlGuard:
-    """Tracks and bounds decode's control connections (all calls from the control loop)."""
+    """Tracks and bounds a ROUTER socket's connections (all calls from the one thread that
+    reads the socket). ``names``: how its log lines name the port, its caps and a session
+    (decode's control port by default)."""
 
     def __init__(
         self,
@@ -63,8 +77,10 @@ class ControlGuard:
         count: Callable[[str], None],
         warn: Callable[..., None],
         on_gone: Callable[[bytes], None] | None = None,
+        names: GuardNames = GuardNames(),
     ) -> None:
         self._router = router
+        self._names = names
         self._on_gone = on_gone
         self._mon = router.get_monitor_socket(int(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED))
         self.auth_timeout_s = auth_timeout_s
@@ -137,7 +153,14 @@ class ControlGuard:
     def sweep(self, now: float) -> None:
         """Close connections without a session past their deadline."""
         for fd in [fd for fd, c in self._conns.items() if not c.session and not c.closed and c.deadline <= now]:
-            self._close(fd, "control connection closed: no session within auth_timeout_s")
+            self._close(fd, f"connection closed: without {self._names.lacking} within auth_timeout_s")
+
+    def evict(self, fd: int, why: str) -> None:
+        """Close connection ``fd`` now (a message on it failed authentication): it costs that
+        connection alone. Nothing when it is unknown (its end was seen) or has a session."""
+        c = self._conns.get(fd)
+        if c is not None and not c.session and not c.closed:
+            self._close(fd, why)
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -151,10 +174,10 @@ class ControlGuard:
             by_source.setdefault(self._conns[fd].source, []).append(fd)
         for src, fds in by_source.items():
             for fd in fds[: max(0, len(fds) - self.max_per_source)]:
-                self._close(fd, f"control connection closed: more than max_pending_per_source from {src}")
+                self._close(fd, f"connection closed: more than {self._names.max_per_source} from {src}")
         pending = [fd for fd, c in self._conns.items() if not c.session and not c.closed]
         for fd in pending[: max(0, len(pending) - self.max_pending)]:
-            self._close(fd, "control connection closed: more than max_pending_control without a session")
+            self._close(fd, f"connection closed: more than {self._names.max_pending} without {self._names.lacking}")
 
     def _close(self, fd: int, why: str) -> None:
         c = self._conns.get(fd)
@@ -162,7 +185,7 @@ class ControlGuard:
             c.closed = True  # kept until zmq reports its end: the end names its identity
         self.last_close = time.monotonic()
         self._count("control_evicted")
-        self._warn("control-evicted", "pdkv decode: %s", why)
+        self._warn("control-evicted", f"{self._names.port} %s", why)
         s = _borrow(fd)
         if s is None:
             return
