@@ -61,6 +61,7 @@ _RECEIVER = {  # DecodeReceiver.stats key -> (metric, help)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MAX_PEER_LABELS = 64  # distinct peer names the ended-requests counter labels, at most
 MAX_SCRAPES = 8  # metrics connections served at once (a thread each)
+MAX_SCRAPES_PER_SOURCE = 4  # of them from one address
 SCRAPE_TIMEOUT_S = 5.0  # a metrics connection idle this long is closed
 
 
@@ -78,40 +79,31 @@ class _Exposed:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``addr:port`` (0: any free port) from a daemon thread; the
-        port. prometheus_client's WSGI app behind a server that holds at most
-        ``MAX_SCRAPES`` connections at once (more are closed at once) and closes one idle
-        for ``SCRAPE_TIMEOUT_S``: a client holding connections open holds no thread past that."""
+        port. prometheus_client's WSGI app behind pdkv's bounded server
+        (:mod:`pdkv.httpserver`): at most ``MAX_SCRAPES`` connections at once and
+        ``MAX_SCRAPES_PER_SOURCE`` from one address, each for at most ``SCRAPE_TIMEOUT_S``;
+        a new scrape closes the oldest connection that has not sent its request, so idle
+        connections never keep a scrape out."""
         import socket
         import socketserver
         from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
         from prometheus_client import make_wsgi_app
 
+        from .httpserver import BoundedHandlerMixin, BoundedServerMixin
+
         if self._server is not None:
             raise RuntimeError("already serving")
 
-        class _Quiet(WSGIRequestHandler):
+        class _Quiet(BoundedHandlerMixin, WSGIRequestHandler):
             timeout = SCRAPE_TIMEOUT_S  # the socket's, for every read and write
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
                 return None
 
-        class _Server(socketserver.ThreadingMixIn, WSGIServer):
+        class _Server(BoundedServerMixin, socketserver.ThreadingMixIn, WSGIServer):
             address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-            daemon_threads = True
-            slots = threading.BoundedSemaphore(MAX_SCRAPES)
-
-            def process_request(self, request: Any, client_address: Any) -> None:
-                if not self.slots.acquire(blocking=False):
-                    self.shutdown_request(request)  # as many scrapes as it serves: this one waits for none
-                    return
-                super().process_request(request, client_address)
-
-            def process_request_thread(self, request: Any, client_address: Any) -> None:
-                try:
-                    super().process_request_thread(request, client_address)
-                finally:
-                    self.slots.release()
+            max_conns, max_per_source, deadline_s = MAX_SCRAPES, MAX_SCRAPES_PER_SOURCE, SCRAPE_TIMEOUT_S
 
         server = _Server((addr, port), _Quiet)
         server.set_app(make_wsgi_app(self.registry))

@@ -477,3 +477,58 @@ def test_idle_metrics_connections_hold_a_bounded_number_of_threads(monkeypatch):
         for s in idle:
             s.close()
         m.close()
+
+
+def test_a_scrape_is_served_while_idle_connections_are_held():
+    """Connections opened and left idle, as many as the server serves and more, from the
+    scraper's own address: a scrape still gets through at once (it closes the oldest idle
+    connection), not after the idle ones time out."""
+    import socket
+    import time
+    import urllib.request
+
+    from pdkv import metrics as mod
+
+    m = DecodeMetrics(_Sched(SCHED_FIGURES))
+    port = m.serve(0)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2 * mod.MAX_SCRAPES)]
+    try:
+        time.sleep(0.2)
+        for _ in range(3):
+            t0 = time.monotonic()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=mod.SCRAPE_TIMEOUT_S) as r:
+                assert b"pdkv_decode_buffer_blocks" in r.read()
+            assert time.monotonic() - t0 < 1.0
+        assert m._server.open_connections <= mod.MAX_SCRAPES
+    finally:
+        for s in idle:
+            s.close()
+        m.close()
+
+
+def test_a_slow_metrics_client_is_cut_at_the_deadline(monkeypatch):
+    """A client that sends its request a byte at a time is cut SCRAPE_TIMEOUT_S after it
+    connected, however often it sends (the socket's idle timeout alone never fires)."""
+    import socket
+    import time
+
+    from pdkv import metrics as mod
+
+    monkeypatch.setattr(mod, "SCRAPE_TIMEOUT_S", 1.0)
+    m = DecodeMetrics(_Sched(SCHED_FIGURES))
+    port = m.serve(0)
+    s = socket.create_connection(("127.0.0.1", port))
+    try:
+        t0 = time.monotonic()
+        cut = None
+        for b in b"GET /metrics HTTP/1.1\r\nHost: x\r\n" * 4:
+            try:
+                s.send(bytes([b]))
+            except OSError:
+                cut = time.monotonic() - t0
+                break
+            time.sleep(0.2)
+        assert cut is not None and 0.9 <= cut <= 2.5, cut
+    finally:
+        s.close()
+        m.close()

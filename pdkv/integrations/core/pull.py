@@ -13,6 +13,13 @@ adapter may. One small message each way over ZeroMQ (ROUTER at prefill, DEALER a
 msgpack by msgspec with a strict schema, at most :data:`MAX_MSG` bytes, an HMAC-SHA256 over
 it when the pair shares a secret. Nothing waits without a bound: a pull that gets no answer
 within its timeout fails (decode then computes the prompt itself).
+
+Freshness: a pull carries the time it was issued (``issued``, milliseconds of the wall
+clock) and a random nonce, both under its MAC; the server serves a pull only when it was
+issued within :data:`FRESH_S` of its own clock and its nonce was not seen within that time,
+so a recorded pull replayed later is refused and changes nothing. Hosts of a pair keep their
+clocks within :data:`FRESH_S` (NTP). The endpoint's connections are bounded as every port of
+pdkv (:mod:`.endpoint`).
 """
 
 from __future__ import annotations
@@ -29,19 +36,22 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from .endpoint import RouterEndpoint
+from .endpoint import Limits, RouterEndpoint
 
 __all__ = ["MAX_MSG", "PullReq", "PullAnswer", "PullServer", "PullClient", "PullResult", "Held", "PullDesk"]
 
 MAX_MSG = 4096  # a pull is ~200 bytes; anything longer is dropped unread
-_MAC = b"pdkv-pull-1"
+FRESH_S = 30.0  # a pull is served only when issued within this of the server's clock
+MAX_NONCES = 1 << 16  # nonces remembered for FRESH_S (each pull's); beyond, pulls are refused
+_MAC = b"pdkv-pull-2"
 
 
 class PullReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Decode -> prefill: send ``pid`` to the decode at ``decode``; ``binding`` proves the
     asker holds the request's capability and prompt. ``prefix``: the prompt tokens decode
     holds already (its prefix cache), which prefill need not send (0: send it whole; not
-    on the wire then, so a peer that predates the field reads the message)."""
+    on the wire then, so a peer that predates the field reads the message). ``issued``:
+    when it was made (milliseconds of the wall clock; the server's freshness check)."""
 
     pid: str
     binding: bytes
@@ -49,6 +59,7 @@ class PullReq(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     nonce: bytes
     mac: bytes = b""
     prefix: int = 0
+    issued: int = 0  # ms of the wall clock, when the pull was made
 
 
 class PullAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -70,7 +81,9 @@ def _mac(secret: bytes | None, *parts: bytes) -> bytes:
 
 def _req_mac(secret: bytes | None, r: PullReq) -> bytes:
     extra = (b"prefix", str(r.prefix).encode()) if r.prefix else ()
-    return _mac(secret, r.pid.encode(), r.binding, r.decode.encode(), r.nonce, *extra)
+    return _mac(
+        secret, r.pid.encode(), r.binding, r.decode.encode(), r.nonce, b"issued", str(r.issued).encode(), *extra
+    )
 
 
 def _answer_mac(secret: bytes | None, a: PullAnswer) -> bytes:
@@ -89,6 +102,8 @@ def _check(r: PullReq) -> str:
         return "nonce must be 16 bytes"
     if not 0 <= r.prefix < 1 << 31:
         return "prefix must be a token count"
+    if not 0 <= r.issued < 1 << 62:
+        return "issued must be milliseconds"
     return ""
 
 
@@ -104,22 +119,48 @@ class PullServer(RouterEndpoint):
     not authenticated gets no answer and changes nothing (``dropped``). Ownership: the
     socket and the thread (:meth:`close`)."""
 
-    def __init__(self, bind: str, on_pull: Callable[[PullReq], str], *, secret: bytes | None = None) -> None:
-        super().__init__(bind, max_msg=MAX_MSG, what="pull endpoint", thread_name="pdkv-pull-server")
-        self._on_pull, self._secret = on_pull, secret
+    def __init__(
+        self,
+        bind: str,
+        on_pull: Callable[[PullReq], str],
+        *,
+        secret: bytes | None = None,
+        limits: Limits | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(bind, max_msg=MAX_MSG, what="pull endpoint", thread_name="pdkv-pull-server", limits=limits)
+        self._on_pull, self._secret, self._clock = on_pull, secret, clock
         self.served = self.refused = 0
+        self._seen: dict[bytes, float] = {}  # nonce -> when it may be forgotten, in that order
         self._start()
 
-    def _serve(self, frames: list[bytes]) -> str:
+    def _fresh(self, r: PullReq) -> str:
+        """Why the pull is not fresh ('' when it is): issued within FRESH_S, its nonce new."""
+        now = self._clock()
+        if abs(now * 1000 - r.issued) > FRESH_S * 1000:
+            return f"the pull was not issued within {FRESH_S:g} s of prefill's clock (replayed, or clocks apart)"
+        while self._seen:
+            nonce, until = next(iter(self._seen.items()))
+            if until > now:
+                break
+            del self._seen[nonce]
+        if r.nonce in self._seen:
+            return "this pull was served already (replayed)"
+        if len(self._seen) >= MAX_NONCES:
+            return f"more than {MAX_NONCES} pulls within {FRESH_S:g} s; refused until some expire"
+        self._seen[r.nonce] = now + 2 * FRESH_S
+        return ""
+
+    def _serve(self, frames: list[bytes]) -> tuple[bool, str]:
         if len(frames) != 2 or len(frames[1]) > MAX_MSG:
-            return "not one message"
+            return False, "not one message"
         try:
             r = _dec_req.decode(frames[1])
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return "malformed"
+            return False, "malformed"
         if not hmac.compare_digest(r.mac, _req_mac(self._secret, r)):
-            return "not authenticated"  # no answer: the sender is not one of ours
-        error = _check(r) or self._on_pull(r)
+            return False, "not authenticated"  # no answer: the sender is not one of ours
+        error = _check(r) or self._fresh(r) or self._on_pull(r)
         if error:
             self.refused += 1
         else:
@@ -129,8 +170,8 @@ class PullServer(RouterEndpoint):
         try:
             self._sock.send_multipart([frames[0], _enc.encode(a)], zmq.NOBLOCK)
         except zmq.ZMQError:
-            return "the asker is gone"  # it times out
-        return ""
+            return True, "the asker is gone"  # it times out
+        return True, ""
 
 
 @dataclass
@@ -168,7 +209,14 @@ class PullClient:
         if address not in self.allowed:
             res.done, res.error = True, f"{address!r} is not a configured prefill"
             return res
-        r = PullReq(pid=pid, binding=binding, decode=decode, nonce=secrets.token_bytes(16), prefix=prefix)
+        r = PullReq(
+            pid=pid,
+            binding=binding,
+            decode=decode,
+            nonce=secrets.token_bytes(16),
+            prefix=prefix,
+            issued=int(time.time() * 1000),
+        )
         r = msgspec.structs.replace(r, mac=_req_mac(self._secret, r))
         self._jobs.put((address, r, res))
         return res

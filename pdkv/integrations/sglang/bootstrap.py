@@ -7,7 +7,20 @@ are HTTP with JSON bodies (stdlib only): ``PUT /pdkv/ranks`` one rank's entry, `
 /pdkv/ranks`` all of them. Each entry carries an HMAC-SHA256 of its fields under the pair's
 secret: the server stores only entries it can verify, and decode uses only entries it can
 verify, so a peer without the secret can neither replace an entry nor make decode use one.
-Bodies are capped (:data:`MAX_BODY`), and a client waits at most its timeout.
+
+Freshness: an entry is signed with the time it was issued (``issued``, milliseconds of the
+wall clock). The server stores an entry only when it is newer than the rank's stored one and
+within :data:`MAX_SKEW_S` of its own clock, so a recorded registration replayed later (the
+same, or an earlier one of a process now dead) changes nothing; decode uses only entries
+issued within :data:`STALE_S`. A prefill rank registers again every :data:`REREGISTER_S`
+(:class:`Registration`), so a table the server lost (its restart) or a rank that restarted
+is right again within that, and a rank that died goes stale. Hosts of a pair keep their
+clocks within :data:`MAX_SKEW_S` (NTP).
+
+The server is bounded as every small HTTP server of pdkv (:mod:`pdkv.httpserver`): at most
+:data:`MAX_CONNS` connections, :data:`MAX_CONNS_PER_SOURCE` from one address, each for at
+most :data:`DEADLINE_S`; bodies are capped (:data:`MAX_BODY`), and a client waits at most
+its timeout.
 """
 
 from __future__ import annotations
@@ -18,21 +31,29 @@ import hmac
 import json
 import logging
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ...errors import PdkvError
+from ...httpserver import BoundedHandlerMixin, BoundedServerMixin
 from ...layout import KVLayout
 
-__all__ = ["MAX_BODY", "BootstrapServer", "entry_for", "fetch_ranks", "register_rank"]
+__all__ = ["MAX_BODY", "BootstrapServer", "Registration", "entry_for", "fetch_ranks", "register_rank"]
 
 _log = logging.getLogger(__name__)
 MAX_BODY = 16 << 10  # an entry is ~400 bytes
 MAX_RANKS = 1024
-_MAC = b"pdkv-sglang-bootstrap-1"
-_FIELDS = ("rank", "tp_size", "desk", "layout", "instance")
+MAX_CONNS = 64  # connections at once (a thread each)
+MAX_CONNS_PER_SOURCE = 16  # of them from one address (a host runs a decode's or prefill's ranks)
+DEADLINE_S = 5.0  # a connection lives this long at most
+MAX_SKEW_S = 60.0  # the server takes entries issued within this of its own clock
+REREGISTER_S = 10.0  # a prefill rank registers again this often
+STALE_S = 3 * REREGISTER_S + MAX_SKEW_S  # decode uses entries issued within this
+_MAC = b"pdkv-sglang-bootstrap-2"
+_FIELDS = ("rank", "tp_size", "desk", "layout", "instance", "issued")
 
 
 def _mac(secret: bytes, entry: dict[str, Any]) -> str:
@@ -40,14 +61,19 @@ def _mac(secret: bytes, entry: dict[str, Any]) -> str:
     return hmac.new(secret, _MAC + body, hashlib.sha256).hexdigest()
 
 
-def entry_for(secret: bytes, layout: KVLayout, desk: str, instance: str) -> dict[str, Any]:
-    """A prefill rank's signed entry."""
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def entry_for(secret: bytes, layout: KVLayout, desk: str, instance: str, issued: int | None = None) -> dict[str, Any]:
+    """A prefill rank's signed entry, issued now (or at ``issued`` ms)."""
     e: dict[str, Any] = {
         "rank": layout.tp_rank,
         "tp_size": layout.tp_size,
         "desk": desk,
         "layout": dataclasses.asdict(layout),
         "instance": instance,
+        "issued": _now_ms() if issued is None else int(issued),
     }
     e["mac"] = _mac(secret, e)
     return e
@@ -63,6 +89,8 @@ def check_entry(secret: bytes, e: object) -> str:
         return "rank must be in [0, tp_size)"
     if not isinstance(e["desk"], str) or not e["desk"].startswith("tcp://") or len(e["desk"]) > 256:
         return "desk must be a tcp:// address"
+    if not isinstance(e["issued"], int) or isinstance(e["issued"], bool):
+        return "issued must be milliseconds"
     return ""
 
 
@@ -84,7 +112,9 @@ class BootstrapServer:
         self.refused = 0
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(BoundedHandlerMixin, BaseHTTPRequestHandler):
+            timeout = DEADLINE_S  # each read and write; the whole connection: DEADLINE_S too
+
             def log_message(self, fmt: str, *args: Any) -> None:
                 _log.debug("pdkv bootstrap: " + fmt, *args)
 
@@ -113,9 +143,14 @@ class BootstrapServer:
                 except ValueError:
                     e = None
                 why = check_entry(outer._secret, e)
+                if not why and abs(e["issued"] - _now_ms()) > MAX_SKEW_S * 1000:
+                    why = f"the entry was not issued within {MAX_SKEW_S:g} s of this server's clock (replayed?)"
                 with outer._lock:
-                    if not why and e["rank"] not in outer._ranks and len(outer._ranks) >= MAX_RANKS:
+                    old = outer._ranks.get(e["rank"]) if not why else None
+                    if not why and old is None and len(outer._ranks) >= MAX_RANKS:
                         why = f"more than {MAX_RANKS} ranks"
+                    if not why and old is not None and e["issued"] <= old["issued"]:
+                        why = "the rank's stored entry is as new or newer (replayed?)"
                     if not why:
                         outer._ranks[e["rank"]] = e
                 if why:
@@ -123,8 +158,10 @@ class BootstrapServer:
                     return self._reply(400, {"error": why})
                 self._reply(200, {"ok": True})
 
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
+        class Server(BoundedServerMixin, ThreadingHTTPServer):
+            max_conns, max_per_source, deadline_s = MAX_CONNS, MAX_CONNS_PER_SOURCE, DEADLINE_S
+
+        self._httpd = Server((host, port), Handler)
         self.host, self.port = self._httpd.server_address[:2]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="pdkv-sglang-bootstrap", daemon=True)
         self._thread.start()
@@ -155,8 +192,9 @@ def register_rank(address: str, entry: dict[str, Any], timeout_s: float = 5.0) -
 
 
 def fetch_ranks(address: str, secret: bytes, timeout_s: float = 5.0) -> dict[int, dict[str, Any]]:
-    """The verified entries of the prefill instance whose bootstrap server is ``host:port``:
-    all of its ranks (0..tp_size-1, one TP size), or PdkvError naming what is missing."""
+    """The verified entries of the prefill instance whose bootstrap server is ``host:port``,
+    each issued within :data:`STALE_S`: all of its ranks (0..tp_size-1, one TP size), or
+    PdkvError naming what is missing."""
     try:
         with urllib.request.urlopen(f"http://{address}/pdkv/ranks", timeout=timeout_s) as r:  # noqa: S310
             raw = r.read(MAX_BODY * 64 + 1)
@@ -167,11 +205,39 @@ def fetch_ranks(address: str, secret: bytes, timeout_s: float = 5.0) -> dict[int
         entries = list(got.values()) if isinstance(got, dict) else []
     except (ValueError, KeyError, TypeError):
         raise PdkvError(f"pdkv bootstrap at {address}: not a pdkv bootstrap server") from None
-    ok = {e["rank"]: e for e in entries if not check_entry(secret, e)}
+    now = _now_ms()
+    ok = {e["rank"]: e for e in entries if not check_entry(secret, e) and abs(now - e["issued"]) <= STALE_S * 1000}
     sizes = {e["tp_size"] for e in ok.values()}
     if len(sizes) != 1 or set(ok) != set(range(next(iter(sizes)))):
         raise PdkvError(
-            f"pdkv bootstrap at {address}: prefill ranks {sorted(ok)} registered and verified "
+            f"pdkv bootstrap at {address}: prefill ranks {sorted(ok)} registered, verified and fresh "
             f"(TP sizes {sorted(sizes)}); all ranks of one TP size are needed"
         )
     return ok
+
+
+class Registration:
+    """A prefill rank's entry kept registered: now (PdkvError if that fails), then every
+    :data:`REREGISTER_S` from a thread of its own, each freshly issued (a failure then is
+    logged and tried again next time). Ownership: the thread (:meth:`close`)."""
+
+    def __init__(self, address: str, make: Any, every_s: float = REREGISTER_S) -> None:
+        self.address, self._make, self.every_s = address, make, every_s
+        self.registered = 0
+        register_rank(address, make())
+        self.registered += 1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdkv-sglang-register", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                register_rank(self.address, self._make())
+                self.registered += 1
+            except PdkvError as exc:
+                _log.warning("%s (retried in %g s)", exc, self.every_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -25,7 +25,7 @@ from ...layout import KVLayout
 from ...transfer import PrefillSender
 from ..core.pull import PullReq, PullServer
 from .aux import AuxSender
-from .bootstrap import entry_for, register_rank
+from .bootstrap import Registration, entry_for
 from .layouts import RankPools
 from .sides import MAX_EARLY_PULLS, PID_PATTERN, Settings, aux_slots, room_binding, sources_of
 
@@ -94,17 +94,43 @@ class PrefillRank:
         self._aux_ptrs, self._aux_items = list(aux[0]), list(aux[1])
         self._lock = threading.Lock()
         self._rooms: dict[int, RoomOut] = {}
-        self._early: dict[int, dict[str, tuple[str, str, int, int]]] = {}  # pulls before SGLang's sender
+        # pulls for rooms SGLang has not opened here yet: room -> (when it expires, the pulls);
+        # an entry ends at open() or at its expiry (a request aborted before prefill saw it)
+        self._early: dict[int, tuple[float, dict[str, tuple[str, str, int, int]]]] = {}
+        self.registration: Registration | None = None
         self._senders: dict[tuple[str, int], PrefillSender] = {}
         self._opening: dict[tuple[str, int], threading.Lock] = {}  # one opener per decode rank
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="pdkv-sglang-send")
         self._aux = AuxSender(settings.secret)
         self.desk = PullServer(f"tcp://{settings.host}:0", self._on_pull, secret=settings.secret)
-        try:
-            register_rank(bootstrap, entry_for(settings.secret, self.layout, self.desk.address, self.instance))
+        try:  # registered now and again every REREGISTER_S, each entry freshly issued
+            self.registration = Registration(
+                bootstrap, lambda: entry_for(settings.secret, self.layout, self.desk.address, self.instance)
+            )
         except BaseException:
             self.close()
             raise
+
+    def _early_ttl(self) -> float:
+        """How long a pull waits for SGLang to open its room here: the bound decode gives
+        the request (it fails there by then)."""
+        return self.settings.timeout_s + self.settings.lease_s
+
+    def _expire_early(self, now: float) -> None:
+        """With the lock held: drop the early pulls past their expiry (insertion order is
+        expiry order: the TTL is one)."""
+        while self._early:
+            room, (expires, _) = next(iter(self._early.items()))
+            if expires > now:
+                return
+            del self._early[room]
+
+    @property
+    def early_pulls(self) -> int:
+        """Rooms with pulls waiting for SGLang to open them here."""
+        with self._lock:
+            self._expire_early(time.monotonic())
+            return len(self._early)
 
     def _decode_layout(self, d: int, dtp: int) -> KVLayout:
         return dataclasses.replace(self.layout, tp_size=dtp, tp_rank=d)
@@ -130,10 +156,20 @@ class PrefillRank:
             return "decode must name its control and aux endpoints"
         with self._lock:
             out = self._rooms.get(room)
-            pulls = out.decodes if out is not None else self._early.setdefault(room, {})
-            if out is None and len(self._early) > MAX_EARLY_PULLS:
-                del self._early[room]
-                return "too many pulls for requests this prefill has not seen"
+            if out is not None:
+                pulls = out.decodes
+            else:
+                now = time.monotonic()
+                self._expire_early(now)
+                got = self._early.get(room)
+                if got is None:
+                    if len(self._early) >= MAX_EARLY_PULLS:
+                        return (
+                            f"{MAX_EARLY_PULLS} pulls wait for requests this prefill has not seen; "
+                            f"refused until some expire ({self._early_ttl():g} s)"
+                        )
+                    got = self._early[room] = (now + self._early_ttl(), {})
+                pulls = got[1]
             if r.pid in pulls and pulls[r.pid][0] != parts[0]:
                 return "this request was pulled by another decode rank already"
             # every rank of the instance reserves and confirms at every decode rank (decode
@@ -150,7 +186,9 @@ class PrefillRank:
             out = self._rooms.get(room)
             if out is not None and out.state not in ("success", "failed"):
                 raise RequestError(f"room {room} is already in flight at this prefill rank")
-            out = self._rooms[room] = RoomOut(room, decodes=self._early.pop(room, {}))
+            early = self._early.pop(room, None)
+            decodes = early[1] if early is not None and early[0] > time.monotonic() else {}
+            out = self._rooms[room] = RoomOut(room, decodes=decodes)
             self._advance(out)
         return out
 
@@ -356,6 +394,8 @@ class PrefillRank:
                 del self._rooms[out.room]
 
     def close(self) -> None:
+        if self.registration is not None:
+            self.registration.close()
         self.desk.close() if hasattr(self, "desk") else None
         self._pool.shutdown(wait=True, cancel_futures=True)
         for tx in self._senders.values():
