@@ -62,8 +62,10 @@ class StagedMachine(RuleBasedStateMachine):
         want = self.designated.get(rid)
         n = (len(want) if want else 2) + delta
         free = BLOCKS - sum(len(b) for b, _ in self.held.values())
+        never = want is None or len(want) != n  # refused for good, not "full for now"
+        assert (self.sp.refusal(rid, n) != "") == never
         got = self.sp.try_allocate_for(rid, n)
-        if want is None or len(want) != n or n > free:
+        if never or n > free:
             assert got is None
             return
         assert got is not None and len(got) == n and len(set(got)) == n
@@ -113,3 +115,34 @@ def test_engine_pages_refuse_a_page_of_another_request_and_give_back_exactly():
         pages.free([1])
     pages.free([1, 2])
     assert not pages.holds("a") and pages.num_free == 8
+
+
+def test_a_reservation_that_can_never_be_placed_is_refused_and_one_that_fits_overtakes():
+    """The staged scheduler (SGLang's GPU decode): a reservation for a request whose device
+    pages are not designated is refused at once with its reason (never queued, where it
+    would block the queue), and while a large request waits for staging room, a later one
+    that fits is granted past it."""
+    from pdkv import DecodeScheduler, SchedulerOptions
+
+    sp = StagedPages(BLOCKS, PAGES)
+    s = DecodeScheduler(
+        num_layers=1,
+        gpu=None,
+        buffer=sp,
+        swap=object(),
+        options=SchedulerOptions(bind="engine", on_full="queue", direct_to_gpu=False, queue_timeout_s=30),
+    )
+    r = s.reserve("ghost", num_blocks=2)
+    assert (r.outcome, r.reason) == (
+        "rejected",
+        "request 'ghost': no pages are designated to it here (unknown, aborted or granted)",
+    )
+    sp.designate("a", [0, 1, 2, 3])
+    assert s.reserve("a", num_blocks=4).outcome == "buffer"
+    sp.designate("big", [4, 5, 6, 7])  # needs 4 staging blocks, 2 are free: waits
+    assert s.reserve("big", num_blocks=4).outcome == "queued"
+    sp.designate("small", [8, 9])
+    assert s.reserve("small", num_blocks=2).outcome == "buffer"  # fits now: past the waiting one
+    sp.designate("c", [10, 11])
+    assert s.reserve("c", num_blocks=3).outcome == "rejected"  # 2 designated, not 3: never
+    assert s.request("big").state.value == "queued"

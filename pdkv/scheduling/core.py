@@ -136,6 +136,11 @@ class SchedulerCore:
         self._expiry: list[tuple[float, int, str]] = []
         self._seq = 0
         self._queue: deque[str] = deque()
+        # an engine that places each request's blocks itself (try_allocate_for): a queued
+        # request waits for room its own blocks need, so one that has room may overtake it,
+        # and one that can never be placed (``refusal``) is refused at once
+        self._overtake = callable(getattr(buffer, "try_allocate_for", None))
+        self._refuses: Callable[[str, int], str] | None = getattr(buffer, "refusal", None)
         self._swapq: dict[str, None] = {}
         self._swapping: dict[str, _Req] = {}
         self._ready: deque[_Req] = deque()
@@ -240,6 +245,10 @@ class SchedulerCore:
     def _push_expiry(self, req: _Req) -> None:
         self._seq += 1
         heapq.heappush(self._expiry, (req.expires, self._seq, req.rid))
+
+    def _refusal(self, request_id: str, n: int) -> str:
+        """Why the buffer can never place ``n`` blocks for ``request_id`` ('' when it can)."""
+        return self._refuses(request_id, n) if self._refuses is not None else ""
 
     def _grant(self, req: _Req, now: float) -> Grant | None:
         """Try to give ``req`` destination blocks; return the grant or None."""

@@ -60,12 +60,19 @@ def release_quarantine(s: SchedulerCore, now: float) -> None:
 
 
 def grant_queued(s: SchedulerCore, now: float) -> None:
-    while s._queue:
-        req = s._reqs[s._queue[0]]
+    """Grant queued reservations in order: the first that cannot be granted stops the
+    others, except where the buffer places each request's blocks (``_overtake``), where
+    each waits for its own room and a later one that fits is granted past it."""
+    i = 0
+    while i < len(s._queue):
+        req = s._reqs[s._queue[i]]
         grant = s._grant(req, now)
         if grant is None:
-            return
-        s._queue.popleft()
+            if not s._overtake:
+                return
+            i += 1
+            continue
+        del s._queue[i]
         s._m["grants_from_queue"] += 1
         s._event(EventKind.GRANTED, req.rid, grant=grant, t=now)
 

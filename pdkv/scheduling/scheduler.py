@@ -176,9 +176,16 @@ class DecodeScheduler(SchedulerCore):
             if hold is not None:
                 del self._holds[request_id]
                 req.prefix, req.release = hold.blocks, hold.release
-            # queued requests go first: a new one may not overtake them
-            grant = None if self._queue else self._grant(req, now)
-            if grant is not None:
+            refusal = self._refusal(request_id, n)
+            # queued requests go first: a new one may not overtake them (but where the engine
+            # places each request's blocks, one that fits is granted past those waiting)
+            grant = None if refusal or (self._queue and not self._overtake) else self._grant(req, now)
+            if refusal:  # it could never be granted: refused now, not queued
+                self._m["reservations_rejected"] += 1
+                res = Reservation(request_id, "rejected", reason=refusal)
+                self._entomb(request_id, State.REJECTED, refusal)
+                self._release_prefix(request_id, req.prefix, req.release)
+            elif grant is not None:
                 self._reqs[request_id] = req
                 res = _make_reservation(request_id, grant.location, grant, "")
                 self._event(EventKind.RESERVED, request_id, grant=grant, t=now)

@@ -81,6 +81,18 @@ class EnginePages:
             return request_id in self._designated or request_id in self._held
 
     # ------------------------------------------------------------------ the scheduler's side
+    def refusal(self, request_id: str, n: int) -> str:
+        """Why a reservation of ``n`` pages for ``request_id`` can never be granted ('' when
+        it can): nothing designated to it, or not ``n`` pages. The scheduler refuses such a
+        reservation at once, naming this, instead of queueing it."""
+        with self._lock:
+            ids = self._designated.get(request_id)
+        if ids is None:
+            return f"request {request_id[:80]!r}: no pages are designated to it here (unknown, aborted or granted)"
+        if len(ids) != n:
+            return f"request {request_id[:80]!r}: {len(ids)} pages are designated to it, not {n}"
+        return ""
+
     def try_allocate_for(self, request_id: str, n: int) -> list[int] | None:
         with self._lock:
             ids = self._designated.get(request_id)

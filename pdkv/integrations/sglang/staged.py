@@ -9,8 +9,11 @@ the copy engines (``SwapEngine(priority="decode")``: no SM taken from decode's s
 buffer is only a bounce: a request holds its blocks from its grant until its copy ends, so
 it is sized for the transfers in flight (``PDKV_SGLANG_STAGING_MB``), not for the pool. A
 request that finds it full waits in the scheduler's queue (bounded by
-``PDKV_SGLANG_TIMEOUT_S``) while prefill keeps its KV; one larger than the whole buffer is
-refused at ``send_metadata``, naming the setting.
+``PDKV_SGLANG_TIMEOUT_S``) while prefill keeps its KV, and a later request that fits is
+granted meanwhile (a request waiting for room never blocks one that has it); one larger than
+the whole buffer is refused at ``send_metadata``, naming the setting, and a reservation
+that can never be granted (no designated pages: a request decode aborted, or one it never
+had) is refused at once, naming why.
 
 :class:`StagedPages` is the scheduler's buffer allocator: staging blocks go only to a
 request SGLang designated device pages for, exactly as many, so an authenticated prefill
@@ -71,6 +74,12 @@ class StagedPages:
         return self._device.holds(request_id)
 
     # ------------------------------------------------------------------ the scheduler's side
+    def refusal(self, request_id: str, n: int) -> str:
+        """Why staging blocks can never be given to ``request_id`` for ``n`` pages ('' when
+        they can, now or once the buffer has room): its device pages are not designated, or
+        not ``n`` of them."""
+        return self._device.refusal(request_id, n)
+
     def try_allocate_for(self, request_id: str, n: int) -> list[int] | None:
         with self._lock:
             ids = self._device.designated(request_id)
