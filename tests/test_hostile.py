@@ -1334,3 +1334,105 @@ def test_a_flood_of_distinct_captured_hellos_keeps_no_good_peer_out(no_leaks):
         flood.kill()
         reap(flood)
         _stop(d)
+
+
+def test_a_replaced_sender_is_told_at_once(no_leaks):
+    """The same process proving the same instance key opens a new session for a rank whose
+    session is live (a sender it gave up on): decode replaces the old one and says Bye on
+    it, so the replaced sender stops at once, not when its silence bound runs out."""
+    dec = Decode(secret=SECRET)
+    try:
+        key = os.urandom(32)
+        lay, arr, spec = prefill_cache(1, 0)
+        with PrefillSender(
+            lay, spec, dec.rx.control_address, transport="tcp", secret=SECRET, timeout_s=30, instance="me",
+            instance_key=key,
+        ) as tx:  # fmt: skip
+            assert send_one(tx, "first", [0, 1]).ok
+            t0 = time.monotonic()
+            from pdkv.transfer.sessions.identity import instance_key_of
+
+            proven = instance_key_of("me", key)  # what the sender proves for that key
+            again = RawSession(dec.rx.control_address, lay, secret=SECRET, instance="me", instance_key=proven)
+            assert again.welcome is not None
+            wait_until(lambda: tx.broken is not None, 3, "the replaced sender told")
+            assert time.monotonic() - t0 < 3
+            assert "replaced by a new session of the same process" in str(tx.broken), tx.broken
+            again.close()
+        good_peer(dec, secret=SECRET, blocks=(4, 5))
+    finally:
+        dec.close()
+
+
+@pytest.mark.multiproc
+def test_a_flood_of_authenticated_sessions_neither_keeps_a_silent_peer_alive_nor_delays_a_handshake(no_leaks):
+    """250 authenticated sessions send batches of 512 reservations as fast as they can (each
+    item costs decode work, so a round that served one message of every connection took
+    over a second). Meanwhile a prefill holding a grant is frozen (SIGSTOP: silent from then
+    on): decode declares it dead within its peer timeout, 3 s here (a busy round is not a
+    stalled loop), and a good peer's handshake completes within 5 s (its request is then
+    answered in its turn among the 250: served, or refused for room the flood holds)."""
+    secret = os.urandom(32)
+    # a lease far past the peer timeout: the frozen peer's request fails when decode finds it
+    # silent, not when its lease runs out
+    d, info = _spawn_decode("--timeout", "3", "--lease", "60", "--secret", secret.hex(), "--status")
+    lay, arr, spec = prefill_cache(1, 0)  # the decode child's layout (peers.py)
+    frozen, flooders = None, []
+    try:
+        env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        frozen = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "peers.py"), "prefill", "--control", info["control"], "--secret",
+             secret.hex(), "--instance", "frozen", "--layer-sleep", "60", "--timeout", "30"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )  # fmt: skip
+        for line in frozen.stdout:
+            if '"layer": 0' in line:  # reserved, its first layer sent: it holds a grant
+                break
+        # the flood from a process of its own (its encoding must not share this one's GIL
+        # with the good peer's sender)
+        flood = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "peers.py"), "auth-flood", "--control", info["control"], "--secret",
+             secret.hex(), "--requests", "250"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )  # fmt: skip
+        flooders.append(flood)
+        assert json.loads(flood.stdout.readline()) == {"sessions": 250}
+        time.sleep(1.0)
+        failed_before = None
+        os.kill(frozen.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        died = None
+        while time.monotonic() - t0 < 12:
+            st = json.loads(d.stdout.readline())
+            failed_before = st["failed"] if failed_before is None else failed_before
+            if st["failed"] > failed_before:  # its request failed: the peer was declared dead
+                died = time.monotonic() - t0
+                break
+        t1 = time.monotonic()
+        with PrefillSender(
+            lay, spec, info["control"], transport="tcp", secret=secret, timeout_s=30, instance="good"
+        ) as tx:
+            handshake = time.monotonic() - t1
+            try:  # answered in its turn: served, or refused for room (the flood holds the buffer)
+                answer = "ok" if send_one(tx, "good", [0, 1], timeout=30).ok else "failed"
+            except TransferError as exc:
+                answer = str(exc)
+        served = time.monotonic() - t1
+        assert answer == "ok" or "no free GPU or buffer blocks" in answer, answer
+        print(f"silent peer declared dead after {died} s; good handshake {handshake:.2f} s, served {served:.2f} s")
+        assert died is not None and died < 3 + 1.5, (
+            f"the silent peer was still alive after {time.monotonic() - t0:.1f} s"
+        )
+        assert handshake < 5
+    finally:
+        for f in flooders:
+            f.kill()
+            f.wait(5)
+            f.stdout.close()
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen.pid, signal.SIGCONT)
+            frozen.kill()
+            frozen.wait(5)
+            frozen.stdout.close()
+        _stop(d)

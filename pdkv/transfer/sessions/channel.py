@@ -16,20 +16,39 @@ import zmq
 
 from ...protocol import MAX_BATCH_BLOCKS, MAX_TEXT, GrantBatch, GrantMsg, Message, Outcome, OutcomeBatch
 
-__all__ = ["Channel", "RateLimitedLog", "Replies", "clip", "closing", "SEND_BATCH", "LOOP_STALL_S", "unstalled"]
+__all__ = [
+    "Channel",
+    "RateLimitedLog",
+    "Replies",
+    "clip",
+    "closing",
+    "SEND_BATCH",
+    "LOOP_STALL_S",
+    "lateness",
+    "unstalled",
+]
 
 SEND_BATCH = 512  # items one batch message carries as sent (protocol limit: MAX_BATCH_ITEMS)
-# a control loop that did not come round for this long was stalled itself (the host, or its
-# process, not scheduled): a peer's silence is counted in time the loop ran (unstalled)
+# a control loop whose wait ended this much later than its own timer was stalled itself (the
+# host, or its process, not scheduled): a peer's silence is counted in time the loop ran
+# (unstalled). A loop that is merely busy (a long serving round) is not stalled: its lateness
+# is measured against the wait's timer, never the length of a round
 LOOP_STALL_S = 1.0
+
+
+def lateness(asked: float, woke: float, timeout_s: float) -> float:
+    """How much later than its own timer a wait asked at ``asked`` for at most
+    ``timeout_s`` ended at ``woke``: over :data:`LOOP_STALL_S` only when the waiting thread
+    was not scheduled (a wait ended early by a message is never late)."""
+    return woke - asked - timeout_s
 
 
 def unstalled(last_heard: float, gap: float, now: float) -> float:
     """``last_heard`` moved on by a stall of ``gap`` seconds of the loop that checks it
-    (unchanged for a gap under :data:`LOOP_STALL_S`), never past ``now``: when the whole
-    host stalls, each side wakes before the other's next message is sent, and neither may
-    count that time as the other's silence. A peer that stays silent while this loop runs
-    is still found after its full timeout."""
+    (:func:`lateness`; unchanged for a gap under :data:`LOOP_STALL_S`), never past ``now``:
+    when the whole host stalls, each side wakes before the other's next message is sent,
+    and neither may count that time as the other's silence. A peer that stays silent while
+    this loop runs, busy or not, is still found after its full timeout."""
     return min(now, last_heard + gap) if gap > LOOP_STALL_S else last_heard
 
 

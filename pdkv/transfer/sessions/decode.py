@@ -42,7 +42,7 @@ from ...protocol import (
 from ...scheduling.scheduler import Event, EventKind
 from ..transports.base import Inflight, Peer
 from . import handshake
-from .channel import LOOP_STALL_S, unstalled
+from .channel import LOOP_STALL_S, lateness, unstalled
 from .receiver import ReceiverCore
 
 __all__ = ["DecodeReceiver"]
@@ -50,10 +50,14 @@ __all__ = ["DecodeReceiver"]
 _log = logging.getLogger(__name__)
 RENEW_EVERY_S = 1.0  # part of a layer renews a lease at most this often (or lease_s / 4)
 
-# what the control loop takes off the socket before serving it: at most _QUEUED_BYTES in all,
-# and of one connection at most _PEER_QUEUE messages and _PEER_QUEUED_BYTES (a connection
-# sending faster than it is served loses what passes them; a prefill's messages are KiBs)
+# what the control loop takes off the socket before serving it: at most _QUEUED_BYTES in all
+# (past it, only a connection with nothing queued has a message taken), and of one connection
+# at most _PEER_QUEUE messages and _PEER_QUEUED_BYTES (a connection sending faster than it is
+# served loses what passes them; a prefill's messages are KiBs). The socket is read on by at
+# least _DRAIN_FLOOR bytes a round whatever is queued, so a newcomer's message (zmq takes the
+# connections in turn) is taken within a few rounds however many others flood
 _QUEUED_BYTES = 32 << 20
+_DRAIN_FLOOR = 2 << 20
 _PEER_QUEUE = 1024
 _PEER_QUEUED_BYTES = 4 << 20
 _ROUND_S = 0.02
@@ -90,50 +94,59 @@ class DecodeReceiver(ReceiverCore):
 
     # ------------------------------------------------------------------ control loop
     def _control_loop(self) -> None:
-        last_check = prev = time.monotonic()
+        last_check = time.monotonic()
         while not self.stopping.is_set():
             self._guard.poll(time.monotonic())  # connections accepted and gone, before their messages
             room = _QUEUED_BYTES - self._queued_total
-            got = self._ch.wait(0 if self._queues else 2 if self.options.auto_tick else 50, max(room, 1))
+            wait_ms = 0 if self._queues else 2 if self.options.auto_tick else 50
+            asked = time.monotonic()
+            got = self._ch.wait(wait_ms, max(room, _DRAIN_FLOOR))
             if got is None:
                 break
             now = time.monotonic()
-            if now - prev > LOOP_STALL_S:  # this loop was stalled: no peer's silence grew meanwhile
+            late = lateness(asked, now, wait_ms / 1000)
+            if late > LOOP_STALL_S:  # this loop was not scheduled: no peer's silence grew meanwhile
                 with self.lock:
                     for p in self._peers.values():
-                        p.last_seen = unstalled(p.last_seen, now - prev, now)
-            prev = now
+                        p.last_seen = unstalled(p.last_seen, late, now)
             for fd, frames in got:
                 if not frames:
                     continue
                 ident, n = frames[0], sum(map(len, frames))
+                p = self._peers.get(ident)
+                if p is not None:  # a message on a session's connection: its peer is not silent,
+                    p.last_seen = now  # however long the message waits for its turn (or is dropped)
                 q = self._queues.get(ident)
+                if q is not None and (
+                    self._queued_total + n > _QUEUED_BYTES
+                    or len(q) >= _PEER_QUEUE
+                    or self._queued[ident] + n > _PEER_QUEUED_BYTES
+                ):
+                    self.count("messages_dropped")  # a connection sending faster than it is served
+                    continue
                 if q is None:
                     q = self._queues[ident] = collections.deque()
                     self._queued[ident] = 0
-                if len(q) >= _PEER_QUEUE or self._queued[ident] + n > _PEER_QUEUED_BYTES:
-                    self.count("messages_dropped")  # a connection sending faster than it is served
-                    continue
-                q.append((fd, frames))
+                q.append((fd, frames, now))  # heard now: its sender's silence ends here, not when served
                 self._queued[ident] += n
                 self._queued_total += n
-            # one message of each connection in turn, for at most _ROUND_S (then the socket is
-            # read again, so a connection that spoke since waits for at most that)
+            # one message of each connection in turn, the turn going round across rounds (a
+            # connection served goes to the back), for at most _ROUND_S or 256 messages (then
+            # the socket is read again, so a connection that spoke since waits for at most that,
+            # however many others flood)
             served, until = 0, time.monotonic() + _ROUND_S
-            while self._queues and served < 256 and time.monotonic() < until:
-                for ident in list(self._queues):
-                    q = self._queues.get(ident)
-                    if q is None:  # retired by a message served before it in this round
-                        continue
-                    fd, frames = q.popleft()
-                    n = sum(map(len, frames))
-                    self._queued[ident] -= n
-                    self._queued_total -= n
-                    if not q:
-                        del self._queues[ident]
-                        del self._queued[ident]
+            # first one message of each connection without a session (a handshake: the guard
+            # bounds how many there are), for at most half the round, so that sessions
+            # flooding the loop delay a newcomer's handshake by a round, not by their turns
+            for ident in [i for i in self._queues if i not in self._peers]:
+                if time.monotonic() >= until - _ROUND_S / 2:
+                    break
+                if ident in self._queues:  # not retired by a message served before it
+                    self._serve_one(ident)
                     served += 1
-                    self._serve(frames, fd)
+            while self._queues and served < 256 and time.monotonic() < until:
+                self._serve_one(next(iter(self._queues)))
+                served += 1
             now = time.monotonic()
             try:
                 if self.options.auto_tick:
@@ -148,7 +161,7 @@ class DecodeReceiver(ReceiverCore):
                 self.count("loop_errors")
                 _log.exception("decode housekeeping failed (retried next round)")
 
-    def _on_frames(self, frames: list[bytes], fd: int = -1) -> None:
+    def _on_frames(self, frames: list[bytes], fd: int = -1, heard: float | None = None) -> None:
         if len(frames) < 2:
             self.count("messages_rejected")
             return
@@ -202,7 +215,9 @@ class DecodeReceiver(ReceiverCore):
             else:
                 self.count("messages_rejected")
             return
-        peer.last_seen = time.monotonic()
+        # when the message was taken off the socket: a peer that went silent is found on time
+        # however long its last messages waited for their turn
+        peer.last_seen = max(peer.last_seen, heard) if heard is not None else time.monotonic()
         try:
             self._dispatch(peer, msg)
         except PdkvError as exc:
@@ -507,22 +522,36 @@ class DecodeReceiver(ReceiverCore):
                 why = "was silent for peer_timeout_s" if silent else f"process {p.pid} is gone"
                 self._end_session(p, f"prefill {p.instance} rank {p.tp_rank} died ({why})", dead=True)
 
+    def _serve_one(self, ident: bytes) -> None:
+        """Serve the oldest message queued from ``ident``; its connection goes to the back
+        of the turn (or leaves it, with nothing more queued)."""
+        q = self._queues.pop(ident)
+        fd, frames, heard = q.popleft()
+        n = sum(map(len, frames))
+        self._queued[ident] -= n
+        self._queued_total -= n
+        if q:
+            self._queues[ident] = q
+        else:
+            del self._queued[ident]
+        self._serve(frames, fd, heard)
+
     def retire(self, ident: bytes) -> None:
         q = self._queues.pop(ident, None)
         if q is not None:
             self._queued_total -= self._queued.pop(ident, 0)
-            for fd, frames in q:
-                self._serve(frames, fd)
+            for fd, frames, heard in q:
+                self._serve(frames, fd, heard)
         self._gone.pop(ident, None)
         self._pending.pop(ident, None)  # a handshake on it can never complete
         p = self.peer(ident)
         if p is not None:
             self._end_session(p, f"prefill {p.instance} rank {p.tp_rank}: its control connection closed", dead=True)
 
-    def _serve(self, frames: list[bytes], fd: int) -> None:
+    def _serve(self, frames: list[bytes], fd: int, heard: float | None = None) -> None:
         # one message, whatever it holds, never ends the loop that serves every peer
         try:
-            self._on_frames(frames, fd)
+            self._on_frames(frames, fd, heard)
         except Exception:
             self.count("loop_errors")
             self.count("messages_rejected")

@@ -17,6 +17,7 @@ A Hello whose nonce decode saw within the handshake window is refused (replay).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -43,6 +44,7 @@ from ...procs import boot_id
 from ...protocol import (
     PROTOCOL_VERSION,
     Auth,
+    Bye,
     Challenge,
     Codec,
     ErrorMsg,
@@ -176,6 +178,11 @@ def accept_session(rx: ReceiverCore, ident: bytes, hs: Handshake, auth: Auth) ->
         # up on this decode, whose Bye on the old connection may be served after this
         # Auth): what the old connection sent, then its end. One live session per rank.
         same = p.key_fp == fp and 0 < p.pid == h.pid and p.same_host == hs.same_host and p.tp_size == h.tp_size
+        if same and p.ident not in rx._gone:
+            # a live session replaced: its sender is told now (its requests fail at once
+            # there), not when its silence bound runs out
+            bye: list[bytes] = [p.ident, *p.codec.encode(Bye("replaced by a new session of the same process"))]
+            rx._ch.send(functools.partial(list, bye))
         if p.ident in rx._gone or same:
             rx.retire(p.ident)
     with rx.lock:

@@ -57,7 +57,7 @@ from ..transports.base import (
     WriteItem,
 )
 from . import handshake
-from .channel import SEND_BATCH, Channel, clip, unstalled
+from .channel import SEND_BATCH, Channel, clip, lateness, unstalled
 from .options import SenderOptions, merge_options
 from .reservations import Reservations
 
@@ -408,14 +408,13 @@ class PrefillSender(Reservations):
 
     def _io_loop(self) -> None:
         last_hb = 0.0
-        prev = time.monotonic()
         while not self._closed.is_set():
+            asked = time.monotonic()
             got = self._ch.wait(50)
             if got is None:
                 break
             now = time.monotonic()
-            self._last_heard = unstalled(self._last_heard, now - prev, now)
-            prev = now
+            self._last_heard = unstalled(self._last_heard, lateness(asked, now, 0.05), now)
             for frames in got:
                 try:
                     msg = self._codec.decode(frames)

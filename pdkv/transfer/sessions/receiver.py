@@ -158,7 +158,7 @@ class ReceiverCore:
         self._gone: dict[bytes, float] = {}
         # messages taken off the socket, by connection, served round-robin: one peer's flood
         # of batches delays another's reservation by one message, not by the flood
-        self._queues: dict[bytes, collections.deque[tuple[int, list[bytes]]]] = {}
+        self._queues: dict[bytes, collections.deque[tuple[int, list[bytes], float]]] = {}
         self._queued: dict[bytes, int] = {}  # bytes queued, by connection
         self._queued_total = 0  # their sum
         self._threads: list[threading.Thread] = []
