@@ -8,6 +8,14 @@ package as :class:`~pdkv.errors.NixlUnavailableError` naming the extra.
 UCX reads its settings (``UCX_TLS``, ``UCX_NET_DEVICES``, ...) from the environment when
 the first agent's backend starts: :func:`ucx_settings` sets the ones given that are not
 set already, for the whole process.
+
+A crash at exit, avoided: NIXL's wheels bundle UCX with their own libibverbs and libnl, and
+UCX's ``efa`` module loads the host's ``libefa`` (rdma-core's providers), which brings the
+host's libibverbs and libnl too; with both copies loaded, libnl-route's destructor crashes
+the process at exit (SIGSEGV), after everything it did succeeded. On a host without an EFA
+device pdkv leaves that module out (``UCX_MODULES=^efa``, set only when ``UCX_MODULES`` is
+not set): every other UCX transport, InfiniBand's included, stays. On an EFA host (AWS) the
+module stays, and so may the crash at exit (NIXL's packaging).
 """
 
 from __future__ import annotations
@@ -63,6 +71,20 @@ def ucx_settings(settings: Mapping[str, str] | None) -> None:
         os.environ.setdefault(k, str(v))
 
 
+def _efa_present() -> bool:
+    try:
+        return any("efa" in d for d in os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+def _avoid_exit_crash() -> None:
+    """``UCX_MODULES=^efa`` on a host without an EFA device, unless the user set UCX_MODULES
+    (module docstring: the duplicate libnl that crashes a process at exit)."""
+    if "UCX_MODULES" not in os.environ and not _efa_present():
+        os.environ["UCX_MODULES"] = "^efa"
+
+
 def _call(what: str, fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
@@ -86,6 +108,7 @@ class Agent:
     def __init__(self, name: str, ucx: Mapping[str, str] | None = None) -> None:
         api = import_nixl()
         ucx_settings(ucx)
+        _avoid_exit_crash()
         with _lock:  # backend start-up is not documented as thread-safe
             cfg = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
             try:
