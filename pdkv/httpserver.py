@@ -47,6 +47,9 @@ class BoundedServerMixin:
     deadline_s = 5.0
     daemon_threads = True
     block_on_close = False
+    # the listen backlog: socketserver's 5 makes a burst of connects wait for the kernel's
+    # SYN retries (a second each), good ones included
+    request_queue_size = 128
 
     def _bounds_init(self) -> None:
         if getattr(self, "_bounds", None) is None:

@@ -131,6 +131,7 @@ class RouterEndpoint:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._guard.monitor, zmq.POLLIN)  # connections accepted: capped at once
         last_sweep = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
@@ -139,7 +140,7 @@ class RouterEndpoint:
                 self._guard.sweep(now)
             try:
                 self._guard.poll(now)  # connections accepted and gone, before their messages
-                if not poller.poll(100):
+                if self._sock not in dict(poller.poll(100)):
                     continue
                 parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:

@@ -113,9 +113,9 @@ class DecodeReceiver(ReceiverCore):
                 if not frames:
                     continue
                 ident, n = frames[0], sum(map(len, frames))
-                p = self._peers.get(ident)
-                if p is not None:  # a message on a session's connection: its peer is not silent,
-                    p.last_seen = now  # however long the message waits for its turn (or is dropped)
+                heard = self._peers.get(ident)
+                if heard is not None:  # a message on a session's connection: its peer is not silent,
+                    heard.last_seen = now  # however long the message waits for its turn (or is dropped)
                 q = self._queues.get(ident)
                 if q is not None and (
                     self._queued_total + n > _QUEUED_BYTES

@@ -90,6 +90,12 @@ class ControlGuard:
         self._conns: dict[int, _Conn] = {}  # fd -> connection, in the order accepted
 
     @property
+    def monitor(self) -> zmq.Socket[bytes]:
+        """zmq's monitor socket: readable when a connection was accepted or ended (a loop
+        that polls it too enforces the caps as connections come, not at its next round)."""
+        return self._mon
+
+    @property
     def pending(self) -> int:
         """Connections without a live session."""
         return sum(not c.session for c in self._conns.values())
