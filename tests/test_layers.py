@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pdkv"
 # of a part below it (a package's __init__ belongs to its part; pdkv's own __init__ is last)
 PARTS = [
     "pdkv.errors",
+    "pdkv.httpserver",
     "pdkv._ffi",
     "pdkv.procs",
     "pdkv.layout",

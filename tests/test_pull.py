@@ -123,9 +123,15 @@ def test_random_bytes_and_bad_fields_change_nothing_and_stop_nothing(seed):
     p = _Prefill()
     srv = PullServer("tcp://127.0.0.1:0", p)
     ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(srv.address)
+    socks: list[zmq.Socket] = []
+
+    def connect() -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(srv.address)
+        socks.append(s)
+        return s
+
     enc = msgspec.msgpack.encode
     bad = [
         os.urandom(64 + seed * 97),
@@ -138,17 +144,14 @@ def test_random_bytes_and_bad_fields_change_nothing_and_stop_nothing(seed):
         enc(PullReq(pid="x", binding=B, decode="d", nonce=b"n" * 16, prefix=1 << 31)),
     ]
     try:
+        # each on a connection of its own: a malformed message closes the connection it came on
         for m in bad:
-            raw.send(m)
-        raw.send_multipart([b"two", b"frames"])
-        big = ctx.socket(zmq.DEALER)  # zmq drops the connection of a peer past MAXMSGSIZE
-        big.setsockopt(zmq.LINGER, 0)
-        big.connect(srv.address)
-        big.send(b"\x00" * (MAX_MSG + 1))
+            connect().send(m)
+        connect().send_multipart([b"two", b"frames"])
+        connect().send(b"\x00" * (MAX_MSG + 1))  # zmq drops the connection of a peer past MAXMSGSIZE
         deadline = time.monotonic() + 5
         while srv.refused < 5 and time.monotonic() < deadline:
             time.sleep(0.005)
-        big.close(linger=0)
         cli = PullClient((srv.address,))
         try:
             res = _wait(cli.pull(srv.address, "px.ok", B, "tcp://127.0.0.1:9"))
@@ -158,7 +161,8 @@ def test_random_bytes_and_bad_fields_change_nothing_and_stop_nothing(seed):
         assert [r.pid for r in p.seen] == ["px.ok"]
         assert srv.refused == 5  # the five well-formed ones with bad fields were answered "no"
     finally:
-        raw.close(linger=0)
+        for sock in socks:
+            sock.close(linger=0)
         srv.close()
 
 

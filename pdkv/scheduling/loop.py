@@ -11,12 +11,22 @@ from __future__ import annotations
 import heapq
 import logging
 
+from ..errors import RequestError
 from .core import SchedulerCore
 from .lifecycle import _WRITABLE, Event, EventKind, State, SwapHandle, _Release, _Req
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["expire_due", "release_quarantine", "grant_queued", "admit_swaps", "submit", "swap_finished", "logs_swaps"]
+__all__ = [
+    "expire_due",
+    "release_quarantine",
+    "grant_queued",
+    "admit_swaps",
+    "submit",
+    "swap_finished",
+    "logs_swaps",
+    "bind_swap",
+]
 
 
 def expire_due(s: SchedulerCore, now: float) -> None:
@@ -178,3 +188,36 @@ def expire_holds(s: SchedulerCore, now: float) -> None:
         h = s._holds.pop(rid)
         s._m["prefix_holds_expired"] += 1
         s._release_prefix(rid, h.blocks, h.release)
+
+
+def bind_swap(
+    s: SchedulerCore, request_id: str, ids: list[int], first_block: int, now: float
+) -> tuple[_Req, tuple[int, ...]]:
+    """:meth:`DecodeScheduler.bind`'s checks and state change, under the lock: the request
+    is SWAPPING into ``ids``; the caller submits it (without the lock). Returns the request
+    and the buffer blocks being swapped, in order."""
+    with s._lock:
+        req = s._get_live(request_id)
+        if req.state is not State.RECEIVED:
+            raise RequestError(f"request {request_id!r} is {req.state.value}, not received; it cannot be bound")
+        if not isinstance(first_block, int) or isinstance(first_block, bool) or not 0 <= first_block < req.n:
+            raise RequestError(f"request {request_id!r}: first_block={first_block!r} must be in [0, {req.n})")
+        if len(ids) != req.n - first_block:
+            raise RequestError(
+                f"request {request_id!r}: {len(ids)} GPU blocks for {req.n - first_block} received blocks"
+            )
+        if len(set(ids)) != len(ids) or not all(isinstance(b, int) and b >= 0 for b in ids):
+            raise RequestError(f"request {request_id!r}: GPU blocks must be distinct non-negative ids")
+        assert s.buffer is not None and req.buffer_blocks is not None
+        if first_block:
+            s.buffer.free(req.buffer_blocks[:first_block])
+            req.buffer_blocks = req.buffer_blocks[first_block:]
+            req.n -= first_block
+        del s._swapq[request_id]
+        req.gpu_blocks, req.bound, req.state, req.swap_started = ids, True, State.SWAPPING, now
+        if not s._swapping:
+            s._busy_since = now
+        s._swapping[request_id] = req
+        s._m["prefill_wait_avoided_seconds_sum"] += now - req.reserved_at
+        swapped = tuple(req.buffer_blocks)
+    return req, swapped

@@ -542,32 +542,7 @@ class DecodeScheduler(SchedulerCore):
         """
         if self.options.bind != "engine":
             raise RequestError("bind() is for SchedulerOptions(bind='engine'); pdkv allocates GPU blocks here")
-        ids = list(gpu_blocks)
-        now = self.clock()
-        with self._lock:
-            req = self._get_live(request_id)
-            if req.state is not State.RECEIVED:
-                raise RequestError(f"request {request_id!r} is {req.state.value}, not received; it cannot be bound")
-            if not isinstance(first_block, int) or isinstance(first_block, bool) or not 0 <= first_block < req.n:
-                raise RequestError(f"request {request_id!r}: first_block={first_block!r} must be in [0, {req.n})")
-            if len(ids) != req.n - first_block:
-                raise RequestError(
-                    f"request {request_id!r}: {len(ids)} GPU blocks for {req.n - first_block} received blocks"
-                )
-            if len(set(ids)) != len(ids) or not all(isinstance(b, int) and b >= 0 for b in ids):
-                raise RequestError(f"request {request_id!r}: GPU blocks must be distinct non-negative ids")
-            assert self.buffer is not None and req.buffer_blocks is not None
-            if first_block:
-                self.buffer.free(req.buffer_blocks[:first_block])
-                req.buffer_blocks = req.buffer_blocks[first_block:]
-                req.n -= first_block
-            del self._swapq[request_id]
-            req.gpu_blocks, req.bound, req.state, req.swap_started = ids, True, State.SWAPPING, now
-            if not self._swapping:
-                self._busy_since = now
-            self._swapping[request_id] = req
-            self._m["prefill_wait_avoided_seconds_sum"] += now - req.reserved_at
-            swapped = tuple(req.buffer_blocks)
+        req, swapped = schedloop.bind_swap(self, request_id, list(gpu_blocks), first_block, self.clock())
         self._deliver(schedloop.submit(self, [req]))
         return swapped
 
@@ -600,14 +575,7 @@ class DecodeScheduler(SchedulerCore):
     # ------------------------------------------------------------------ observability
     def request(self, request_id: str) -> RequestInfo:
         """A snapshot of a live or recently terminated request."""
-        with self._lock:
-            req = self._reqs.get(request_id)
-            if req is None:
-                tomb = self._tomb.get(request_id)
-                if tomb is None:
-                    raise RequestError(f"unknown request {request_id!r}")
-                return RequestInfo(request_id, tomb[0], "", 0, 0, (), (), tomb[1])
-            return req.info()
+        return schedview.request(self, request_id)
 
     def live_requests(self) -> list[str]:
         with self._lock:

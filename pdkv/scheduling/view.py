@@ -6,11 +6,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..errors import RequestError
 from .blocks import BlockPool
 from .core import SchedulerCore
-from .lifecycle import TERMINAL, State
+from .lifecycle import TERMINAL, RequestInfo, State
 
-__all__ = ["metrics", "prometheus", "check_invariants"]
+__all__ = ["request", "metrics", "prometheus", "check_invariants"]
+
+
+def request(s: SchedulerCore, request_id: str) -> RequestInfo:
+    with s._lock:
+        req = s._reqs.get(request_id)
+        if req is None:
+            tomb = s._tomb.get(request_id)
+            if tomb is None:
+                raise RequestError(f"unknown request {request_id!r}")
+            return RequestInfo(request_id, tomb[0], "", 0, 0, (), (), tomb[1])
+        return req.info()
 
 
 def metrics(s: SchedulerCore) -> dict[str, float]:
