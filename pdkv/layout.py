@@ -25,51 +25,18 @@ from typing import Any
 
 from .errors import LayoutError, LayoutMismatchError
 
-__all__ = [
-    "DTYPE_BITS",
-    "KVLayout",
-    "CacheSpec",
-    "Segment",
-    "tp_segments",
-    "GIB",
-    "DESCRIPTOR_VERSION",
-]
+__all__ = ["DTYPE_BITS", "KVLayout", "CacheSpec", "Segment", "tp_segments", "GIB", "DESCRIPTOR_VERSION"]
 
 GIB = 1 << 30
 DESCRIPTOR_VERSION = 1
 
-DTYPE_BITS: Mapping[str, int] = {
-    "bfloat16": 16,
-    "float16": 16,
-    "float32": 32,
-    "float8_e4m3": 8,
-    "float8_e5m2": 8,
-    "uint8": 8,
-    "int4": 4,
-}
-_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float": "float32",
-    "fp8": "float8_e4m3",
-    "float8": "float8_e4m3",
-    "e4m3": "float8_e4m3",
-    "e5m2": "float8_e5m2",
-    "int8": "uint8",
-}
+DTYPE_BITS: Mapping[str, int] = dict(bfloat16=16, float16=16, float32=32, float8_e4m3=8, float8_e5m2=8, uint8=8, int4=4)
+_ALIASES = dict(bf16="bfloat16", fp16="float16", half="float16", fp32="float32", float="float32", int8="uint8")
+_ALIASES |= dict(fp8="float8_e4m3", float8="float8_e4m3", e4m3="float8_e4m3", e5m2="float8_e5m2")
 _ALIASES |= {"float8_e4m3fn": "float8_e4m3", "float8_e4m3fnuz": "float8_e4m3", "float8_e5m2fnuz": "float8_e5m2"}
 _SCALE_BYTES = 2  # bfloat16 scale per (head, token)
 KV_FUSED = ("", "row", "head")
-_MAX = {
-    "num_layers": 4096,
-    "extra_layers": 256,
-    "kv_heads": 4096,
-    "head_dim": 65536,
-    "tokens_per_block": 65536,
-    "tp_size": 4096,
-}
+_MAX = dict(num_layers=4096, extra_layers=256, kv_heads=4096, head_dim=65536, tokens_per_block=65536, tp_size=4096)
 
 
 def _canon_dtype(dtype: str) -> str:
@@ -423,6 +390,9 @@ def _kv_apart(layout: KVLayout, builder: str) -> None:
         raise LayoutError(f"{builder} expects a K+V cache without scale tensors, K and V apart (fused: CacheSpec.vllm)")
 
 
+BUFFER_ORDERS = ("layer", "block")  # pdkv's buffer: layer-outermost (the default) or block-outermost
+
+
 class CacheSpec:
     """Where each (layer, tensor, block) of one rank lives: a base pointer and a block
     stride per layer and tensor. Describes an engine's GPU cache and pdkv's CPU buffer
@@ -532,10 +502,27 @@ class CacheSpec:
         return layout.block_bytes * num_blocks
 
     @classmethod
-    def for_buffer(cls, layout: KVLayout, num_blocks: int, base: int, *, device: int | None = None) -> CacheSpec:
+    def for_buffer(
+        cls, layout: KVLayout, num_blocks: int, base: int, *, device: int | None = None, order: str = "layer"
+    ) -> CacheSpec:
         """pdkv's buffer layout: one contiguous region per (layer, tensor), in that order;
         for a fused layout one region per layer of fused blocks (also usable for a GPU
-        cache laid out the same way: pass ``device``)."""
+        cache laid out the same way: pass ``device``). ``order="block"``: block-outermost
+        instead (a block's layers and tensors side by side, ``layout.block_bytes`` a
+        block: vLLM's BLHNC / BLNHC), so that a run of blocks is one contiguous piece;
+        the same bytes in all (:meth:`buffer_bytes`)."""
+        if order not in BUFFER_ORDERS:
+            raise LayoutError(f"order={order!r} must be one of {', '.join(BUFFER_ORDERS)}")
+        if order == "block":  # within a block: layer after layer, tensor after tensor (fused: side by side)
+            nt, lb = len(layout.tensors), layout.layer_block_bytes
+            at = [
+                layout.tensor_offset(t) if layout.kv_fused else sum(map(layout.tensor_block_bytes, range(t)))
+                for t in range(nt)
+            ]
+            rows = [
+                [(base + li * lb + at[t], layout.block_bytes) for t in range(nt)] for li in range(layout.total_layers)
+            ]
+            return cls(layout, num_blocks, rows, device=device)
         regions, off = [], 0
         for _ in range(layout.total_layers):
             if layout.kv_fused:

@@ -208,6 +208,19 @@ def plan_copy(
     if sb.size == 0:
         z = np.zeros(0, np.uint64)
         return CopyPlan(z, z, z, np.zeros(nl, np.int64), 0)
+    whole = _block_outer(sbase, sstr, tb) if L is None else None
+    dwhole = _block_outer(dbase, dstr, tb) if whole is not None else None
+    if whole is not None and dwhole is not None:
+        # block-outermost on both sides: a block's layers and tensors are one contiguous
+        # piece, and a run of blocks consecutive on both sides one piece; every layer is
+        # complete when the last piece is
+        starts, run = run_starts(sb, db)
+        span = int(tb.sum()) * nl
+        sa = whole + span * sb[starts]
+        da = dwhole + span * db[starts]
+        lengths = (span * run).astype(np.uint64)
+        ends = np.full(nl, starts.size, dtype=np.int64)
+        return CopyPlan(sa.astype(np.uint64), da.astype(np.uint64), lengths, ends, int(lengths.sum()))
     # runs of consecutive ids on both sides; they are contiguous memory only where the
     # block stride equals the block's bytes (not for K/V-interleaved caches)
     if bool((sstr == tb).all() and (dstr == tb).all()):
@@ -224,6 +237,19 @@ def plan_copy(
     return CopyPlan(
         sa.reshape(-1).astype(np.uint64), da.reshape(-1).astype(np.uint64), lengths, ends, int(lengths.sum())
     )
+
+
+def _block_outer(base: Ids, stride: Ids, tb: Ids) -> int | None:
+    """The first block's address when a cache is block-outermost: every (layer, tensor)
+    unit, in layer-then-tensor order, starts where the one before it ends, and every stride
+    is the whole block (all units); None otherwise."""
+    units = base.reshape(-1)
+    spans = np.broadcast_to(tb[None, :], base.shape).reshape(-1)
+    total = int(spans.sum())
+    offsets = np.concatenate(([0], np.cumsum(spans)[:-1]))
+    if not bool((stride.reshape(-1) == total).all()) or not bool((units == units[0] + offsets).all()):
+        return None
+    return int(units[0])
 
 
 # ---------------------------------------------------------------------- transfer plans
@@ -251,10 +277,14 @@ def plan_layer(
     src_blocks: Sequence[int] | Ids,
     dst_blocks: Sequence[int] | Ids,
     layer: int,
+    *,
+    dst_packed: bool = True,
 ) -> list[Group]:
     """One :class:`Group` per segment: the pieces of ``layer`` from ``src_blocks`` of ``src``
     into ``dst_blocks`` of each segment's destination rank. Without ``dsts`` (tcp: decode
-    computes the addresses) destinations are offsets into a packed buffer region."""
+    computes the addresses) destinations are offsets into a buffer region, packed per layer
+    and tensor unless ``dst_packed`` is false (a block-outermost buffer: a block's layers
+    side by side, so consecutive blocks of one layer are not contiguous)."""
     sb = np.asarray(src_blocks, dtype=np.int64)
     db = np.asarray(dst_blocks, dtype=np.int64)
     runs = None
@@ -265,7 +295,7 @@ def plan_layer(
         if dsts is not None:
             dbase, dstride = dsts[g.dst_rank].region(layer, g.tensor)
         else:
-            dbase, dstride = 0, dst_layout.block_span(g.tensor)
+            dbase, dstride = 0, dst_layout.block_span(g.tensor) if dst_packed else dst_layout.block_bytes
         # a run of blocks is one contiguous piece only if the segment is the whole block on
         # both sides and blocks are packed (stride == block bytes) on both sides
         whole = (

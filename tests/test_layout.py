@@ -250,6 +250,28 @@ def test_buffer_spec_regions_are_contiguous_per_layer_and_tensor():
         spec.address(0, "q", 0)
 
 
+@given(fused=st.sampled_from(["", "row", "head"]), scales=st.booleans(), nl=st.integers(1, 4), nb=st.integers(1, 9))
+def test_block_outermost_buffer_tiles_each_block_once_layers_side_by_side(fused, scales, nl, nb):
+    """order="block": block b is one contiguous span of block_bytes at base + b*block_bytes,
+    its (layer, tensor) units in order, and the whole buffer is the same bytes as the default."""
+    assume(not (fused and scales))
+    lay = llama8b(num_layers=nl, scales=scales, dtype="fp8" if scales else "bf16", kv_fused=fused)
+    base = 1 << 20
+    spec = CacheSpec.for_buffer(lay, nb, base, order="block")
+    names = [0] if fused else list(range(len(lay.tensors)))
+    for b in range(nb):
+        at = base + b * lay.block_bytes
+        for li in range(nl):
+            for t in names:
+                n = lay.layer_block_bytes if fused else lay.tensor_block_bytes(t)
+                assert spec.address(li, t, b) == at
+                at += n
+        assert at == base + (b + 1) * lay.block_bytes
+    assert CacheSpec.buffer_bytes(lay, nb) == nb * lay.block_bytes
+    with pytest.raises(LayoutError, match="order='rows' must be one of layer, block"):
+        CacheSpec.for_buffer(lay, nb, base, order="rows")
+
+
 def test_engine_layouts():
     lay = llama8b(num_layers=2, token_major=True)
     bb = lay.tensor_block_bytes(0)

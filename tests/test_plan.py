@@ -194,20 +194,29 @@ def _run_plan(p, src_mem, dst_mem):
 
 
 @settings(max_examples=80, deadline=None)
-@given(data=st.data(), fused=st.booleans(), tm=st.booleans(), side_by_side=st.booleans())
-def test_plan_copy_moves_each_block_of_each_layer_and_nothing_else(data, fused, tm, side_by_side):
+@given(
+    data=st.data(),
+    fused=st.booleans(),
+    tm=st.booleans(),
+    side_by_side=st.booleans(),
+    orders=st.sampled_from([("layer", "layer"), ("block", "block"), ("layer", "block"), ("block", "layer")]),
+)
+def test_plan_copy_moves_each_block_of_each_layer_and_nothing_else(data, fused, tm, side_by_side, orders):
+    """Layer-outermost and block-outermost caches on either side: the same bytes land as a
+    block-by-block copy; block-outermost on both sides for every layer is one piece per run
+    of blocks consecutive on both sides, every layer complete with the last piece."""
     lay = KVLayout(num_layers=3, kv_heads=2, head_dim=4, tokens_per_block=2, dtype="bf16", token_major=tm,
                    kv_fused="row" if fused else "")  # fmt: skip
     nb = 12
     size = lay.block_bytes * nb * lay.total_layers
     src_mem = np.random.default_rng(data.draw(st.integers(0, 99))).integers(0, 256, size, dtype=np.uint8)
     dst_mem = np.zeros(size, np.uint8)
-    src = CacheSpec.for_buffer(lay, nb, src_mem.ctypes.data)
+    src = CacheSpec.for_buffer(lay, nb, src_mem.ctypes.data, order=orders[0])
     if side_by_side and not fused:  # K and V of a block side by side: strides of two blocks, no runs
         lb = lay.block_bytes * nb
         dst = CacheSpec.flashinfer(lay, nb, [dst_mem.ctypes.data + li * lb for li in range(lay.total_layers)])
     else:
-        dst = CacheSpec.for_buffer(lay, nb, dst_mem.ctypes.data)
+        dst = CacheSpec.for_buffer(lay, nb, dst_mem.ctypes.data, order=orders[1])
     dst_blocks = data.draw(st.permutations(range(nb)))[: data.draw(st.integers(0, nb))]
     src_blocks = [data.draw(st.integers(0, nb - 1)) for _ in dst_blocks]
     layers = data.draw(st.one_of(st.none(), st.lists(st.integers(0, 2), unique=True)))
@@ -226,6 +235,12 @@ def test_plan_copy_moves_each_block_of_each_layer_and_nothing_else(data, fused, 
     assert p.nbytes == int(p.lengths.sum()) == nl * per_layer * lay.layer_block_bytes // len(units)
     assert len(p.layer_ends) == nl and (not nl or int(p.layer_ends[-1]) == p.pieces)
     assert all(a <= b for a, b in zip(p.layer_ends[:-1].tolist(), p.layer_ends[1:].tolist()))
+    whole = orders == ("block", "block") and layers is None and not (side_by_side and not fused)
+    if whole and dst_blocks:
+        runs = 1 + sum(1 for i in range(1, len(dst_blocks))
+                       if (src_blocks[i], dst_blocks[i]) != (src_blocks[i - 1] + 1, dst_blocks[i - 1] + 1))  # fmt: skip
+        assert p.pieces == runs and p.layer_ends.tolist() == [runs] * 3
+        assert all(n % lay.block_bytes == 0 for n in p.lengths.tolist())
     # cut into pieces of at most 24 bytes: the same bytes land, each layer's pieces still its own
     c = p.chunked(24)
     assert int(c.lengths.max(initial=0)) <= 24 and c.nbytes == p.nbytes and int(c.lengths.sum()) == p.nbytes

@@ -646,7 +646,7 @@ def test_region_specs_check_each_decode_ranks_region():
 
     lays = [KVLayout(**BASE, tp_size=2, tp_rank=r) for r in range(2)]
     need = CacheSpec.buffer_bytes(lays[0], 8)
-    welcome = types.SimpleNamespace(ranks=[0, 1], buffer_blocks=8)
+    welcome = types.SimpleNamespace(ranks=[0, 1], buffer_blocks=8, buffer_order="layer")
 
     def reg(addr, length):
         return types.SimpleNamespace(addr=addr, length=length)

@@ -529,9 +529,11 @@ def test_cuda_copy_handles_polled_from_several_threads_at_once(cuda_device, no_l
             _ffi.cuda.free(dptr)
 
 
-def _round_trip_every_block(n: int, seed: int, **engine_kw) -> None:
+def _round_trip_every_block(n: int, seed: int, order: str = "layer", runs: bool = False, **engine_kw) -> None:
     """Scattered blocks of a pinned buffer to GPU blocks and back with a SwapEngine built
-    with ``engine_kw``: every block ends where it began, byte for byte."""
+    with ``engine_kw``: every block ends where it began, byte for byte. ``order``: both
+    caches per layer or block-outermost; ``runs``: the ids in runs of up to 8 consecutive
+    on both sides (whole multi-layer pieces where block-outermost)."""
     L = lay(num_layers=2, kv_heads=1, head_dim=128, tokens_per_block=8)
     size = L.block_bytes * n
     rng = np.random.default_rng(seed)
@@ -539,11 +541,17 @@ def _round_trip_every_block(n: int, seed: int, **engine_kw) -> None:
         host = np.frombuffer(sb.buf, dtype=np.uint8)
         host[:] = rng.integers(0, 256, size, dtype=np.uint8)
         want = host.copy()
-        bspec = CacheSpec.for_buffer(L, n, sb.address)
+        bspec = CacheSpec.for_buffer(L, n, sb.address, order=order)
         dptr = _ffi.cuda.malloc(size)
         try:
-            gspec = CacheSpec.for_buffer(L, n, dptr)
-            src, dst = rng.permutation(n).tolist(), rng.permutation(n).tolist()
+            gspec = CacheSpec.for_buffer(L, n, dptr, order=order)
+            if runs:  # chunks of 8 ids, shuffled as chunks: runs of 8 on both sides
+                src = (rng.permutation(n // 8)[:, None] * 8 + np.arange(8)).ravel().tolist()
+                dst = (rng.permutation(n // 8)[:, None] * 8 + np.arange(8)).ravel().tolist()
+                if order == "block":
+                    assert plan_copy(bspec, gspec, src, dst).pieces <= n // 8 + 1  # whole blocks, every layer
+            else:
+                src, dst = rng.permutation(n).tolist(), rng.permutation(n).tolist()
             with SwapEngine(bspec, gspec, **engine_kw) as eng:
                 eng.copy(src, dst).wait(30)
                 host[:] = 0
@@ -579,6 +587,15 @@ def test_decode_priority_moves_small_pieces_on_the_copy_engines(monkeypatch):
         np.testing.assert_array_equal(gpu.block(1, 1, 32 + b), buf.block(1, 1, b))
     with pytest.raises(ValueError, match="priority='fast' must be 'throughput' or 'decode'"):
         SwapEngine(buf.spec, gpu.spec, priority="fast")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("priority", ["throughput", "decode"])
+@pytest.mark.parametrize("runs", [False, True])
+def test_cuda_block_outermost_caches_swap_whole_blocks_byte_exact(priority, runs, cuda_device, no_leaks):
+    """A block-outermost buffer and GPU cache (vLLM's BLHNC, decode's buffer mirroring it):
+    a run of blocks is one piece of every layer; both ways, byte for byte."""
+    _round_trip_every_block(256, 6, order="block", runs=runs, priority=priority)
 
 
 @pytest.mark.cuda

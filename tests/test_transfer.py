@@ -40,14 +40,17 @@ BASE = dict(num_layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf
 class Decode:
     """An in-process decode instance: D ranks, one receiver, host 'GPU' caches."""
 
-    def __init__(self, D=1, nb=64, token_major=False, lease_s=5.0, fence_grace_s=0.5, **rx):
-        self.lays = [KVLayout(**BASE, tp_size=D, tp_rank=r, token_major=token_major) for r in range(D)]
+    def __init__(self, D=1, nb=64, token_major=False, lease_s=5.0, fence_grace_s=0.5, kv_fused="", **rx):
+        self.lays = [
+            KVLayout(**BASE, tp_size=D, tp_rank=r, token_major=token_major, kv_fused=kv_fused) for r in range(D)
+        ]
         self.nb = nb
+        self.order = rx.get("buffer_order", "layer")  # the buffers' order, and the host 'GPU' cache's
         self.bufs = [SharedBuffer.create(CacheSpec.buffer_bytes(lay, nb)) for lay in self.lays]
         self.gpu = np.zeros(self.lays[0].block_bytes * nb, np.uint8)
         eng = SwapEngine(
-            CacheSpec.for_buffer(self.lays[0], nb, self.bufs[0].address),
-            CacheSpec.for_buffer(self.lays[0], nb, self.gpu.ctypes.data),
+            CacheSpec.for_buffer(self.lays[0], nb, self.bufs[0].address, order=self.order),
+            CacheSpec.for_buffer(self.lays[0], nb, self.gpu.ctypes.data, order=self.order),
             strategy="host",
             buffer_pinned=False,
         )
@@ -74,9 +77,15 @@ class Decode:
             time.sleep(0.005)
 
     def block(self, rank, layer, t, b):
-        spec = CacheSpec.for_buffer(self.lays[rank], self.nb, self.bufs[rank].address)
+        spec = CacheSpec.for_buffer(self.lays[rank], self.nb, self.bufs[rank].address, order=self.order)
         a = spec.address(layer, t, b) - self.bufs[rank].address
         return bytes(self.bufs[rank].buf[a : a + self.lays[rank].tensor_block_bytes(t)])
+
+    def gpu_block(self, layer, t, b):
+        """Rank 0's host 'GPU' cache (laid out in the buffers' order)."""
+        spec = CacheSpec.for_buffer(self.lays[0], self.nb, self.gpu.ctypes.data, order=self.order)
+        a = spec.address(layer, t, b) - self.gpu.ctypes.data
+        return self.gpu[a : a + self.lays[0].tensor_block_bytes(t)].tobytes()
 
     def close(self):
         self._stop.set()
@@ -135,8 +144,8 @@ def reap(p):
             f.close()
 
 
-def prefill_cache(P, r, nb=64, token_major=False, seed=0):
-    lay = KVLayout(**BASE, tp_size=P, tp_rank=r, token_major=token_major)
+def prefill_cache(P, r, nb=64, token_major=False, seed=0, kv_fused=""):
+    lay = KVLayout(**BASE, tp_size=P, tp_rank=r, token_major=token_major, kv_fused=kv_fused)
     arr = np.random.default_rng(seed + r).integers(0, 256, lay.block_bytes * nb, dtype=np.uint8)
     return lay, arr, CacheSpec.for_buffer(lay, nb, arr.ctypes.data)
 
@@ -200,6 +209,74 @@ def test_layerwise_transfer_every_byte(transport, P, D, nhd, no_leaks, monkeypat
             tx.close()
     finally:
         dec.close()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
+@pytest.mark.parametrize("P,D", [(1, 1), (1, 2), (2, 1)])
+def test_a_per_layer_prefill_into_a_block_outermost_decode_every_byte(transport, P, D, no_leaks, monkeypatch):
+    """Decode's buffers laid out block-outermost (``buffer_order="block"``, mirroring a
+    BLHNC/BLNHC engine cache): prefill keeps its per-layer cache and
+    writes each layer into the buffer at the block stride decode's Welcome names; every byte
+    lands where decode's spec says, and decode's swap into a block-outermost cache moves
+    whole blocks (one piece per run of blocks, every layer in it) byte for byte."""
+    if transport == "nixl":
+        pytest.importorskip("nixl", reason="needs nixl: pip install 'pdkv[nixl]'")
+        monkeypatch.setenv("UCX_TLS", "tcp")
+    dec = Decode(D=D, transports=(transport,), buffer_order="block")
+    try:
+        caches = [prefill_cache(P, r) for r in range(P)]
+        txs = [
+            PrefillSender(lay, spec, dec.rx.control_address, transport=transport, instance="pf", timeout_s=5)
+            for lay, _, spec in caches
+        ]
+        sb = [3, 4, 5, 9, 10, 11]
+        grant = None
+        for tx in txs:
+            g = tx.reserve("a", len(sb) * 8)
+            assert grant is None or g.blocks == grant.blocks
+            grant = g
+        for layer in range(4):
+            for tx in txs:
+                tx.send_layer(layer, [("a", sb)])
+        for tx in txs:
+            tx.finish("a")
+        for tx in txs:
+            assert tx.wait_outcome("a", 10).state == "received"
+        for dst in dec.lays:
+            for layer in range(4):
+                for t in range(2):
+                    for gi, b in enumerate(grant.blocks):
+                        want = expected_block([c[0] for c in caches], [c[2] for c in caches], sb, dst, layer, t, gi)
+                        assert dec.block(dst.tp_rank, layer, t, b) == want, (dst.tp_rank, layer, t, gi)
+        # the swap decode runs into its block-outermost cache: whole blocks, every byte
+        from pdkv.plan import plan_copy
+
+        bspec = CacheSpec.for_buffer(dec.lays[0], dec.nb, dec.bufs[0].address, order="block")
+        gspec = CacheSpec.for_buffer(dec.lays[0], dec.nb, dec.gpu.ctypes.data, order="block")
+        gpu_blocks = [40, 41, 42, 50, 51, 52]
+        plan = plan_copy(bspec, gspec, list(grant.blocks), gpu_blocks)
+        assert plan.pieces == len(runs_of_both(list(grant.blocks), gpu_blocks))
+        assert int(plan.lengths.max()) >= 3 * dec.lays[0].block_bytes  # a run of whole blocks, all layers
+        dec.engine.copy(list(grant.blocks), gpu_blocks).wait(10)
+        for layer in range(4):
+            for t in range(2):
+                for gi, b in enumerate(gpu_blocks):
+                    assert dec.gpu_block(layer, t, b) == dec.block(0, layer, t, grant.blocks[gi])
+        for tx in txs:
+            tx.close()
+    finally:
+        dec.close()
+
+
+def runs_of_both(a, b):
+    """Maximal runs where both id lists advance by one."""
+    out, start = [], 0
+    for i in range(1, len(a) + 1):
+        if i == len(a) or a[i] != a[i - 1] + 1 or b[i] != b[i - 1] + 1:
+            out.append((start, i))
+            start = i
+    return out
 
 
 @pytest.mark.multiproc
@@ -777,6 +854,7 @@ def test_source_block_ids_are_checked_before_anything_is_written(no_leaks):
     ids are taken as they are, and the caller may reuse its list at once."""
     from pdkv.errors import RequestError
 
+    torch = pytest.importorskip("torch")  # before the lease starts: a cold import takes seconds
     dec = Decode()
     try:
         lay, arr, spec = prefill_cache(1, 0)  # 64 blocks
@@ -794,7 +872,6 @@ def test_source_block_ids_are_checked_before_anything_is_written(no_leaks):
             with pytest.raises(RequestError, match="first_block=-1"):
                 tx.send_chunk(0, "a", [1], first_block=-1)
             assert tx.stats["layers"] == 0 and dec.sched.request("a").layers_landed == 0  # nothing went out
-            torch = pytest.importorskip("torch")
             ids = [5, 6, 7]
             for layer, form in enumerate([np.array(ids, np.int32), torch.tensor(ids), ids, tuple(ids)]):
                 tx.send_layer(layer, [("a", form)])

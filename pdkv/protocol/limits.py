@@ -40,8 +40,9 @@ __all__ = [
 # records, data connections authenticated by a MAC over decode's nonce; 6: a prefill
 # instance proves its identity (an instance key, masked under the session key, in Auth), the
 # Challenge echoes the Hello's nonce, Bye ends a session, every wire integer bounded; 7: an
-# ErrorMsg names its request by field, a reservation carries an opaque binding
-PROTOCOL_VERSION = 7
+# ErrorMsg names its request by field, a reservation carries an opaque binding; 8: the Welcome
+# says how decode's buffers lay blocks out (buffer_order)
+PROTOCOL_VERSION = 8
 MAC_BYTES = 32  # HMAC-SHA256
 MAX_MESSAGE_BYTES = 1 << 20  # no control message is legitimately larger
 NONCE_BYTES = 16  # every nonce: Hello, Challenge, data connections

@@ -16,7 +16,7 @@ completed without the secret. Data connections authenticate against the session 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -263,6 +263,7 @@ class Welcome(_Base, tag="welcome", frozen=True):
     rdma: RdmaOffer | None = None
     cuda: IpcSection | None = None  # cuda_ipc: each rank's GPU cache as IPC handles and offsets
     nixl: NixlOffer | None = None  # nixl: decode's agent and its registered buffers
+    buffer_order: Literal["layer", "block"] = "layer"  # how decode's buffers lay blocks out
 
 
 _Binding = Annotated[bytes, msgspec.Meta(max_length=MAX_BINDING)]

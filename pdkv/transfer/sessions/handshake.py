@@ -231,6 +231,7 @@ def accept_session(rx: ReceiverCore, ident: bytes, hs: Handshake, auth: Auth) ->
         fields["rdma"],
         fields["cuda"],
         fields["nixl"],
+        rx.options.buffer_order,
     )
     frames = codec.encode(welcome)  # under the session key
     with rx.lock:

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ...layout import CacheSpec
 
@@ -99,6 +99,11 @@ class ReceiverOptions:
         With ``cuda_ipc`` served: each rank's GPU cache (a CacheSpec with ``device``
         set, at least as many blocks as the scheduler's GPU pool), exported to same-host
         prefill ranks. The caches must stay allocated while the receiver lives.
+    buffer_order:
+        How the shared buffers are laid out (:meth:`~pdkv.CacheSpec.for_buffer`):
+        ``layer`` (one region per layer and tensor, the default) or ``block`` (a block's
+        layers side by side: the order of a block-outermost engine cache, vLLM's BLHNC /
+        BLNHC, so that a swap into it moves whole blocks). Told to prefill in the Welcome.
     """
 
     control: str = "tcp://127.0.0.1:0"
@@ -123,8 +128,11 @@ class ReceiverOptions:
     max_pending_per_source: int = 16
     max_sessions: int = 1024
     max_blocks_per_instance: int | None = None
+    buffer_order: Literal["layer", "block"] = "layer"
 
     def __post_init__(self) -> None:
+        if self.buffer_order not in ("layer", "block"):
+            raise ValueError(f"buffer_order={self.buffer_order!r} must be 'layer' or 'block'")
         if isinstance(self.transports, str) or not self.transports:
             raise ValueError(f"transports={self.transports!r} must be a non-empty sequence of transport names")
         object.__setattr__(self, "transports", tuple(self.transports))

@@ -109,7 +109,9 @@ class ReceiverCore:
                 if b.spec.layout != lay or b.spec.num_blocks != buffer_blocks:
                     raise ValueError(f"{b.name}: its spec is not rank {lay.tp_rank}'s layout of {buffer_blocks} pages")
         self.specs = {
-            lay.tp_rank: b.spec if isinstance(b, HostRegion) else CacheSpec.for_buffer(lay, buffer_blocks, b.address)
+            lay.tp_rank: b.spec
+            if isinstance(b, HostRegion)
+            else CacheSpec.for_buffer(lay, buffer_blocks, b.address, order=opts.buffer_order)
             for lay, b in zip(layouts, buffers)
         }
         for lay, buf in zip(layouts, buffers):

@@ -254,7 +254,7 @@ def region_specs(welcome: Welcome, layouts: list[KVLayout], regions: dict[int, A
                 f"decode rank {rank}'s {what} region is missing or smaller than the "
                 f"{need} bytes {welcome.buffer_blocks} blocks need"
             )
-        out[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, reg.addr)
+        out[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, reg.addr, order=welcome.buffer_order)
     return out
 
 

@@ -53,7 +53,9 @@ class ShmSender(SenderTransport):
                     f"decode rank {rank}'s buffer {name!r} has {b.size} bytes, but "
                     f"{welcome.buffer_blocks} blocks of its layout need {need}"
                 )
-            self.dst_specs[rank] = CacheSpec.for_buffer(lay, welcome.buffer_blocks, b.address)
+            self.dst_specs[rank] = CacheSpec.for_buffer(
+                lay, welcome.buffer_blocks, b.address, order=welcome.buffer_order
+            )
         if cache.device is not None:
             from ...swap.engine import SwapEngine
 

@@ -69,8 +69,11 @@ class TcpSender(SenderTransport):
         self._socks: list[socket.socket] = []
         self._views: dict[tuple[int, int], tuple[memoryview, int]] = {}
         self._staged: StagedSends | None = None
+        self._dst_packed = True
 
     def connect(self, welcome: Welcome, layouts: list[KVLayout], deadline: float) -> None:
+        # decode's buffers: a run of blocks is one item only where they are packed per layer
+        self._dst_packed = welcome.buffer_order == "layer"
         host, port = welcome.data_addr.rsplit(":", 1)
         for _ in range(self.options.streams):
             self._socks.append(
@@ -130,7 +133,9 @@ class TcpSender(SenderTransport):
         # a staged frame fits one slot
         cap = min(_FRAME_BYTES, self._staged.slot_bytes) if self._staged is not None else _FRAME_BYTES
         for w in work:
-            for grp in plan_layer(h.segments, h.layout, h.dst_layout, h.cache, None, w.src, w.dst, layer):
+            for grp in plan_layer(
+                h.segments, h.layout, h.dst_layout, h.cache, None, w.src, w.dst, layer, dst_packed=self._dst_packed
+            ):
                 seg = grp.seg
                 unit = seg.length * seg.count  # payload bytes per block
                 if unit > MAX_FRAME_PAYLOAD:
