@@ -44,7 +44,12 @@ def engines(model, tmp_path_factory):
     control = f"tcp://127.0.0.1:{free_port()}"
     kv_bytes = DECODE_BLOCKS * 2 * 2 * 2 * BLOCK * 64 * 4  # blocks x layers x (K, V) x heads x tokens x dim x 4
     specs = {
-        "decode": ("consumer", {"control": control, "buffer_blocks": 64, "load_timeout_s": 20}, {"kv_bytes": kv_bytes}),
+        # asks for a block-outermost cache, which vLLM's CPU backend refuses: the fallback is served
+        "decode": (
+            "consumer",
+            {"control": control, "buffer_blocks": 64, "load_timeout_s": 20, "kv_cache_order": "block"},
+            {"kv_bytes": kv_bytes},
+        ),
         "shm": ("producer", {"decode": control, "transport": "shm"}, {"max_batched": 64}),
         "tcp": ("producer", {"decode": control, "transport": "tcp"}, {"max_batched": 64}),
         "colocated": ("none", {}, {"max_batched": 64}),  # the same chunks as prefill: the same numerics
@@ -89,6 +94,41 @@ def colocated(engines):
     r = engines["colocated"].generate(PROMPTS, 8)
     assert all(t is not None and len(t) == 8 for t in r["tokens"])
     return r["tokens"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # vLLM's imports (torch.jit) in this process
+def test_vllm_decode_asks_for_a_block_outermost_cache_and_falls_back_by_name(engines, monkeypatch):
+    """Decode asks vLLM's own layout resolution for BLNHC on a GPU (BLHNC in the CPU
+    backend's head-major order); the CPU backend supports LBHNC only, so vLLM keeps it and
+    decode's log names the backend and what vLLM chose, at start; prefill asks nothing."""
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    from pdkv.integrations.vllm import connector
+
+    def config(role, **extra):
+        kt = KVTransferConfig(
+            kv_connector="PdkvConnector",
+            kv_connector_module_path="pdkv.integrations.vllm",
+            kv_role=role,
+            kv_connector_extra_config=extra,
+        )
+        return VllmConfig(kv_transfer_config=kt)
+
+    gpu_backends = [["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]]  # no declared preference
+    with monkeypatch.context() as m:
+        m.setattr(connector, "_is_cpu", lambda: False)
+        assert resolve_kv_cache_layout(config("kv_consumer"), gpu_backends).name == "BLNHC"  # the default
+        assert resolve_kv_cache_layout(config("kv_consumer", kv_cache_order="vllm"), gpu_backends).name == "LBNHC"
+        assert resolve_kv_cache_layout(config("kv_producer"), gpu_backends).name == "LBNHC"
+        assert resolve_kv_cache_layout(config("kv_consumer"), [["LBNHC", "LBHNC"]]).name == "LBNHC"  # refused
+    assert connector.PdkvConnector.get_required_kvcache_layout(config("kv_consumer")) is None  # CPU: auto asks nothing
+    assert resolve_kv_cache_layout(config("kv_consumer", kv_cache_order="block"), [["LBHNC"]]).name == "LBHNC"
+    log = engines["decode"].log.read_text()
+    assert (
+        "pdkv decode asked vLLM for the block-outermost KV cache layout BLHNC; attention backend CPU_ATTN (LBHNC); "
+        "vLLM chose LBHNC" in log
+    ), log[-3000:]
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

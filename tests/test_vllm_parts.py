@@ -81,7 +81,7 @@ def test_peer_timeout_s_reaches_both_sides():
 
 _KEYS_SORTED = (
     "['advertise', 'buffer_blocks', 'buffer_gib', 'control', 'data_host', 'decode', 'instance', 'instance_key', "
-    "'kv_fused', 'lease_s', 'load_timeout_s', 'peer_timeout_s', 'prefill', 'pull', 'pull_answer_timeout_s', "
+    "'kv_cache_order', 'kv_fused', 'lease_s', 'load_timeout_s', 'peer_timeout_s', 'prefill', 'pull', 'pull_answer_timeout_s', "
     "'pull_timeout_s', 'queue_timeout_s', 'reserve_timeout_s', 'secret', 'swap_priority', 'transport', 'transports']"
 )
 EXTRA = "kv_connector_extra_config"
@@ -234,7 +234,9 @@ class _Pair:
     """Decode's scheduler half and worker half (a host 'vLLM cache' of 16 blocks) and
     prefill's worker half, with this test calling them in vLLM's order."""
 
-    def __init__(self, *, load_timeout_s=20.0, queue_timeout_s=20.0, recompute=False, sender=None, extra=None):
+    def __init__(
+        self, *, load_timeout_s=20.0, queue_timeout_s=20.0, recompute=False, sender=None, extra=None, order="layer"
+    ):
         lay = _layout()
         self.lay = lay
         cfg = {"buffer_blocks": 12, "load_timeout_s": load_timeout_s, "queue_timeout_s": queue_timeout_s}
@@ -242,9 +244,11 @@ class _Pair:
             parse_settings("kv_consumer", "d", cfg),
             [lay],
             recompute=recompute,
+            buffer_order=order,
         )
+        # vLLM's cache: per layer (LBHNC) or block-outermost (BLHNC), as the buffer
         self.cache = np.zeros(lay.block_bytes * 16, np.uint8)
-        self.loader = LoadWorker(lay, CacheSpec.for_buffer(lay, 16, self.cache.ctypes.data))
+        self.loader = LoadWorker(lay, CacheSpec.for_buffer(lay, 16, self.cache.ctypes.data, order=order))
         self.src = np.random.default_rng(3).integers(0, 256, lay.block_bytes * 16, dtype=np.uint8)
         cfg = {"decode": self.decode.control_address, **(extra or {})}
         self.sender = SendWorker(
@@ -299,6 +303,10 @@ class _Pair:
         self.decode.loaded(done, errors)
         return meta, errors
 
+    def src_block(self, b):
+        """Block ``b`` of prefill's cache (per layer), every layer side by side."""
+        return _block(self.src, self.lay, b)
+
     def close(self):
         self.sender.close()
         self.loader.close()
@@ -334,6 +342,35 @@ def test_vllm_halves_carry_a_request_and_free_every_block(no_leaks):
         assert p.decode.finished("v1") is False  # loaded: nothing for vLLM to wait for
         assert p.decode.sched.buffer.num_free == 12 and p.decode.sched.live_requests() == []
         assert p.loader.recent["v1"] == (10, 2, 5)
+    finally:
+        p.close()
+
+
+def test_vllm_a_block_outermost_decode_cache_and_buffer_take_whole_blocks(no_leaks):
+    """Decode's cache and buffer block-outermost (vLLM's BLHNC, the buffer mirroring it),
+    prefill per layer: every layer of every block lands where vLLM's block table says, the
+    step's metadata tells the workers the buffer's order, and a run of blocks consecutive
+    in the buffer and the cache is one piece of the swap."""
+    from pdkv import plan
+
+    p = _Pair(order="block")
+    try:
+        params = _params("p1")
+        p.prefill("a", "p1", (3, 7, 8, 9), 30, chunks=[16, 14])
+        assert p.sent("a")
+        assert p.decode.matched("v1", params, _prompt(30), 0) == (30, True)
+        p.decode.allocated("v1", [10, 2, 3, 4], 30)
+        meta, errors = p.load("v1", None)
+        assert meta.buffer_order == "block" and errors == set()
+        span = p.lay.block_bytes  # every layer of a block, side by side
+        for src_b, dst_b in zip((3, 7, 8, 9), (10, 2, 3, 4)):
+            assert p.cache[dst_b * span : (dst_b + 1) * span].tobytes() == p.src_block(src_b)
+        (ld,) = meta.loads
+        engine = p.loader._swap(meta)
+        cp = plan.plan_copy(engine.buffer, engine.gpu, list(ld.buffer_blocks), list(ld.blocks))
+        runs = len(plan.run_starts(np.asarray(ld.buffer_blocks), np.asarray(ld.blocks))[0])
+        assert cp.pieces == runs and int(cp.lengths.sum()) == 4 * span  # whole blocks, every layer
+        assert p.decode.sched.buffer.num_free == 12
     finally:
         p.close()
 

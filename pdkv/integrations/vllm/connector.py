@@ -22,7 +22,15 @@ from ...layout import KVLayout
 from ..core.tally import merge
 from .consumer import DecodeSide, LoadWorker
 from .producer import PrefillSide, SendWorker
-from .settings import StepMeta, check_version, layout_for, order_of, parse_settings
+from .settings import (
+    StepMeta,
+    buffer_order_of,
+    check_version,
+    layout_for,
+    order_of,
+    parse_settings,
+    required_layout,
+)
 from .stats_hooks import PdkvPromMetrics, PdkvStats
 from .views import cache_spec
 
@@ -59,6 +67,23 @@ def _log_like_vllm() -> None:
     mine.setLevel(theirs.getEffectiveLevel())
 
 
+def _backends_of(config: Any) -> str:
+    """The attention backends of the model's layers and the layouts each supports, for a
+    warning: ``FLASH_ATTN (any)``, ``CPU_ATTN (LBHNC)``."""
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        names = set()
+        for layer in get_layers_from_vllm_config(config, AttentionLayerBase).values():
+            b = layer.get_attn_backend()
+            ok = b.supported_kv_cache_layouts()
+            names.add(f"{b.get_name()} ({'any' if ok is None else ', '.join(o.name for o in ok)})")
+    except Exception as e:  # a vLLM that moved these: the warning still says what was chosen
+        return f"the attention backend could not be named ({type(e).__name__})"
+    return "attention backend " + ", ".join(sorted(names)) if names else "no attention layer found"
+
+
 def _is_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -86,7 +111,10 @@ class PdkvConnector(KVConnectorBase_V1):
                 f"pdkv's vLLM connector serves one KV cache group (full attention); this model has "
                 f"{len(kv_cache_config.kv_cache_groups)}"
             )
-        layout_name = getattr(kv_cache_config, "kv_cache_layout", None)
+        layout_name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+            vllm_config.cache_config, "kv_cache_layout", None
+        )
+        self._layout_name = layout_name
         self._order = order_of(layout_name, _is_cpu(), self._settings.kv_fused)
         self._config = vllm_config
         self._prefill: PrefillSide | None = None
@@ -104,7 +132,19 @@ class PdkvConnector(KVConnectorBase_V1):
                     self._settings,
                     [self._layout(r) for r in range(tp)],
                     recompute=getattr(kt, "kv_load_failure_policy", "fail") == "recompute",
+                    buffer_order=buffer_order_of(layout_name),
                 )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Decode asks for a block-outermost cache (``kv_cache_order``, on a GPU by default):
+        a block of every layer is one contiguous piece, the size at which the swap reaches
+        line rate on the copy engines. vLLM drops the request, with a warning, where an
+        attention backend does not support it; pdkv then names the backend at start
+        (:meth:`register_kv_caches`) and swaps per layer."""
+        kt = vllm_config.kv_transfer_config
+        settings = parse_settings(str(kt.kv_role), str(kt.engine_id), kt.kv_connector_extra_config)
+        return required_layout(settings, _is_cpu())
 
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
@@ -158,6 +198,16 @@ class PdkvConnector(KVConnectorBase_V1):
             raise LayoutError(f"vLLM gave {len(names)} KV cache layers; the model has {layout.total_layers}")
         self._kv_caches = [kv_caches[n] for n in names]  # by layer index (for inspection)
         spec = cache_spec(layout, self._kv_caches)
+        asked = required_layout(self._settings, _is_cpu())
+        if asked is not None and asked != self._layout_name and layout.tp_rank == 0:
+            _log.warning(
+                "pdkv decode asked vLLM for the block-outermost KV cache layout %s; %s; vLLM chose %s, so "
+                "each swap moves one layer of a block per piece (kv_connector_extra_config"
+                "['kv_cache_order']='vllm' asks nothing)",
+                asked,
+                _backends_of(self._config),
+                self._layout_name or "its default",
+            )
         if self._producer:
             self._sender = SendWorker(self._settings, layout, spec)
         else:

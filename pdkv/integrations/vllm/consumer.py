@@ -119,6 +119,7 @@ class DecodeSide:
         layouts: list[KVLayout],
         *,
         recompute: bool = False,
+        buffer_order: str = "layer",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         lay = layouts[0]
@@ -132,6 +133,7 @@ class DecodeSide:
                 "raise kv_connector_extra_config['buffer_gib']"
             )
         self.settings, self.layouts, self.num_blocks = settings, layouts, n
+        self.buffer_order = buffer_order
         self.recompute, self.clock = recompute, clock
         self.refused = 0  # requests that claimed KV they could not prove their own
         self.computed_here = 0  # requests whose KV decode's buffer refused (no room in time)
@@ -175,6 +177,7 @@ class DecodeSide:
                 data_host=settings.data_host,
                 auto_tick=True,
                 peer_timeout_s=settings.peer_timeout_s,
+                buffer_order=buffer_order,
             )
         except BaseException:
             self.close()
@@ -372,7 +375,12 @@ class DecodeSide:
         """``build_connector_meta``: the loads bound since the last step."""
         loads, self._loads = self._loads, []
         self._drain()
-        return StepMeta(buffers=[b.name for b in self.buffers], buffer_blocks=self.num_blocks, loads=loads)
+        return StepMeta(
+            buffers=[b.name for b in self.buffers],
+            buffer_blocks=self.num_blocks,
+            buffer_order=self.buffer_order,
+            loads=loads,
+        )
 
     def loaded(self, finished: Iterable[str], invalid_blocks: Iterable[int] = ()) -> None:
         """``update_connector_output``: the workers finished these loads (a load whose

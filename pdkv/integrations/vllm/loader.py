@@ -49,7 +49,7 @@ class LoadWorker:
             size = CacheSpec.buffer_bytes(self.layout, meta.buffer_blocks)
             buf = SharedBuffer.open(name, expect_size=size)
             try:
-                spec = CacheSpec.for_buffer(self.layout, meta.buffer_blocks, buf.address)
+                spec = CacheSpec.for_buffer(self.layout, meta.buffer_blocks, buf.address, order=meta.buffer_order)
                 pri: Literal["throughput", "decode"] = "decode" if self.priority == "decode" else "throughput"
                 self._engine = SwapEngine(spec, self.cache, buffer_pinned=buf.pinned, priority=pri)
             except BaseException:

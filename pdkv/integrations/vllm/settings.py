@@ -116,7 +116,9 @@ _KEYS = {
     "peer_timeout_s",
     "advertise",
     "swap_priority",
+    "kv_cache_order",
 }
+KV_CACHE_ORDERS = ("auto", "block", "vllm")
 
 
 def check_version(version: str) -> None:
@@ -150,7 +152,10 @@ class Settings:
     (default auto), ``instance`` (a label) and ``instance_key`` (the identity; default a
     random key the scheduler half mints and hands its workers), ``reserve_timeout_s``. ``kv_fused`` overrides
     the cache order pdkv reads from vLLM (``head``: the CPU backend, ``row``: the GPU
-    backends).
+    backends). ``kv_cache_order`` (decode): ``block`` asks vLLM for a block-outermost cache
+    (``BLNHC``; ``BLHNC`` on the CPU backend) so that a swap moves whole multi-layer
+    blocks, ``vllm`` leaves vLLM's order, ``auto`` (the default) is ``block`` on a GPU and
+    ``vllm`` on the CPU backend (which reads ``LBHNC`` only).
     """
 
     role: str
@@ -177,6 +182,7 @@ class Settings:
     peer_timeout_s: float = 10.0
     advertise: str = ""
     swap_priority: str = "decode"
+    kv_cache_order: str = "auto"
 
 
 def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:
@@ -230,6 +236,11 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
         raise ValueError(
             f"kv_connector_extra_config['swap_priority']={swap_priority!r} must be 'decode' or 'throughput'"
         )
+    order = extra.get("kv_cache_order", "auto")
+    if order not in KV_CACHE_ORDERS:
+        raise ValueError(
+            f"kv_connector_extra_config['kv_cache_order']={order!r} must be one of {', '.join(KV_CACHE_ORDERS)}"
+        )
     advertise = extra.get("advertise", "")
     if advertise and not (isinstance(advertise, str) and _ADDRESS.fullmatch(advertise)):
         raise ValueError(f"kv_connector_extra_config['advertise']={advertise!r} must be a tcp://host:port address")
@@ -261,6 +272,7 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
         peer_timeout_s=_positive(extra, "peer_timeout_s", 10.0),
         advertise=advertise,
         swap_priority=swap_priority,
+        kv_cache_order=order,
     )
 
 
@@ -294,6 +306,25 @@ def order_of(kv_cache_layout: str | None, cpu: bool, kv_fused: str = "") -> tupl
     if fused == "head" and _ORDERS[name]:
         raise LayoutError(f"vLLM's CPU cache order (kv_fused='head') is head-major; {name} is token-major")
     return fused, _ORDERS[name]
+
+
+def required_layout(settings: Settings, cpu: bool) -> str | None:
+    """The KVCacheLayout name this engine's connector asks vLLM for (``None``: vLLM's own
+    choice). Decode asks for a block-outermost cache (``kv_cache_order``), in the block
+    interior the backend reads: a block of every layer is then one contiguous piece of the
+    swap. Prefill sends layer by layer as vLLM computes, and keeps vLLM's order."""
+    if settings.role != "kv_consumer":
+        return None
+    order = settings.kv_cache_order
+    if order == "vllm" or (order == "auto" and cpu):
+        return None
+    return "BLHNC" if cpu or settings.kv_fused == "head" else "BLNHC"
+
+
+def buffer_order_of(kv_cache_layout: str | None) -> str:
+    """Decode's buffer mirrors vLLM's cache: block-outermost where the cache is (``BL..``),
+    so that whole blocks of every layer move as one piece; per layer otherwise."""
+    return "block" if (kv_cache_layout or "").startswith("BL") else "layer"
 
 
 def layout_for(
@@ -365,6 +396,7 @@ class StepMeta:
 
     buffers: Sequence[str] = ()
     buffer_blocks: int = 0
+    buffer_order: str = "layer"  # the buffers' order (:func:`buffer_order_of` vLLM's cache)
     loads: list[Load] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)  # prefill: held for a pull that never came, freed
