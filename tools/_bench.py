@@ -65,3 +65,49 @@ def ucx_env(ucx: str, gpu: bool = False) -> dict[str, str]:
     env.update(UCX_TLS=tls + (",cuda_copy" if gpu or _ffi.cuda.device_count() else ""), UCX_NET_DEVICES="lo")
     os.environ.update({k: env[k] for k in ("UCX_TLS", "UCX_NET_DEVICES")})
     return env
+
+
+def recorded_ids(spec: str, blocks: int) -> tuple[list[int], list[int], int]:
+    """Block ids as real allocators handed them out: ``FILE:SCENARIO`` names a
+    ``tools/piece_sizes.py --ids-out`` file and one of its scenarios (``fresh_nocache``,
+    ``fresh_cache``, ``churn_nocache``, ``churn_cache``). Whole recorded swaps from the middle
+    of the trace on, in order, until ``blocks``; each swap's ids renumbered on each side so
+    that ids adjacent before are adjacent after and others are not (its runs, and so its
+    pieces, unchanged), each swap in an id range of its own (a block moved once a call).
+    The id space is at most twice the blocks. Returns src, dst and the ids a side needs.
+    SystemExit names what is wrong with the file or the scenario."""
+    import numpy as np
+
+    path, _, key = spec.rpartition(":")
+    try:
+        z = np.load(path)
+        src, dst, lens = z[key + "_src"], z[key + "_dst"], z[key + "_len"]
+    except (OSError, KeyError, ValueError) as e:
+        raise SystemExit(f"--ids {spec}: not a piece_sizes.py --ids-out file with scenario {key!r} ({e})") from None
+    ends = np.cumsum(lens)
+    starts = ends - lens
+
+    def renumber(ids: list[int], base: int) -> list[int]:
+        new, prev, at = {}, None, base - 1
+        for x in sorted(set(ids)):
+            at += 1 if prev is not None and x == prev + 1 else 2
+            new[x] = at
+            prev = x
+        return [new[x] for x in ids]
+
+    s_out: list[int] = []
+    d_out: list[int] = []
+    top_s = top_d = 0
+    for i in range(len(lens) // 2, len(lens)):
+        room = blocks - len(s_out)
+        s = renumber(src[starts[i] : ends[i]].tolist()[:room], top_s)
+        d = renumber(dst[starts[i] : ends[i]].tolist()[:room], top_d)
+        if s:
+            s_out += s
+            d_out += d
+            top_s, top_d = max(s) + 1, max(d) + 1
+        if len(s_out) == blocks:
+            break
+    if len(s_out) < blocks:
+        raise SystemExit(f"--ids {spec}: the second half of the trace moves {len(s_out)} blocks, not {blocks}")
+    return s_out, d_out, max(top_s, top_d) + 1
