@@ -20,7 +20,13 @@ included.
 ``[blocks, heads, tokens, 2 x head_dim]`` view, K and V fused in each row, token-major: the
 FlashAttention default, two layers, a block size being one layer's fused block) and
 ``--layout vllm-cross`` in vLLM's cross-layer order BLHNC (a block's layers side by side),
-with pdkv's buffer in the fused layout: the swap vLLM's connector runs in its workers.
+with pdkv's buffer in the fused layout: the swap vLLM's connector runs in its workers;
+``--layout vllm-block``: BLHNC with decode's buffer mirroring it (``buffer_order="block"``),
+so a run of blocks is one piece of every layer.
+
+``--ids FILE:SCENARIO`` takes the block ids from ``tools/piece_sizes.py --ids-out`` (a trace
+replayed through vLLM's block pool and pdkv's buffer allocator) instead of random
+permutations.
 
 Needs a CUDA GPU and torch.  python tools/bench_swap.py [--blocks 4096] [--reps 64] [--layout mla|vllm|vllm-cross]
 """
@@ -35,7 +41,7 @@ import sys
 import time
 
 import numpy as np
-from _bench import torch_with_cuda
+from _bench import recorded_ids, torch_with_cuda
 
 import pdkv
 from pdkv.native import cuda as _cuda
@@ -52,7 +58,12 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=4096)
     ap.add_argument("--sizes-kib", default="16,32,64,128,512")
     ap.add_argument("--reps", type=int, default=64, help="calls submitted back to back per timing")
-    ap.add_argument("--layout", choices=["mla", "vllm", "vllm-cross"], default="mla", help="the GPU cache's layout")
+    ap.add_argument(
+        "--layout", choices=["mla", "vllm", "vllm-cross", "vllm-block"], default="mla", help="the caches' layout"
+    )
+    ap.add_argument(
+        "--ids", default="", help="FILE:SCENARIO of tools/piece_sizes.py --ids-out: recorded block ids, not random"
+    )
     a = ap.parse_args()
     torch = torch_with_cuda("bench_swap", " (for the torch-loop alternative and the ceiling)")
     if torch is None:
@@ -92,7 +103,12 @@ def main() -> int:
             cs.append(time.perf_counter() - t0)
         return statistics.median(ps), statistics.median(cs)
 
-    what = {"mla": "one layer", "vllm": "vLLM's fused layout, 2 layers", "vllm-cross": "vLLM's BLHNC, 2 layers"}
+    what = {
+        "mla": "one layer",
+        "vllm": "vLLM's fused layout, 2 layers",
+        "vllm-cross": "vLLM's BLHNC, 2 layers",
+        "vllm-block": "vLLM's BLHNC and a block-outermost buffer, 2 layers",
+    }
     print(
         f"{N} scattered blocks per call ({what[a.layout]}; KiB per layer), {a.reps} calls back to back, "
         "GB/s (ratio to the one-large-copy ceiling)"
@@ -121,19 +137,23 @@ def main() -> int:
                 token_major=True,
             )
         assert lay.block_bytes == L * size
-        nb = 2 * N
+        if a.ids:
+            src, dst, nb = recorded_ids(a.ids, N)
+        else:
+            nb = 2 * N
+            src = rng.permutation(nb)[:N].tolist()
+            dst = rng.permutation(nb)[:N].tolist()
         total = N * size * L
         buf = pdkv.SharedBuffer.create(nb * size * L, require_pinned=True)
         gpu = torch.empty(nb * size * L, dtype=torch.uint8, device="cuda")
-        bspec = pdkv.CacheSpec.for_buffer(lay, nb, buf.address)
-        if a.layout == "vllm-cross":  # BLHNC: block b's layer l at (b x L + l) x size
+        block_buf = a.layout == "vllm-block"
+        bspec = pdkv.CacheSpec.for_buffer(lay, nb, buf.address, order="block" if block_buf else "layer")
+        if a.layout in ("vllm-cross", "vllm-block"):  # BLHNC: block b's layer l at (b x L + l) x size
             gspec = pdkv.CacheSpec.vllm(lay, nb, [(gpu.data_ptr() + li * size, L * size) for li in range(L)])
         else:
             gspec = pdkv.CacheSpec.for_buffer(lay, nb, gpu.data_ptr())
         host = torch.frombuffer(buf.buf, dtype=torch.uint8)
         host.copy_(torch.randint(0, 256, (nb * size * L,), dtype=torch.uint8))
-        src = rng.permutation(nb)[:N].tolist()
-        dst = rng.permutation(nb)[:N].tolist()
         res = {}
         # pinned torch tensor: the torch loop's source and the ceiling's
         pinned = torch.empty((nb, size * L), dtype=torch.uint8, pin_memory=True)
@@ -176,8 +196,9 @@ def main() -> int:
                 submit(s_, d_, direction).wait(60)
                 torch.cuda.synchronize()
                 # [layer, block, bytes] on both sides, whatever the GPU cache's order
-                hv = host.view(L, nb, size)
-                gv = gpu.view(nb, L, size).transpose(0, 1) if a.layout == "vllm-cross" else gpu.view(L, nb, size)
+                hv = host.view(nb, L, size).transpose(0, 1) if block_buf else host.view(L, nb, size)
+                cross = a.layout in ("vllm-cross", "vllm-block")
+                gv = gpu.view(nb, L, size).transpose(0, 1) if cross else gpu.view(L, nb, size)
                 ok = torch.equal(
                     gv.index_select(1, torch.tensor(dst, device="cuda")).cpu(), hv.index_select(1, torch.tensor(src))
                 )
