@@ -239,7 +239,22 @@ def test_plan_plot_on_the_shipped_trace(tmp_path):
     [
         ([], "plan needs --trace FILE"),
         (["--trace", TRACE, "--gpu-gib", "0"], "--gpu-gib must be a positive number"),
-        (["--trace", TRACE, "--bandwidth-gbps", "-1"], "--bandwidth-gbps must be >= 0"),
+        (["--trace", TRACE, "--bandwidth-gbps", "-1"], "--bandwidth-gbps: '-1' is not a rate"),
+        # units no one can mistake: a NIC's gigabits typed bare, zero, a unit that is neither
+        (["--trace", TRACE, "--bandwidth-gbps", "200"], "for a rating in gigabits write 200Gb/s (25 GB/s)"),
+        (["--trace", TRACE, "--bandwidth-gbps", "0"], "must be a positive rate (leave the flag out to measure"),
+        (["--trace", TRACE, "--bandwidth-gbps", "25gbps"], "the unit 'gbps' is not one of GB/s"),
+        (["--trace", TRACE, "--bandwidth-gbps", "9000GB/s"], "above any link there is (400 GB/s)"),
+        (["--trace", TRACE, "--swap-gbps", "nan"], "--swap-gbps: 'nan' is not a rate"),
+        (["--trace", TRACE, "--gpu-gib", "1e9"], "--gpu-gib 1e+09 is more KV cache than any GPU holds"),
+        (["--trace", TRACE, "--gpu-blocks", "1000000000"], "more KV cache than any GPU holds"),
+        (["--trace", TRACE, "--time-scale", "nan"], "--time-scale nan must be a positive number"),
+        (["--trace", TRACE, "--time-scale", "inf"], "--time-scale inf must be a positive number"),
+        # flags plan does not read are refused by name, not ignored
+        (["--trace", TRACE, "--buffer-gib", "100000"], "--buffer-gib does not apply to plan mode"),
+        (["--trace", TRACE, "--requests", "5"], "--requests does not apply to plan mode"),
+        (["--trace", TRACE, "--no-verify"], "--no-verify does not apply to plan mode"),
+        (["--trace", TRACE, "--metrics-port", "0"], "--metrics-port does not apply to plan mode"),
         (["--trace", TRACE, "--prefill-overhead-ms", "-1"], "--prefill-overhead-ms must be >= 0"),
         (["--trace", TRACE, "--prefill-instances", "0"], "--prefill-instances must be positive"),
         (["--trace", TRACE, "--target-ttft-ms", "nan"], "--target-ttft-ms"),
@@ -608,3 +623,111 @@ def test_a_recommendation_says_if_it_fills_what_decode_sees_and_if_its_alternati
     assert "decode's first step (the request's start at decode), without -> with it: p50 5544 -> 5707 ms" in text
     assert "the recommended size itself fills: peak 100%, 41 requests queued for its room" in text
     assert "not feasible on one GPU: 179 GiB of KV cache a rank is more than an H200's 141 GiB" in text
+
+
+@pytest.mark.parametrize(
+    "text, gbs",
+    [("5", 5.0), ("3.1GB/s", 3.1), ("25Gb/s", 3.125), ("400Gbit/s", 50.0), ("2GiB/s", 2 * 1.073741824)]
+    + [("800MB/s", 0.8), ("512MiB/s", 0.536870912), ("64", 64.0), ("100GB/s", 100.0)],
+)
+def test_plan_rates_take_their_unit_and_a_bare_number_is_gigabytes(text, gbs):
+    from pdkv.cli.transfer_tool.app import _link_rate
+
+    assert _link_rate(text) == pytest.approx(gbs)
+
+
+def test_plan_help_lists_only_the_flags_plan_reads(capsys):
+    """Every flag `plan --help` shows is one plan reads (the rest are refused, above); the
+    transfer test's own flags are absent, plan's are all there."""
+    from pdkv.cli.transfer_tool.app import _PLAN_READS
+
+    with pytest.raises(SystemExit):
+        tool_main(["plan", "--help"])
+    out = capsys.readouterr().out
+    import re
+
+    # option lines start with two spaces and the flag: "  --gpu-gib GPU_GIB     decode GPU ..."
+    shown = {f for m in re.finditer(r"^  (-\S.*?)(?:\s{2,}|$)", out, re.M) for f in re.findall(r"--?[a-z][\w-]*", m[1])}
+    assert shown and shown <= _PLAN_READS, shown - _PLAN_READS
+    for absent in ("--requests", "--rate", "--buffer-gib", "--no-verify", "--metrics-port", "--listen", "--seed"):
+        assert absent not in shown, absent
+    for present in ("--trace", "--gpu-gib", "--bandwidth-gbps", "--swap-gbps", "--token-ms", "--decode-tp"):
+        assert present in shown, present
+
+
+@pytest.mark.parametrize(
+    "record, why",
+    [
+        ({"input_length": 100_000_000_000, "output_length": 1}, "line 3: 100000000000 + 1 tokens is more than any"),
+        ({"input_length": 1_000_000_000, "output_length": 1}, "line 3: 1000000000 + 1 tokens is more than any"),
+        # fits a context, not a GPU: the plan stops naming the line (the outlier rule)
+        ({"input_length": 9_000_000, "output_length": 1}, "trace line 3: 9,000,000 tokens need 1,099 GiB of KV"),
+    ],
+)
+def test_plan_names_a_trace_outlier_by_its_line_and_stops(tmp_path, record, why, capsys):
+    rows = [{"timestamp": t, "input_length": 512, "output_length": 8, "hash_ids": []} for t in (0, 500)]
+    rows.insert(2, {"timestamp": 800, "hash_ids": [], **record})
+    rows.append({"timestamp": 1000, "input_length": 512, "output_length": 8, "hash_ids": []})
+    path = tmp_path / "outlier.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = tool_main(["plan", "--trace", str(path), "--bandwidth-gbps", "5", "--swap-gbps", "20"])
+    err = capsys.readouterr().err
+    assert rc == 2 and why in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["decode", "--listen", "tcp://127.0.0.1:0", "--data-host", "no-such-host.invalid"], "--data-host: 'no-such"),
+        (["decode", "--listen", "tcp://127.0.0.1:0", "--data-host", "999.1.1.1"], "--data-host: '999.1.1.1' is not"),
+        (["prefill", "--connect", "tcp://no-such-host.invalid:5555"], "--connect: 'no-such-host.invalid' is not an"),
+        (["prefill", "--connect", "tcp://:5555"], "--connect tcp://:5555: expected tcp://HOST:PORT"),
+        (["local", "--buffer-gib", "nan"], "--buffer-gib nan must be a positive number"),
+        (["local", "--buffer-gib", "inf"], "--buffer-gib inf must be a positive number"),
+        (["local", "--timeout", "inf"], "--timeout inf must be a positive number"),
+    ],
+)
+def test_the_tools_bad_inputs_end_in_one_line_and_exit_2(argv, why, capsys):
+    """Names that do not resolve and numbers that are not numbers: one line, exit 2, at once
+    (before anything binds, connects or allocates)."""
+    import time
+
+    t0 = time.monotonic()
+    assert tool_main(argv) == 2
+    err = capsys.readouterr().err
+    assert why in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert time.monotonic() - t0 < 5
+
+
+def test_plan_verdict_holds_while_the_measured_link_moves_within_its_spread(monkeypatch, capsys):
+    """The planner run five times with its defaults (rates measured here) on a trace whose KV
+    need sits within the measured link's spread: the same first line five times, and it
+    says marginal; measured well above or below the need, the verdict is not marginal."""
+    from pdkv.cli.transfer_tool import plan_mode
+
+    trace = read_trace(TRACE)
+    lay = KVLayout(num_layers=32, kv_heads=8, head_dim=128, tokens_per_block=64, dtype="bf16")
+    span = max(r.arrival for r in trace) - min(r.arrival for r in trace)
+    need = sum(lay.blocks_for_tokens(r.input_tokens) for r in trace) * lay.block_bytes / span / 1e9
+    rng = np.random.default_rng(7)
+
+    def measured(lo: float, hi: float):
+        def fake(a, console):
+            links = sorted(float(x) for x in rng.uniform(lo, hi, 3))
+            return links[1] * 1e9, 20e9, links, [20.0, 20.0, 20.0]
+
+        return fake
+
+    def first_lines(lo: float, hi: float, n: int) -> list[str]:
+        monkeypatch.setattr(plan_mode, "measure_rates", measured(lo, hi))
+        out = []
+        for _ in range(n):
+            assert tool_main(["plan", "--trace", TRACE]) == 0
+            out.append(capsys.readouterr().out.splitlines()[0])
+        return out
+
+    lines = first_lines(0.75 * need, 1.25 * need, 5)  # each run's median on either side of the need
+    assert len(set(lines)) == 1 and lines[0].startswith("verdict: marginal."), lines
+    assert f"{need:.2f} GB/s of KV on average" in lines[0]
+    assert not first_lines(3 * need, 3.5 * need, 1)[0].startswith("verdict: marginal")
+    assert first_lines(0.2 * need, 0.3 * need, 1)[0].startswith("verdict: the link saturates")

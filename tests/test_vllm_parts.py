@@ -81,8 +81,9 @@ def test_peer_timeout_s_reaches_both_sides():
 
 _KEYS_SORTED = (
     "['advertise', 'buffer_blocks', 'buffer_gib', 'control', 'data_host', 'decode', 'instance', 'instance_key', "
-    "'kv_cache_order', 'kv_fused', 'lease_s', 'load_timeout_s', 'peer_timeout_s', 'prefill', 'pull', 'pull_answer_timeout_s', "
-    "'pull_timeout_s', 'queue_timeout_s', 'reserve_timeout_s', 'secret', 'swap_priority', 'transport', 'transports']"
+    "'kv_cache_order', 'kv_fused', 'lease_s', 'load_timeout_s', 'peer_timeout_s', 'prefill', 'pull', "
+    "'pull_answer_timeout_s', 'pull_timeout_s', 'queue_timeout_s', 'reserve_timeout_s', 'secret', 'swap_priority', "
+    "'transport', 'transports']"
 )
 EXTRA = "kv_connector_extra_config"
 SHORT_KEY = "must be a string of at least 16 characters"

@@ -27,6 +27,7 @@ from .report import build_report, progress_bar
 from .workload import PRESETS, Parser, UsageError, layout_kw, make_workload, parse_devices
 
 MODES = ["local", "decode", "prefill", "plan", "sweep"]
+MAX_GPU_GIB = 1024  # a rank's KV cache in plan: above every GPU's memory, far below what would exhaust this host
 _FAILURES_SHOWN = 5  # failed requests prefill mode names one by one; the rest are counted by reason
 
 
@@ -58,6 +59,50 @@ def run_decode(a: argparse.Namespace, console: Any) -> int:
     finally:
         dec.close()
     return _finish(a, rep, console, dec, interrupted)
+
+
+# a capital B is bytes, a small b bits, as written on a NIC's or a bus's rating
+_RATE_UNITS = {"GB/s": 1e9, "GiB/s": float(1 << 30), "MB/s": 1e6, "MiB/s": float(1 << 20)}
+_RATE_UNITS |= {"Gb/s": 1.25e8, "Gbit/s": 1.25e8, "Mb/s": 1.25e5, "Mbit/s": 1.25e5}
+# a bare number above these reads like gigabits (a NIC's rating): the unit must be said
+_BARE_MAX = {"link": 64.0, "swap": 128.0}
+# above any that exists: a link of 8 x 400 Gb/s NICs; a swap above a GPU's host link (GH200's C2C)
+_RATE_MAX = {"link": 400.0, "swap": 500.0}
+
+
+def _rate(text: str, what: str) -> float:
+    """A rate in GB/s (10^9 bytes): a bare number is GB/s, or a number with one of
+    :data:`_RATE_UNITS` (``25Gb/s`` is gigabits)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(\S*)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate: a number of GB/s, or 25Gb/s, 3.1GB/s, 800MB/s")
+    value, unit = float(m.group(1)), m.group(2)
+    if unit and unit not in _RATE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the unit {unit!r} is not one of {', '.join(_RATE_UNITS)} (B: bytes, b: bits)"
+        )
+    gbs = value * _RATE_UNITS[unit] / 1e9 if unit else value
+    if not (math.isfinite(gbs) and gbs > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive rate (leave the flag out to measure it)")
+    if not unit and gbs > _BARE_MAX[what]:
+        raise argparse.ArgumentTypeError(
+            f"{text} GB/s is more than a {what} usually carries: for a rating in gigabits write {text}Gb/s "
+            f"({value / 8:g} GB/s); for gigabytes, {text}GB/s"
+        )
+    if gbs > _RATE_MAX[what]:
+        top = _RATE_MAX[what]
+        raise argparse.ArgumentTypeError(f"{text} is {gbs:g} GB/s, above any {what} there is ({top:g} GB/s)")
+    return gbs
+
+
+def _link_rate(text: str) -> float:
+    return _rate(text, "link")
+
+
+def _swap_rate(text: str) -> float:
+    return _rate(text, "swap")
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -224,9 +269,20 @@ def build_parser() -> argparse.ArgumentParser:
         "a transfer test run reports it as prefill_fixed_ms",
     )
     g.add_argument(
-        "--bandwidth-gbps", type=float, default=0.0, help="prefill -> decode link, GB/s (default: measured here)"
+        "--bandwidth-gbps",
+        type=_link_rate,
+        default=None,
+        metavar="RATE",
+        help="prefill -> decode link: gigaBYTES a second, or with a unit, 25Gb/s (gigabits), "
+        "3.1GB/s, 2.9GiB/s, 800MB/s (default: measured here on loopback)",
     )
-    g.add_argument("--swap-gbps", type=float, default=0.0, help="buffer -> GPU swap, GB/s (default: measured here)")
+    g.add_argument(
+        "--swap-gbps",
+        type=_swap_rate,
+        default=None,
+        metavar="RATE",
+        help="buffer -> GPU swap: gigaBYTES a second, or with a unit as --bandwidth-gbps (default: measured here)",
+    )
     g.add_argument(
         "--direct-to-gpu",
         action="store_true",
@@ -302,11 +358,22 @@ _MODES_OF = {
 }
 
 
+# every flag plan reads (the others are the transfer test's: plan refuses them by name)
+_PLAN_READS = set(
+    "--model --layers --kv-heads --head-dim --tokens-per-block --dtype --decode-tp --trace --time-scale "
+    "--trace-limit --layer-ms --gpu-blocks --token-ms --json --plot -q --quiet -v --verbose -h --help --version".split()
+    + _PLAN_ONLY
+    + ["--buffer-sweep"]
+)
+
+
 def _check_modes(a: argparse.Namespace) -> None:
     for tok in getattr(a, "argv", ()):
         if tok == "--":
             break
         flag = tok.split("=", 1)[0]
+        if a.mode == "plan" and flag.startswith("-") and flag not in _PLAN_READS and not flag[1:2].isdigit():
+            raise UsageError(f"{flag} does not apply to plan mode (pdkv-transfer-test plan --help lists its flags)")
         modes = _MODES_OF.get(flag)
         if modes is not None and a.mode not in modes:
             which = modes[0] if len(modes) == 1 else ", ".join(modes[:-1]) + " and " + modes[-1]
@@ -336,8 +403,10 @@ def _check_args(a: argparse.Namespace) -> None:
     if a.rank < 0 or (a.mode == "prefill" and a.rank >= a.prefill_tp):
         raise UsageError(f"--rank {a.rank} must be in 0..{a.prefill_tp - 1} (--prefill-tp {a.prefill_tp})")
     _check_outputs(a)
-    if (a.buffer_gib is not None and a.buffer_gib <= 0) or a.timeout <= 0 or a.time_scale <= 0:
-        raise UsageError("--buffer-gib, --timeout and --time-scale must be positive")
+    for flag, v in (("--buffer-gib", a.buffer_gib), ("--timeout", a.timeout), ("--time-scale", a.time_scale)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise UsageError(f"{flag} {v} must be a positive number")
+    _check_hosts(a)
     if a.secret:
         raise UsageError(
             "--secret puts the secret on the command line, where any local user reads it (/proc/PID/cmdline): "
@@ -381,6 +450,33 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
 
 
+def _check_hosts(a: argparse.Namespace) -> None:
+    """Host names resolve before anything starts: an address that cannot is named, not a
+    traceback from a bind or a 10 s wait for a connection that cannot be."""
+    import socket
+    from urllib.parse import urlsplit
+
+    checks = []
+    if a.mode in ("local", "decode", "sweep"):
+        checks.append(("--data-host", a.data_host))
+    if a.mode == "prefill" and a.connect.startswith("tcp://"):
+        try:
+            host = urlsplit(a.connect).hostname
+        except ValueError:
+            host = None
+        if not host:
+            raise UsageError(f"--connect {a.connect}: expected tcp://HOST:PORT")
+        checks.append(("--connect", host))
+    for flag, host in checks:
+        if host == "*":
+            continue
+        try:
+            socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        except (OSError, UnicodeError) as exc:
+            why = getattr(exc, "strerror", None) or str(exc)
+            raise UsageError(f"{flag}: {host!r} is not an address this host can resolve ({why})") from None
+
+
 def _check_outputs(a: argparse.Namespace) -> None:
     """Output paths checked before any work: a folder that exists and takes files, and
     matplotlib for a plot."""
@@ -412,6 +508,15 @@ def _check_plan_args(a: argparse.Namespace) -> None:
         v = getattr(a, name)
         if v is not None and (not math.isfinite(v) or v <= 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number")
+    if a.gpu_gib is not None and a.gpu_gib > MAX_GPU_GIB:
+        raise UsageError(f"--gpu-gib {a.gpu_gib:g} is more KV cache than any GPU holds ({MAX_GPU_GIB} GiB a rank)")
+    if a.gpu_blocks:
+        lay = KVLayout(**layout_kw(a), tp_size=a.decode_tp)
+        if a.gpu_blocks * lay.block_bytes > MAX_GPU_GIB << 30:
+            raise UsageError(
+                f"--gpu-blocks {a.gpu_blocks} is {a.gpu_blocks * lay.block_bytes / (1 << 30):,.0f} GiB a rank, more "
+                f"KV cache than any GPU holds ({MAX_GPU_GIB} GiB)"
+            )
     for name in ("bandwidth_gbps", "swap_gbps", "target_wait_ms", "layer_ms", "prefill_overhead_ms"):
         v = getattr(a, name)
         if v is not None and (not math.isfinite(v) or v < 0):
@@ -497,6 +602,11 @@ def _help_for(parser: argparse.ArgumentParser, mode: str) -> None:
     """``pdkv-transfer-test MODE --help``: that mode's flags only."""
     keep = set(_MODE_GROUPS[mode]) | {"options", "optional arguments"}
     parser._action_groups = [g for g in parser._action_groups if g.title in keep]
+    if mode == "plan":  # of the groups plan shares with the transfer test, only what plan reads
+        for g in parser._action_groups:
+            g._group_actions = [
+                act for act in g._group_actions if not act.option_strings or set(act.option_strings) & _PLAN_READS
+            ]
     parser.usage = f"%(prog)s {mode} [flags]"
     parser.description = (parser.description or "") + f" This help: the flags of {mode} mode."
     parser.print_help()

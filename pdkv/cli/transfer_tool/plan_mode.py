@@ -24,6 +24,7 @@ FIGURE_COLUMNS = (  # header, figure, format: fits 80 columns
     ("wait\nmax ms", "prefill_wait_ms_max", "{:.0f}"),
     ("TTFT\np50 ms", "ttft_ms_p50", "{:.0f}"),
     ("TTFT\np99 ms", "ttft_ms_p99", "{:.0f}"),
+    ("decode\nstart p99", "decode_start_ms_p99", "{:.0f}"),
     ("peak\nbuf", "peak_buffer_occupancy", "{:.0%}"),
     ("queued", "queued", "{:d}"),
     ("rejected", "rejected", "{:d}"),
@@ -189,6 +190,32 @@ def advise(
     return dict(out, lines=lines)
 
 
+def plan_verdict(warnings: Sequence[str], rec: dict[str, Any], interrupted: bool = False) -> str:
+    """The plan's answer in one line: marginal (the link's need within its measured spread),
+    saturated (link or prefill: no buffer helps), the recommended buffer, none needed, or none
+    in the sweep. Marginal names only the trace's figures, so that it reads the same on every
+    run whose measurement falls within the spread."""
+    marginal = next((w for w in warnings if w.startswith("the link is marginal:")), "")
+    if marginal:
+        need = marginal.split("the trace needs ", 1)[1].split(", within", 1)[0]
+        return (
+            f"verdict: marginal. The trace needs {need}, within what this host's link measures from run to run, "
+            "so no answer here would hold: give the production link's rate (--bandwidth-gbps)"
+        )
+    for w in warnings:
+        if w.startswith("the link saturates:"):
+            return "verdict: the link saturates; no buffer size fixes it (below: the link that would)"
+        if w.startswith("prefill is overloaded"):
+            return "verdict: prefill is overloaded; no buffer size fixes it (below: what would)"
+    best = rec["best"]
+    tail = " (interrupted: of the sizes simulated)" if interrupted else ""
+    if best is None:
+        return f"verdict: no buffer in the sweep meets the target ({rec['target']}){tail}"
+    if best["buffer_blocks"] == 0:
+        return f"verdict: no buffer needed; without one the trace meets the target{tail}"
+    return f"verdict: {best['buffer_gib']:.2f} GiB of buffer per decode rank ({best['buffer_blocks']} blocks){tail}"
+
+
 def write_plan_plot(
     path: str, rows: list[dict[str, Any]], title: str, target_wait_ms: float, best_gib: float | None
 ) -> None:
@@ -231,11 +258,15 @@ def write_plan_plot(
     save_figure(fig, path, "pdkv capacity plan")
 
 
-def load_warnings(trace: Sequence[TraceRequest], cfg: PlanConfig) -> list[str]:
+def load_warnings(
+    trace: Sequence[TraceRequest], cfg: PlanConfig, spread: tuple[float, float] | None = None
+) -> list[str]:
     """Offered load of prefill compute over the trace's span, of decode's GPU pool in its
     busiest window, and of the link on average and in its busiest window: above 1 a queue
     grows and every figure measures that queue, not the buffer. One line each that
-    saturates, with the figure that would fix it."""
+    saturates, with the figure that would fix it. ``spread``: the lowest and highest of the
+    link's measured runs (bytes/s); a need within it (widened by ``MARGIN``) is *marginal*,
+    neither saturated nor not: the answer would flip with the next measurement."""
     span = max(r.arrival for r in trace) - min(r.arrival for r in trace)
     if span <= 0:
         return []
@@ -260,7 +291,15 @@ def load_warnings(trace: Sequence[TraceRequest], cfg: PlanConfig) -> list[str]:
         per_block = cfg.layout.block_bytes * cfg.decode_tp
         avg = float(blocks.sum()) * per_block / span
         peak = busiest(arrive, arrive + 1, blocks * per_block, WINDOW_S)
-        if avg > cfg.bandwidth:
+        if spread is not None and spread[0] / MARGIN <= avg <= spread[1] * MARGIN:
+            out.append(
+                f"the link is marginal: the trace needs {avg / 1e9:.2f} GB/s of KV on average ({peak / 1e9:.2f} in "
+                f"its busiest {WINDOW_S:.0f} s), within the spread of this host's measured link "
+                f"({spread[0] / 1e9:.2f}-{spread[1] / 1e9:.2f} GB/s over its runs): whether it saturates depends on "
+                "the measurement, not the trace, and the figures below with it. Measure the production link and "
+                "give its rate (--bandwidth-gbps)"
+            )
+        elif avg > cfg.bandwidth:
             out.append(
                 f"the link saturates: the trace needs {avg / 1e9:.2f} GB/s of KV on average ({peak / 1e9:.2f} in its "
                 f"busiest {WINDOW_S:.0f} s), the link carries {cfg.bandwidth / 1e9:.2f} ({avg / cfg.bandwidth:.1f}x); "
@@ -277,6 +316,7 @@ def load_warnings(trace: Sequence[TraceRequest], cfg: PlanConfig) -> list[str]:
 
 
 LOAD = 0.8  # the load a capacity derived from the trace runs at
+MARGIN = 1.1  # a measured spread widened by this either way: what a repeat measurement may still give
 LARGEST_GPU_GIB = 141  # an H200's memory: a GPU KV cache a rank above it is no real alternative
 WINDOW_S = 60.0  # ... in the trace's busiest window of this length: a buffer absorbs shorter bursts
 
@@ -319,7 +359,10 @@ def size_from_trace(
     where = f"in its busiest {window:.0f} s" if window < span else f"over its {span:.0f} s"
     if instances is None:
         # work arriving, spread over its compute time: instance-seconds a second
-        work = busiest(arrive, arrive + compute, np.ones(len(trace)), window)
+        # each request's compute counted in the second it arrives: the instance-seconds of
+        # work arriving a second (holding each request a whole second would count a 0.2 s
+        # prompt as 1 s of an instance)
+        work = busiest(arrive, arrive + 1, compute, window)
         instances = max(1, math.ceil(work / LOAD))
         lines.append(
             f"prefill: {instances} instance(s), from the trace ({where} its prompts keep {work:.2f} instances "
@@ -359,9 +402,16 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
             raise UsageError(f"--gpu-gib {a.gpu_gib} holds no block of {lay.block_bytes} bytes")
     big = max(trace, key=lambda r: r.input_tokens)
     need = lay.blocks_for_tokens(big.input_tokens)
+    line = f"trace line {int(big.rid[1:]) + 1}" if big.rid[1:].isdigit() else f"trace request {big.rid}"
+    # the outlier rule: a request no decode GPU could hold stops the plan, named by its line
+    if need * lay.block_bytes > LARGEST_GPU_GIB << 30:
+        raise UsageError(
+            f"{line}: {big.input_tokens:,} tokens need {need * lay.block_bytes / (1 << 30):,.0f} GiB of KV a decode "
+            f"rank, more than any GPU's memory ({LARGEST_GPU_GIB} GiB): remove the line, or raise --decode-tp"
+        )
     if gpu_given is not None and need > gpu_given:
         raise UsageError(
-            f"trace request {big.rid} needs {need} GPU blocks ({big.input_tokens} tokens) but the decode GPU pool "
+            f"{line} needs {need} GPU blocks ({big.input_tokens} tokens) but the decode GPU pool "
             f"has {gpu_given}: raise --gpu-gib or --gpu-blocks"
         )
     base_cfg = PlanConfig(
@@ -377,8 +427,8 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
     instances, gpu_blocks, sized = size_from_trace(trace, base_cfg, a.prefill_instances, gpu_given)
     sizes = sweep_sizes(a.buffer_sweep, lay, gpu_blocks, max(1, gpu_blocks // 8) if a.direct_to_gpu else need)
     sizes = sorted({0, *sizes})  # the no-buffer case: what every other size is measured against
-    bw = a.bandwidth_gbps * 1e9 if a.bandwidth_gbps else 0.0
-    swap_bw = a.swap_gbps * 1e9 if a.swap_gbps else 0.0
+    bw = a.bandwidth_gbps * 1e9 if a.bandwidth_gbps is not None else 0.0
+    swap_bw = a.swap_gbps * 1e9 if a.swap_gbps is not None else 0.0
     measured = not (bw and swap_bw)
     runs: dict[str, list[float]] = {}
     if measured:
@@ -413,14 +463,19 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
         f"{gpu_blocks} GPU blocks ({gpu_blocks * lay.block_bytes / (1 << 30):.1f} GiB a rank); "
         + ("transfers into GPU blocks while they last" if a.direct_to_gpu else "every transfer through the buffer")
     )
+    link_runs = runs.get("bandwidth_runs_GBps")
+    spread = (min(link_runs) * 1e9, max(link_runs) * 1e9) if link_runs and a.bandwidth_gbps is None else None
+    warnings = load_warnings(trace, cfg, spread)
+    saturated = next(("the link" for w in warnings if w.startswith("the link saturates:")), "")
+    saturated = saturated or next(("prefill" for w in warnings if w.startswith("prefill is overloaded")), "")
+    rec = advise(trace, cfg, rows_ok, a.target_wait_ms, a.target_wait_fraction, a.target_ttft_ms, saturated)
+    verdict = plan_verdict(warnings, rec, interrupted)
+    console.print(verdict)  # the first line: the answer, in words that a re-measurement within its spread keeps
     console.print(head)
     for line in sized:
         console.print(line)
-    warnings = load_warnings(trace, cfg)
     for line in warnings:
         console.print(f"[yellow]{line}[/yellow]")
-    saturated = next(("the link" for w in warnings if w.startswith("the link saturates:")), "")
-    saturated = saturated or next(("prefill" for w in warnings if w.startswith("prefill is overloaded")), "")
     tb = Table(
         title="what the decode buffer buys (buffer 0: prefill waits for decode GPU blocks)",
         box=box.SIMPLE,
@@ -433,9 +488,13 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
             *("n/a" if isinstance(r[k], float) and math.isnan(r[k]) else f.format(r[k]) for _, k, f in FIGURE_COLUMNS)
         )
     console.print(tb)
+    console.print(
+        "TTFT: arrival to the end of prefill's compute (its first token, as prefill returns it); decode start: "
+        "arrival to decode's first step. Behind a router that streams from decode (vLLM's, SGLang's), the user's "
+        "first token comes at decode start"
+    )
     if skipped:
         console.print(f"left out: buffers of {skipped} blocks hold less than the largest request ({need} blocks)")
-    rec = advise(trace, cfg, rows_ok, a.target_wait_ms, a.target_wait_fraction, a.target_ttft_ms, saturated)
     for line in rec["lines"]:
         console.print(line)
     best = rec["best"]
@@ -471,6 +530,7 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
         },
         "target": {"prefill_wait_ms_p99": rec["target_wait_ms"], "ttft_ms_p99": a.target_ttft_ms},
         "sweep": rows_ok,
+        "verdict": verdict,
         "recommended_buffer_blocks": best["buffer_blocks"] if best else None,
         "recommended_buffer_gib": best["buffer_gib"] if best else None,
         "recommendation": {k: v for k, v in rec.items() if k not in ("best", "lines")},

@@ -83,6 +83,9 @@ class Req:
     output: int
 
 
+MAX_TRACE_TOKENS = 10_000_000  # a trace request's input + output: the longest context a model offers
+
+
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
     rid: str
@@ -126,6 +129,11 @@ def read_trace(path: str, limit: int = 0, time_scale: float = 1.0) -> list[Trace
                     raise UsageError(
                         f"--trace {path} line {i}: needs timestamp >= 0 (ms), input_length > 0, "
                         "output_length >= 0 (integers) and hash_ids (a list of integers)"
+                    )
+                if n_in + n_out > MAX_TRACE_TOKENS or not math.isfinite(ts / 1000.0 * time_scale):
+                    raise UsageError(
+                        f"--trace {path} line {i}: {n_in} + {n_out} tokens is more than any model's context "
+                        f"({MAX_TRACE_TOKENS:,} tokens; timestamp {ts}): an outlier stops the run; remove the line"
                     )
                 out.append(TraceRequest(f"t{i - 1}", ts / 1000.0 * time_scale, n_in, n_out, tuple(hashes)))
     except UnicodeDecodeError as exc:

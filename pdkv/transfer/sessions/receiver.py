@@ -190,7 +190,8 @@ class ReceiverCore:
                 _log.warning(
                     "pdkv decode: listening beyond loopback (control %s, data %s) without a secret: "
                     "any host that reaches these ports can write into the buffer "
-                    "(set ReceiverOptions(secret=...); docs/SECURITY.md)",
+                    "(give it a secret: pdkv-transfer-test --secret-file or $PDKV_SECRET, ReceiverOptions(secret=...) "
+                    "in code; docs/SECURITY.md)",
                     self.control_address,
                     opts.data_host,
                 )
