@@ -960,3 +960,32 @@ def test_ctrl_c_during_plans_measurement_leaves_no_segment_and_no_process(tmp_pa
     assert not theirs(), f"left in /dev/shm: {theirs()}"
     assert not [k for k in measuring if os.path.exists(f"/proc/{k}")], "the measuring run is alive"
     assert _children() <= kids
+
+
+@pytest.mark.multiproc
+def test_the_main_job_passes_over_nixl_and_every_process_exits_cleanly(tmp_path, no_leaks):
+    """`pdkv-transfer-test --transport nixl --model tiny` as a user runs it: every request
+    moved and verified, and the tool and its prefill process exit 0 (NIXL's agents and their
+    registered memory torn down in order: no crash at exit, which a PASS alone would hide)."""
+    need("nixl", "nixl")
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdkv.cli.transfer_tool",
+            "--transport",
+            "nixl",
+            "--model",
+            "tiny",
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["requests_ready"] == rep["requests"] == 24 and rep["verify_errors"] == 0
+    assert rep["bytes_verified"] == rep["bytes_transferred"] > 0
+    assert "died" not in p.stderr and "exit code -" not in p.stderr, p.stderr[-3000:]
