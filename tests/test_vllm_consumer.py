@@ -161,7 +161,7 @@ def test_kv_that_failed_or_does_not_match_the_prompt_is_given_up(dec_recompute, 
     g = d.reserve("p", 16)
     d.sched.fail("p", "prefill broke", g.token)
     assert d.d.matched("v", _params("p"), _prompt(16), 0) == (0, False)
-    assert "request v (pdkv p): its KV is failed: prefill broke" in caplog.text
+    assert "request v (pdkv p): its KV is failed (prefill broke): computed here" in caplog.text
     d.receive("q", 16)
     # another prompt than prefill's: no proof that q is this request's, so it is computed
     # here and q is left as it was (its own request may still come)
@@ -588,18 +588,19 @@ def test_a_receiver_that_cannot_start_leaves_nothing(no_leaks):
 
 
 def test_give_up_reasons_and_the_fail_policys_answers(dec, caplog):
-    """Under 'fail': KV that will not come (here: prefill's transfer failed) is aborted at
-    decode with the reason logged, and vLLM is told the tokens left are coming (the load
-    then fails), even just one; a prompt that is not prefill's is no claim at all."""
+    """Under 'fail': KV that is gone when the request comes (here: prefill's transfer
+    failed) is computed here, not failed, with the reason logged and counted; a prompt that
+    is not prefill's is no claim at all."""
     assert dec.d.matched("v", _params("p"), _prompt(17), 16) == (None, False)
     g = dec.reserve("p", 17)
     dec.sched.fail("p", "prefill broke", g.token)
-    assert dec.d.matched("v", _params("p"), _prompt(17), 16) == (1, True)  # the load of the last token fails
+    assert dec.d.matched("v", _params("p"), _prompt(17), 16) == (0, False)  # computed here, never failed
+    assert dec.d.take_stats()["c"]["kv_gone"] == 1
     dec.receive("q", 16)
     assert dec.d.matched("w", _params("q"), _prompt(17), 4) == (0, False)  # not q's prompt: computed here
     assert dec.state("q") is State.RECEIVED
     assert logged(caplog) == [
-        "pdkv decode: request v (pdkv p): its KV is failed: prefill broke",
+        "pdkv decode: request v (pdkv p): its KV is failed (prefill broke): computed here",
         "pdkv decode: request w claims pdkv 'q': its pdkv_cap and prompt do not match what prefill reserved; "
         "computed here",
     ]
@@ -720,3 +721,15 @@ def test_a_renamed_buffer_is_named_in_the_failure(caplog, no_leaks):
         for s in (a, b):
             s.close()
             s.unlink()
+
+
+def test_a_request_later_than_load_timeout_is_computed_not_failed(dec, caplog):
+    """Under 'fail' too: KV that no request claimed within load_timeout_s is dropped from
+    the buffer; its request coming later is computed here (0 tokens), counted, never failed."""
+    dec.receive("p", 16)
+    dec.clock.t += LIMIT + 1
+    dec.d._sweep()
+    assert dec.state("p") is State.ABORTED and dec.sched.buffer.num_free == dec.sched.buffer.num_total
+    assert dec.d.matched("v", _params("p"), _prompt(16), 0) == (0, False)
+    assert dec.d._wants == {} and dec.d.take_stats()["c"]["kv_gone"] == 1
+    assert "request v (pdkv p): its KV is aborted (no vLLM request asked for it within" in caplog.text

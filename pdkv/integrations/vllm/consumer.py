@@ -137,6 +137,7 @@ class DecodeSide:
         self.recompute, self.clock = recompute, clock
         self.refused = 0  # requests that claimed KV they could not prove their own
         self.computed_here = 0  # requests whose KV decode's buffer refused (no room in time)
+        self.computed_gone = 0  # requests whose KV was gone when they came (dropped, expired, failed)
         self.pull_failed = 0  # requests whose pull prefill refused or did not answer
         self.tally = Tally()  # what vLLM's stats hooks read (take_stats)
         self._said: dict[str, int] = {}  # the counters and gauges as last taken
@@ -277,7 +278,20 @@ class DecodeSide:
                 self._wants.pop(req_id, None)
             return 0, False
         if info.state is not State.RECEIVED:
-            return self._give_up(req_id, w, f"its KV is {info.state.value}: {info.reason}", prompt_len - num_computed)
+            # its KV is gone (dropped unclaimed after load_timeout_s, expired, failed): no load
+            # has begun, so the prompt is computed here, as for a refused reservation, never
+            # failed whatever vLLM's kv_load_failure_policy
+            _log.warning(
+                "pdkv decode: request %s (pdkv %s): its KV is %s (%s): computed here",
+                req_id,
+                pid,
+                info.state.value,
+                info.reason,
+            )
+            self.computed_gone += 1
+            with self._wlock:
+                self._wants.pop(req_id, None)
+            return 0, False
         if info.num_tokens != prompt_len:
             return self._give_up(
                 req_id,
@@ -422,6 +436,7 @@ class DecodeSide:
         now = {
             "refused_proof": self.refused,
             "refused_full": self.computed_here,
+            "kv_gone": self.computed_gone,
             "pull_failed": self.pull_failed,
         }
         for k, v in now.items():

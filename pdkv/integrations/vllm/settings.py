@@ -140,7 +140,9 @@ class Settings:
     ``control`` (the endpoint decode binds, ``tcp://host:port``), ``buffer_gib`` or
     ``buffer_blocks`` (the CPU buffer per TP rank), ``transports`` (served, default shm and
     tcp), ``data_host``, ``lease_s``, ``load_timeout_s`` (how long a request may wait for
-    its KV before decode computes the prompt itself), ``queue_timeout_s`` (how long a
+    KV still on its way, after which vLLM's ``kv_load_failure_policy`` applies, and how long
+    received KV waits for its request before it is dropped; a request that comes after its
+    KV was dropped, expired or failed is computed here, whatever the policy), ``queue_timeout_s`` (how long a
     reservation waits for room in a full buffer before it is refused and decode computes
     the prompt itself), ``prefill`` (the prefills' pull endpoints) and
     ``pull_answer_timeout_s`` (how long a pull waits for prefill's answer before decode
