@@ -33,7 +33,7 @@ COUNTERS = {
     "refused_proof": "decode: requests claiming KV they could not prove their own (computed here)",
     "refused_full": "decode: requests whose KV the full buffer refused within queue_timeout_s (computed here)",
     "pull_failed": "decode: pulls prefill refused or did not answer (computed here)",
-    "kv_gone": "decode: requests whose KV was gone when they came: dropped unclaimed, expired or failed (computed here)",
+    "kv_gone": "decode: requests that came after their KV was dropped unclaimed, expired or failed (computed here)",
     "ended_failed": "decode: transfers that failed at pdkv",
     "ended_expired": "decode: transfers whose lease expired",
     "ended_aborted": "decode: transfers aborted",
