@@ -1099,24 +1099,42 @@ def test_sglang_finds_pdkv_in_a_process_it_spawns():
     assert p.exitcode == 0
 
 
-def test_sglang_plugin_never_fails_sglang_and_names_an_untested_version(monkeypatch):
-    """With an SGLang outside TESTED the plugin still lists pdkv, and choosing it fails in
-    one line naming the version; SGLang's other backends are untouched."""
+def _spawned_untested(q) -> None:
+    """In a fresh interpreter whose SGLang says it is 9.9.9: SGLang's plugins, then pdkv."""
+    import warnings
+
+    warnings.simplefilter("ignore")
     import sglang.version
+
+    sglang.version.__version__ = "9.9.9"
     from sglang.srt.disaggregation import utils
+    from sglang.srt.plugins import load_plugins
 
-    from pdkv.errors import PdkvError
-    from pdkv.integrations.sglang import activate
-
-    monkeypatch.setattr(sglang.version, "__version__", "9.9.9")
-    original = utils.get_kv_class
-    monkeypatch.setattr(utils, "get_kv_class", getattr(original, "__wrapped_original__", original))
-    if getattr(utils.get_kv_class, "_pdkv", False):  # installed by an earlier test in this process
-        pytest.skip("pdkv's lookup is installed in this process already")
-    activate.plugin()
-    with pytest.raises(PdkvError, match="tested with SGLang 0.5.23; this is 9.9.9"):
+    load_plugins()
+    try:
         utils.get_kv_class(utils.TransferBackend("pdkv"), utils.KVClassType.MANAGER)
-    assert utils.get_kv_class(utils.TransferBackend.FAKE, utils.KVClassType.SENDER).__name__ != "PdkvKVSender"
+        q.put("pdkv's classes were given")
+    except Exception as exc:
+        other = utils.get_kv_class(utils.TransferBackend.FAKE, utils.KVClassType.SENDER).__name__
+        q.put(f"{type(exc).__name__}: {exc} | {other}")
+
+
+@pytest.mark.multiproc
+def test_sglang_plugin_never_fails_sglang_and_names_an_untested_version():
+    """With an SGLang outside TESTED the plugin still lists pdkv (SGLang starts), and
+    choosing it fails in one line naming the version; SGLang's other backends are untouched."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_spawned_untested, args=(q,))
+    p.start()
+    try:
+        got = q.get(timeout=120)
+    finally:
+        p.join(30)
+    assert got.startswith("PdkvError: pdkv's SGLang backend is tested with SGLang 0.5.23; this is 9.9.9"), got
+    assert not got.endswith("| PdkvKVSender"), got
 
 
 def _server_args_for(model, port: int):
