@@ -82,8 +82,8 @@ def test_peer_timeout_s_reaches_both_sides():
 _KEYS_SORTED = (
     "['advertise', 'buffer_blocks', 'buffer_gib', 'control', 'data_host', 'decode', 'instance', 'instance_key', "
     "'kv_cache_order', 'kv_fused', 'lease_s', 'load_timeout_s', 'peer_timeout_s', 'prefill', 'pull', "
-    "'pull_answer_timeout_s', 'pull_timeout_s', 'queue_timeout_s', 'reserve_timeout_s', 'secret', 'swap_priority', "
-    "'transport', 'transports']"
+    "'pull_advertise', 'pull_answer_timeout_s', 'pull_timeout_s', 'queue_timeout_s', 'reserve_timeout_s', 'secret', "
+    "'swap_priority', 'transport', 'transports']"
 )
 EXTRA = "kv_connector_extra_config"
 SHORT_KEY = "must be a string of at least 16 characters"
@@ -126,6 +126,15 @@ SHORT_KEY = "must be a string of at least 16 characters"
          f"{EXTRA}['decode'] names 'ipc:///x': not a tcp://host:port address"),
         ("kv_producer", {"transport": None}, f"{EXTRA}['transport']=None must be a string"),
         ("kv_producer", {"data_host": 127}, f"{EXTRA}['data_host']=127 must be a string"),
+        ("kv_producer", {"pull": "tcp://0.0.0.0:7000"},
+         f"{EXTRA}['pull']='tcp://0.0.0.0:7000' binds every interface, an address no decode can reach: set "
+         "'pull_advertise' to the tcp://host:port decodes reach it at (what their 'prefill' lists)"),
+        ("kv_producer", {"pull": "tcp://0.0.0.0:7000", "pull_advertise": "tcp://pf-1:0"},
+         f"{EXTRA}['pull_advertise']='tcp://pf-1:0' must be the tcp://host:port (a port, not 0) decodes reach "
+         "this prefill's 'pull' endpoint at"),
+        ("kv_producer", {"pull_advertise": "tcp://pf-1:7000"},
+         f"{EXTRA}['pull_advertise']='tcp://pf-1:7000' must be the tcp://host:port (a port, not 0) decodes reach "
+         "this prefill's 'pull' endpoint at"),
     ],
 )  # fmt: skip
 def test_vllm_settings_refusals_name_the_key(role, extra, msg):
@@ -920,3 +929,29 @@ def test_vllm_a_request_larger_than_the_buffer_is_computed_by_decode_at_once(no_
         assert time.monotonic() - t0 < 1 and p.decode.computed_here == 1
     finally:
         p.close()
+
+
+def test_vllm_prefill_advertises_its_pull_endpoint_as_configured(caplog):
+    """A prefill bound to every interface answers with ``pull_advertise`` (what decodes
+    list); one bound to port 0 logs the port it got, the address decodes must list."""
+    import logging
+
+    from pdkv.integrations.vllm.producer import PrefillSide
+
+    s = parse_settings(
+        "kv_producer", "p", {"decode": "tcp://d:1", "pull": "tcp://0.0.0.0:0", "pull_advertise": "tcp://pf-1:7100"}
+    )
+    side = PrefillSide(s)
+    try:
+        assert side.pull_address == "tcp://pf-1:7100"
+    finally:
+        side.close()
+    with caplog.at_level(logging.INFO, logger="pdkv"):
+        side = PrefillSide(parse_settings("kv_producer", "p", {"decode": "tcp://d:1", "pull": "tcp://127.0.0.1:0"}))
+        try:
+            bound = side.server.address
+            assert bound != "tcp://127.0.0.1:0" and side.pull_address == bound
+            rec = [r for r in caplog.records if "pull endpoint bound" in r.getMessage()]
+            assert rec and rec[0].levelno == logging.WARNING and bound in rec[0].getMessage()
+        finally:
+            side.close()

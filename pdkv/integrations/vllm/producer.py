@@ -98,11 +98,24 @@ class PrefillSide:
         self.desk = PullDesk(settings.decodes)  # requests held for a pull, and the pulls that came
         self._said: dict[str, int] = {}
         self.server = PullServer(settings.pull, self.desk.on_pull, secret=settings.secret) if settings.pull else None
+        if self.server is not None:
+            said = f" (advertised to decodes as {settings.pull_advertise})" if settings.pull_advertise else ""
+            level = logging.WARNING if settings.pull.endswith(":0") and not settings.pull_advertise else logging.INFO
+            _log.log(
+                level,
+                "pdkv prefill: pull endpoint bound at %s%s; decodes list exactly %s in their 'prefill'",
+                self.server.address,
+                said,
+                self.pull_address,
+            )
 
     @property
     def pull_address(self) -> str:
-        """The pull endpoint decodes ask (its port resolved), or '' when not configured."""
-        return self.server.address if self.server is not None else ""
+        """The pull endpoint decodes ask: ``pull_advertise``, else the bound address (its port
+        resolved), or '' when not configured."""
+        if self.server is None:
+            return ""
+        return self.settings.pull_advertise or self.server.address
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned and len(self._warned) < 64:

@@ -115,6 +115,7 @@ _KEYS = {
     "pull_answer_timeout_s",
     "peer_timeout_s",
     "advertise",
+    "pull_advertise",
     "swap_priority",
     "kv_cache_order",
 }
@@ -178,6 +179,7 @@ class Settings:
     kv_fused: str = ""
     data_host: str = "127.0.0.1"
     pull: str = ""
+    pull_advertise: str = ""
     prefills: tuple[str, ...] = ()
     pull_timeout_s: float = 120.0
     pull_answer_timeout_s: float = 10.0
@@ -249,6 +251,19 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
     pull = extra.get("pull", "")
     if pull and not (isinstance(pull, str) and _ADDRESS.fullmatch(pull)):
         raise ValueError(f"kv_connector_extra_config['pull']={pull!r} must be a tcp://host:port address (port 0: any)")
+    pull_advertise = extra.get("pull_advertise", "")
+    if pull_advertise and not (
+        pull and isinstance(pull_advertise, str) and _ADDRESS.fullmatch(pull_advertise) and _port(pull_advertise)
+    ):
+        raise ValueError(
+            f"kv_connector_extra_config['pull_advertise']={pull_advertise!r} must be the tcp://host:port (a port, "
+            "not 0) decodes reach this prefill's 'pull' endpoint at"
+        )
+    if pull and not pull_advertise and _host(pull) in _WILDCARDS:
+        raise ValueError(
+            f"kv_connector_extra_config['pull']={pull!r} binds every interface, an address no decode can reach: "
+            "set 'pull_advertise' to the tcp://host:port decodes reach it at (what their 'prefill' lists)"
+        )
     return Settings(
         role=role,
         engine_id=engine_id,
@@ -268,6 +283,7 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
         kv_fused=fused,
         data_host=extra.get("data_host", "127.0.0.1"),
         pull=pull,
+        pull_advertise=pull_advertise,
         prefills=prefills,
         pull_timeout_s=_positive(extra, "pull_timeout_s", 120.0),
         pull_answer_timeout_s=_positive(extra, "pull_answer_timeout_s", 10.0),
@@ -279,6 +295,15 @@ def parse_settings(role: str, engine_id: str, extra: Mapping[str, Any] | None) -
 
 
 _ADDRESS = re.compile(r"tcp://[A-Za-z0-9_.:\[\]-]+:\d{1,5}")
+_WILDCARDS = ("0.0.0.0", "*", "::", "[::]")
+
+
+def _host(address: str) -> str:
+    return address.removeprefix("tcp://").rpartition(":")[0]
+
+
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2])
 
 
 def _addresses(extra: Mapping[str, Any], key: str) -> tuple[str, ...]:
