@@ -731,3 +731,44 @@ def test_plan_verdict_holds_while_the_measured_link_moves_within_its_spread(monk
     assert f"{need:.2f} GB/s of KV on average" in lines[0]
     assert not first_lines(3 * need, 3.5 * need, 1)[0].startswith("verdict: marginal")
     assert first_lines(0.2 * need, 0.3 * need, 1)[0].startswith("verdict: the link saturates")
+
+
+def test_a_second_interrupt_still_waits_for_the_measuring_child(monkeypatch, tmp_path):
+    """Ctrl-C twice during plan's measurement: the second one does not cut the wait short;
+    the child gets its SIGINT, is waited for (bounded) and what it made in /dev/shm goes."""
+    import signal
+
+    from pdkv.cli.transfer_tool import measure
+
+    class Child:
+        pid = 999_999_999
+        returncode = None
+
+        def __init__(self):
+            self.signals, self.calls = [], 0
+
+        def poll(self):
+            return self.returncode
+
+        def send_signal(self, sig):
+            self.signals.append(sig)
+
+        def kill(self):
+            self.signals.append(signal.SIGKILL)
+
+        def communicate(self, timeout=None):
+            self.calls += 1
+            if self.calls == 1:
+                raise KeyboardInterrupt  # the user's second Ctrl-C, while the child cleans up
+            self.returncode = 0  # then it ends by itself
+            return "", ""
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / f"pdkv-{Child.pid}-seg").write_bytes(b"x")
+    (shm / "pdkv-1-other").write_bytes(b"x")
+    monkeypatch.setattr("pdkv.buffer.sweeper.SHM_DIR", str(shm))
+    child = Child()
+    measure._stop_child(child)
+    assert child.signals == [signal.SIGINT] and child.calls >= 2 and child.returncode == 0  # not killed
+    assert sorted(p.name for p in shm.iterdir()) == ["pdkv-1-other"]

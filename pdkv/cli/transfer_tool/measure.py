@@ -5,6 +5,7 @@ run a Ctrl-C of its own and waits for it."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import numpy as np
@@ -20,14 +21,26 @@ def _stop_child(child: Any) -> None:
     killed only if it does not end in time; what it left in /dev/shm is removed."""
     import signal
     import subprocess
+    import time
 
     if child.poll() is None:
         child.send_signal(signal.SIGINT)
-        try:
-            child.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + STOP_WAIT_S
+        while child.poll() is None and time.monotonic() < deadline:
+            try:  # a second Ctrl-C does not cut the wait short: the child's buffers go first
+                child.communicate(timeout=max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+            except KeyboardInterrupt:
+                print("pdkv-transfer-test: still stopping the measuring run (at most 30 s)", file=sys.stderr)
+        if child.poll() is None:
             child.kill()
-            child.communicate()
+        while True:
+            try:
+                child.communicate()
+                break
+            except KeyboardInterrupt:
+                continue
     import contextlib
     import os
 
@@ -40,6 +53,7 @@ def _stop_child(child: Any) -> None:
                 os.unlink(os.path.join(SHM_DIR, name))
 
 
+STOP_WAIT_S = 30.0  # a stopped measuring run's time to clean up before it is killed
 MEASURE_REPS = 3  # runs of the loopback measurement: its median is used, its spread said
 
 

@@ -4,6 +4,7 @@ swap rates, when not given, from ``measure``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -441,12 +442,20 @@ def run_plan(a: Any, console: Any, lay_kw: dict[str, Any]) -> int:
     t0 = time.monotonic()
     rows: list[dict[str, Any] | None] = []
     interrupted = False
+    # on a terminal, which size is being simulated (a large trace takes seconds a size)
+    status = console.status("") if console.is_terminal and not a.quiet else contextlib.nullcontext()
     try:
-        for nb in sizes:
-            if nb and not a.direct_to_gpu and nb < need:
-                rows.append(None)  # every request passes through the buffer: it must hold the largest
-                continue
-            rows.append(simulate(trace, cfg, nb).figures())
+        with status:
+            for i, nb in enumerate(sizes):
+                if nb and not a.direct_to_gpu and nb < need:
+                    rows.append(None)  # every request passes through the buffer: it must hold the largest
+                    continue
+                if console.is_terminal and not a.quiet:
+                    status.update(  # type: ignore[union-attr]
+                        f"simulating buffer size {i + 1} of {len(sizes)} ({nb * lay.block_bytes / (1 << 30):.1f} GiB) "
+                        f"x {len(trace)} requests"
+                    )
+                rows.append(simulate(trace, cfg, nb).figures())
     except KeyboardInterrupt:  # Ctrl-C: the sizes simulated so far are reported, then rc 130
         if not any(r is not None for r in rows):
             raise
