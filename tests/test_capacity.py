@@ -772,3 +772,37 @@ def test_a_second_interrupt_still_waits_for_the_measuring_child(monkeypatch, tmp
     measure._stop_child(child)
     assert child.signals == [signal.SIGINT] and child.calls >= 2 and child.returncode == 0  # not killed
     assert sorted(p.name for p in shm.iterdir()) == ["pdkv-1-other"]
+
+
+def test_the_measuring_run_is_sized_to_the_memory_free_here(monkeypatch):
+    """About 2 GiB of KV where memory allows, a quarter of what is free where it does not,
+    and a clear refusal (give the rates) where even that is too little."""
+    import argparse
+    import subprocess as sp
+
+    from pdkv.cli.transfer_tool import measure
+
+    a = argparse.Namespace(model="llama3-8b", decode_tp=1, layers=None, kv_heads=None, head_dim=None)
+    a.tokens_per_block, a.dtype = None, None
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(argv, **kw):
+        seen.append(int(argv[argv.index("--prompt-len") + 1]))
+        raise Stop
+
+    class Quiet:
+        def print(self, *args):
+            pass
+
+    monkeypatch.setattr(sp, "Popen", popen)
+    for free in (64 << 30, 2 << 30):
+        monkeypatch.setattr(measure, "_free_memory", lambda free=free: free)
+        with pytest.raises(Stop):
+            measure.measure_once(a, Quiet())
+    assert seen == [1024, 256]  # 16 requests of 128 KiB a token: 2 GiB, then 512 MiB's floor of 256 tokens
+    monkeypatch.setattr(measure, "_free_memory", lambda: 256 << 20)
+    with pytest.raises(UsageError, match="needs about 0.5 GiB of free memory, 0.25 GiB is free here; give"):
+        measure.measure_once(a, Quiet())

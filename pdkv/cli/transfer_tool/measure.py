@@ -83,7 +83,15 @@ def measure_once(a: Any, console: Any) -> tuple[float, float]:
         out = os.path.join(d, "rates.json")
         lay = KVLayout(**layout_kw(a), tp_size=a.decode_tp)
         per_token = lay.block_bytes * a.decode_tp / lay.tokens_per_block
-        tokens = int(min(16384, max(256, (2 << 30) / 16 / per_token)))  # about 2 GiB in all
+        # about 2 GiB in all, less on a host with less memory free: the run holds about twice
+        # its bytes (prefill's caches and decode's buffer)
+        total = min(2 << 30, _free_memory() // 4)
+        if total < 128 << 20:
+            raise UsageError(
+                f"measuring the bandwidth needs about 0.5 GiB of free memory, {_free_memory() / (1 << 30):.2f} GiB "
+                "is free here; give --bandwidth-gbps and --swap-gbps instead"
+            )
+        tokens = int(min(16384, max(256, total / 16 / per_token)))
         argv = [sys.executable, "-m", "pdkv.cli.transfer_tool", "--model", a.model, "--requests", "16"]
         argv += ["--prompt-len", str(tokens), "--no-verify", "--concurrency", "16", "--json", out, "-q"]
         argv += ["--decode-tp", str(a.decode_tp), "--gpu-blocks", "0"]
@@ -118,6 +126,20 @@ def measure_once(a: Any, console: Any) -> tuple[float, float]:
             "--bandwidth-gbps and --swap-gbps instead"
         )
     return link * 1e9, swap * 1e9
+
+
+def _free_memory() -> int:
+    """Bytes of memory available here (MemAvailable: free plus reclaimable cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _measured_note(runs: dict[str, list[float]]) -> str:
