@@ -631,7 +631,7 @@ def test_a_recommendation_says_if_it_fills_what_decode_sees_and_if_its_alternati
     + [("800MB/s", 0.8), ("512MiB/s", 0.536870912), ("64", 64.0), ("100GB/s", 100.0)],
 )
 def test_plan_rates_take_their_unit_and_a_bare_number_is_gigabytes(text, gbs):
-    from pdkv.cli.transfer_tool.app import _link_rate
+    from pdkv.cli.transfer_tool.checks import _link_rate
 
     assert _link_rate(text) == pytest.approx(gbs)
 
@@ -639,7 +639,7 @@ def test_plan_rates_take_their_unit_and_a_bare_number_is_gigabytes(text, gbs):
 def test_plan_help_lists_only_the_flags_plan_reads(capsys):
     """Every flag `plan --help` shows is one plan reads (the rest are refused, above); the
     transfer test's own flags are absent, plan's are all there."""
-    from pdkv.cli.transfer_tool.app import _PLAN_READS
+    from pdkv.cli.transfer_tool.checks import _PLAN_READS
 
     with pytest.raises(SystemExit):
         tool_main(["plan", "--help"])
