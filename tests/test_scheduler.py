@@ -1485,3 +1485,27 @@ def test_the_hot_paths_constructors_make_the_same_frozen_values(cls, maker, valu
             fast.request_id = "x"
         with pytest.raises(TypeError):
             make(*values[:-1])  # every field is required
+
+
+def test_gpu_room_goes_first_to_a_received_request_waiting_for_its_swap():
+    """direct_to_gpu: once a received request waits for a swap, a new reservation is not
+    given GPU blocks directly ahead of it (it goes to the buffer), so a large received
+    request is not starved by a stream of small new ones taking every freed block."""
+    s, clock, swap, ev = make(gpu=10, buf=32)
+    b = s.reserve("b", num_blocks=6)
+    assert b.outcome == "gpu"
+    a = s.reserve("a", num_blocks=8)
+    assert a.outcome == "buffer"
+    s.land_layers("a", a.grant.token, range(4))
+    s.complete("a", a.grant.token)
+    s.tick()
+    assert s.request("a").state is State.RECEIVED  # 4 free GPU blocks: it waits for room
+    s.land_layers("b", b.grant.token, range(4))
+    s.complete("b", b.grant.token)
+    s.take_ready()
+    s.finish("b")  # 10 free now; a small new request comes before the next tick
+    c = s.reserve("c", num_blocks=3)
+    assert c.outcome == "buffer"  # not the GPU: that room is a's
+    s.tick()
+    assert s.request("a").state is State.SWAPPING
+    s.check_invariants()

@@ -182,7 +182,8 @@ class ModelScheduler:
     # -- transitions
     def grant(self, req, now):
         o, n = self.o, req.n
-        if o.direct_to_gpu and req.gpu_ok and len(self.free["gpu"]) - n >= o.gpu_reserve_blocks:
+        # GPU room goes first to requests received and waiting for a swap
+        if o.direct_to_gpu and req.gpu_ok and not self.swapq and len(self.free["gpu"]) - n >= o.gpu_reserve_blocks:
             req.loc, req.gpu = "gpu", self.alloc("gpu", n)
         elif self.has_buffer and len(self.free["buffer"]) >= n:
             req.loc, req.buf = "buffer", self.alloc("buffer", n)

@@ -254,7 +254,16 @@ class SchedulerCore:
         """Try to give ``req`` destination blocks; return the grant or None."""
         n, o = req.n, self.options
         blocks = None
-        if o.direct_to_gpu and o.bind == "pdkv" and req.gpu_ok and self.gpu.num_free - n >= o.gpu_reserve_blocks:
+        # GPU room goes first to requests received and waiting for a swap: a new request that
+        # took it directly would pass them, and a large one waiting could starve behind a
+        # stream of small ones
+        if (
+            o.direct_to_gpu
+            and o.bind == "pdkv"
+            and req.gpu_ok
+            and not self._swapq
+            and self.gpu.num_free - n >= o.gpu_reserve_blocks
+        ):
             blocks = self.gpu.try_allocate(n)
             if blocks is not None:
                 req.location, req.gpu_blocks = "gpu", blocks

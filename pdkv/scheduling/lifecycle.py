@@ -84,7 +84,9 @@ class SchedulerOptions:
         renews it, at most once a second, when part of a layer arrives: chunked prefill
         writes each layer over several steps).
     direct_to_gpu:
-        Reserve GPU blocks straight away when the GPU has room above ``gpu_reserve_blocks``.
+        Reserve GPU blocks straight away when the GPU has room above ``gpu_reserve_blocks``
+        and no received request waits for a swap (GPU room goes to those first: a stream of
+        new requests taking it directly would starve them).
     gpu_reserve_blocks:
         GPU blocks kept free for running requests; reservations and swaps leave them alone.
     on_full:
