@@ -806,3 +806,20 @@ def test_the_measuring_run_is_sized_to_the_memory_free_here(monkeypatch):
     monkeypatch.setattr(measure, "_free_memory", lambda: 256 << 20)
     with pytest.raises(UsageError, match="needs about 0.5 GiB of free memory, 0.25 GiB is free here; give"):
         measure.measure_once(a, Quiet())
+
+
+@pytest.mark.parametrize("mode", ["local", "decode", "prefill", "plan", "sweep"])
+def test_each_modes_help_lists_only_flags_that_mode_accepts(mode, capsys):
+    """Every flag `MODE --help` shows is one that mode reads: none of them is refused as
+    another mode's (decode's help has no --connect, prefill's no --listen)."""
+    import re
+
+    from pdkv.cli.transfer_tool.checks import _MODES_OF
+
+    with pytest.raises(SystemExit):
+        tool_main([mode, "--help"])
+    out = capsys.readouterr().out
+    shown = {f for m in re.finditer(r"^  (-\S.*?)(?:\s{2,}|$)", out, re.M) for f in re.findall(r"--?[a-z][\w-]*", m[1])}
+    assert shown
+    other = sorted(f for f in shown if mode not in _MODES_OF.get(f, (mode,)))
+    assert other == [], other

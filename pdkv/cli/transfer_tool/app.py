@@ -16,7 +16,7 @@ import numpy as np
 import zmq
 
 from ...errors import PdkvError
-from .checks import _PLAN_READS, _check_args, _link_rate, _swap_rate
+from .checks import _MODES_OF, _PLAN_READS, _check_args, _link_rate, _swap_rate
 from .decode_mode import DecodeSide
 from .local_mode import _finish, run_local
 from .prefill_mode import run_prefill
@@ -348,11 +348,18 @@ def _help_for(parser: argparse.ArgumentParser, mode: str) -> None:
     """``pdkv-transfer-test MODE --help``: that mode's flags only."""
     keep = set(_MODE_GROUPS[mode]) | {"options", "optional arguments"}
     parser._action_groups = [g for g in parser._action_groups if g.title in keep]
-    if mode == "plan":  # of the groups plan shares with the transfer test, only what plan reads
-        for g in parser._action_groups:
-            g._group_actions = [
-                act for act in g._group_actions if not act.option_strings or set(act.option_strings) & _PLAN_READS
-            ]
+    for g in parser._action_groups:  # of the groups a mode shares, only the flags it reads
+
+        def reads(act: argparse.Action) -> bool:
+            if not act.option_strings:
+                return True  # the mode itself
+            if act.help == argparse.SUPPRESS:
+                return False
+            if mode == "plan":
+                return bool(set(act.option_strings) & _PLAN_READS)
+            return all(mode in _MODES_OF.get(o, MODES) for o in act.option_strings)
+
+        g._group_actions = [act for act in g._group_actions if reads(act)]
     parser.usage = f"%(prog)s {mode} [flags]"
     parser.description = (parser.description or "") + f" This help: the flags of {mode} mode."
     parser.print_help()
