@@ -219,16 +219,16 @@ def test_vllm_damaged_buffer_block_changes_the_result(engines, colocated):
     _settled(decode, prefill)
 
 
-def test_vllm_failed_load_fails_the_request_and_frees_everything(engines):
+def test_vllm_a_request_whose_kv_is_gone_is_computed_and_frees_everything(engines, colocated):
     """A request whose KV decode's pdkv dropped (here: ended at pdkv before vLLM asked) is
-    a load failure: with kv_load_failure_policy='fail' vLLM fails it, and no block stays
-    held on either side."""
+    computed by decode, not failed, even with kv_load_failure_policy='fail' (no load had
+    begun): its tokens are the colocated engine's, and no block stays held on either side."""
     prefill, decode = engines["shm"], engines["decode"]
     _idle(engines)
     pre = prefill.generate([PROMPTS[1]], 1, _remote(["dropped"]))
     assert decode.ask(op="abort_pdkv", pid=pre["kv_params"][0]["pdkv_request_id"])["state"] == "received"
     dec = decode.generate([PROMPTS[1]], 8, pre["kv_params"])
-    assert dec["finish"] == ["error"] and dec["tokens"] == [[]]
+    assert dec["finish"] == ["length"] and dec["tokens"] == [colocated[1]], dec
     st = _settled(decode, prefill)
     assert st["decode"]["vllm_free"] == st["decode"]["vllm_total"] and st["decode"]["pdkv_live"] == 0, st
 
