@@ -115,6 +115,18 @@ def send_one(tx, rid, blocks, tokens=None, timeout=10):
     return tx.wait_outcome(rid, timeout)
 
 
+def send_all_ranks(txs, rid, blocks, timeout=10):
+    """Every layer of ``blocks`` from each TP rank's sender (reserved already), layer by
+    layer across ranks; each rank's outcome must be ``received``."""
+    for layer in range(4):
+        for tx in txs:
+            tx.send_layer(layer, [(rid, blocks)])
+    for tx in txs:
+        tx.finish(rid)
+    for tx in txs:
+        assert tx.wait_outcome(rid, timeout).state == "received"
+
+
 def clean_killed_segment(name, timeout=5.0):
     """A killed peer's segment, removed by the clean command once it is provably stale
     (waited for, bounded: a killed process's mappings go with its teardown); the scan's
@@ -236,13 +248,7 @@ def test_a_per_layer_prefill_into_a_block_outermost_decode_every_byte(transport,
             g = tx.reserve("a", len(sb) * 8)
             assert grant is None or g.blocks == grant.blocks
             grant = g
-        for layer in range(4):
-            for tx in txs:
-                tx.send_layer(layer, [("a", sb)])
-        for tx in txs:
-            tx.finish("a")
-        for tx in txs:
-            assert tx.wait_outcome("a", 10).state == "received"
+        send_all_ranks(txs, "a", sb)
         for dst in dec.lays:
             for layer in range(4):
                 for t in range(2):
@@ -1311,13 +1317,7 @@ def fused_every_byte(transport, P, D, src, dst):
         txs = [PrefillSender(lay, spec, ctl, transport=transport, instance="pf") for lay, _, spec in caches]
         sb = [3, 4, 5, 9, 10, 40]
         g = [tx.reserve("a", len(sb) * 8 - 3) for tx in txs][0]
-        for layer in range(4):
-            for tx in txs:
-                tx.send_layer(layer, [("a", sb)])
-        for tx in txs:
-            tx.finish("a")
-        for tx in txs:
-            assert tx.wait_outcome("a", 10).state == "received"
+        send_all_ranks(txs, "a", sb)
         span = lays[0].layer_block_bytes
         for dl in lays:
             dspec = CacheSpec.for_buffer(dl, nb, bufs[dl.tp_rank].address)
