@@ -146,3 +146,42 @@ def test_a_reservation_that_can_never_be_placed_is_refused_and_one_that_fits_ove
     sp.designate("c", [10, 11])
     assert s.reserve("c", num_blocks=3).outcome == "rejected"  # 2 designated, not 3: never
     assert s.request("big").state.value == "queued"
+
+
+def test_engine_pages_refusals_say_exactly_what_is_wrong():
+    """Every refusal of EnginePages names its cause exactly (ids shown: at most 8; a request
+    id in a refusal: at most 80 characters), and on_free gets the request and its pages."""
+    import pytest
+
+    from pdkv.errors import RequestError
+    from pdkv.integrations.core.pages import EnginePages
+
+    for bad in (0, -1, 2.0, "4", True):
+        with pytest.raises(ValueError, match=rf"^num_pages={bad!r} must be a positive integer$"):
+            EnginePages(bad)
+    freed = []
+    pages = EnginePages(16, on_free=lambda rid, ids: freed.append((rid, ids)))
+    with pytest.raises(RequestError, match=r"^request 'r': pages must be ids in \[0, 16\), got \[\]$"):
+        pages.designate("r", [])
+    for ids in ([1, 16], [-1], [True], [1.0], list(range(8)) + [99]):
+        with pytest.raises(RequestError) as e:
+            pages.designate("r", ids)
+        assert str(e.value) == f"request 'r': pages must be ids in [0, 16), got {ids[:8]}"
+    with pytest.raises(RequestError, match=r"^request 'r': a page is listed twice$"):
+        pages.designate("r", [3, 3])
+    assert pages.num_free == 16 and pages.designated("r") is None
+    pages.designate("r", range(9))
+    assert pages.refusal("r", 9) == ""
+    long = "x" * 100
+    assert pages.refusal(long, 1) == f"request {long[:80]!r}: no pages are designated to it here " + (
+        "(unknown, aborted or granted)"
+    )
+    pages.designate(long, [10])
+    assert pages.refusal(long, 2) == f"request {long[:80]!r}: 1 pages are designated to it, not 2"
+    got = pages.try_allocate_for("r", 9)
+    assert got == list(range(9))
+    with pytest.raises(RequestError) as e:
+        pages.free([8, 0, 1, 2, 3, 4, 5, 6, 7])
+    assert str(e.value) == "pages [8, 0, 1, 2, 3, 4, 5, 6] are not one request's granted pages"
+    pages.free(got)
+    assert freed == [("r", tuple(range(9)))] and pages.num_free == 15

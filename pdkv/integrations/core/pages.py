@@ -28,7 +28,7 @@ class EnginePages:
     time the scheduler gives a request's pages back."""
 
     def __init__(self, num_pages: int, on_free: Callable[[str, tuple[int, ...]], None] | None = None) -> None:
-        if not isinstance(num_pages, int) or num_pages <= 0:
+        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages <= 0:
             raise ValueError(f"num_pages={num_pages!r} must be a positive integer")
         self._n = num_pages
         self._on_free = on_free
