@@ -25,16 +25,14 @@ import zmq
 from test_hostile import _rss_mib
 from test_transfer import HERE, reap, wait_until
 
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+from flood_ports import SECRET, fds, hold, legit  # noqa: E402  the tool measures what these tests check
+
 from pdkv.integrations.core import pull as pullmod
 from pdkv.integrations.core.endpoint import Limits
 from pdkv.integrations.core.pull import PullClient, PullReq, PullServer
 
-SECRET = bytes(range(32))
 FD_SLACK = 24  # descriptors a port's process opens besides the connections (zmq's, the monitor's)
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 @pytest.fixture
@@ -58,7 +56,7 @@ def ports():
     t.start()
     info["pid"], info["lines"] = p.pid, lines
     time.sleep(0.3)
-    info["base_fds"], info["base_rss"] = _fds(p.pid), _rss_mib(p.pid)
+    info["base_fds"], info["base_rss"] = fds(p.pid), _rss_mib(p.pid)
     try:
         yield info
     finally:
@@ -71,45 +69,13 @@ def ports():
         p.stdout.close()
 
 
-def _hold(port: int, n: int) -> list[socket.socket]:
-    out = []
-    for _ in range(n):
-        try:
-            out.append(socket.create_connection(("127.0.0.1", port), timeout=2))
-        except OSError:
-            break
-    return out
-
-
 def _port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
 def _legit(info: dict, which: str) -> float:
     """A request of a peer with the secret to ``which``; seconds until it was served."""
-    t0 = time.monotonic()
-    if which == "pull":
-        c = PullClient((info["pull"],), secret=SECRET, timeout_s=10)
-        try:
-            res = c.pull(info["pull"], "good", b"b" * 32, "tcp://127.0.0.1:1")
-            wait_until(lambda: res.done, 10, "the pull answered")
-            assert res.error == "", res.error
-        finally:
-            c.close()
-    elif which == "aux":
-        from pdkv.integrations.sglang.aux import AuxSender
-
-        tx = AuxSender(SECRET)
-        try:
-            n = len(info["lines"])
-            tx.send(info["aux"], "good", [b"a" * 64, b"b" * 16])
-            wait_until(lambda: any(x.get("aux") == "good" for x in info["lines"][n:]), 10, "the aux written")
-        finally:
-            tx.close()
-    else:
-        with urllib.request.urlopen(f"http://127.0.0.1:{info['boot']}/pdkv/ranks", timeout=10) as r:
-            assert r.status == 200 and json.loads(r.read()) == {"ranks": {}}
-    return time.monotonic() - t0
+    return legit(which, info, info["lines"])
 
 
 @pytest.mark.multiproc
@@ -119,12 +85,12 @@ def test_idle_connections_to_a_port_hold_bounded_descriptors_and_a_peer_is_serve
     worth of them (32 pending for the zmq endpoints, 64 for the bootstrap server), and a
     peer with the secret is served at once meanwhile."""
     port = ports["boot"] if which == "boot" else _port_of(ports[which])
-    held = _hold(port, 600)
+    held = hold(port, 600)
     try:
         assert len(held) == 600
         time.sleep(0.5)
         cap = 64 if which == "boot" else Limits().max_pending
-        grew = _fds(ports["pid"]) - ports["base_fds"]
+        grew = fds(ports["pid"]) - ports["base_fds"]
         assert grew <= cap + FD_SLACK, f"{which}: {grew} descriptors more with 600 idle connections"
         assert _legit(ports, which) < 2.0
     finally:
@@ -136,7 +102,7 @@ def test_idle_connections_to_a_port_hold_bounded_descriptors_and_a_peer_is_serve
 def test_pending_connections_end_at_the_authentication_deadline(ports):
     """A few connections that never send: closed ``auth_timeout_s`` after they connected
     (5 s), whatever the caps."""
-    held = _hold(_port_of(ports["pull"]), 3)
+    held = hold(_port_of(ports["pull"]), 3)
     try:
         time.sleep(Limits().auth_timeout_s + 1.0)
         for s in held:

@@ -52,8 +52,18 @@ def hold(port: int, n: int) -> list[socket.socket]:
     return out
 
 
+def _wait(cond, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:g} s")
+        time.sleep(0.005)
+
+
 def legit(which: str, info: dict, lines: list) -> float:
-    """Seconds until a peer with the secret is served by ``which``."""
+    """Seconds until a peer with the secret is served by ``which`` (pull, aux, boot or
+    metrics; ``lines``: what the ports' process printed, where the aux endpoint reports);
+    TimeoutError after 10 s."""
     t0 = time.monotonic()
     if which == "pull":
         from pdkv.integrations.core.pull import PullClient
@@ -61,8 +71,7 @@ def legit(which: str, info: dict, lines: list) -> float:
         c = PullClient((info["pull"],), secret=SECRET, timeout_s=10)
         try:
             res = c.pull(info["pull"], "good", b"b" * 32, "tcp://127.0.0.1:1")
-            while not res.done:
-                time.sleep(0.005)
+            _wait(lambda: res.done, "the pull answered")
             assert res.error == "", res.error
         finally:
             c.close()
@@ -73,14 +82,15 @@ def legit(which: str, info: dict, lines: list) -> float:
         try:
             n = len(lines)
             tx.send(info["aux"], "good", [b"a" * 64, b"b" * 16])
-            while not any(x.get("aux") == "good" for x in lines[n:]):
-                time.sleep(0.005)
+            _wait(lambda: any(x.get("aux") == "good" for x in lines[n:]), "the aux message written")
         finally:
             tx.close()
     else:
         url = f"http://127.0.0.1:{info['boot']}/pdkv/ranks" if which == "boot" else info["metrics"]
         with urllib.request.urlopen(url, timeout=10) as r:
-            r.read()
+            body = r.read()
+        if which == "boot":
+            assert r.status == 200 and json.loads(body) == {"ranks": {}}, body[:200]
     return time.monotonic() - t0
 
 

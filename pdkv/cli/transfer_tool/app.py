@@ -348,17 +348,17 @@ def _help_for(parser: argparse.ArgumentParser, mode: str) -> None:
     """``pdkv-transfer-test MODE --help``: that mode's flags only."""
     keep = set(_MODE_GROUPS[mode]) | {"options", "optional arguments"}
     parser._action_groups = [g for g in parser._action_groups if g.title in keep]
+
+    def reads(act: argparse.Action) -> bool:
+        if not act.option_strings:
+            return True  # the mode itself
+        if act.help == argparse.SUPPRESS:
+            return False
+        if mode == "plan":
+            return bool(set(act.option_strings) & _PLAN_READS)
+        return all(mode in _MODES_OF.get(o, MODES) for o in act.option_strings)
+
     for g in parser._action_groups:  # of the groups a mode shares, only the flags it reads
-
-        def reads(act: argparse.Action) -> bool:
-            if not act.option_strings:
-                return True  # the mode itself
-            if act.help == argparse.SUPPRESS:
-                return False
-            if mode == "plan":
-                return bool(set(act.option_strings) & _PLAN_READS)
-            return all(mode in _MODES_OF.get(o, MODES) for o in act.option_strings)
-
         g._group_actions = [act for act in g._group_actions if reads(act)]
     parser.usage = f"%(prog)s {mode} [flags]"
     parser.description = (parser.description or "") + f" This help: the flags of {mode} mode."
