@@ -24,11 +24,13 @@ one CTA a piece, under 128 KiB pieces; the copy engines above), ``auto`` with pr
 ``decode`` (the copy engines, libcuda's ``cuMemcpyBatchAsync``, at every size), the same in
 a process of its own (``own process``: its own interpreter, pinned buffer and GPU
 allocation, so only the GPU and the link are shared with the step: what remains of the
-interference is not host-side), the kernel capped at ``--ctas`` CTAs, and the copy engines
-on ``--streams`` streams. Each strategy's window is bracketed by a baseline window of its
-own (the step alone just before), so drift reads as drift, not as interference. Printed:
-step p50/p99 and their inflation over the bracketing baseline, and the swap's bandwidth
-during the window against the one-large-copy ceiling of the same run.
+interference is not host-side), the same bytes a call as one contiguous copy in a process
+of its own (``one contiguous copy``: what the one-copy ceiling itself costs the step), the
+kernel capped at each of ``--ctas`` CTAs, and the copy engines on ``--streams`` streams.
+Each strategy's window is bracketed by a baseline window of its own (the step alone just
+before), so drift reads as drift, not as interference. Printed: step p50/p99 and their
+inflation over the bracketing baseline, and the swap's bandwidth during the window against
+the one-large-copy ceiling of the same run.
 
 Needs a CUDA GPU and torch.
     python tools/bench_interference.py [--layers 8,32] [--batch 64] [--ctx 1024] [--kib 16] [--steps 150]
@@ -213,7 +215,9 @@ def cache_layout(size: int, layers: int) -> pdkv.KVLayout:
 
 def _swap_child(size: int, layers: int, order: str, nb: int, src, dst, stop, moved, ready) -> None:
     """The swap in a process of its own: its own pinned buffer and GPU allocation, the copy
-    engines (priority ``decode``), two calls in flight, bytes counted in ``moved``."""
+    engines (priority ``decode``), two calls in flight, bytes counted in ``moved``. With
+    ``src`` and ``dst`` both ``range(n)`` a call is one contiguous copy: the ceiling's own
+    cost to the step."""
     import torch
 
     torch.cuda.set_device(0)
@@ -242,8 +246,11 @@ def _swap_child(size: int, layers: int, order: str, nb: int, src, dst, stop, mov
 class ProcessSwapper:
     """:class:`Swapper`'s surface over :func:`_swap_child` in a spawned process."""
 
-    def __init__(self, size: int, layers: int, order: str, nb: int, src, dst) -> None:
+    def __init__(self, size: int, layers: int, order: str, nb: int, src, dst, contiguous: bool = False) -> None:
         import multiprocessing as mp
+
+        if contiguous:  # the same bytes a call as one piece: the one-copy ceiling
+            src = dst = list(range(len(src)))
 
         ctx = mp.get_context("spawn")
         self.stop_ev, self.ready = ctx.Event(), ctx.Event()
@@ -373,7 +380,7 @@ def main() -> int:
     ap.add_argument(
         "--ids", default="", help="FILE:SCENARIO of tools/piece_sizes.py --ids-out: recorded block ids, not random"
     )
-    ap.add_argument("--ctas", type=int, default=16, help="the capped kernel's CTAs")
+    ap.add_argument("--ctas", default="16", help="the capped kernel's CTAs: a row for each of a comma-separated list")
     ap.add_argument("--streams", type=int, default=4, help="copy-engine streams of the multi-stream row")
     ap.add_argument("--gather-threads", type=int, default=8, help="CPU threads of the gather prototype")
     ap.add_argument("--gather-ctas", type=int, default=8, help="CTAs of the gather prototype's scatter kernel")
@@ -388,6 +395,9 @@ def main() -> int:
         return 2
     torch.cuda.set_device(0)
     size = a.kib << 10
+    ctas = [int(x) for x in a.ctas.split(",") if x]
+    if not ctas or min(ctas) < 1:
+        ap.error(f"--ctas {a.ctas!r}: positive integers, comma-separated")
     lay = cache_layout(size, a.cache_layers)
     bb = lay.block_bytes  # every layer of a block
     if a.ids:  # the ids an engine's allocators hand out: runs of consecutive ids are one piece
@@ -415,7 +425,11 @@ def main() -> int:
         "auto (throughput)": lambda: [pdkv.SwapEngine(bspec, gspec, priority="throughput")],
         "auto (decode)": lambda: [pdkv.SwapEngine(bspec, gspec, priority="decode")],
         "auto (decode), own process": "process",
-        f"kernel {a.ctas} CTAs": lambda: [pdkv.SwapEngine(bspec, gspec, strategy="kernel", max_ctas=a.ctas)],
+        "one contiguous copy, own process": "ceiling",
+        **{
+            f"kernel {c} CTAs": (lambda c=c: [pdkv.SwapEngine(bspec, gspec, strategy="kernel", max_ctas=c)])
+            for c in ctas
+        },
         f"copy engines x{a.streams}": lambda: [
             pdkv.SwapEngine(bspec, gspec, strategy="batch") for _ in range(a.streams)
         ],
@@ -463,8 +477,8 @@ def main() -> int:
                     host: list[float] = []
                     if make is None:
                         got, bw = base, 0.0
-                    elif make == "process":
-                        sw = ProcessSwapper(size, a.cache_layers, a.cache_order, nb, src, dst)
+                    elif make in ("process", "ceiling"):
+                        sw = ProcessSwapper(size, a.cache_layers, a.cache_order, nb, src, dst, make == "ceiling")
                         sw.start()
                         try:
                             got = timed(a.steps)
