@@ -570,23 +570,69 @@ def test_cuda_kernel_capped_at_few_ctas_copies_every_block(ctas, cuda_device, no
     _round_trip_every_block(64, ctas, strategy="kernel", max_ctas=ctas)
 
 
-def test_decode_priority_moves_small_pieces_on_the_copy_engines(monkeypatch):
-    """priority='decode': where auto would run the kernel (pieces far under 128 KiB), the
-    copy goes to the copy engines instead (no kernel launched), and every pair lands."""
+def test_decode_priority_moves_pieces_of_16_kib_on_the_copy_engines(monkeypatch):
+    """priority='decode': where auto would run the kernel (pieces under 128 KiB) but the
+    pieces are at least 16 KiB, the copy goes to the copy engines instead (no kernel
+    launched), and every pair lands."""
     fake = FakeStreamCuda()
     fake.install(monkeypatch)
     monkeypatch.setattr(_ffi.cuda, "launch", lambda *a, **k: pytest.fail("the kernel ran"))
-    L = lay(num_layers=2)
+    L = lay(num_layers=2, kv_heads=8, head_dim=128, tokens_per_block=8)  # 16 KiB pieces
+    assert L.tensor_block_bytes(0) == 16 << 10
     buf, gpu = HostCache(L, 64), HostCache(L, 64)
     buf.arr[:] = np.random.default_rng(9).integers(0, 256, buf.arr.size, dtype=np.uint8)
     with SwapEngine(buf.spec, gpu.spec, strategy="batch", priority="decode") as eng:
         eng.strategy, eng._auto = "kernel", True  # what auto resolves to on a GPU with NVRTC
-        eng.copy(list(range(32)), list(range(32, 64))).wait(10)
+        eng.copy(list(range(0, 64, 2)), list(range(1, 64, 2))).wait(10)
     assert fake.submits >= 1
     for b in range(32):
-        np.testing.assert_array_equal(gpu.block(1, 1, 32 + b), buf.block(1, 1, b))
+        np.testing.assert_array_equal(gpu.block(1, 1, 2 * b + 1), buf.block(1, 1, 2 * b))
     with pytest.raises(ValueError, match="priority='fast' must be 'throughput' or 'decode'"):
         SwapEngine(buf.spec, gpu.spec, priority="fast")
+
+
+@pytest.mark.parametrize(
+    "priority, piece_kib, direction, max_ctas, batch, want",
+    [
+        # decode: the copy engines from 16 KiB, the kernel on 4 CTAs (or max_ctas) below
+        ("decode", 16, "h2d", None, True, ("batch", 0)),
+        ("decode", 64, "d2h", None, True, ("batch", 0)),
+        ("decode", 16, "h2d", None, False, ("memcpy", 0)),
+        ("decode", 8, "h2d", None, True, ("kernel", 4)),
+        ("decode", 2, "d2h", None, True, ("kernel", 4)),
+        ("decode", 2, "h2d", 2, True, ("kernel", 2)),
+        ("decode", 8, "d2d", None, True, ("kernel", "all")),
+        # throughput: the copy engines from 128 KiB host->GPU, 256 KiB GPU->host
+        ("throughput", 128, "h2d", None, True, ("batch", 0)),
+        ("throughput", 64, "h2d", None, True, ("kernel", "all")),
+        ("throughput", 128, "d2h", None, True, ("kernel", "all")),
+        ("throughput", 256, "d2h", None, True, ("batch", 0)),
+        ("throughput", 256, "d2h", None, False, ("kernel", "all")),
+        ("throughput", 2, "h2d", 8, True, ("kernel", 8)),
+        ("throughput", 512, None, None, True, ("batch", 0)),
+    ],
+)
+def test_auto_follows_the_pieces_under_each_priority(monkeypatch, priority, piece_kib, direction, max_ctas, batch, want):
+    """The strategy auto picks for one copy, and the kernel's grid cap, by the copy's mean
+    piece: the policy of docs/PERF.md's tables (What the swap costs a decode step)."""
+    monkeypatch.setattr(_ffi.cuda, "batch_copy_supported", lambda: batch)
+    L = lay(num_layers=1, kv_heads=1, head_dim=piece_kib * 512 // 4, tokens_per_block=4)
+    assert L.tensor_block_bytes(0) == piece_kib << 10
+    buf, gpu = HostCache(L, 8), HostCache(L, 8)
+    eng = SwapEngine(buf.spec, gpu.spec, strategy="host", priority=priority, max_ctas=max_ctas)
+    try:
+        eng.strategy, eng._auto, eng._max_grid = "kernel", True, max_ctas or 1 << 20
+        plan = plan_copy(buf.spec, gpu.spec, [0, 2, 4], [1, 3, 5])
+        assert plan.pieces == 6 and plan.nbytes == 6 * (piece_kib << 10)  # K and V of 3 blocks
+        got = eng._choose(plan, direction)
+        assert got == (want[0], eng._max_grid if want[1] == "all" else want[1])
+        eng._auto = False  # a strategy forced: never changed
+        assert eng._choose(plan, direction) == ("kernel", eng._max_grid)
+        eng.strategy = "batch"
+        assert eng._choose(plan, direction) == ("batch", 0)
+    finally:
+        eng.strategy = "host"
+        eng.close()
 
 
 @pytest.mark.cuda

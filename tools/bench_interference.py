@@ -21,8 +21,9 @@ For each step length (``--layers``: 8 layers is a short step, about 2 ms on an H
 pdkv's swap engine copies scattered blocks from a pinned buffer into another GPU allocation
 as fast as it can, per strategy: ``auto`` with priority ``throughput`` (the NVRTC kernel,
 one CTA a piece, under 128 KiB pieces; the copy engines above), ``auto`` with priority
-``decode`` (the copy engines, libcuda's ``cuMemcpyBatchAsync``, at every size), the same in
-a process of its own (``own process``: its own interpreter, pinned buffer and GPU
+``decode`` (the copy engines, libcuda's ``cuMemcpyBatchAsync``, from 16 KiB pieces, the
+kernel capped at 4 CTAs below), the copy engines alone (``copy engines x1``), ``auto``
+(decode) in a process of its own (``own process``: its own interpreter, pinned buffer and GPU
 allocation, so only the GPU and the link are shared with the step: what remains of the
 interference is not host-side), the same bytes a call as one contiguous copy in a process
 of its own (``one contiguous copy``: what the one-copy ceiling itself costs the step), the
@@ -424,6 +425,7 @@ def main() -> int:
     strategies = {
         "auto (throughput)": lambda: [pdkv.SwapEngine(bspec, gspec, priority="throughput")],
         "auto (decode)": lambda: [pdkv.SwapEngine(bspec, gspec, priority="decode")],
+        "copy engines x1": lambda: [pdkv.SwapEngine(bspec, gspec, strategy="batch")],
         "auto (decode), own process": "process",
         "one contiguous copy, own process": "ceiling",
         **{

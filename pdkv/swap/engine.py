@@ -52,6 +52,11 @@ _BATCH_MIN_PIECE: dict[str | None, int | None] = {
     # engines moved 196 GB/s of 1 MiB pieces against its 1 TB/s
     "d2d": None,
 }
+# priority "decode": the copy engines for a mean piece of at least this; below it their
+# cost per piece makes them slow (H100, 2 KiB pieces: 0.05 of the link) and a kernel capped
+# at _DECODE_CTAS CTAs moves the copy on a few SMs (tools/bench_interference.py, PERF.md)
+_DECODE_KERNEL_BELOW = 16 << 10
+_DECODE_CTAS = 4
 # a batch is submitted as several cudaMemcpyBatchAsync calls, the first small and each
 # next one twice as large up to the cap, so the copy engines start on the first pieces
 # while the rest are still being handed to the driver
@@ -128,14 +133,16 @@ class SwapEngine:
         Default for :meth:`submit`: one completion per layer.
     priority:
         ``throughput`` (``auto`` picks the kernel under 128 KiB pieces host->GPU, 256 KiB
-        GPU->host: the fastest copy) or ``decode`` (``auto`` moves host<->GPU copies on the
-        copy engines at every piece size: no SM is taken from a decode step running beside
-        the swap, at a lower rate for small pieces; H100: decode step p99 +2-4 % against
-        +700-900 % with the kernel, ``tools/bench_interference.py``).
+        GPU->host: the fastest copy) or ``decode`` (``auto`` follows the copy's mean piece:
+        from 16 KiB host<->GPU copies go on the copy engines, which take no SM from a decode
+        step running beside the swap; below it, where the copy engines' cost per piece
+        leaves them a small part of the link, the kernel on at most ``max_ctas`` CTAs,
+        default 4: ``tools/bench_interference.py`` measures both, docs/PERF.md).
     max_ctas:
         The kernel's grid at most this many CTAs (each loops over its share of the pieces):
         fewer SMs taken from a decode step running beside the swap, at some bandwidth
-        (``tools/bench_interference.py`` measures both). Default: one CTA per piece.
+        (``tools/bench_interference.py`` measures both). Default: one CTA per piece
+        (priority ``decode``: 4).
 
     The engine is a :class:`~pdkv.scheduling.scheduler.SwapBackend`: :meth:`submit` copies buffer
     blocks into GPU blocks. Ownership: the engine owns its stream, events and staging
@@ -355,17 +362,7 @@ class SwapEngine:
         events = [_ffi.cuda.event_create() for _ in range(nl if layerwise else 1)]
         keep: object = None
         slot: list[int] = []
-        strategy = self.strategy
-        min_piece = _BATCH_MIN_PIECE[direction]
-        if (
-            self._auto
-            and strategy == "kernel"
-            and plan.pieces
-            and min_piece is not None
-            and (self.priority == "decode" or plan.nbytes >= min_piece * plan.pieces)
-            and _ffi.cuda.batch_copy_supported()
-        ):
-            strategy = "batch"  # large pieces: the copy engines beat the kernel (0.98 vs 0.92 at 512 KiB)
+        strategy, grid = self._choose(plan, direction)
         queued = False  # set once anything is enqueued on `stream`
         try:
             if strategy == "kernel":
@@ -388,7 +385,7 @@ class SwapEngine:
                     if b > a:
                         _ffi.cuda.launch(
                             self._fn,
-                            min(b - a, self._max_grid),
+                            min(b - a, grid),
                             512,
                             [
                                 ("ptr", dev + 8 * a),
@@ -439,6 +436,23 @@ class SwapEngine:
             with self._lock:
                 self._staging[slot[0]] = (self._staging[slot[0]][0], h)
         return h
+
+    def _choose(self, plan: CopyPlan, direction: str | None) -> tuple[Strategy, int]:
+        """The strategy of one copy and, for the kernel, its grid's cap. ``auto`` follows the
+        pieces: priority ``throughput`` takes the copy engines from ``_BATCH_MIN_PIECE`` (the
+        fastest copy), priority ``decode`` from ``_DECODE_KERNEL_BELOW`` (no SM taken) and
+        below it the kernel on at most ``max_ctas`` (default ``_DECODE_CTAS``) CTAs."""
+        strategy = self.strategy
+        min_piece = _BATCH_MIN_PIECE[direction]
+        if not (self._auto and strategy == "kernel" and plan.pieces and min_piece is not None):
+            return strategy, self._max_grid if strategy == "kernel" else 0
+        if self.priority == "decode":
+            if plan.nbytes >= _DECODE_KERNEL_BELOW * plan.pieces:  # the copy engines either way
+                return ("batch" if _ffi.cuda.batch_copy_supported() else "memcpy"), 0
+            return "kernel", self._ctas or _DECODE_CTAS
+        if plan.nbytes >= min_piece * plan.pieces and _ffi.cuda.batch_copy_supported():
+            return "batch", 0  # large pieces: the copy engines beat the kernel (0.98 vs 0.92 at 512 KiB)
+        return "kernel", self._max_grid
 
     @staticmethod
     def _groups(ends: np.ndarray, layerwise: bool) -> list[tuple[int, int]]:
