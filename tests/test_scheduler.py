@@ -1509,3 +1509,14 @@ def test_gpu_room_goes_first_to_a_received_request_waiting_for_its_swap():
     s.tick()
     assert s.request("a").state is State.SWAPPING
     s.check_invariants()
+
+
+def test_a_requests_binding_is_what_its_reservation_carried():
+    """``request(rid).binding``: the reservation's opaque bytes while the request lives (an
+    engine adapter checks claims against them); none given, none kept."""
+    s, clock, swap, ev = make()
+    s.reserve("a", num_tokens=16, binding=b"\x01" * 32)
+    s.reserve("b", num_tokens=16)
+    assert s.request("a").binding == b"\x01" * 32 and s.request("b").binding == b""
+    assert s.request("a").num_tokens == 16
+    s.check_invariants()
