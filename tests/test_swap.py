@@ -570,10 +570,9 @@ def test_cuda_kernel_capped_at_few_ctas_copies_every_block(ctas, cuda_device, no
     _round_trip_every_block(64, ctas, strategy="kernel", max_ctas=ctas)
 
 
-def test_decode_priority_moves_pieces_of_16_kib_on_the_copy_engines(monkeypatch):
-    """priority='decode': where auto would run the kernel (pieces under 128 KiB) but the
-    pieces are at least 16 KiB, the copy goes to the copy engines instead (no kernel
-    launched), and every pair lands."""
+def test_decode_priority_moves_small_pieces_on_the_copy_engines(monkeypatch):
+    """priority='decode': where auto would run the kernel (pieces under 128 KiB), the
+    copy goes to the copy engines instead (no kernel launched), and every pair lands."""
     fake = FakeStreamCuda()
     fake.install(monkeypatch)
     monkeypatch.setattr(_ffi.cuda, "launch", lambda *a, **k: pytest.fail("the kernel ran"))
@@ -594,13 +593,12 @@ def test_decode_priority_moves_pieces_of_16_kib_on_the_copy_engines(monkeypatch)
 @pytest.mark.parametrize(
     "priority, piece_kib, direction, max_ctas, batch, want",
     [
-        # decode: the copy engines from 16 KiB, the kernel on 4 CTAs (or max_ctas) below
+        # decode: the copy engines at every size (memcpy without libcuda's batch call)
         ("decode", 16, "h2d", None, True, ("batch", 0)),
         ("decode", 64, "d2h", None, True, ("batch", 0)),
+        ("decode", 2, "h2d", None, True, ("batch", 0)),
+        ("decode", 2, "h2d", 2, True, ("batch", 0)),
         ("decode", 16, "h2d", None, False, ("memcpy", 0)),
-        ("decode", 8, "h2d", None, True, ("kernel", 4)),
-        ("decode", 2, "d2h", None, True, ("kernel", 4)),
-        ("decode", 2, "h2d", 2, True, ("kernel", 2)),
         ("decode", 8, "d2d", None, True, ("kernel", "all")),
         # throughput: the copy engines from 128 KiB host->GPU, 256 KiB GPU->host
         ("throughput", 128, "h2d", None, True, ("batch", 0)),
@@ -612,7 +610,9 @@ def test_decode_priority_moves_pieces_of_16_kib_on_the_copy_engines(monkeypatch)
         ("throughput", 512, None, None, True, ("batch", 0)),
     ],
 )
-def test_auto_follows_the_pieces_under_each_priority(monkeypatch, priority, piece_kib, direction, max_ctas, batch, want):
+def test_auto_follows_the_pieces_under_each_priority(
+    monkeypatch, priority, piece_kib, direction, max_ctas, batch, want
+):
     """The strategy auto picks for one copy, and the kernel's grid cap, by the copy's mean
     piece: the policy of docs/PERF.md's tables (What the swap costs a decode step)."""
     monkeypatch.setattr(_ffi.cuda, "batch_copy_supported", lambda: batch)

@@ -16,17 +16,16 @@ next, as a decode engine runs it (it needs the sampled tokens to schedule the ne
 the host's milliseconds from launch to seeing the step end, so the swap's host-side work in
 the same process shows too.
 
-For each step length (``--layers``: 8 layers is a short step, about 2 ms on an H100/H200,
-32 a long one, about 8 ms) and batch size, in one run: the step alone, then the step while
+For each step length (``--layers``: 8 layers is a short step, about 2 ms on an H100/H200, 32
+a long one, about 8 ms) and batch size, in one run: the step alone, then the step while
 pdkv's swap engine copies scattered blocks from a pinned buffer into another GPU allocation
 as fast as it can, per strategy: ``auto`` with priority ``throughput`` (the NVRTC kernel,
 one CTA a piece, under 128 KiB pieces; the copy engines above), ``auto`` with priority
-``decode`` (the copy engines, libcuda's ``cuMemcpyBatchAsync``, from 16 KiB pieces, the
-kernel capped at 4 CTAs below), the copy engines alone (``copy engines x1``), ``auto``
-(decode) in a process of its own (``own process``: its own interpreter, pinned buffer and GPU
-allocation, so only the GPU and the link are shared with the step: what remains of the
-interference is not host-side), the same bytes a call as one contiguous copy in a process
-of its own (``one contiguous copy``: what the one-copy ceiling itself costs the step), the
+``decode`` (the copy engines, libcuda's ``cuMemcpyBatchAsync``, at every size), ``auto``
+(decode) in a process of its own (``own process``: its own interpreter, pinned buffer and
+GPU allocation, so only the GPU and the link are shared with the step: what remains of the
+interference is not host-side), the same bytes a call as one contiguous copy in a process of
+its own (``one contiguous copy``: what the one-copy ceiling itself costs the step), the
 kernel capped at each of ``--ctas`` CTAs, and the copy engines on ``--streams`` streams.
 Each strategy's window is bracketed by a baseline window of its own (the step alone just
 before), so drift reads as drift, not as interference. Printed: step p50/p99 and their
@@ -425,7 +424,6 @@ def main() -> int:
     strategies = {
         "auto (throughput)": lambda: [pdkv.SwapEngine(bspec, gspec, priority="throughput")],
         "auto (decode)": lambda: [pdkv.SwapEngine(bspec, gspec, priority="decode")],
-        "copy engines x1": lambda: [pdkv.SwapEngine(bspec, gspec, strategy="batch")],
         "auto (decode), own process": "process",
         "one contiguous copy, own process": "ceiling",
         **{

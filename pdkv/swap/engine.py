@@ -52,11 +52,6 @@ _BATCH_MIN_PIECE: dict[str | None, int | None] = {
     # engines moved 196 GB/s of 1 MiB pieces against its 1 TB/s
     "d2d": None,
 }
-# priority "decode": the copy engines for a mean piece of at least this; below it their
-# cost per piece makes them slow (H100, 2 KiB pieces: 0.05 of the link) and a kernel capped
-# at _DECODE_CTAS CTAs moves the copy on a few SMs (tools/bench_interference.py, PERF.md)
-_DECODE_KERNEL_BELOW = 16 << 10
-_DECODE_CTAS = 4
 # a batch is submitted as several cudaMemcpyBatchAsync calls, the first small and each
 # next one twice as large up to the cap, so the copy engines start on the first pieces
 # while the rest are still being handed to the driver
@@ -133,16 +128,15 @@ class SwapEngine:
         Default for :meth:`submit`: one completion per layer.
     priority:
         ``throughput`` (``auto`` picks the kernel under 128 KiB pieces host->GPU, 256 KiB
-        GPU->host: the fastest copy) or ``decode`` (``auto`` follows the copy's mean piece:
-        from 16 KiB host<->GPU copies go on the copy engines, which take no SM from a decode
-        step running beside the swap; below it, where the copy engines' cost per piece
-        leaves them a small part of the link, the kernel on at most ``max_ctas`` CTAs,
-        default 4: ``tools/bench_interference.py`` measures both, docs/PERF.md).
+        GPU->host: the fastest copy) or ``decode`` (``auto`` moves host<->GPU copies on the
+        copy engines at every piece size: no SM is taken from a decode step running beside
+        the swap, and per GB/s moved they cost that step the least of every option measured,
+        2 KiB to 2 MiB pieces, at a lower rate for small pieces; ``tools/bench_interference.py``,
+        docs/PERF.md).
     max_ctas:
         The kernel's grid at most this many CTAs (each loops over its share of the pieces):
         fewer SMs taken from a decode step running beside the swap, at some bandwidth
-        (``tools/bench_interference.py`` measures both). Default: one CTA per piece
-        (priority ``decode``: 4).
+        (``tools/bench_interference.py`` measures both). Default: one CTA per piece.
 
     The engine is a :class:`~pdkv.scheduling.scheduler.SwapBackend`: :meth:`submit` copies buffer
     blocks into GPU blocks. Ownership: the engine owns its stream, events and staging
@@ -440,16 +434,16 @@ class SwapEngine:
     def _choose(self, plan: CopyPlan, direction: str | None) -> tuple[Strategy, int]:
         """The strategy of one copy and, for the kernel, its grid's cap. ``auto`` follows the
         pieces: priority ``throughput`` takes the copy engines from ``_BATCH_MIN_PIECE`` (the
-        fastest copy), priority ``decode`` from ``_DECODE_KERNEL_BELOW`` (no SM taken) and
-        below it the kernel on at most ``max_ctas`` (default ``_DECODE_CTAS``) CTAs."""
+        fastest copy) and the kernel below; priority ``decode`` the copy engines at every size
+        (``memcpy`` where libcuda has no batch call): per GB/s moved they cost a decode step
+        beside them the least of every option at every piece size measured, 2 KiB to 2 MiB
+        (H100: +0.1-0.2 % of the step a GB/s, the kernel on 1-8 CTAs +0.3-0.7 %; PERF.md)."""
         strategy = self.strategy
         min_piece = _BATCH_MIN_PIECE[direction]
         if not (self._auto and strategy == "kernel" and plan.pieces and min_piece is not None):
             return strategy, self._max_grid if strategy == "kernel" else 0
         if self.priority == "decode":
-            if plan.nbytes >= _DECODE_KERNEL_BELOW * plan.pieces:  # the copy engines either way
-                return ("batch" if _ffi.cuda.batch_copy_supported() else "memcpy"), 0
-            return "kernel", self._ctas or _DECODE_CTAS
+            return ("batch" if _ffi.cuda.batch_copy_supported() else "memcpy"), 0
         if plan.nbytes >= min_piece * plan.pieces and _ffi.cuda.batch_copy_supported():
             return "batch", 0  # large pieces: the copy engines beat the kernel (0.98 vs 0.92 at 512 KiB)
         return "kernel", self._max_grid
