@@ -19,11 +19,14 @@ from pdkv.integrations.vllm.settings import (
     Save,
     StepMeta,
     binding_of,
+    buffer_order_of,
     check_version,
     layout_for,
     order_of,
     parse_settings,
+    required_layout,
     token_digest,
+    transfer_pid,
 )
 from pdkv.scheduling.lifecycle import State
 
@@ -174,6 +177,106 @@ def test_vllm_settings_every_key_and_every_default(monkeypatch):
     assert parse_settings("kv_producer", "e", {"instance": "a"}).instance == "a"  # one character is enough
     # a configured key is the same in every process that reads the configuration
     assert PrefillSide(parse_settings("kv_producer", "e", given)).instance_key == hashlib.sha256(b"k" * 16).digest()
+
+
+def test_vllm_settings_of_the_pull_style_and_the_swap_every_key(monkeypatch):
+    """The keys of the pull style (a prefill's ``pull`` and ``pull_advertise``, a decode's
+    ``prefill`` and its timeouts), the swap's (``swap_priority``, ``kv_cache_order``) and
+    ``advertise``, each given and each left to its default, compared whole."""
+    from pdkv.integrations.vllm.settings import Settings
+
+    monkeypatch.delenv("PDKV_SECRET", raising=False)
+    d = parse_settings("kv_consumer", "d", {})
+    assert (d.prefills, d.pull_timeout_s, d.pull_answer_timeout_s, d.queue_timeout_s, d.peer_timeout_s) == (
+        (), 120.0, 10.0, 20.0, 10.0,
+    )  # fmt: skip
+    assert (d.swap_priority, d.kv_cache_order, d.advertise, d.pull, d.pull_advertise) == ("decode", "auto", "", "", "")
+    given = {
+        "prefill": "tcp://pf-1:7000, tcp://[::1]:7001", "pull_timeout_s": 5, "pull_answer_timeout_s": 2.5,
+        "queue_timeout_s": 7, "peer_timeout_s": 9, "swap_priority": "throughput", "kv_cache_order": "vllm",
+        "advertise": "tcp://dec-1:5000",
+    }  # fmt: skip
+    assert parse_settings("kv_consumer", "d", given) == Settings(
+        role="kv_consumer", engine_id="d", instance="vllm-d", prefills=("tcp://pf-1:7000", "tcp://[::1]:7001"),
+        pull_timeout_s=5.0, pull_answer_timeout_s=2.5, queue_timeout_s=7.0, peer_timeout_s=9.0,
+        swap_priority="throughput", kv_cache_order="vllm", advertise="tcp://dec-1:5000",
+    )  # fmt: skip
+    p = parse_settings("kv_producer", "p", {"pull": "tcp://0.0.0.0:7000", "pull_advertise": "tcp://pf-1:7000"})
+    assert (p.pull, p.pull_advertise) == ("tcp://0.0.0.0:7000", "tcp://pf-1:7000")
+    q = parse_settings("kv_producer", "p", {"pull": "tcp://10.0.0.5:0", "kv_cache_order": "block"})
+    assert (q.pull, q.pull_advertise, q.kv_cache_order) == ("tcp://10.0.0.5:0", "", "block")
+    assert parse_settings("kv_producer", "p", {"pull": "tcp://[::1]:7000"}).pull == "tcp://[::1]:7000"
+
+
+@pytest.mark.parametrize(
+    "extra, msg",
+    [
+        ({"swap_priority": "fast"}, f"{EXTRA}['swap_priority']='fast' must be 'decode' or 'throughput'"),
+        ({"kv_cache_order": "BLNHC"}, f"{EXTRA}['kv_cache_order']='BLNHC' must be one of auto, block, vllm"),
+        ({"advertise": 5}, f"{EXTRA}['advertise']=5 must be a tcp://host:port address"),
+        ({"advertise": "tcp://dec-1"}, f"{EXTRA}['advertise']='tcp://dec-1' must be a tcp://host:port address"),
+        ({"pull": 7000}, f"{EXTRA}['pull']=7000 must be a tcp://host:port address (port 0: any)"),
+        ({"pull": "ipc:///pull"}, f"{EXTRA}['pull']='ipc:///pull' must be a tcp://host:port address (port 0: any)"),
+        ({"prefill": "pf-1:7000"}, f"{EXTRA}['prefill'] names 'pf-1:7000': not a tcp://host:port address"),
+        ({"prefill": [7000]}, f"{EXTRA}['prefill']=[7000] must be an address or a list of them"),
+        ({"pull_timeout_s": 0}, f"{EXTRA}['pull_timeout_s']=0 must be a positive number"),
+        ({"pull_answer_timeout_s": -1}, f"{EXTRA}['pull_answer_timeout_s']=-1 must be a positive number"),
+        ({"queue_timeout_s": False}, f"{EXTRA}['queue_timeout_s']=False must be a positive number"),
+    ],
+)
+def test_vllm_settings_of_the_pull_style_and_the_swap_refused_by_name(extra, msg):
+    with pytest.raises(ValueError) as e:
+        parse_settings("kv_consumer", "e", extra)
+    assert str(e.value) == msg
+
+
+@pytest.mark.parametrize("wild", ["tcp://0.0.0.0:7000", "tcp://[::]:7000", "tcp://:::7000"])
+def test_vllm_a_pull_on_every_interface_needs_where_decodes_reach_it(wild):
+    with pytest.raises(ValueError, match="binds every interface, an address no decode can reach"):
+        parse_settings("kv_producer", "p", {"pull": wild})
+    assert parse_settings("kv_producer", "p", {"pull": wild, "pull_advertise": "tcp://pf:7"}).pull == wild
+
+
+@pytest.mark.parametrize(
+    "role, order, cpu, fused, want",
+    [
+        ("kv_producer", "block", False, "", None),  # prefill keeps vLLM's order
+        ("kv_producer", "auto", True, "head", None),
+        ("kv_consumer", "vllm", False, "", None),
+        ("kv_consumer", "vllm", True, "", None),
+        ("kv_consumer", "auto", True, "", None),  # the CPU backend reads LBHNC only
+        ("kv_consumer", "auto", False, "", "BLNHC"),
+        ("kv_consumer", "auto", False, "row", "BLNHC"),
+        ("kv_consumer", "auto", False, "head", "BLHNC"),
+        ("kv_consumer", "block", True, "", "BLHNC"),
+        ("kv_consumer", "block", False, "row", "BLNHC"),
+        ("kv_consumer", "block", False, "head", "BLHNC"),
+    ],
+)
+def test_vllm_the_cache_order_each_side_asks_for(role, order, cpu, fused, want):
+    extra = {"kv_cache_order": order, **({"kv_fused": fused} if fused else {})}
+    assert required_layout(parse_settings(role, "e", extra), cpu) == want
+
+
+@pytest.mark.parametrize(
+    "name, want",
+    [(None, "layer"), ("", "layer"), ("LBNHC", "layer"), ("LBHNC", "layer"), ("NHD", "layer"), ("blnhc", "layer"),
+     ("BLNHC", "block"), ("BLHNC", "block")],
+)  # fmt: skip
+def test_vllm_decodes_buffer_mirrors_the_caches_order(name, want):
+    assert buffer_order_of(name) == want
+
+
+def test_vllm_ids_and_bindings_both_sides_derive_are_pinned():
+    """Prefill and decode derive these apart (possibly different pdkv versions): each is
+    pinned to its value, and what is not a valid id derives none."""
+    assert transfer_pid("0123456789abcdef") == "xfer.4d8bc508dc7868d83fc487dca71c0b17"
+    assert transfer_pid("u" * 128) is not None and transfer_pid("u" * 129) is None
+    for bad in ("u" * 15, "x" * 15 + "\n", b"x" * 16, None, 12345678901234567):
+        assert transfer_pid(bad) is None
+    assert binding_of("cap", b"d" * 32).hex() == "bf3d03bb4973f14952de375bc5c9d2b811bbfef696beb382a0954095d3e0771a"
+    assert token_digest([1, 2, 3]).hex() == "e2e2033ae7e19d680599d4eb0a1359a2b48ec5baac75066c317fbf85159c54ef"
+    assert token_digest(np.array([1, 2, 3], dtype=np.int32)) == token_digest([1, 2, 3])  # any int type, one digest
 
 
 def test_vllm_cache_orders():
