@@ -912,6 +912,101 @@ def test_sglang_activation_adds_the_backend_to_sglang():
     assert conn.PdkvKVManager.supports_host_destination
 
 
+def test_sglang_activation_in_this_process_from_sglang_as_it_ships(monkeypatch, caplog):
+    """install() and plugin() against SGLang as it is before pdkv (no enum member, no
+    choice, its own get_kv_class in every module that imported it), undone afterwards: what
+    each adds, that a second call adds nothing, that an untested SGLang only logs at
+    plugin time and fails naming its version when pdkv is chosen, and that moved internals
+    never fail SGLang's start."""
+    need("sglang.srt.disaggregation.utils", "sglang")
+    import logging
+    import sys
+
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.disaggregation import utils
+
+    from pdkv.errors import PdkvError
+    from pdkv.integrations.sglang import activate, conn
+
+    E, kinds = utils.TransferBackend, utils.KVClassType
+    wrapped = utils.get_kv_class
+    orig = wrapped
+    while getattr(orig, "_pdkv", False):  # SGLang's own, from the wrapper's closure
+        orig = dict(zip(orig.__code__.co_freevars, (c.cell_contents for c in orig.__closure__)))["original"]
+    holders = [
+        m
+        for n, m in list(sys.modules.items())
+        if n.startswith("sglang.") and getattr(m, "get_kv_class", None) is wrapped
+    ]
+    member = E._member_map_.get("PDKV")
+    names, had_choice = list(E._member_names_), "pdkv" in choices.DISAGG_TRANSFER_BACKEND_CHOICES
+
+    def fresh():
+        E._member_map_.pop("PDKV", None)
+        E._value2member_map_.pop("pdkv", None)
+        E._member_names_[:] = [n for n in names if n != "PDKV"]
+        while "pdkv" in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
+            choices.DISAGG_TRANSFER_BACKEND_CHOICES.remove("pdkv")
+        for m in holders:
+            m.get_kv_class = orig
+
+    try:
+        fresh()
+        assert "pdkv" not in E._value2member_map_ and utils.get_kv_class is orig
+        activate.install()
+        pd = E("pdkv")
+        assert pd is E.PDKV and pd.name == "PDKV" and pd.value == "pdkv" and isinstance(pd, E)
+        assert E._member_names_.count("PDKV") == 1
+        assert choices.DISAGG_TRANSFER_BACKEND_CHOICES.count("pdkv") == 1
+        got = utils.get_kv_class
+        assert got is not orig and got._pdkv is True and all(m.get_kv_class is got for m in holders)
+        for backend in (pd, "pdkv"):
+            assert got(backend, kinds.MANAGER) is conn.PdkvKVManager
+            assert got(backend, kinds.SENDER) is conn.PdkvKVSender
+            assert got(backend, kinds.RECEIVER) is conn.PdkvKVReceiver
+            assert got(backend, kinds.BOOTSTRAP_SERVER) is conn.PdkvKVBootstrapServer
+            assert got(backend, kinds.KVARGS) is conn_mod.KVArgs
+        with pytest.raises(ValueError) as e:
+            got(pd, "other")
+        assert str(e.value) == "pdkv's SGLang backend has no other"
+        assert got(E.FAKE, kinds.SENDER) is orig(E.FAKE, kinds.SENDER)  # other backends: SGLang's own
+        activate.install()  # idempotent: nothing added twice, the same wrapper
+        assert utils.get_kv_class is got and E._member_names_.count("PDKV") == 1
+        assert choices.DISAGG_TRANSFER_BACKEND_CHOICES.count("pdkv") == 1
+
+        fresh()  # an untested SGLang: the plugin only logs; choosing pdkv names the version
+        monkeypatch.setattr(activate, "TESTED", ("0.0.1",))
+        activate.plugin()
+        assert E("pdkv").value == "pdkv" and utils.get_kv_class is not orig
+        with pytest.raises(PdkvError) as e:
+            utils.get_kv_class(E.PDKV, kinds.MANAGER)
+        assert str(e.value) == "pdkv's SGLang backend is tested with SGLang 0.0.1; this is 0.5.23"
+        with pytest.raises(PdkvError) as e:
+            activate.install()
+        assert str(e.value) == "pdkv's SGLang backend is tested with SGLang 0.0.1; this is 0.5.23"
+
+        fresh()  # internals moved: the plugin logs and SGLang starts without pdkv
+        monkeypatch.setattr(activate, "TESTED", ("0.5.23",))
+        monkeypatch.setattr(utils, "TransferBackend", None)
+        with caplog.at_level(logging.WARNING, logger=activate.__name__):
+            activate.plugin()
+        assert "pdkv could not add itself to SGLang's transfer backends" in caplog.text
+        monkeypatch.setattr(utils, "TransferBackend", E)
+        monkeypatch.setitem(sys.modules, "sglang.version", None)  # no SGLang to read
+        with pytest.raises(PdkvError) as e:
+            activate.install()
+        assert str(e.value).startswith("pdkv's SGLang backend needs SGLang 0.5.23: ")
+    finally:
+        fresh()
+        if member is not None:
+            E._member_map_["PDKV"], E._value2member_map_["pdkv"] = member, member
+            E._member_names_[:] = names
+        if had_choice:
+            choices.DISAGG_TRANSFER_BACKEND_CHOICES.append("pdkv")
+        for m in holders:
+            m.get_kv_class = wrapped
+
+
 def test_sglang_two_streams_that_open_a_session_at_once_share_one(monkeypatch):
     """Two streams to one decode rank find no session at once: one opens it while the
     other waits, and both use it (a second Hello of this process for the same rank would
