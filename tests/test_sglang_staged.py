@@ -71,7 +71,7 @@ def test_withdraw_drops_a_designation_never_granted():
     assert sp.withdraw("b") is False  # granted: the scheduler frees it
 
 
-@pytest.mark.parametrize("bad", [[99], [0, 0], [0, 1, 0]])
+@pytest.mark.parametrize("bad", [[99], [0, 0], [0, 1, 0], list(range(90, 100))])
 def test_freeing_blocks_not_held_is_refused_and_changes_nothing(bad):
     sp = StagedPages(4, 8)
     sp.designate("a", [1, 2])
