@@ -2,12 +2,13 @@
 
 For every module named (default: every module of the table; a module is its path under
 ``pdkv/``, dotted: ``scheduling.blocks``) this copies ``pdkv/``, ``tests/``, ``docs/`` (some
-tests check the docs against the code) and ``pyproject.toml`` into a scratch folder, sets mutmut's ``only_mutate`` and
-test selection from ``[tool.pdkv.mutation]`` in ``pyproject.toml``, runs ``mutmut run``
-on every mutant (none sampled), and prints per module: mutants, killed (time-outs count as
-killed), survived (no test covering the line counts as survived), equivalent mutants
-excluded, and the score ``killed / (total - equivalent)``; then the survivors by name
-with their diffs (``--diffs``), and as the very last line one JSON object.
+tests check the docs against the code), ``tools/`` (some drive a tool) and
+``pyproject.toml`` into a scratch folder, sets mutmut's ``only_mutate`` and test selection
+from ``[tool.pdkv.mutation]`` in ``pyproject.toml``, runs ``mutmut run`` on every mutant
+(none sampled), and prints per module: mutants, killed (time-outs count as killed), survived
+(no test covering the line counts as survived), equivalent mutants excluded, and the score
+``killed / (total - equivalent)``; then the survivors by name with their diffs
+(``--diffs``), and as the very last line one JSON object.
 
 Equivalent mutants (the same behaviour as the original, so no test can kill them) are
 listed by name with a one-line reason in ``tools/mutation_equivalent.txt``, each pinned to
@@ -196,11 +197,11 @@ def why_of(path: str, status: dict[str, str]) -> dict[str, Any]:
 
 
 def sources_digest() -> str:
-    """SHA-256 over pdkv/, tests/ and docs/ (paths and contents) as a run copies them."""
+    """SHA-256 over pdkv/, tests/, docs/ and tools/ (paths and contents) as a run copies them."""
     import hashlib
 
     h = hashlib.sha256()
-    for top in ("pdkv", "tests", "docs"):
+    for top in ("pdkv", "tests", "docs", "tools"):
         for d, dirs, files in sorted(os.walk(os.path.join(ROOT, top))):
             dirs[:] = sorted(x for x in dirs if x not in ("__pycache__", ".hypothesis"))
             for name in sorted(files):
@@ -282,7 +283,7 @@ def run_module(
         except OSError:
             same = False
         if not same:  # its results were of other code or other tests: they do not carry over
-            print(f"{module}: pdkv/, tests/ or docs/ changed since the kept run in {work}: starting over", flush=True)
+            print(f"{module}: the copied sources changed since the kept run in {work}: starting over", flush=True)
             shutil.rmtree(work)
             resume = False
     try:
@@ -294,6 +295,10 @@ def run_module(
                 os.path.join(ROOT, "pdkv"), os.path.join(work, "pdkv"), ignore=shutil.ignore_patterns("__pycache__")
             )
             shutil.copytree(os.path.join(ROOT, "docs"), os.path.join(work, "docs"))
+            # tests that drive a tool (test_ports.py imports tools/flood_ports.py)
+            shutil.copytree(
+                os.path.join(ROOT, "tools"), os.path.join(work, "tools"), ignore=shutil.ignore_patterns("__pycache__")
+            )
             shutil.copytree(
                 os.path.join(ROOT, "tests"),
                 os.path.join(work, "tests"),
