@@ -970,32 +970,52 @@ def test_sglang_activation_in_this_process_from_sglang_as_it_ships(monkeypatch, 
             got(pd, "other")
         assert str(e.value) == "pdkv's SGLang backend has no other"
         assert got(E.FAKE, kinds.SENDER) is orig(E.FAKE, kinds.SENDER)  # other backends: SGLang's own
+        import enum
+
+        class Elsewhere(enum.Enum):  # the enum as another import of SGLang's module made it
+            PDKV = "pdkv"
+
+        assert got(Elsewhere.PDKV, kinds.MANAGER) is conn.PdkvKVManager
+        assert activate._check_version() == "0.5.23"
         activate.install()  # idempotent: nothing added twice, the same wrapper
         assert utils.get_kv_class is got and E._member_names_.count("PDKV") == 1
         assert choices.DISAGG_TRANSFER_BACKEND_CHOICES.count("pdkv") == 1
 
+        fresh()  # the plugin with the tested SGLang: as install()
+        activate.plugin()
+        assert utils.get_kv_class(E.PDKV, kinds.MANAGER) is conn.PdkvKVManager
+
         fresh()  # an untested SGLang: the plugin only logs; choosing pdkv names the version
-        monkeypatch.setattr(activate, "TESTED", ("0.0.1",))
+        untested = "pdkv's SGLang backend is tested with SGLang 0.0.1, 0.0.2; this is 0.5.23"
+        monkeypatch.setattr(activate, "TESTED", ("0.0.1", "0.0.2"))
         activate.plugin()
         assert E("pdkv").value == "pdkv" and utils.get_kv_class is not orig
         with pytest.raises(PdkvError) as e:
             utils.get_kv_class(E.PDKV, kinds.MANAGER)
-        assert str(e.value) == "pdkv's SGLang backend is tested with SGLang 0.0.1; this is 0.5.23"
+        assert str(e.value) == untested
         with pytest.raises(PdkvError) as e:
             activate.install()
-        assert str(e.value) == "pdkv's SGLang backend is tested with SGLang 0.0.1; this is 0.5.23"
+        assert str(e.value) == untested
 
-        fresh()  # internals moved: the plugin logs and SGLang starts without pdkv
-        monkeypatch.setattr(activate, "TESTED", ("0.5.23",))
+        # internals moved: the plugin logs (with the version's refusal, if any) and SGLang
+        # starts without pdkv
         monkeypatch.setattr(utils, "TransferBackend", None)
-        with caplog.at_level(logging.WARNING, logger=activate.__name__):
-            activate.plugin()
-        assert "pdkv could not add itself to SGLang's transfer backends" in caplog.text
+        gone = "'NoneType' object has no attribute '__members__'"
+        for tested, why in ((("0.5.23",), ""), (("0.0.1", "0.0.2"), untested)):
+            fresh()
+            monkeypatch.setattr(activate, "TESTED", tested)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger=activate.__name__):
+                activate.plugin()
+            assert [r.getMessage() for r in caplog.records] == [
+                f"pdkv could not add itself to SGLang's transfer backends: {gone} ({why})"
+            ]
         monkeypatch.setattr(utils, "TransferBackend", E)
+        monkeypatch.setattr(activate, "TESTED", ("0.5.23", "0.5.24"))
         monkeypatch.setitem(sys.modules, "sglang.version", None)  # no SGLang to read
         with pytest.raises(PdkvError) as e:
             activate.install()
-        assert str(e.value).startswith("pdkv's SGLang backend needs SGLang 0.5.23: ")
+        assert str(e.value).startswith("pdkv's SGLang backend needs SGLang 0.5.23 or 0.5.24: ")
     finally:
         fresh()
         if member is not None:
