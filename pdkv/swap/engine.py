@@ -437,7 +437,7 @@ class SwapEngine:
         fastest copy) and the kernel below; priority ``decode`` the copy engines at every size
         (``memcpy`` where libcuda has no batch call): per GB/s moved they cost a decode step
         beside them the least of every option at every piece size measured, 2 KiB to 2 MiB
-        (H100: +0.1-0.2 % of the step a GB/s, the kernel on 1-8 CTAs +0.3-0.7 %; PERF.md)."""
+        (H100: +0.10-0.21 % of the step a GB/s, the kernel on 1-8 CTAs +0.17-1.5 %; PERF.md)."""
         strategy = self.strategy
         min_piece = _BATCH_MIN_PIECE[direction]
         if not (self._auto and strategy == "kernel" and plan.pieces and min_piece is not None):
