@@ -11,18 +11,10 @@ import time
 
 import pytest
 import zmq
+from test_transfer import wait_until
 
 from pdkv.errors import PdkvError
 from pdkv.integrations.core.endpoint import Limits, RouterEndpoint
-
-
-def _until(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 class _Echo(RouterEndpoint):
@@ -146,7 +138,7 @@ def test_a_message_that_verifies_is_served_and_its_connection_kept():
         d.send_multipart([b"ok", b"x"])
         assert d.recv() == b"ok"
         assert ep.served == [[b"ok", b"x"]] and ep.dropped == 0
-        assert _until(lambda: (ep.connections, ep.pending) == (1, 0))
+        wait_until(lambda: (ep.connections, ep.pending) == (1, 0), 5, "one authenticated connection")
         d.send(b"ok")  # the same connection, served again
         assert d.recv() == b"ok" and len(ep.served) == 2
     finally:
@@ -175,8 +167,8 @@ def test_a_message_that_does_not_verify_closes_its_connection_alone():
         good.send(b"ok")
         assert good.recv() == b"ok"
         bad.send(b"bad")
-        assert _until(lambda: ep.dropped == 1)
-        assert _until(lambda: ep.connections == 1), ep.connections  # the bad one is gone
+        wait_until(lambda: ep.dropped == 1, 5, "one message dropped")
+        wait_until(lambda: ep.connections == 1, 5, "the bad connection gone")
         assert ep.counts == {"control_evicted": 1}
         good.send(b"ok")  # the good one still is served
         assert good.recv() == b"ok"
@@ -195,8 +187,8 @@ def test_a_message_whose_serving_raises_or_refuses_fails_alone_and_keeps_its_con
     d = _dealer(ep.address)
     try:
         d.send(word)
-        assert _until(lambda: ep.dropped == 1)
-        assert _until(lambda: (ep.connections, ep.pending) == (1, 0))
+        wait_until(lambda: ep.dropped == 1, 5, "one message dropped")
+        wait_until(lambda: (ep.connections, ep.pending) == (1, 0), 5, "one authenticated connection")
         d.send(b"ok")
         assert d.recv() == b"ok" and ep.dropped == 1
     finally:
@@ -211,7 +203,7 @@ def test_a_message_over_the_cap_ends_its_connection_unread():
         big.send(b"o" * 1025)
         d.send(b"ok")
         assert d.recv() == b"ok"
-        assert _until(lambda: ep.connections == 1)
+        wait_until(lambda: ep.connections == 1, 5, "the oversized connection gone")
         assert ep.served == [[b"ok"]]
     finally:
         big.close()
@@ -223,9 +215,9 @@ def test_a_connection_that_never_authenticates_is_closed_at_its_deadline():
     ep = _Echo(limits=Limits(auth_timeout_s=0.3))
     raw = socket.create_connection(("127.0.0.1", _port(ep.address)))
     try:
-        assert _until(lambda: ep.pending == 1)
+        wait_until(lambda: ep.pending == 1, 5, "one pending connection")
         t0 = time.monotonic()
-        assert _until(lambda: ep.connections == 0, 3.0)
+        wait_until(lambda: ep.connections == 0, 3, "the pending connection closed")
         assert time.monotonic() - t0 < 2.0
         assert _closed(raw) and ep.counts == {"control_evicted": 1}
     finally:
@@ -241,7 +233,7 @@ def test_pending_connections_beyond_a_cap_are_closed_oldest_first(cap):
         for _ in range(5):
             raws.append(socket.create_connection(("127.0.0.1", _port(ep.address))))
             time.sleep(0.05)
-        assert _until(lambda: ep.pending == 2), ep.pending
+        wait_until(lambda: ep.pending == 2, 5, "two pending connections left")
         time.sleep(0.3)
         assert ep.pending == 2 and ep.connections == 2
         assert ep.counts == {"control_evicted": 3}

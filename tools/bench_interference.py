@@ -24,8 +24,9 @@ one CTA a piece, under 128 KiB pieces; the copy engines above), ``auto`` with pr
 ``decode`` (the copy engines, libcuda's ``cuMemcpyBatchAsync``, at every size), ``auto``
 (decode) in a process of its own (``own process``: its own interpreter, pinned buffer and
 GPU allocation, so only the GPU and the link are shared with the step: what remains of the
-interference is not host-side), the same bytes a call as one contiguous copy in a process of
-its own (``one contiguous copy``: what the one-copy ceiling itself costs the step), the
+interference is not host-side), the same bytes a call from consecutive ids in a process of
+its own (``one contiguous copy``: one piece a call in a block-outermost or one-layer cache,
+one a layer otherwise; what the one-copy ceiling itself costs the step), the
 kernel capped at each of ``--ctas`` CTAs, and the copy engines on ``--streams`` streams.
 Each strategy's window is bracketed by a baseline window of its own (the step alone just
 before), so drift reads as drift, not as interference. Printed: step p50/p99 and their
@@ -216,8 +217,8 @@ def cache_layout(size: int, layers: int) -> pdkv.KVLayout:
 def _swap_child(size: int, layers: int, order: str, nb: int, src, dst, stop, moved, ready) -> None:
     """The swap in a process of its own: its own pinned buffer and GPU allocation, the copy
     engines (priority ``decode``), two calls in flight, bytes counted in ``moved``. With
-    ``src`` and ``dst`` both ``range(n)`` a call is one contiguous copy: the ceiling's own
-    cost to the step."""
+    ``src`` and ``dst`` both ``range(n)`` a call is one contiguous piece a layer (one piece
+    block-outermost): the ceiling's own cost to the step."""
     import torch
 
     torch.cuda.set_device(0)
@@ -249,7 +250,7 @@ class ProcessSwapper:
     def __init__(self, size: int, layers: int, order: str, nb: int, src, dst, contiguous: bool = False) -> None:
         import multiprocessing as mp
 
-        if contiguous:  # the same bytes a call as one piece: the one-copy ceiling
+        if contiguous:  # the same bytes a call from consecutive ids: the one-copy ceiling
             src = dst = list(range(len(src)))
 
         ctx = mp.get_context("spawn")
