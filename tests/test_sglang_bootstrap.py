@@ -298,7 +298,14 @@ def test_a_registration_renews_its_entry_and_survives_a_failure(srv, caplog):
     finally:
         reg.close()
     assert not reg._thread.is_alive() and reg._thread.name == "pdkv-sglang-register" and reg._thread.daemon
-    assert b.Registration.__init__.__defaults__ == (b.REREGISTER_S,)
+
+
+def test_a_registration_renews_every_reregister_s_by_default(srv):
+    reg = b.Registration(srv.address, lambda: b.entry_for(SECRET, _lay(0, 1), DESK, "p"))
+    try:
+        assert reg.every_s == b.REREGISTER_S and reg.registered == 1
+    finally:
+        reg.close()
 
 
 def test_a_registration_that_fails_at_once_raises():
