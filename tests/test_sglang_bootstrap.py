@@ -11,7 +11,6 @@ import hashlib
 import hmac
 import http.server
 import json
-import re
 import threading
 import time
 import urllib.error
@@ -28,6 +27,13 @@ SECRET = b"k" * 32
 LAY = KVLayout(num_layers=2, kv_heads=2, head_dim=8, tokens_per_block=4, dtype="bf16", token_major=True)
 DESK = "tcp://127.0.0.1:7000"
 FIELDS = "an entry has exactly the fields rank, tp_size, desk, layout, instance, issued, mac"
+WHY = {  # check_entry's words, each exactly
+    "exactly the fields": FIELDS,
+    "MAC does not verify": "the entry's MAC does not verify (wrong or missing secret)",
+    r"rank must be in \[0, tp_size\)": "rank must be in [0, tp_size)",
+    "desk must be a tcp:// address": "desk must be a tcp:// address",
+    "issued must be milliseconds": "issued must be milliseconds",
+}
 
 
 def _lay(rank: int, tp: int = 2) -> KVLayout:
@@ -105,7 +111,7 @@ def test_an_entry_carries_the_ranks_fields_signed():
 )
 def test_a_bad_entry_is_named(bad, why):
     e = bad(b.entry_for(SECRET, _lay(1), DESK, "p"))
-    assert re.search(why, b.check_entry(SECRET, e))
+    assert b.check_entry(SECRET, e) == WHY[why]
 
 
 def test_the_longest_desk_and_the_last_rank_are_good():
@@ -145,13 +151,15 @@ def test_the_server_stores_verified_entries_and_serves_the_table(srv):
         ("/pdkv/other", b"{}", "PUT /pdkv/ranks with a body of 1-16384 bytes"),
         ("/pdkv/ranks", b"", "PUT /pdkv/ranks with a body of 1-16384 bytes"),
         ("/pdkv/ranks", b" " * (16 << 10) + b"{}", "PUT /pdkv/ranks with a body of 1-16384 bytes"),
+        ("/pdkv/ranks", b"7", FIELDS),
         ("/pdkv/ranks", b"{not json", FIELDS),
         ("/pdkv/ranks", b"[1, 2]", FIELDS),
     ],
 )
 def test_a_bad_put_is_refused_by_name(srv, path, body, why):
     assert _call(srv.port, "PUT", path, body) == (400, {"error": why})
-    assert srv.refused == 1 and _call(srv.port, "GET")[1] == {"ranks": {}}
+    assert _call(srv.port, "PUT", path, body) == (400, {"error": why})
+    assert srv.refused == 2 and _call(srv.port, "GET")[1] == {"ranks": {}}
 
 
 def test_a_body_of_the_largest_size_is_read(srv):
@@ -290,14 +298,22 @@ def test_a_registration_renews_its_entry_and_survives_a_failure(srv, caplog):
     try:
         assert reg.registered == 1 and reg.address == srv.address
         wait_until(lambda: reg.registered >= 3, 5, "registered again")
-        assert b.fetch_ranks(srv.address, SECRET)[0]["issued"] >= made[1]["issued"]
+    finally:
+        reg.close()
+    assert reg.registered == len(made)  # each one made, registered once
+    assert b.fetch_ranks(srv.address, SECRET)[0] == made[-1]
+    assert not reg._thread.is_alive() and reg._thread.name == "pdkv-sglang-register" and reg._thread.daemon
+    reg = b.Registration(srv.address, make, every_s=0.05)
+    try:
         srv._httpd.shutdown()
         srv._httpd.server_close()
-        wait_until(lambda: "retried in 0.05 s" in caplog.text, 5, "a failure logged")
+        wait_until(lambda: [r for r in caplog.records if r.msg == "%s (retried in %g s)"], 5, "a failure logged")
+        rec = next(r for r in caplog.records if r.msg == "%s (retried in %g s)")
+        assert isinstance(rec.args[0], PdkvError) and rec.args[1] == 0.05 and rec.levelname == "WARNING"
+        assert "registering rank 0 failed" in rec.getMessage() and rec.getMessage().endswith("(retried in 0.05 s)")
         assert reg._thread.is_alive()
     finally:
         reg.close()
-    assert not reg._thread.is_alive() and reg._thread.name == "pdkv-sglang-register" and reg._thread.daemon
 
 
 def test_a_registration_renews_every_reregister_s_by_default(srv):
@@ -314,3 +330,76 @@ def test_a_registration_that_fails_at_once_raises():
     s.close()
     with pytest.raises(PdkvError, match="registering rank 0 failed"):
         b.Registration(addr, lambda: b.entry_for(SECRET, _lay(0, 1), DESK, "p"))
+
+
+# ---------------------------------------------------------------------- what the clients ask
+
+
+class _Answer:
+    """What ``urllib.request.urlopen`` gives the clients, recording what they read."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body, self.reads = body, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def read(self, n=-1):
+        self.reads.append(n)
+        return self.body
+
+
+def test_the_clients_bound_their_wait_and_what_they_read(monkeypatch):
+    calls = []
+    table = {"ranks": {"0": b.entry_for(SECRET, _lay(0, 1), DESK, "p")}}
+
+    def urlopen(req, timeout=-1):
+        calls.append((req, timeout))
+        calls.append(_Answer(json.dumps(table).encode()))
+        return calls[-1]
+
+    monkeypatch.setattr(b.urllib.request, "urlopen", urlopen)
+    b.register_rank("h:1", table["ranks"]["0"])
+    (req, timeout), answer = calls[:2]
+    assert (req.full_url, req.get_method(), timeout) == ("http://h:1/pdkv/ranks", "PUT", 5.0)
+    assert req.get_header("Content-type") == "application/json" and answer.reads == [b.MAX_BODY]
+    assert json.loads(req.data) == table["ranks"]["0"]
+    b.register_rank("h:1", table["ranks"]["0"], timeout_s=0.5)
+    assert calls[2][1] == 0.5
+    calls.clear()
+    assert b.fetch_ranks("h:1", SECRET) == {0: table["ranks"]["0"]}
+    (url, timeout), answer = calls
+    assert (url, timeout, answer.reads) == ("http://h:1/pdkv/ranks", 5.0, [b.MAX_BODY * 64 + 1])
+    b.fetch_ranks("h:1", SECRET, timeout_s=0.5)
+    assert calls[2][1] == 0.5
+
+
+def test_the_edges_of_fresh_are_the_servers_and_decodes(srv):
+    """Just past the skew (60 s) the server refuses; just past STALE_S (90 s) decode does."""
+    e = b.entry_for(SECRET, _lay(0, 1), DESK, "p", issued=_now() - 60_030)
+    code, body = _call(srv.port, "PUT", body=json.dumps(e).encode())
+    assert code == 400 and "not issued within 60 s" in body["error"]
+    srv._ranks[0] = b.entry_for(SECRET, _lay(0, 1), DESK, "p", issued=_now() - 90_030)
+    with pytest.raises(PdkvError, match=r"prefill ranks \[\] registered"):
+        b.fetch_ranks(srv.address, SECRET)
+
+
+def test_the_servers_answers_are_json_with_their_length(srv, caplog):
+    import http.client
+
+    caplog.set_level("DEBUG", logger="pdkv.integrations.sglang.bootstrap")
+    e = json.dumps(b.entry_for(SECRET, _lay(0, 1), DESK, "p")).encode()
+    for method, body, code, want in (("PUT", e, 200, {"ok": True}), ("GET", None, 200, None), ("PUT", None, 400, None)):
+        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+        c.request(method, "/pdkv/ranks", body)  # the bodiless PUT has no Content-Length
+        r = c.getresponse()
+        raw = r.read()
+        assert r.status == code and r.getheader("Content-Type") == "application/json"
+        assert int(r.getheader("Content-Length")) == len(raw) and (want is None or json.loads(raw) == want)
+        c.close()
+    assert json.loads(raw) == {"error": "PUT /pdkv/ranks with a body of 1-16384 bytes"}
+    msgs = [r.getMessage() for r in caplog.records if r.name == "pdkv.integrations.sglang.bootstrap"]
+    assert any(m.startswith("pdkv bootstrap: ") and '"GET /pdkv/ranks HTTP/1.1" 200' in m for m in msgs), msgs
