@@ -185,7 +185,7 @@ def test_the_server_refuses_what_does_not_verify_is_stale_or_is_not_newer(srv):
     assert _call(srv.port, "PUT", body=json.dumps(later).encode())[0] == 200
     same = b.entry_for(SECRET, _lay(0), DESK, "p", issued=now + 55_000)  # as new: refused
     code, body = _call(srv.port, "PUT", body=json.dumps(same).encode())
-    assert code == 400 and "as new or newer" in body["error"]
+    assert (code, body) == (400, {"error": "the rank's stored entry is as new or newer (replayed?)"})
     assert _call(srv.port, "GET")[1]["ranks"]["0"] == later and srv.refused == 4
 
 
@@ -403,3 +403,23 @@ def test_the_servers_answers_are_json_with_their_length(srv, caplog):
     assert json.loads(raw) == {"error": "PUT /pdkv/ranks with a body of 1-16384 bytes"}
     msgs = [r.getMessage() for r in caplog.records if r.name == "pdkv.integrations.sglang.bootstrap"]
     assert any(m.startswith("pdkv bootstrap: ") and '"GET /pdkv/ranks HTTP/1.1" 200' in m for m in msgs), msgs
+
+
+def test_a_put_without_a_length_is_refused_at_once(srv):
+    """No Content-Length: refused without waiting for a body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=2) as c:
+        c.sendall(b"PUT /pdkv/ranks HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert c.recv(64).startswith(b"HTTP/1.0 400")
+
+
+def test_fresh_includes_its_edges(srv, monkeypatch):
+    """With the clocks held: an entry exactly MAX_SKEW_S off the server's clock is stored,
+    and one exactly STALE_S old is used by decode."""
+    now = 1_800_000_000_000
+    monkeypatch.setattr(b, "_now_ms", lambda: now)
+    e = b.entry_for(SECRET, _lay(0, 1), DESK, "p", issued=now - 60_000)
+    assert _call(srv.port, "PUT", body=json.dumps(e).encode())[0] == 200
+    srv._ranks[0] = b.entry_for(SECRET, _lay(0, 1), DESK, "p", issued=now - 90_000)
+    assert b.fetch_ranks(srv.address, SECRET)[0]["issued"] == now - 90_000
