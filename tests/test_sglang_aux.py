@@ -137,7 +137,7 @@ def _msg(pid: str, blobs: list[bytes], mac: bytes = b"") -> bytes:
 
 
 GOOD_MAC = aux._mac(SECRET, "req", BLOBS)
-EXTRA = {"pid": "req", "blobs": BLOBS, "mac": GOOD_MAC}
+WELL_FORMED = {"pid": "req", "blobs": BLOBS, "mac": GOOD_MAC}
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ EXTRA = {"pid": "req", "blobs": BLOBS, "mac": GOOD_MAC}
         pytest.param(lambda: [_msg("req", [BLOBS[0]], GOOD_MAC)], id="blob-cut"),
         pytest.param(lambda: [_msg("rex", BLOBS, GOOD_MAC)], id="other-pid"),
         pytest.param(lambda: [b"\xc1not msgpack"], id="malformed"),
-        pytest.param(lambda: [msgspec.msgpack.encode({**EXTRA, "x": 1})], id="unknown-field"),
+        pytest.param(lambda: [msgspec.msgpack.encode({**WELL_FORMED, "x": 1})], id="unknown-field"),
         pytest.param(lambda: [msgspec.msgpack.encode({"pid": 7, "blobs": BLOBS})], id="wrong-type"),
         pytest.param(lambda: [_msg("req", BLOBS, GOOD_MAC), b""], id="two-parts"),
     ],
