@@ -15,6 +15,7 @@ import threading
 import msgspec
 import pytest
 import zmq
+from test_endpoint import _dealer
 from test_transfer import wait_until
 from zmq.utils.monitor import recv_monitor_message
 
@@ -28,9 +29,9 @@ BLOBS = [bytes(range(64)), b"\x07" * 16]
 class _Sink:
     """``on_aux``: records each call; answers ``why`` (a refusal) or raises when told."""
 
-    def __init__(self, why: str = "") -> None:
+    def __init__(self) -> None:
         self.calls: list[tuple[str, list[bytes]]] = []
-        self.why, self.boom = why, False
+        self.why, self.boom = "", False
         self.lock = threading.Lock()
 
     def __call__(self, pid, blobs):
@@ -53,9 +54,7 @@ def server():
 
 def _raw(addr: str, *frames: bytes) -> zmq.Socket:
     """A DEALER of its own sending ``frames`` as one message."""
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(addr)
+    s = _dealer(addr)
     s.send_multipart(list(frames))
     return s
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import http.client
 import http.server
 import json
+import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -27,21 +28,14 @@ SECRET = b"k" * 32
 LAY = KVLayout(num_layers=2, kv_heads=2, head_dim=8, tokens_per_block=4, dtype="bf16", token_major=True)
 DESK = "tcp://127.0.0.1:7000"
 FIELDS = "an entry has exactly the fields rank, tp_size, desk, layout, instance, issued, mac"
-WHY = {  # check_entry's words, each exactly
-    "exactly the fields": FIELDS,
-    "MAC does not verify": "the entry's MAC does not verify (wrong or missing secret)",
-    r"rank must be in \[0, tp_size\)": "rank must be in [0, tp_size)",
-    "desk must be a tcp:// address": "desk must be a tcp:// address",
-    "issued must be milliseconds": "issued must be milliseconds",
-}
+BAD_MAC = "the entry's MAC does not verify (wrong or missing secret)"
+BAD_RANK = "rank must be in [0, tp_size)"
+BAD_DESK = "desk must be a tcp:// address"
+BAD_ISSUED = "issued must be milliseconds"
 
 
 def _lay(rank: int, tp: int = 2) -> KVLayout:
     return dataclasses.replace(LAY, tp_rank=rank, tp_size=tp)
-
-
-def _now() -> int:
-    return int(time.time() * 1000)
 
 
 def _resigned(e: dict, **changes) -> dict:
@@ -74,12 +68,12 @@ def _call(port: int, method: str, path: str = "/pdkv/ranks", body: bytes | None 
 
 
 def test_an_entry_carries_the_ranks_fields_signed():
-    t0 = _now()
+    t0 = b._now_ms()
     e = b.entry_for(SECRET, _lay(1), DESK, "inst-a")
     assert set(e) == {"rank", "tp_size", "desk", "layout", "instance", "issued", "mac"}
     assert (e["rank"], e["tp_size"], e["desk"], e["instance"]) == (1, 2, DESK, "inst-a")
     assert e["layout"] == dataclasses.asdict(_lay(1)) and b.layout_of(e) == _lay(1)
-    assert t0 <= e["issued"] <= _now()
+    assert t0 <= e["issued"] <= b._now_ms()
     assert b.entry_for(SECRET, _lay(1), DESK, "inst-a", issued=12.9)["issued"] == 12
     # the MAC: HMAC-SHA256 of the fields, sorted, compact JSON, under a domain label
     body = json.dumps({k: e[k] for k in b._FIELDS}, sort_keys=True, separators=(",", ":")).encode()
@@ -90,28 +84,28 @@ def test_an_entry_carries_the_ranks_fields_signed():
 @pytest.mark.parametrize(
     "bad, why",
     [
-        (lambda e: [e], "exactly the fields"),
-        (lambda e: {k: v for k, v in e.items() if k != "issued"}, "exactly the fields"),
-        (lambda e: {**e, "extra": 1}, "exactly the fields"),
-        (lambda e: {**e, "mac": e["mac"][:-1] + ("1" if e["mac"].endswith("0") else "0")}, "MAC does not verify"),
-        (lambda e: {**e, "mac": 7}, "MAC does not verify"),
-        (lambda e: {**e, "desk": "tcp://127.0.0.1:6666"}, "MAC does not verify"),  # a field changed
-        (lambda e: {**e, "mac": b._mac(b"x" * 32, e)}, "MAC does not verify"),  # another secret
-        (lambda e: _resigned(e, rank="0"), r"rank must be in \[0, tp_size\)"),
-        (lambda e: _resigned(e, rank=-1), r"rank must be in \[0, tp_size\)"),
-        (lambda e: _resigned(e, rank=2), r"rank must be in \[0, tp_size\)"),
-        (lambda e: _resigned(e, tp_size=2.0), r"rank must be in \[0, tp_size\)"),
-        (lambda e: _resigned(e, desk=7), "desk must be a tcp:// address"),
-        (lambda e: _resigned(e, desk="ipc:///tmp/x"), "desk must be a tcp:// address"),
-        (lambda e: _resigned(e, desk="tcp://" + "a" * 251), "desk must be a tcp:// address"),
-        (lambda e: _resigned(e, issued="1"), "issued must be milliseconds"),
-        (lambda e: _resigned(e, issued=True), "issued must be milliseconds"),
-        (lambda e: _resigned(e, issued=1.5), "issued must be milliseconds"),
+        (lambda e: [e], FIELDS),
+        (lambda e: {k: v for k, v in e.items() if k != "issued"}, FIELDS),
+        (lambda e: {**e, "extra": 1}, FIELDS),
+        (lambda e: {**e, "mac": e["mac"][:-1] + ("1" if e["mac"].endswith("0") else "0")}, BAD_MAC),
+        (lambda e: {**e, "mac": 7}, BAD_MAC),
+        (lambda e: {**e, "desk": "tcp://127.0.0.1:6666"}, BAD_MAC),  # a field changed
+        (lambda e: {**e, "mac": b._mac(b"x" * 32, e)}, BAD_MAC),  # another secret
+        (lambda e: _resigned(e, rank="0"), BAD_RANK),
+        (lambda e: _resigned(e, rank=-1), BAD_RANK),
+        (lambda e: _resigned(e, rank=2), BAD_RANK),
+        (lambda e: _resigned(e, tp_size=2.0), BAD_RANK),
+        (lambda e: _resigned(e, desk=7), BAD_DESK),
+        (lambda e: _resigned(e, desk="ipc:///tmp/x"), BAD_DESK),
+        (lambda e: _resigned(e, desk="tcp://" + "a" * 251), BAD_DESK),
+        (lambda e: _resigned(e, issued="1"), BAD_ISSUED),
+        (lambda e: _resigned(e, issued=True), BAD_ISSUED),
+        (lambda e: _resigned(e, issued=1.5), BAD_ISSUED),
     ],
 )
 def test_a_bad_entry_is_named(bad, why):
     e = bad(b.entry_for(SECRET, _lay(1), DESK, "p"))
-    assert b.check_entry(SECRET, e) == WHY[why]
+    assert b.check_entry(SECRET, e) == why
 
 
 def test_the_longest_desk_and_the_last_rank_are_good():
@@ -168,9 +162,9 @@ def test_a_body_of_the_largest_size_is_read(srv):
 
 
 def test_the_server_refuses_what_does_not_verify_is_stale_or_is_not_newer(srv):
-    now = _now()
+    now = b._now_ms()
     cases = [
-        (b.entry_for(b"x" * 32, _lay(0), DESK, "p"), "MAC does not verify"),
+        (b.entry_for(b"x" * 32, _lay(0), DESK, "p"), BAD_MAC),
         (b.entry_for(SECRET, _lay(0), DESK, "p", issued=now - 61_000), "not issued within 60 s"),
         (b.entry_for(SECRET, _lay(0), DESK, "p", issued=now + 61_000), "not issued within 60 s"),
     ]
@@ -260,7 +254,7 @@ def test_fetch_names_a_server_that_is_not_a_bootstrap(body):
 
 
 def test_fetch_uses_only_entries_that_verify_are_fresh_and_complete(srv):
-    now = _now()
+    now = b._now_ms()
     good = {r: b.entry_for(SECRET, _lay(r), f"tcp://127.0.0.1:{7000 + r}", "p") for r in (0, 1)}
     srv._ranks.update(good)
     assert b.fetch_ranks(srv.address, SECRET) == good
@@ -291,7 +285,7 @@ def test_a_registration_renews_its_entry_and_survives_a_failure(srv, caplog):
     made = []
 
     def make():
-        made.append(b.entry_for(SECRET, _lay(0, 1), DESK, "p", issued=_now() + len(made)))
+        made.append(b.entry_for(SECRET, _lay(0, 1), DESK, "p", issued=b._now_ms() + len(made)))
         return made[-1]
 
     reg = b.Registration(srv.address, make, every_s=0.05)
@@ -379,17 +373,15 @@ def test_the_clients_bound_their_wait_and_what_they_read(monkeypatch):
 
 def test_the_edges_of_fresh_are_the_servers_and_decodes(srv):
     """Just past the skew (60 s) the server refuses; just past STALE_S (90 s) decode does."""
-    e = b.entry_for(SECRET, _lay(0, 1), DESK, "p", issued=_now() - 60_030)
+    e = b.entry_for(SECRET, _lay(0, 1), DESK, "p", issued=b._now_ms() - 60_030)
     code, body = _call(srv.port, "PUT", body=json.dumps(e).encode())
     assert code == 400 and "not issued within 60 s" in body["error"]
-    srv._ranks[0] = b.entry_for(SECRET, _lay(0, 1), DESK, "p", issued=_now() - 90_030)
+    srv._ranks[0] = b.entry_for(SECRET, _lay(0, 1), DESK, "p", issued=b._now_ms() - 90_030)
     with pytest.raises(PdkvError, match=r"prefill ranks \[\] registered"):
         b.fetch_ranks(srv.address, SECRET)
 
 
 def test_the_servers_answers_are_json_with_their_length(srv, caplog):
-    import http.client
-
     caplog.set_level("DEBUG", logger="pdkv.integrations.sglang.bootstrap")
     e = json.dumps(b.entry_for(SECRET, _lay(0, 1), DESK, "p")).encode()
     for method, body, code, want in (("PUT", e, 200, {"ok": True}), ("GET", None, 200, None), ("PUT", None, 400, None)):
@@ -407,8 +399,6 @@ def test_the_servers_answers_are_json_with_their_length(srv, caplog):
 
 def test_a_put_without_a_length_is_refused_at_once(srv):
     """No Content-Length: refused without waiting for a body."""
-    import socket
-
     with socket.create_connection(("127.0.0.1", srv.port), timeout=2) as c:
         c.sendall(b"PUT /pdkv/ranks HTTP/1.1\r\nHost: x\r\n\r\n")
         assert c.recv(64).startswith(b"HTTP/1.0 400")
