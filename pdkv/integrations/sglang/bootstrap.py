@@ -50,6 +50,7 @@ MAX_CONNS = 64  # connections at once (a thread each)
 MAX_CONNS_PER_SOURCE = 16  # of them from one address (a host runs a decode's or prefill's ranks)
 DEADLINE_S = 5.0  # a connection lives this long at most
 MAX_SKEW_S = 60.0  # the server takes entries issued within this of its own clock
+POLL_S = 0.05  # the server's loop looks for close() this often
 REREGISTER_S = 10.0  # a prefill rank registers again this often
 STALE_S = 3 * REREGISTER_S + MAX_SKEW_S  # decode uses entries issued within this
 _MAC = b"pdkv-sglang-bootstrap-2"
@@ -163,7 +164,10 @@ class BootstrapServer:
 
         self._httpd = Server((host, port), Handler)
         self.host, self.port = self._httpd.server_address[:2]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="pdkv-sglang-bootstrap", daemon=True)
+        # close() returns within one poll (the default 0.5 s would hold SGLang's shutdown that long)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, args=(POLL_S,), name="pdkv-sglang-bootstrap", daemon=True
+        )
         self._thread.start()
 
     @property

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ... import _ffi
 from ...errors import PdkvError, RequestError
-from ...layout import KVLayout
+from ...layout import KVLayout, tp_segments
 from ...transfer import PrefillSender
 from ..core.pull import PullReq, PullServer
 from .aux import AuxSender
@@ -63,7 +63,7 @@ class RoomOut:
     state: str = "bootstrapping"  # -> waiting (every pull in) -> transferring -> success | failed
     error: str = ""
     started: float = 0.0
-    bytes: int = 0
+    bytes: int = 0  # written by this rank, over every decode rank (SGLang's transfer_total_bytes)
     created: float = field(default_factory=time.monotonic)
     active: float = 0.0  # when SGLang last handed over pages
 
@@ -331,7 +331,7 @@ class PrefillRank:
                     st.ended = True
                     if out.state == "transferring":
                         out.done.add(st.pid)
-                        out.bytes += total * self.layout.block_bytes
+                        out.bytes += total * self._block_bytes_to(st.pid)
                         if len(out.done) == out.expected:
                             out.state = "success"
                 return
@@ -354,6 +354,16 @@ class PrefillRank:
             st.tx.finish(st.pid, ok=False, error=why[:200])
         except Exception:  # the session is gone, or the request already ended there
             pass
+
+    def _block_bytes_to(self, pid: str) -> int:
+        """The bytes of one block this rank writes to the decode rank of ``pid``: its share
+        of that rank's heads (none where another rank writes a replicated head or MLA's latent)."""
+        m = PID_PATTERN.fullmatch(pid)
+        assert m is not None
+        d, dtp = int(m.group(2)), int(m.group(3))
+        me = self.layout.tp_rank
+        segs = tp_segments(self.layout, self._decode_layout(d, dtp))
+        return self.layout.total_layers * sum(s.nbytes for s in segs if s.src_rank == me and s.dst_rank == d)
 
     def _is_aux_source(self, pid: str) -> bool:
         """A decode rank takes its aux data from the lowest prefill rank that writes it."""
