@@ -556,7 +556,7 @@ def lone(pair, monkeypatch):
     p = pair(prefill={"timeout_s": 4.0, "lease_s": 6.0}).pre[0]
     clock, kicks = Clock(), []
     monkeypatch.setattr(prefill_rank, "time", clock)
-    monkeypatch.setattr(p, "_kick", lambda out, st: kicks.append(st.pid))
+    monkeypatch.setattr(p, "_kick", lambda out, st: kicks.append(st.pid) if st.pid in out.streams else 1 / 0)
     return p, clock, kicks
 
 
@@ -571,8 +571,13 @@ def lone(pair, monkeypatch):
         (_pull(1, decode="tcp://127.0.0.1:1"), "decode must name its control and aux endpoints"),
         (_pull(1, decode="tcp://127.0.0.1:1 ipc:///x"), "decode must name its control and aux endpoints"),
         (_pull(1, decode="tcp://a:1 tcp://a:2 tcp://a:3"), "decode must name its control and aux endpoints"),
+        (_pull(1, decode="tcp://a:1  tcp://a:2"), "decode must name its control and aux endpoints"),
+        (_pull(1, decode="tcp://a:1\ttcp://a:2"), "decode must name its control and aux endpoints"),
     ],
-    ids=["vllm", "suffix", "rank-1-of-1", "rank-2-of-2", "binding", "one-endpoint", "ipc", "three"],
+    ids=[
+        *("vllm", "suffix", "rank-1-of-1", "rank-2-of-2", "binding"),
+        *("one-endpoint", "ipc", "three", "two-spaces", "tab"),
+    ],
 )
 def test_a_pull_is_refused_by_name(lone, req, why):
     p, _, kicks = lone
@@ -789,3 +794,299 @@ def test_a_decode_that_fails_the_request_fails_it_at_prefill(pair):
     outs = pr.send(13, [13, 14, 15, 16])
     pr.settle(ins, outs)
     _check(pr, [13, 14, 15, 16], [9, 10, 11, 12], "host", earlier=[1, 2])
+
+
+def test_a_room_that_ended_may_be_opened_again_and_takes_nothing_more(lone):
+    p, _, kicks = lone
+    out = p.open(12)
+    p._on_pull(_pull(12))
+    out.state = "success"
+    p.send(out, [1])
+    p.abort(out, "late")
+    p.init(out, 1, None)
+    assert (out.pages, out.state, out.error, kicks) == ([], "success", "", [])
+    again = p.open(12)
+    assert again is not out and p._rooms[12] is again
+
+
+def test_forgetting_an_ended_room_keeps_the_room_opened_again(lone):
+    p, _, _ = lone
+    old = p.open(13)
+    p.abort(old)
+    new = p.open(13)
+    p.forget(old)
+    assert p._rooms[13] is new
+    p.forget(new)
+    assert 13 not in p._rooms
+
+
+def test_a_request_of_no_pages_starts_sending_at_once(lone):
+    """init(0) once every decode rank pulled: transferring, and its stream starts (which
+    fails it by name: test_a_request_of_no_pages_fails_by_name)."""
+    p, _, kicks = lone
+    out = p.open(14)
+    p._on_pull(_pull(14))
+    p.init(out, 0, None)
+    assert out.state == "transferring" and kicks == [pid_of(14, 0, 1)]
+    p.send(out, [1])
+    assert (out.state, out.error) == ("failed", "1 pages sent; init said 0")
+
+
+def test_the_prefix_is_told_only_once_every_decode_rank_pulled(lone):
+    p, _, _ = lone
+    out = p.open(15)
+    p._on_pull(_pull(15, 0, 2, prefix=2 * PAGE))
+    assert out.prefix == 2 * PAGE and out.state == "bootstrapping" and p.prefix(out) == 0
+    p._on_pull(_pull(15, 1, 2, prefix=2 * PAGE))
+    assert p.prefix(out) == 2 * PAGE
+
+
+def test_a_prefill_rank_of_tp_1_needs_no_instance_key_and_names_itself(pair):
+    pr = pair(prefill={"instance_key": None})
+    p = pr.pre[0]
+    assert p.instance == f"sglang-prefill-{pr.addr}" and len(p._key) == 32 and p._key != pr.pre[0].settings.secret
+    assert p._aux_ptrs == pr.pmem[0].auxes()[0] and p._aux_items == AUX
+    assert p._pool._max_workers == 8
+    from pdkv.integrations.sglang.bootstrap import fetch_ranks
+
+    entry = fetch_ranks(pr.addr, SECRET)[0]
+    assert (entry["instance"], entry["desk"]) == (p.instance, p.desk.address)
+    named = PrefillRank(pr.pmem[0].pools(0, 1), _settings(), pr.addr, instance="mine", workers=3)
+    try:
+        assert named.instance == "mine" and named._key == b"k" * 32 and named._pool._max_workers == 3
+        assert fetch_ranks(pr.addr, SECRET)[0]["instance"] == "mine"
+    finally:
+        named.close()
+
+
+def test_a_prefill_whose_bootstrap_is_gone_fails_at_start_and_leaves_nothing_open(monkeypatch):
+    made = []
+
+    class Desk(prefill_rank.PullServer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(prefill_rank, "PullServer", Desk)
+    m = Mem(HEADS)
+    with pytest.raises(PdkvError, match=r"^pdkv bootstrap at 127\.0\.0\.1:1: registering rank 0 failed: "):
+        PrefillRank(m.pools(0, 1), _settings(), "127.0.0.1:1", aux=m.auxes())
+    assert len(made) == 1 and made[0]._sock.closed
+
+
+def test_close_waits_for_a_running_send_and_drops_queued_ones(pair):
+    import threading
+
+    pr = pair()
+    p = PrefillRank(pr.pmem[0].pools(0, 1), _settings(), pr.addr, workers=1)
+    gate, ran = threading.Event(), []
+    p._pool.submit(gate.wait, 10)
+    p._pool.submit(ran.append, "queued")
+    closer = threading.Thread(target=p.close)
+    closer.start()
+    time.sleep(0.2)
+    assert closer.is_alive()  # the running send ends first
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive() and ran == []
+    assert not p.registration._thread.is_alive() and p.desk._sock.closed
+
+
+# ---------------------------------------------------------------------- prefill's sends
+
+
+class FakeTx:
+    """A :class:`PrefillSender` stand-in recording what a stream asks of it. ``written``
+    stays false once ``gather`` is set (a session still writing the earlier chunks)."""
+
+    def __init__(self, layout, cache, control, **kw) -> None:
+        self.args, self.kw = (layout, cache, control), kw
+        self.broken = self.closed = self.gather = False
+        self.handed_over = 0
+        self.reserved, self.chunks, self.finished, self.waits, self.outcomes = [], [], [], [], []
+        self.reserve_answer: object = None
+        self.outcome = types.SimpleNamespace(state="received", reason="")
+        self.finish_raises = False
+
+    def reserve_many(self, items):
+        self.reserved.append(items)
+        return [self.reserve_answer]
+
+    def send_chunk(self, layer, pid, pages, start):
+        self.chunks.append((layer, pid, list(pages), start))
+        self.handed_over += 1
+
+    def written(self, mark):
+        return not self.gather
+
+    def wait_written(self, mark, timeout):
+        self.waits.append((mark, timeout))
+
+    def finish(self, pid, ok=True, error=""):
+        self.finished.append((pid, ok, error))
+        if self.finish_raises:
+            raise PdkvError("the session is gone")
+
+    def wait_outcome(self, pid, timeout):
+        self.outcomes.append((pid, timeout))
+        return self.outcome
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def sends(pair, monkeypatch):
+    """One prefill rank (timeout 4 s, lease 6 s) whose sessions are :class:`FakeTx`
+    (``made``), and a way to hand it a request pulled by one decode rank."""
+    made: list[FakeTx] = []
+    prepared: dict = {}
+
+    def tx(*a, **kw):
+        t = FakeTx(*a, **kw)
+        for k, v in prepared.items():
+            setattr(t, k, v)
+        made.append(t)
+        return t
+
+    monkeypatch.setattr(prefill_rank, "PrefillSender", tx)
+    p = pair(prefill={"timeout_s": 4.0, "lease_s": 6.0}).pre[0]
+
+    def start(room: int, n: int):
+        out = p.open(room)
+        assert p._on_pull(_pull(room)) == ""
+        p.init(out, n, None)
+        return out
+
+    return p, made, start, prepared
+
+
+CTL = "tcp://127.0.0.1:1"
+
+
+def test_a_stream_reserves_sends_each_chunk_layer_by_layer_confirms_and_awaits(sends):
+    p, made, start, _ = sends
+    out = start(20, 3)
+    pid = pid_of(20, 0, 1)
+    p.send(out, [4, 5])
+    wait_until(lambda: made and len(made[0].chunks) == p.layout.total_layers, 10, "the first chunk")
+    p.send(out, [6])
+    wait_until(lambda: p.status(out) == "success", 10, "the request sent")
+    (tx,) = made
+    assert tx.args == (p.layout, p.cache, CTL)
+    assert tx.kw == {
+        "instance": p.instance,
+        "instance_key": b"k" * 32,
+        "secret": SECRET,
+        "transport": "tcp",
+        "timeout_s": 4.0,
+    }
+    assert tx.reserved == [[(pid, 3 * PAGE, room_binding(20))]]
+    layers = range(p.layout.total_layers)
+    assert tx.chunks == [(lay, pid, [4, 5], 0) for lay in layers] + [(lay, pid, [6], 2) for lay in layers]
+    assert tx.finished == [(pid, True, "")] and tx.outcomes == [(pid, 10.0)] and tx.waits == []
+    st = out.streams[pid]
+    assert (st.sent, st.ended, st.tx, out.done, out.bytes) == (3, True, tx, {pid}, 3 * p.layout.block_bytes)
+    assert p._senders == {(CTL, 1): tx}
+
+
+def test_chunks_that_come_while_earlier_ones_are_written_wait_once_then_go_as_one(sends):
+    """While the session still writes the request's earlier chunks, the stream waits for
+    them once, at most the timeout, then sends what came meanwhile as one write; each later
+    chunk waits again."""
+    p, made, start, _ = sends
+    out = start(21, 4)
+    pid = pid_of(21, 0, 1)
+    p.send(out, [1])
+    wait_until(lambda: made and len(made[0].chunks) == p.layout.total_layers, 10, "the first chunk")
+    tx = made[0]
+    tx.gather = True  # never written: each wait runs out
+    p.send(out, [2])
+    wait_until(lambda: len(tx.chunks) == 2 * p.layout.total_layers, 10, "the second chunk")
+    mark = tx.handed_over
+    p.send(out, [3, 4])
+    wait_until(lambda: p.status(out) in ("success", "failed"), 10, "the request sent")
+    assert out.state == "success", out.error
+    n = p.layout.total_layers
+    assert tx.waits == [(n, 4.0), (mark, 4.0)]
+    assert [c[2:] for c in tx.chunks[::n]] == [([1], 0), ([2], 1), ([3, 4], 2)]
+    assert out.streams[pid].ended
+
+
+def test_decodes_answer_other_than_received_fails_the_request_by_name(sends):
+    p, made, start, prepared = sends
+    prepared["outcome"] = types.SimpleNamespace(state="aborted", reason="the grant ended")
+    out = start(22, 1)
+    pid = pid_of(22, 0, 1)
+    p.send(out, [7])
+    wait_until(lambda: p.status(out) == "failed", 10, "the failure")
+    why = f"sending to {CTL}: decode answered aborted: the grant ended"
+    assert out.error == why
+    assert made[0].finished == [(pid, True, ""), (pid, False, why)] and out.streams[pid].ended
+    assert out.done == set() and out.bytes == 0
+
+
+def test_a_refused_reservation_fails_the_request_and_tells_decode_nothing(sends):
+    p, made, start, prepared = sends
+    prepared["reserve_answer"] = RequestError("no room for it")
+    out = start(23, 1)
+    p.send(out, [7])
+    wait_until(lambda: p.status(out) == "failed", 10, "the failure")
+    assert out.error == f"sending to {CTL}: no room for it"
+    st = out.streams[pid_of(23, 0, 1)]
+    assert made[0].finished == [] and st.tx is None and st.ended and made[0].chunks == []
+
+
+def test_an_abort_after_the_reservation_ends_the_grant_at_decode(sends):
+    p, made, start, _ = sends
+    out = start(24, 3)
+    pid = pid_of(24, 0, 1)
+    p.send(out, [1])
+    wait_until(lambda: made and len(made[0].chunks) == p.layout.total_layers, 10, "the first chunk")
+    wait_until(lambda: not out.streams[pid].busy, 10, "the stream idle")
+    p.abort(out, "the client went away")
+    wait_until(lambda: out.streams[pid].ended, 10, "the stream ended")
+    assert made[0].finished == [(pid, False, "the client went away")]
+    p.send(out, [2, 3])
+    time.sleep(0.1)
+    assert len(made[0].chunks) == p.layout.total_layers  # nothing more is sent
+
+
+def test_telling_decode_of_a_failure_is_bounded_in_words_and_never_raises():
+    end = PrefillRank._end
+    st = prefill_rank._Stream("sgl-1-d0of1", ("c", "a", 1, 0))
+    end(st, "x")  # never reserved: nothing to tell
+    st.tx = FakeTx(None, None, "c")
+    end(st, "y" * 300)
+    assert st.tx.finished == [("sgl-1-d0of1", False, "y" * 200)]
+    st.tx.finish_raises = True
+    end(st, "z")
+    assert st.tx.finished[-1] == ("sgl-1-d0of1", False, "z")
+
+
+def test_one_session_per_decode_rank_shared_and_replaced_when_broken(sends):
+    import threading
+
+    p, made, _, prepared = sends
+    a = p._sender(CTL, 1)
+    assert p._sender(CTL, 1) is a and p._sender(CTL, 2) is not a and len(made) == 2
+    a.broken = True
+    b = p._sender(CTL, 1)
+    assert b is not a and a.closed and not b.closed and p._senders[(CTL, 1)] is b
+    # two streams opening one session at once: one handshake, both get it
+    slow = threading.Event()
+
+    def opening(*args, **kw):
+        slow.wait(0.2)
+        t = FakeTx(*args, **kw)
+        made.append(t)
+        return t
+
+    prefill_rank.PrefillSender = opening  # undone by the fixture's monkeypatch
+    got: list = []
+    ts = [threading.Thread(target=lambda: got.append(p._sender("tcp://127.0.0.1:9", 1))) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert len(got) == 2 and got[0] is got[1] and len(made) == 4
