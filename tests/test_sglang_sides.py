@@ -79,13 +79,13 @@ class Mem:
 class Pair:
     """A prefill instance of TP ``p`` (each rank a :class:`PrefillRank`), its bootstrap
     server, and a decode instance of TP ``d`` (each rank a :class:`DecodeRank`, with a
-    host pool unless ``host`` is false)."""
+    host pool unless ``host_pool`` is false)."""
 
-    def __init__(self, p: int = 1, d: int = 1, host: bool = True, prefill=None, **decode) -> None:
+    def __init__(self, p: int = 1, d: int = 1, host_pool: bool = True, prefill=None, **decode) -> None:
         self.boot = BootstrapServer("127.0.0.1", 0, SECRET)
         self.addr = self.boot.address
         self.pmem = [Mem(HEADS // p, seed=10 + r) for r in range(p)]
-        self.dmem = [Mem(HEADS // d, host_pages=32 if host else 0, seed=20 + r) for r in range(d)]
+        self.dmem = [Mem(HEADS // d, host_pages=32 if host_pool else 0, seed=20 + r) for r in range(d)]
         self.pre: list[PrefillRank] = []
         self.dec: list[DecodeRank] = []
         try:
@@ -215,14 +215,33 @@ def test_the_secret_file_wins_and_is_stripped(monkeypatch, tmp_path):
     assert Settings.from_env().secret == b"\xcd" * 20
 
 
-@pytest.mark.parametrize("raw", ["", "zz" * 16, "ab" * 15, "abc"], ids=["none", "not-hex", "15-bytes", "odd"])
+@pytest.mark.parametrize(
+    "raw", [None, "", "zz" * 16, "ab" * 15, "abc"], ids=["unset", "empty", "not-hex", "15-bytes", "odd"]
+)
 def test_a_secret_missing_short_or_not_hex_is_refused(monkeypatch, raw):
-    _env(monkeypatch, PDKV_SECRET=raw)
+    _env(monkeypatch, **({"PDKV_SECRET": raw} if raw is not None else {}))
     with pytest.raises(PdkvError) as e:
         Settings.from_env()
     assert str(e.value) == (
         "pdkv's SGLang backend needs the pair's secret: PDKV_SECRET (or PDKV_SECRET_FILE), hex, >= 16 bytes"
     )
+
+
+@pytest.mark.parametrize(
+    "var, value, words",
+    [
+        ("PDKV_SGLANG_INSTANCE_KEY", "zz" * 16, "PDKV_SGLANG_INSTANCE_KEY must be hex, >= 16 bytes"),
+        ("PDKV_SGLANG_INSTANCE_KEY", "ab" * 15, "PDKV_SGLANG_INSTANCE_KEY must be hex, >= 16 bytes"),
+        ("PDKV_SGLANG_TIMEOUT_S", "30s", "PDKV_SGLANG_TIMEOUT_S='30s' is not a number"),
+        ("PDKV_SGLANG_LEASE_S", "", "PDKV_SGLANG_LEASE_S='' is not a number"),
+        ("PDKV_SGLANG_STAGING_MB", "1 GiB", "PDKV_SGLANG_STAGING_MB='1 GiB' is not a number"),
+    ],
+)
+def test_a_setting_that_is_not_one_is_refused_by_name(monkeypatch, var, value, words):
+    _env(monkeypatch, PDKV_SECRET=SECRET.hex(), **{var: value})
+    with pytest.raises(PdkvError) as e:
+        Settings.from_env()
+    assert str(e.value) == words
 
 
 def test_a_secret_of_16_bytes_is_enough(monkeypatch):
@@ -376,7 +395,7 @@ def test_a_staged_device_destination_is_copied_and_its_segment_removed_at_close(
     """device_path=staged on a host pool: prefill writes pdkv's staging buffer, the swap
     engine copies it into SGLang's pages; the staging blocks go back, and the segment is
     gone once the rank closes."""
-    pr = pair(host=False, device_path="staged", staging_mb=1)
+    pr = pair(host_pool=False, device_path="staged", staging_mb=1)
     d = pr.dec[0]
     assert d.staged and d.staging is not None and set(d.pages) == {"device"}
     ins = pr.start(5, [3, 1, 4], dest="device")
@@ -405,7 +424,7 @@ def test_a_staging_buffer_that_holds_no_page_is_refused():
 
 
 def test_decode_refuses_metadata_it_cannot_serve(pair):
-    pr = pair(host=False)
+    pr = pair(host_pool=False)
     d = pr.dec[0]
     r = d.start(6, pr.addr)
     with pytest.raises(RequestError) as e:
@@ -1090,3 +1109,224 @@ def test_one_session_per_decode_rank_shared_and_replaced_when_broken(sends):
     for t in ts:
         t.join(10)
     assert len(got) == 2 and got[0] is got[1] and len(made) == 4
+
+
+# ---------------------------------------------------------------------- decode's parts
+
+
+def test_decodes_receivers_are_built_as_sglangs_pages_need(pair):
+    """Each destination's receiver: SGLang's pool by its name, the settings' host for the
+    control, data and aux endpoints, the lease, a full pool refusing at once, and no fence
+    grace where tcp alone writes (it sees every write); nixl's one-sided writes keep it."""
+    pr = pair(transports=("tcp",), timeout_s=7.0, lease_s=9.0, host="127.0.0.2")
+    d = pr.dec[0]
+    assert set(d.receivers) == {"device", "host"} and d.pull.timeout_s == 7.0
+    from pdkv.integrations.sglang.aux import max_message
+
+    assert d.aux_server.max_msg == max_message(AUX) and d.aux_server.address.startswith("tcp://127.0.0.2:")
+    for dest, rx in d.receivers.items():
+        assert rx.buffers[0].name == f"SGLang's {dest} KV pool"
+        assert rx.control_address.startswith("tcp://127.0.0.2:") and rx.options.data_host == "127.0.0.2"
+        o = rx.scheduler.options
+        assert (o.bind, o.lease_s, o.on_full, o.fence_grace_s) == ("engine", 9.0, "reject", 0.0)
+    default = sides.SchedulerOptions().fence_grace_s
+    assert default > 0
+    both = DecodeRank(pr.dmem[0].pools(0, 1), _settings(transports=("tcp", "nixl")), aux=pr.dmem[0].auxes())
+    try:
+        assert both.receivers["host"].scheduler.options.fence_grace_s == default
+    finally:
+        both.close()
+
+
+def test_a_staged_device_destination_beside_a_host_pool(pair):
+    pr = pair(device_path="staged", staging_mb=1, transports=("tcp", "shm"))
+    d = pr.dec[0]
+    assert set(d.receivers) == {"device", "host"} and isinstance(d.pages["host"], sides.EnginePages)
+    o = d.receivers["device"].scheduler.options
+    assert (o.on_full, o.queue_timeout_s, o.direct_to_gpu, o.fence_grace_s) == (
+        "queue",
+        5.0,
+        False,
+        sides.SchedulerOptions().fence_grace_s,  # shm writes are one-sided
+    )
+    assert d._swap.priority == "decode" and d._watch is not None
+
+
+@pytest.mark.parametrize("fits, want", [(1.0, 1), (5.5, 5), (1000.0, 32)], ids=["one-page", "five-pages", "all"])
+def test_the_staging_buffer_holds_what_its_mib_hold_up_to_the_pool(fits, want):
+    m = Mem(HEADS)
+    lay = m.pools(0, 1)
+    per = sides.CacheSpec.buffer_bytes(lay.layout, 1)
+    d = DecodeRank(lay, _settings(device_path="staged", staging_mb=fits * per / 2**20), aux=m.auxes())
+    try:
+        assert d.pages["device"].num_total == want and d.staging.size >= sides.CacheSpec.buffer_bytes(lay.layout, want)
+    finally:
+        d.close()
+
+
+def test_the_table_read_waits_at_most_5_s(pair, monkeypatch):
+    pr = pair(timeout_s=10.0)
+    calls = []
+    monkeypatch.setattr(sides, "fetch_ranks", lambda *a: calls.append(a[2]) or {})
+    with pytest.raises((KeyError, IndexError)):
+        pr.dec[0].start(1, pr.addr)
+    assert calls == [5.0]
+
+
+def test_aux_refusals_name_at_most_80_characters_of_the_id_and_8_sizes(pair):
+    pr = pair()
+    d = pr.dec[0]
+    r = pr.start(16, [1], aux=2)[0]
+    long = "x" * 100
+    assert d._on_aux(long, []) == f"no aux slot open for {'x' * 80!r}"
+    r.pid = "y" * 100
+    d._rooms[r.pid] = r
+    got = d._on_aux(r.pid, [b"a"] * 9)
+    assert got == f"{'y' * 80!r}: aux of {[1] * 8} bytes; the slot is [16, 8]"
+
+
+def test_a_destination_not_served_names_those_that_are(pair):
+    pr = pair()
+    d = pr.dec[0]
+    r = d.start(17, pr.addr)
+    with pytest.raises(RequestError) as e:
+        d.publish(r, [1], None, "disk")
+    assert str(e.value) == "destination 'disk' is not served by this decode rank (served: device, host)"
+
+
+def test_a_room_that_ended_may_start_again_and_forgetting_the_old_keeps_the_new(pair):
+    pr = pair()
+    d = pr.dec[0]
+    old = d.start(18, pr.addr)
+    old.state = "success"
+    new = d.start(18, pr.addr)
+    d.forget(old)
+    assert d._rooms[new.pid] is new and d.release_safe_room(18) is False
+    d.forget(new)
+    assert new.pid not in d._rooms
+
+
+def test_release_safety_asks_the_pages_for_this_request(pair, monkeypatch):
+    pr = pair()
+    d = pr.dec[0]
+    r = pr.start(19, [1, 2])[0]
+    d.abort(r)
+    asked = []
+    monkeypatch.setattr(d.pages["host"], "holds", lambda pid: asked.append(pid) or True)
+    assert d.release_safe(r) is False and asked == [r.pid]
+
+
+def test_one_refused_pull_of_several_fails_the_request(pair):
+    from pdkv.integrations.core.pull import PullResult
+
+    pr = pair()
+    d = pr.dec[0]
+    r = d.start(20, pr.addr)
+    d.publish(r, [1], None, "host")
+    r.pulls = [PullResult(done=True), PullResult(done=False, error="late"), PullResult(done=True, error="no")]
+    d._prefills.pop(pr.addr)  # read already dropped: a second failure finds nothing to drop
+    assert d.status(r) == "failed" and r.error == "prefill refused the pull: no"
+
+
+def test_a_request_without_aux_succeeds_only_once_received(pair):
+    pr = pair()
+    d = pr.dec[0]
+    r = pr.start(21, [1, 2], aux=None)[0]
+    assert d.status(r) == "transferring"
+    outs = pr.send(21, [3, 4], aux=None)
+    pr.settle([r], outs)
+    assert d.status(r) == "success"
+
+
+def test_a_grant_prefill_ended_fails_decode_naming_why(pair):
+    pr = pair()
+    p, d = pr.pre[0], pr.dec[0]
+    r = pr.start(22, [1, 2, 3, 4])[0]
+    out = p.open(22)
+    wait_until(lambda: p.status(out) == "waiting", 10, "pulled")
+    p.init(out, 4, None)
+    p.send(out, [5, 6])
+    sched = d.receivers["host"].scheduler
+    wait_until(lambda: out.streams and next(iter(out.streams.values())).sent == 2, 10, "the first chunk")
+    p.abort(out, "the client went away")
+    wait_until(lambda: d.status(r) == "failed", 10, "decode's failure")
+    info = sched.request(r.pid)
+    assert r.error == f"the transfer {info.state.value}: {info.reason}" and "the client went away" in r.error
+
+
+def test_decode_ends_a_grant_naming_why(pair):
+    pr = pair()
+    p, d = pr.pre[0], pr.dec[0]
+    r = pr.start(23, [1, 2, 3, 4])[0]
+    out = p.open(23)
+    wait_until(lambda: p.status(out) == "waiting", 10, "pulled")
+    p.init(out, 4, None)
+    p.send(out, [5, 6])
+    sched = d.receivers["host"].scheduler
+    wait_until(lambda: out.streams and next(iter(out.streams.values())).sent == 2, 10, "the first chunk")
+    d.abort(r, "decode said no")
+    assert sched.request(r.pid).reason == "decode said no"
+
+
+def test_a_staged_request_succeeds_once_its_copy_ended_and_leaves_no_record(pair, monkeypatch):
+    import threading
+
+    pr = pair(host_pool=False, device_path="staged", staging_mb=1)
+    d = pr.dec[0]
+    sched = d.receivers["device"].scheduler
+    gate = threading.Event()
+    real = d._swap.copy_plan
+
+    def gated(*a, **kw):
+        gate.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(d._swap, "copy_plan", gated)
+    r = pr.start(24, [3, 1], dest="device")
+    outs = pr.send(24, [9, 2])
+    wait_until(lambda: outs[0].state == "success", 10, "prefill's outcome")
+    threading.Timer(0.3, gate.set).start()
+    wait_until(lambda: d.status(r[0]) != "transferring" or r[0].bound, 10, "the copy bound")
+    assert d.status(r[0]) == "transferring"  # received, not yet copied
+    wait_until(lambda: d.status(r[0]) == "success", 10, "the copy")
+    _check(pr, [9, 2], [3, 1], "device")
+    assert sched.request(r[0].pid).state is sides.State.FINISHED  # SGLang reads its pages: pdkv is done
+
+
+def test_a_staged_copy_that_cannot_start_fails_the_request_by_name(pair, monkeypatch):
+    pr = pair(host_pool=False, device_path="staged", staging_mb=1)
+    d = pr.dec[0]
+    sched = d.receivers["device"].scheduler
+
+    def refuse(pid, pages):
+        raise PdkvError("no device pages")
+
+    monkeypatch.setattr(sched, "bind", refuse)
+    r = pr.start(25, [3, 1], dest="device")[0]
+    pr.send(25, [9, 2])
+    wait_until(lambda: d.status(r) == "failed", 10, "the failure")
+    assert r.error == "its copy into the device pages could not start: no device pages"
+
+
+def test_close_ends_the_pull_client_the_aux_endpoint_and_the_receivers(pair):
+    pr = pair()
+    d = pr.dec[0]
+    d.close()
+    assert not d.pull._thread.is_alive() and d.aux_server._sock.closed
+
+
+def test_a_staging_buffer_still_exported_at_close_is_named_and_unlinked(pair, monkeypatch, caplog):
+    import logging
+
+    pr = pair(host_pool=False, device_path="staged", staging_mb=1)
+    d = pr.dec[0]
+    name = d.staging.name
+
+    def busy():
+        raise PdkvError("a view is still exported")
+
+    monkeypatch.setattr(d.staging, "close", busy)
+    with caplog.at_level(logging.WARNING, logger="pdkv.integrations.sglang.sides"):
+        d.close()
+    assert caplog.messages == [f"pdkv decode: staging buffer {name}: a view is still exported"]
+    assert not os.path.exists(f"/dev/shm/{name.lstrip('/')}")

@@ -83,30 +83,26 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         raw = os.environ.get("PDKV_SECRET", "")
-        path = os.environ.get("PDKV_SECRET_FILE", "")
+        path = os.environ.get("PDKV_SECRET_FILE")
         if path:
             with open(path, "rb") as f:
                 raw = f.read().strip().decode()
-        try:
-            secret = bytes.fromhex(raw)
-        except ValueError:
-            secret = b""
-        if len(secret) < 16:
-            raise PdkvError(
-                "pdkv's SGLang backend needs the pair's secret: PDKV_SECRET (or PDKV_SECRET_FILE), hex, >= 16 bytes"
-            )
-        key = os.environ.get("PDKV_SGLANG_INSTANCE_KEY", "")
+        secret = _hex_key(
+            raw,
+            "pdkv's SGLang backend needs the pair's secret: PDKV_SECRET (or PDKV_SECRET_FILE), hex, >= 16 bytes",
+        )
+        key = os.environ.get("PDKV_SGLANG_INSTANCE_KEY")
         served = tuple(t.strip() for t in os.environ.get("PDKV_SGLANG_TRANSPORTS", "tcp").split(",") if t.strip())
         transport = os.environ.get("PDKV_SGLANG_TRANSPORT", "tcp").strip()
         return cls(
             secret=secret,
             host=os.environ.get("PDKV_SGLANG_HOST", "127.0.0.1"),
-            instance_key=bytes.fromhex(key) if key else None,
-            timeout_s=float(os.environ.get("PDKV_SGLANG_TIMEOUT_S", "30")),
-            lease_s=float(os.environ.get("PDKV_SGLANG_LEASE_S", "30")),
+            instance_key=_hex_key(key, "PDKV_SGLANG_INSTANCE_KEY must be hex, >= 16 bytes") if key else None,
+            timeout_s=_number("PDKV_SGLANG_TIMEOUT_S", "30"),
+            lease_s=_number("PDKV_SGLANG_LEASE_S", "30"),
             transports=served,
             transport=transport,
-            staging_mb=float(os.environ.get("PDKV_SGLANG_STAGING_MB", "1024")),
+            staging_mb=_number("PDKV_SGLANG_STAGING_MB", "1024"),
         )
 
     def __post_init__(self) -> None:
@@ -124,6 +120,26 @@ class Settings:
             raise PdkvError(
                 f"PDKV_SGLANG_TRANSPORT={self.transport!r}: prefill sends by {', '.join(ENGINE_TRANSPORTS)} or auto"
             )
+
+
+def _hex_key(raw: str, why: str) -> bytes:
+    """``raw`` as bytes: hex of at least 16 bytes, else PdkvError(``why``)."""
+    try:
+        key = bytes.fromhex(raw)
+    except ValueError:
+        raise PdkvError(why) from None
+    if len(key) < 16:
+        raise PdkvError(why)
+    return key
+
+
+def _number(name: str, default: str) -> float:
+    """The environment's ``name`` as a number (seconds, or MiB), naming it when it is not one."""
+    raw = os.environ.get(name, default)
+    try:
+        return float(raw)
+    except ValueError:
+        raise PdkvError(f"{name}={raw!r} is not a number") from None
 
 
 def pid_of(room: int, decode_rank: int, decode_tp: int) -> str:
@@ -160,7 +176,6 @@ class RoomIn:
     room: int
     pid: str
     desks: list[str]  # the pull endpoints of every prefill rank
-    aux_from: str  # the one of them that sends the aux data
     bootstrap: str = ""  # the prefill instance's bootstrap address
     dest: str = ""
     pages: tuple[int, ...] = ()  # the destination pages SGLang chose (a staged device destination's copy target)
@@ -290,11 +305,10 @@ class DecodeRank:
         """``KVReceiver.init``: the prefill ranks this rank needs. PdkvError if the
         bootstrap cannot tell or the layouts cannot be paired."""
         ranks = self.prefill_ranks(bootstrap)
-        src = layout_of(ranks[0])
-        srcs = sources_of(src, self.layout)
+        sources_of(layout_of(ranks[0]), self.layout)  # the layouts pair (or raise)
         pid = pid_of(room, self.layout.tp_rank, self.layout.tp_size)
         # every prefill rank is asked: decode completes a grant when all ranks confirmed
-        r = RoomIn(room, pid, [ranks[s]["desk"] for s in sorted(ranks)], ranks[srcs[0]]["desk"], bootstrap)
+        r = RoomIn(room, pid, [ranks[s]["desk"] for s in sorted(ranks)], bootstrap)
         with self._lock:
             old = self._rooms.get(pid)
             if old is not None and old.state not in ("success", "failed"):
@@ -308,7 +322,7 @@ class DecodeRank:
         (``decode_prefix_len``); ``pages`` are then the rest's, and prefill sends only those."""
         if dest not in self.pages:
             raise RequestError(
-                f"destination {dest!r} is not served by this decode rank (served: {', '.join(self.pages) or 'none'})"
+                f"destination {dest!r} is not served by this decode rank (served: {', '.join(self.pages)})"
             )
         tpb = self.layout.tokens_per_block
         if prefix < 0 or prefix % tpb:
@@ -354,7 +368,7 @@ class DecodeRank:
                 with_suppress(sched.finish, r.pid)
             else:  # SGLang reads its own pages where the KV landed
                 with_suppress(sched.release, r.pid)
-            return "success"
+            return r.state
         if not why and time.monotonic() > r.deadline:
             why = f"no KV within {self.settings.timeout_s + self.settings.lease_s:g} s"
         if why:
