@@ -122,9 +122,11 @@ def test_a_prefill_manager_registers_at_its_host_and_bootstrap_port(halves):
     assert halves["prefill"].made == (("pools", SETTINGS, "10.0.0.5:9200"), {"aux": ([4096, 8192], [16, 8])})
 
 
-@pytest.mark.parametrize("host", [None, ""])
+@pytest.mark.parametrize("host", [None, "", "absent"])
 def test_a_prefill_without_a_host_registers_on_loopback_and_port_8998(halves, host):
     s = _server(host=host)
+    if host == "absent":
+        del s.host
     _manager("prefill", server=s)
     assert halves["prefill"].made[0][2] == "127.0.0.1:8998"
 
@@ -136,11 +138,27 @@ def test_a_manager_without_aux_buffers_passes_none(halves):
 
 @pytest.mark.parametrize(
     "tp, dp, rank, want",
-    [(4, 1, 0, 4), (4, 2, 1, 2), (None, None, 0, 1), (1, 1, 2, 3), (8, 4, 0, 2)],
+    [
+        (4, 1, 0, 4),
+        (4, 2, 1, 2),
+        (None, None, 0, 1),
+        (1, 1, 2, 3),
+        (8, 4, 0, 2),
+        (4, None, 0, 4),
+        (4, 0, 0, 4),
+        ("absent", "absent", 0, 1),
+        (2, "absent", 0, 2),
+        (4, "absent", 0, 4),
+        ("absent", 1, 0, 1),
+    ],
 )
 def test_the_tp_size_is_sglangs_attention_tp(halves, tp, dp, rank, want):
-    m = _manager(args=_args(engine_rank=rank), server=_server(tp_size=tp, dp_size=dp))
-    assert m.tp_size == want and halves["pools"][1]["tp_size"] == want
+    s = _server(tp_size=tp, dp_size=dp)
+    for name, v in (("tp_size", tp), ("dp_size", dp)):
+        if v == "absent":
+            delattr(s, name)
+    m = _manager(args=_args(engine_rank=rank), server=s)
+    assert m.tp_size == want and type(m.tp_size) is int and halves["pools"][1]["tp_size"] == want
 
 
 @pytest.mark.parametrize("device, gpu_id, want", [("cpu", 3, None), ("cuda", 3, 3), ("cuda", None, 0), ("cuda", 0, 0)])
@@ -154,12 +172,26 @@ def test_a_server_without_a_device_is_a_gpu_server(halves):
     del s.device
     _manager(server=s)
     assert halves["pools"][1]["device"] == 3
+    a = _args()
+    del a.gpu_id
+    _manager(args=a, server=s)
+    assert halves["pools"][1]["device"] == 0
 
 
-def test_settings_come_from_the_environment_without_server_args_own(halves, monkeypatch):
+def test_the_manager_reads_sglangs_kvargs_and_defaults_to_mha(halves):
+    a = _args()
+    m = conn.PdkvKVManager(a, "decode", _server())
+    assert m.is_mla_backend is False and halves["pools"][0] is a and halves["pools"][1]["mla"] is False
+
+
+@pytest.mark.parametrize("absent", [False, True], ids=["none", "absent"])
+def test_settings_come_from_the_environment_without_server_args_own(halves, monkeypatch, absent):
     monkeypatch.setenv("PDKV_SECRET", "ab" * 16)
     monkeypatch.delenv("PDKV_SECRET_FILE", raising=False)
-    m = _manager(server=_server(pdkv_settings=None))
+    s = _server(pdkv_settings=None)
+    if absent:
+        del s.pdkv_settings
+    m = _manager(server=s)
     assert m.settings.secret == b"\xab" * 16 and halves["decode"].made[0][1] is m.settings
 
 
@@ -186,6 +218,15 @@ def test_deferred_release_off_in_sglang_is_named_at_start(halves, monkeypatch, c
     monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "true")
     caplog.clear()
     assert _manager().enable_deferred_decode_kv_release is True and caplog.messages == []
+
+
+def test_an_sglang_without_the_deferred_release_switch_defers(halves, monkeypatch, caplog):
+    from sglang.srt import environ
+
+    monkeypatch.setattr(environ, "envs", types.SimpleNamespace())
+    with caplog.at_level(logging.WARNING, logger="pdkv.integrations.sglang.conn"):
+        assert _manager().enable_deferred_decode_kv_release is True
+    assert caplog.messages == []
 
 
 # ---------------------------------------------------------------------- the model's facts
@@ -232,6 +273,9 @@ def test_kvargs_without_the_heads_field_ask_the_model_config(config):
     a = _args()
     del a.total_kv_head_num
     assert conn._model_facts(a, _server(), False) == ModelFacts(8, "torch.bfloat16")
+    a = _args()
+    del a.kv_cache_dtype_str
+    assert conn._model_facts(a, _server(), False) is None
 
 
 def test_a_model_config_that_cannot_say_fails_the_manager_by_name(monkeypatch):
@@ -250,8 +294,9 @@ def test_a_model_config_that_cannot_say_fails_the_manager_by_name(monkeypatch):
 
 
 def test_the_manager_hands_the_models_facts_to_the_pools(halves, config):
-    _manager(args=_args(kv_cache_dtype_str="auto"))
-    assert halves["pools"][1]["model"] == ModelFacts(8, "torch.bfloat16")
+    s = _server()
+    _manager(args=_args(kv_cache_dtype_str="auto"), server=s)
+    assert halves["pools"][1]["model"] == ModelFacts(8, "torch.bfloat16") and config.asked == [s]
 
 
 # ---------------------------------------------------------------------- decode's manager calls
@@ -346,6 +391,8 @@ def test_a_sender_opens_its_room_and_passes_sglangs_calls_on(prefill):
     ]:
         side.answers["status"] = state
         assert s.poll() == int(want) and type(s.poll()) is int
+        assert side.calls[-1] == ("status", out)
+    assert ("prefix", out) in side.calls
     s.abort()
     s.clear()
     assert side.calls[-2:] == [("abort", out), ("forget", out)]
@@ -396,7 +443,7 @@ def test_a_failed_sender_names_the_reason_or_says_failed(prefill):
 
 
 def test_a_sender_needs_a_prefill_manager(halves):
-    with pytest.raises(AssertionError, match="a sender needs a prefill manager"):
+    with pytest.raises(AssertionError, match="^a sender needs a prefill manager$"):
         conn.PdkvKVSender(_manager("decode"), "p:1", 5)
 
 
@@ -437,6 +484,7 @@ def test_a_receiver_starts_publishes_and_polls_in_sglangs_order(decode):
     ]:
         side.answers["status"] = state
         assert r.poll() == int(want) and r.conclude_state == concluded
+        assert side.calls[-1] == ("status", room)
     side.answers["release_safe"] = True
     assert r.is_abort_release_safe() is True
     r.clear()
@@ -526,8 +574,15 @@ def test_a_receiver_offers_the_host_destination_only_where_decode_has_a_host_poo
     assert r.supports_host_destination is True
 
 
+def test_a_receiver_never_started_fails_as_failed(decode):
+    m, _ = decode
+    r = conn.PdkvKVReceiver(m, "p:1", 9)
+    with pytest.raises(PdkvError, match="^pdkv: room 9: failed$"):
+        r.failure_exception()
+
+
 def test_a_receiver_needs_a_decode_manager(halves):
-    with pytest.raises(AssertionError, match="a receiver needs a decode manager"):
+    with pytest.raises(AssertionError, match="^a receiver needs a decode manager$"):
         conn.PdkvKVReceiver(_manager("prefill"), "p:1", 5)
 
 
