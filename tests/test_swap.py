@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -392,6 +394,25 @@ class FakeStreamCuda:
     def memcpy_async(self, dst, src, n, stream):
         self._submit()
         self.queue.append((dst, src, n))
+
+
+def test_a_host_copy_wait_sleeps_on_its_future_and_is_bounded():
+    from concurrent.futures import Future
+
+    from pdkv.errors import PdkvTimeoutError
+    from pdkv.swap.handles import _FutureHandle
+
+    fut: Future[None] = Future()
+    h = _FutureHandle(16, 1, fut, [threading.Event()])
+    with pytest.raises(PdkvTimeoutError, match=r"^copy not finished within 0\.05 s$"):
+        h.wait(0.05)
+    threading.Timer(0.05, fut.set_result, (None,)).start()
+    h.wait(10)
+    assert h.done() and h.error is None
+    bad: Future[None] = Future()
+    bad.set_exception(OSError("EFAULT"))
+    with pytest.raises(SwapError, match="^copy failed: EFAULT$"):
+        _FutureHandle(16, 1, bad, [threading.Event()]).wait(1)
 
 
 @pytest.mark.parametrize("strategy", ["batch", "memcpy"])

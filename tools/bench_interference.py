@@ -389,8 +389,25 @@ def main() -> int:
     ap.add_argument("--pace-mib", type=int, default=16, help="a paced call's MiB (default 16)")
     ap.add_argument("--only", default="", help="comma-separated words: run only strategies whose name has one")
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument(
+        "--batch-cap",
+        type=int,
+        default=0,
+        help="pieces a driver batch call at most, first call included (default: the engine's 64 then doubling to 1024)",
+    )
+    ap.add_argument(
+        "--switch-interval", type=float, default=0.0, help="this process's sys.setswitchinterval (s; default 0.005)"
+    )
     ap.add_argument("--json", default="", help="write the rows here too")
     a = ap.parse_args()
+    if a.batch_cap:  # the in-process swap's driver calls, smaller (the own-process rows keep the default)
+        import pdkv.swap.engine as engine
+
+        engine._BATCH_FIRST = engine._BATCH_MAX = a.batch_cap
+    if a.switch_interval:
+        import sys
+
+        sys.setswitchinterval(a.switch_interval)
     torch = torch_with_cuda("bench_interference")
     if torch is None:
         return 2
@@ -458,7 +475,9 @@ def main() -> int:
         f"{'eager' if a.no_graph else 'CUDA graph'}; swap: {a.blocks} blocks of {a.cache_layers} x {a.kib} KiB "
         f"({a.cache_order}-outermost caches) a call in {pieces} "
         f"pieces ({'ids of ' + a.ids if a.ids else 'random ids'}), "
-        f"ceiling (one pinned copy) {ceiling:.1f} GB/s; {a.steps} steps a window; timed: {a.sync}",
+        f"ceiling (one pinned copy) {ceiling:.1f} GB/s; {a.steps} steps a window; timed: {a.sync}"
+        + (f"; in-process batch calls of {a.batch_cap} pieces" if a.batch_cap else "")
+        + (f"; switch interval {a.switch_interval:g} s" if a.switch_interval else ""),
         flush=True,
     )
     print(

@@ -5,6 +5,7 @@ run by a host thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import weakref
@@ -164,3 +165,11 @@ class _FutureHandle(CopyHandle):
 
     def layer_done(self, layer: int) -> bool:
         return self._flags[layer].is_set() or self.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Sleeps on the future (no polling) at most ``timeout`` s."""
+        concurrent.futures.wait([self._fut], timeout)
+        if not self.done():
+            raise PdkvTimeoutError(f"copy not finished within {timeout} s")
+        if self._error is not None:
+            raise SwapError(f"copy failed: {self._error}") from self._error
