@@ -354,22 +354,22 @@ class PrefillRank:
         except Exception:  # the session is gone, or the request already ended there
             pass
 
+    def _decode_of(self, pid: str) -> KVLayout:
+        """The layout of the decode rank ``pid`` names (a pid this rank accepted a pull for)."""
+        m = PID_PATTERN.fullmatch(pid)
+        assert m is not None
+        return self._decode_layout(int(m.group(2)), int(m.group(3)))
+
     def _block_bytes_to(self, pid: str) -> int:
         """The bytes of one block this rank writes to the decode rank of ``pid``: its share
         of that rank's heads (none where another rank writes a replicated head or MLA's latent)."""
-        m = PID_PATTERN.fullmatch(pid)
-        assert m is not None
-        d, dtp = int(m.group(2)), int(m.group(3))
-        me = self.layout.tp_rank
-        segs = tp_segments(self.layout, self._decode_layout(d, dtp))
-        return self.layout.total_layers * sum(s.nbytes for s in segs if s.src_rank == me and s.dst_rank == d)
+        dst, me = self._decode_of(pid), self.layout.tp_rank
+        segs = tp_segments(self.layout, dst)
+        return self.layout.total_layers * sum(s.nbytes for s in segs if s.src_rank == me and s.dst_rank == dst.tp_rank)
 
     def _is_aux_source(self, pid: str) -> bool:
         """A decode rank takes its aux data from the lowest prefill rank that writes it."""
-        m = PID_PATTERN.fullmatch(pid)
-        assert m is not None
-        d, dtp = int(m.group(2)), int(m.group(3))
-        return sources_of(self.layout, self._decode_layout(d, dtp))[0] == self.layout.tp_rank
+        return sources_of(self.layout, self._decode_of(pid))[0] == self.layout.tp_rank
 
     def status(self, out: RoomOut) -> str:
         limit, now = self.settings.timeout_s + self.settings.lease_s, time.monotonic()
